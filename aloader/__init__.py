@@ -1,0 +1,62 @@
+"""aloader: an asyncio-native streaming data loader with torch.utils.data's semantics.
+
+Quick start::
+
+    loader = aloader.DataLoader(dataset, batch_size=32, shuffle=True, generator=0)
+    async for batch in loader:  # one epoch
+        ...
+"""
+
+from ._collate import collate, default_collate, default_collate_fn_map, default_convert
+from ._dataset import (
+    ArrayDataset,
+    ChainDataset,
+    ConcatDataset,
+    Dataset,
+    IterableDataset,
+    StackDataset,
+    Subset,
+    TensorDataset,
+    random_split,
+)
+from ._distributed import DistributedSampler
+from ._exceptions import AloaderError, LoaderTimeoutError
+from ._sampler import (
+    BatchSampler,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
+
+__version__ = "0.1.0.dev0"
+
+__all__ = (
+    # datasets
+    "ArrayDataset",
+    "ChainDataset",
+    "ConcatDataset",
+    "Dataset",
+    "IterableDataset",
+    "StackDataset",
+    "Subset",
+    "TensorDataset",
+    "random_split",
+    # samplers
+    "BatchSampler",
+    "DistributedSampler",
+    "RandomSampler",
+    "Sampler",
+    "SequentialSampler",
+    "SubsetRandomSampler",
+    "WeightedRandomSampler",
+    # collate
+    "collate",
+    "default_collate",
+    "default_collate_fn_map",
+    "default_convert",
+    # errors
+    "AloaderError",
+    "LoaderTimeoutError",
+)
