@@ -7,6 +7,7 @@ Quick start::
         ...
 """
 
+from ._batcher import Batcher, BatcherClosedError, QueueFullError, batch
 from ._collate import collate, default_collate, default_collate_fn_map, default_convert
 from ._dataset import (
     ArrayDataset,
@@ -56,7 +57,12 @@ __all__ = (
     "default_collate",
     "default_collate_fn_map",
     "default_convert",
+    # inference batching
+    "Batcher",
+    "batch",
     # errors
     "AloaderError",
+    "BatcherClosedError",
     "LoaderTimeoutError",
+    "QueueFullError",
 )
