@@ -22,6 +22,7 @@ from ._dataset import (
 )
 from ._distributed import DistributedSampler
 from ._exceptions import AloaderError, LoaderTimeoutError
+from ._loader import DataLoader
 from ._sampler import (
     BatchSampler,
     RandomSampler,
@@ -34,6 +35,8 @@ from ._sampler import (
 __version__ = "0.1.0.dev0"
 
 __all__ = (
+    # loading
+    "DataLoader",
     # datasets
     "ArrayDataset",
     "ChainDataset",

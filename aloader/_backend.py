@@ -1,0 +1,77 @@
+"""The little that differs between asyncio and trio: which one runs, and background tasks.
+
+A loader iterator must keep fetching while the consumer's ``async for`` body runs, yet a plain
+``async for`` gives it no task group to live in. So the pipeline runs as a detached background
+task (an asyncio task, or a trio system task) that owns its own task group, and the iterator
+cancels it explicitly on close, cancellation or garbage collection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+__all__ = ("current_backend", "spawn_background")
+
+# asyncio only keeps weak references to tasks: hold them until they finish.
+_ASYNCIO_TASKS: set[asyncio.Task[Any]] = set()
+
+
+def current_backend() -> str | None:
+    """Name of the async library running in this thread ("asyncio" or "trio"), or None."""
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_task()
+        except RuntimeError:
+            pass
+        else:
+            return "trio"
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+    return "asyncio"
+
+
+def spawn_background(fn: Callable[[], Awaitable[None]]) -> Callable[[Callable[[], None]], None]:
+    """Start ``fn()`` as a detached task of the running event loop.
+
+    ``fn`` must handle its own exceptions. Returns a function that schedules a plain callback on
+    that loop from any thread (used to cancel the task from ``__del__``); it does nothing once
+    the loop has closed.
+    """
+    backend = current_backend()
+    if backend == "trio":
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+        trio.lowlevel.spawn_system_task(fn)
+
+        def call_soon_trio(callback: Callable[[], None]) -> None:
+            try:
+                token.run_sync_soon(callback)
+            except trio.RunFinishedError:
+                pass
+
+        return call_soon_trio
+    if backend == "asyncio":
+        loop = asyncio.get_running_loop()
+
+        async def main() -> None:
+            await fn()
+
+        task = loop.create_task(main())
+        _ASYNCIO_TASKS.add(task)
+        task.add_done_callback(_ASYNCIO_TASKS.discard)
+
+        def call_soon_asyncio(callback: Callable[[], None]) -> None:
+            try:
+                loop.call_soon_threadsafe(callback)
+            except RuntimeError:  # the loop has closed: nothing is left to cancel
+                pass
+
+        return call_soon_asyncio
+    raise RuntimeError("aloader needs a running asyncio or trio event loop")

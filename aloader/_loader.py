@@ -1,0 +1,498 @@
+"""The DataLoader: torch's signature and checks, driven by ``async for`` (and plain ``for``)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from typing import Any, Generic, TypeVar
+
+import anyio
+import numpy as np
+
+from ._backend import current_backend
+from ._collate import default_collate, default_convert
+from ._dataset import IterableDataset, fetch_mode
+from ._exceptions import LoaderTimeoutError
+from ._pipeline import Epoch, FetchPlan, Results, window_for
+from ._random import as_generator, draw_seed
+from ._sampler import BatchSampler, RandomSampler, SequentialSampler, epoch_batches, epoch_indices
+
+__all__ = ("DataLoader",)
+
+T_co = TypeVar("T_co", covariant=True)
+
+DEFAULT_MAX_CONCURRENCY = 64
+DEFAULT_PREFETCH_FACTOR = 2
+
+_FROZEN = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
+
+
+def _is_iterable_dataset(dataset: object) -> bool:
+    if isinstance(dataset, IterableDataset):
+        return True
+    # Duck typing: something iterable without item access is a stream, not a map.
+    has_iter = hasattr(dataset, "__iter__") or hasattr(dataset, "__aiter__")
+    return has_iter and not hasattr(dataset, "__getitem__")
+
+
+class DataLoader(Generic[T_co]):
+    """Combines a dataset and a sampler, and iterates over batches of the dataset.
+
+    Each ``async for batch in loader`` is one epoch. Fetches run concurrently without blocking
+    the event loop: async datasets (``async def __getitem__`` / ``__getitems__`` / ``__aiter__``)
+    run up to ``max_concurrency`` item fetches at once on the loop; synchronous datasets run in a
+    worker thread, a whole batch per call by default or up to ``max_concurrency`` items at once
+    when it is given. At most ``prefetch_factor`` collated batches wait for the consumer.
+    ``for batch in loader`` gives the same epochs to synchronous code.
+
+    The arguments, defaults, checks and error messages are those of
+    ``torch.utils.data.DataLoader``, with two differences: ``generator`` also takes an int seed
+    or a :class:`numpy.random.Generator`, and ``prefetch_factor`` is accepted without worker
+    processes, where it bounds the batches prefetched by the event loop.
+
+    Args:
+        dataset: a map-style dataset (``__getitem__``, ``__len__``) or an iterable dataset
+            (``__iter__`` or ``__aiter__``); methods may be plain or ``async def``.
+        batch_size: samples per batch; None turns automatic batching off.
+        shuffle: reshuffle the data at every epoch.
+        sampler: an iterable (or async iterable) of indices; excludes ``shuffle``.
+        batch_sampler: an iterable (or async iterable) of index lists; excludes ``batch_size``,
+            ``shuffle``, ``sampler`` and ``drop_last``.
+        num_workers: worker processes (0 loads in the calling process).
+        collate_fn: merges a list of samples into a batch; plain or async. Defaults to
+            :func:`default_collate` when batching, :func:`default_convert` otherwise.
+        pin_memory: copy tensors into pinned memory (needs torch).
+        drop_last: drop the last incomplete batch.
+        timeout: seconds to wait for one batch before raising (0 waits forever).
+        worker_init_fn: called with the worker id in each worker process.
+        multiprocessing_context: start method or context for worker processes.
+        generator: None, an int seed or a numpy Generator; it seeds the random sampler and each
+            epoch's ``base_seed``. The same seed gives the same sequence of epochs.
+        prefetch_factor: collated batches allowed to wait for the consumer (default 2).
+        persistent_workers: keep worker processes alive between epochs.
+        pin_memory_device: deprecated in torch; kept for signature compatibility.
+        in_order: deliver batches in sampler order (True) or as soon as they are ready.
+        max_concurrency: fetch calls in flight. Async datasets default to 64; synchronous
+            datasets default to one batch call at a time in a worker thread, and with a value
+            fetch that many items at once in threads (for blocking I/O).
+    """
+
+    dataset: Any
+    batch_size: int | None
+    drop_last: bool
+    sampler: Any
+    batch_sampler: Any
+    persistent_workers: bool
+    __initialized = False
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Iterable[Any] | Any | None = None,
+        batch_sampler: Iterable[Any] | Any | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[Any], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: int | np.random.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        max_concurrency: int | None = None,
+    ) -> None:
+        if num_workers < 0:
+            raise ValueError(
+                "num_workers option should be non-negative; "
+                "use num_workers=0 to disable multiprocessing."
+            )
+        if timeout < 0:
+            raise ValueError("timeout option should be non-negative")
+        # Unlike torch, prefetch_factor means something without workers (the loop prefetches).
+        if prefetch_factor is None:
+            prefetch_factor = DEFAULT_PREFETCH_FACTOR
+        elif prefetch_factor < 0:
+            raise ValueError("prefetch_factor option should be non-negative")
+        if persistent_workers and num_workers == 0:
+            raise ValueError("persistent_workers option needs num_workers > 0")
+        if max_concurrency is not None and (
+            isinstance(max_concurrency, bool)
+            or not isinstance(max_concurrency, int)
+            or max_concurrency <= 0
+        ):
+            raise ValueError(
+                "max_concurrency should be a positive integer or None, "
+                f"but got max_concurrency={max_concurrency!r}"
+            )
+
+        self.dataset = dataset
+        self.num_workers = num_workers
+        self.prefetch_factor = prefetch_factor
+        self.pin_memory = pin_memory
+        self.pin_memory_device = pin_memory_device
+        self.timeout = timeout
+        self.worker_init_fn = worker_init_fn
+        self.in_order = in_order
+        self.max_concurrency = max_concurrency
+
+        self._iterable = _is_iterable_dataset(dataset)
+        if self._iterable:
+            if shuffle not in {False, None}:
+                raise ValueError(
+                    "DataLoader with IterableDataset: expected unspecified shuffle option, "
+                    f"but got shuffle={shuffle}"
+                )
+            if sampler is not None:
+                raise ValueError(
+                    "DataLoader with IterableDataset: expected unspecified sampler option, "
+                    f"but got sampler={sampler}"
+                )
+            if batch_sampler is not None:
+                raise ValueError(
+                    "DataLoader with IterableDataset: expected unspecified batch_sampler "
+                    f"option, but got batch_sampler={batch_sampler}"
+                )
+        else:
+            shuffle = bool(shuffle)
+
+        if sampler is not None and shuffle:
+            raise ValueError("sampler option is mutually exclusive with shuffle")
+
+        if batch_sampler is not None:
+            if batch_size != 1 or shuffle or sampler is not None or drop_last:
+                raise ValueError(
+                    "batch_sampler option is mutually exclusive "
+                    "with batch_size, shuffle, sampler, and "
+                    "drop_last"
+                )
+            batch_size = None
+            drop_last = False
+        elif batch_size is None and drop_last:
+            raise ValueError(
+                "batch_size=None option disables auto-batching "
+                "and is mutually exclusive with drop_last"
+            )
+
+        # One Generator for the loader: it seeds the random sampler and every base_seed.
+        self.generator = generator
+        self._rng = as_generator(generator)
+        if sampler is None and not self._iterable:
+            if shuffle:
+                sampler = RandomSampler(dataset, generator=self._rng)
+            else:
+                sampler = SequentialSampler(dataset)
+        if batch_size is not None and batch_sampler is None and not self._iterable:
+            batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.sampler = sampler
+        self.batch_sampler = batch_sampler
+
+        if collate_fn is None:
+            collate_fn = default_collate if self._auto_collation else default_convert
+        self.collate_fn = collate_fn
+        self.persistent_workers = persistent_workers
+        self.multiprocessing_context = multiprocessing_context
+
+        if pin_memory:
+            _require_torch("pin_memory=True")
+        if num_workers > 0:
+            raise NotImplementedError(
+                f"num_workers={num_workers}: worker processes are not available in this "
+                "version of aloader; use num_workers=0 (async datasets and threads already "
+                "fetch concurrently)"
+            )
+        self._iterable_len_called: int | None = None
+        self._iterators: weakref.WeakSet[_AsyncLoaderIter] = weakref.WeakSet()
+        self.__initialized = True
+
+    # torch's guards --------------------------------------------------------------------------
+    @property
+    def multiprocessing_context(self) -> Any:
+        """The start method or context of the worker processes (None: the default)."""
+        return self.__multiprocessing_context
+
+    @multiprocessing_context.setter
+    def multiprocessing_context(self, multiprocessing_context: Any) -> None:
+        if multiprocessing_context is not None and self.num_workers == 0:
+            raise ValueError(
+                "multiprocessing_context can only be used with "
+                "multi-process loading (num_workers > 0), but got "
+                f"num_workers={self.num_workers}"
+            )
+        self.__multiprocessing_context = multiprocessing_context
+
+    def __setattr__(self, attr: str, val: Any) -> None:
+        if self.__initialized and attr in _FROZEN:
+            raise ValueError(
+                f"{attr} attribute should not be set after {self.__class__.__name__} is "
+                "initialized"
+            )
+        super().__setattr__(attr, val)
+
+    @property
+    def _auto_collation(self) -> bool:
+        if self._iterable:
+            return self.batch_size is not None
+        return self.batch_sampler is not None
+
+    @property
+    def _index_sampler(self) -> Any:
+        return self.batch_sampler if self._auto_collation else self.sampler
+
+    def __len__(self) -> int:
+        """Batches in one epoch, by torch's rules (computed at each call)."""
+        if self._iterable:
+            length = len(self.dataset)
+            self._iterable_len_called = length
+            if self.batch_size is not None:
+                length = length // self.batch_size if self.drop_last else math.ceil(
+                    length / self.batch_size
+                )
+            return length
+        return len(self._index_sampler)
+
+    # Iteration -------------------------------------------------------------------------------
+    def __aiter__(self) -> _AsyncLoaderIter:
+        iterator = _AsyncLoaderIter(self)
+        self._iterators.add(iterator)
+        return iterator
+
+    def __iter__(self) -> Iterator[Any]:
+        if current_backend() is not None:
+            raise RuntimeError(
+                "DataLoader: `for batch in loader` was used inside a running event loop, where "
+                "it would block the loop; use `async for batch in loader` instead"
+            )
+        from ._facade import SyncLoaderIter
+
+        return SyncLoaderIter(self)
+
+    async def aclose(self) -> None:
+        """Stop every epoch in progress and wait until their fetches have ended."""
+        for iterator in list(self._iterators):
+            await iterator.aclose()
+
+    async def __aenter__(self) -> DataLoader[T_co]:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # The epoch's plan ------------------------------------------------------------------------
+    def _plan(self) -> FetchPlan:
+        dataset = self.dataset
+        auto = self._auto_collation
+        if self._iterable:
+            mode = "async" if _aiter_of(dataset) is not None else "thread"
+        else:
+            mode = fetch_mode(dataset)
+        if mode == "async":
+            concurrency = self.max_concurrency or DEFAULT_MAX_CONCURRENCY
+        else:
+            concurrency = self.max_concurrency or 1
+        getitems = getattr(dataset, "__getitems__", None)
+        item_level = (
+            not self._iterable
+            and mode != "inline"
+            and (not auto or not getitems)
+            and (mode == "async" or self.max_concurrency is not None)
+        )
+        if self._iterable:
+            window = 1
+        elif item_level:
+            window = window_for(concurrency, self.batch_size if auto else 1)
+        elif mode == "async":
+            window = window_for(concurrency, self.batch_size if auto else 1)
+            concurrency = window
+        else:
+            window = concurrency = 1 if self.max_concurrency is None else window_for(
+                self.max_concurrency, self.batch_size if auto else 1
+            )
+        return FetchPlan(
+            dataset=dataset,
+            mode=mode,
+            auto_batch=auto,
+            collate_fn=self.collate_fn,
+            granularity="item" if item_level else "job",
+            concurrency=concurrency,
+            window=window,
+            array_indices=bool(getattr(dataset, "_array_indices", False)),
+            transform=_pin_memory_transform(self),
+        )
+
+    def _keys(self) -> Iterator[Any] | AsyncIterator[Any]:
+        """This epoch's keys: index batches, or indices without auto-batching."""
+        sampler = self._index_sampler
+        if self._auto_collation:
+            batches = epoch_batches(sampler)
+            if batches is not None:
+                return batches
+        else:
+            indices = epoch_indices(sampler)
+            if indices is not None:
+                return iter(indices.tolist())
+        # Async samplers (and batch samplers over them) are walked with async iteration.
+        aiter_ = getattr(sampler, "__aiter__", None)
+        if aiter_ is not None:
+            return aiter_()  # type: ignore[no-any-return]
+        return iter(sampler)
+
+    def _source(self) -> Iterator[Any] | AsyncIterator[Any]:
+        aiter_ = _aiter_of(self.dataset)
+        if aiter_ is not None:
+            return aiter_()  # type: ignore[no-any-return]
+        return iter(self.dataset)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(dataset={self.dataset!r}, batch_size={self.batch_size}, "
+            f"num_workers={self.num_workers})"
+        )
+
+
+def _aiter_of(dataset: object) -> Callable[[], Any] | None:
+    """The dataset's ``__aiter__`` when it has a real one (not a stub that raises)."""
+    method = getattr(type(dataset), "__aiter__", None)
+    if method is None or getattr(method, "_aloader_stub", False):
+        return None
+    return getattr(dataset, "__aiter__", None)
+
+
+def _require_torch(what: str) -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise RuntimeError(
+            f"{what} needs torch, which is not installed; install it with "
+            "`pip install 'aloader[torch]'`, or leave pin_memory=False"
+        ) from None
+    return torch
+
+
+def _pin_memory_transform(loader: DataLoader[Any]) -> Callable[[Any], Any] | None:
+    if not loader.pin_memory:
+        return None
+    torch = _require_torch("pin_memory=True")
+    if loader.pin_memory_device:
+        warnings.warn(
+            "pin_memory_device is deprecated, the current accelerator will be used as the "
+            f"device,ignore pin_memory_device='{loader.pin_memory_device}'.",
+            stacklevel=4,
+        )
+    if not torch.accelerator.is_available():
+        warnings.warn(
+            "'pin_memory' argument is set as true but no accelerator is found, "
+            "then device pinned memory won't be used.",
+            stacklevel=4,
+        )
+        return None
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    return pin_memory  # type: ignore[no-any-return]
+
+
+class _AsyncLoaderIter:
+    """One epoch, consumed with ``async for``.
+
+    The background pipeline (:class:`aloader._pipeline.Epoch`) holds no reference to this
+    object, so dropping it (``break``, an exception in the loop body) lets ``__del__`` cancel
+    every fetch at once; ``aclose()`` does the same and waits until they have ended.
+    """
+
+    def __init__(self, loader: DataLoader[Any]) -> None:
+        self._loader = loader
+        # Explicit epoch state, so that a resume can restore it: the RNG state this epoch
+        # started from, the base seed it drew, and the batches yielded so far.
+        self.rng_state = loader._rng.bit_generator.state
+        self.base_seed = draw_seed(loader._rng)
+        self.num_yielded = 0
+        self._timeout = loader.timeout
+        self._len_called = loader._iterable_len_called
+        self._epoch: Epoch | None = None
+        self._closed = False
+
+    def __aiter__(self) -> _AsyncLoaderIter:
+        return self
+
+    def _start(self) -> Epoch:
+        loader = self._loader
+        plan = loader._plan()
+        results = Results(loader.prefetch_factor, loader.in_order)
+        if loader._iterable:
+            epoch = Epoch(
+                plan,
+                results,
+                source=loader._source(),
+                batch_size=loader.batch_size,
+                drop_last=loader.drop_last,
+            )
+        else:
+            epoch = Epoch(plan, results, keys=loader._keys())
+        epoch.start()
+        return epoch
+
+    async def __anext__(self) -> Any:
+        if self._closed:
+            raise StopAsyncIteration
+        epoch = self._epoch
+        if epoch is None:
+            epoch = self._epoch = self._start()
+        try:
+            if self._timeout > 0:
+                try:
+                    with anyio.fail_after(self._timeout):
+                        value, error = await epoch.next()
+                except TimeoutError:
+                    raise LoaderTimeoutError(
+                        f"DataLoader timed out after {self._timeout} seconds"
+                    ) from None
+            else:
+                value, error = await epoch.next()
+        except StopAsyncIteration:
+            self._closed = True
+            raise
+        except anyio.get_cancelled_exc_class():
+            # The consumer is gone: stop fetching for it.
+            self._shutdown()
+            raise
+        if error is not None:
+            raise error
+        self.num_yielded += 1
+        self._warn_length()
+        return value
+
+    def _warn_length(self) -> None:
+        length = self._len_called
+        if self._loader._iterable and length is not None and self.num_yielded > length:
+            warnings.warn(
+                f"Length of IterableDataset {self._loader.dataset} was reported to be {length}"
+                f"(when accessing len(dataloader)), but {self.num_yielded} samples have been "
+                "fetched. ",
+                stacklevel=3,
+            )
+
+    def _shutdown(self) -> None:
+        self._closed = True
+        if self._epoch is not None:
+            self._epoch.stop()
+
+    async def aclose(self) -> None:
+        """Stop this epoch and wait until every fetch has ended."""
+        self._shutdown()
+        if self._epoch is not None:
+            with anyio.CancelScope(shield=True):
+                await self._epoch.done.wait()
+
+    def __del__(self) -> None:
+        if not self._closed:
+            self._shutdown()

@@ -1,0 +1,605 @@
+"""One epoch of a DataLoader: the place that schedules fetches, orders results and collates.
+
+An epoch is a stream of *jobs*. A job is one batch (an index batch from the batch sampler, or
+one index when auto-batching is off, or up to ``batch_size`` items of an iterable dataset). The
+pipeline runs in a background task (see :mod:`aloader._backend`) and has three parts:
+
+* a producer that walks the sampler and admits jobs, at most ``window`` at a time;
+* a fixed pool of fetch workers that pull work (whole jobs, or single items of jobs when item
+  fetches overlap) and collate a job once its last item is in;
+* :class:`Results`, which hands finished batches to the consumer in sampler order (or in
+  completion order) and lets at most ``capacity`` collated batches wait for it.
+
+Memory is bounded whatever the consumer does: a job holds a window slot from admission until its
+batch is collated, and a batch is collated only once it has an output slot.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+
+from ._backend import spawn_background
+
+__all__ = ("Epoch", "FetchPlan", "Results")
+
+# Inline epochs give other tasks a turn at least this often (seconds).
+_YIELD_EVERY = 0.001
+
+FetchMode = Literal["async", "inline", "thread"]
+# How a job's data is fetched: one call per job, or one call per item with items overlapping.
+Granularity = Literal["job", "item"]
+
+
+class Results:
+    """Finished batches waiting for the consumer, in sampler order or in completion order.
+
+    A job must :meth:`reserve` an output slot before it collates and :meth:`publish` es. In
+    order, job ``k`` may publish only while ``k < taken + capacity``, so the head of the line
+    can always publish and no slot is ever held by a batch the consumer cannot take yet.
+    """
+
+    def __init__(self, capacity: int, in_order: bool) -> None:
+        self._capacity = max(1, capacity)
+        self._in_order = in_order
+        self._ready: dict[int, tuple[Any, BaseException | None]] = {}
+        self._fifo: deque[tuple[Any, BaseException | None]] = deque()
+        self.taken = 0
+        self._reserved = 0
+        self._total: int | None = None
+        self._closed: BaseException | None = None
+        self._changed = anyio.Event()
+        self.max_waiting = 0  # high-water mark of published, untaken batches
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    @property
+    def waiting(self) -> int:
+        """Collated batches waiting for the consumer."""
+        return len(self._ready) if self._in_order else len(self._fifo)
+
+    async def reserve(self, seq: int) -> None:
+        """Wait until job ``seq`` may collate and publish without exceeding the capacity."""
+        if self._in_order:
+            while seq >= self.taken + self._capacity:
+                await self._changed.wait()
+        else:
+            while self._reserved >= self._capacity:
+                await self._changed.wait()
+            self._reserved += 1
+
+    def publish(self, seq: int, value: Any, error: BaseException | None = None) -> None:
+        if self._in_order:
+            self._ready[seq] = (value, error)
+        else:
+            self._fifo.append((value, error))
+        self.max_waiting = max(self.max_waiting, self.waiting)
+        self._notify()
+
+    def finish(self, total: int) -> None:
+        """No job numbered ``total`` or above will be published."""
+        self._total = total
+        self._notify()
+
+    def close(self, error: BaseException) -> None:
+        """The pipeline stopped: the consumer gets ``error`` once the ready batches are taken."""
+        if self._closed is None:
+            self._closed = error
+        self._notify()
+
+    async def take(self) -> tuple[Any, BaseException | None]:
+        """The next batch (value, error); StopAsyncIteration at the end of the epoch."""
+        while True:
+            if self._in_order:
+                item = self._ready.pop(self.taken, None)
+            else:
+                item = self._fifo.popleft() if self._fifo else None
+                if item is not None:
+                    self._reserved -= 1
+            if item is not None:
+                self.taken += 1
+                self._notify()
+                return item
+            if self._total is not None and self.taken >= self._total:
+                raise StopAsyncIteration
+            if self._closed is not None:
+                raise self._closed
+            await self._changed.wait()
+
+
+class _WorkQueue:
+    """Work for the fetch workers: a deque, and the idle workers parked in arrival order.
+
+    Lighter than a memory object stream (the producer never waits on it: the window bounds
+    what it holds), and it wakes one idle worker per new piece of work rather than all of them,
+    which matters with hundreds of workers at tens of thousands of items per second.
+    """
+
+    __slots__ = ("_closed", "_idle", "_items")
+
+    def __init__(self) -> None:
+        self._items: deque[tuple[_Job, int, Any]] = deque()
+        self._idle: deque[anyio.Event] = deque()
+        self._closed = False
+
+    def put_many(self, items: Iterable[tuple[_Job, int, Any]]) -> None:
+        before = len(self._items)
+        self._items.extend(items)
+        for _ in range(min(len(self._items) - before, len(self._idle))):
+            self._idle.popleft().set()
+
+    def close(self) -> None:
+        self._closed = True
+        while self._idle:
+            self._idle.popleft().set()
+
+    async def get(self) -> tuple[_Job, int, Any] | None:
+        """The next piece of work, or None once the queue is closed and drained."""
+        while not self._items:
+            if self._closed:
+                return None
+            wakeup = anyio.Event()
+            self._idle.append(wakeup)
+            await wakeup.wait()
+        return self._items.popleft()
+
+
+@dataclass(eq=False)
+class _Job:
+    seq: int
+    key: Any
+    samples: list[Any] = field(default_factory=list)
+    remaining: int = 0
+    error: BaseException | None = None
+
+
+def _note(error: BaseException, text: str) -> BaseException:
+    error.add_note(text)
+    return error
+
+
+def _describe(key: Any) -> str:
+    if isinstance(key, np.ndarray):
+        key = key.tolist()
+    text = repr(key)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+async def _resolve(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+@dataclass(eq=False)
+class FetchPlan:
+    """How one epoch turns a key into a batch: the fetch and collate half of the pipeline.
+
+    Attributes:
+        dataset: the dataset.
+        mode: "async" (awaitable fetches on the loop), "inline" (fast synchronous fetches on the
+            loop) or "thread" (blocking fetches in worker threads).
+        auto_batch: whether keys are index batches (``__getitems__`` / per-item fetch then
+            ``collate_fn``) or single indices (``collate_fn(dataset[index])``).
+        collate_fn: turns fetched samples into a batch; plain or async.
+        granularity: "job" fetches a batch in one call; "item" overlaps single-item fetches.
+        concurrency: fetch calls in flight (items or jobs, by granularity).
+        window: jobs admitted and not yet collated.
+        array_indices: the dataset takes numpy index arrays as well as lists.
+        transform: applied to every finished batch (pin_memory), or None.
+    """
+
+    dataset: Any
+    mode: FetchMode
+    auto_batch: bool
+    collate_fn: Callable[[Any], Any]
+    granularity: Granularity
+    concurrency: int
+    window: int
+    array_indices: bool = False
+    transform: Callable[[Any], Any] | None = None
+
+    def __post_init__(self) -> None:
+        getitems = getattr(self.dataset, "__getitems__", None)
+        self._getitems: Callable[[Any], Any] | None = getitems if getitems else None
+        self._async_collate = inspect.iscoroutinefunction(self.collate_fn)
+
+    def indices(self, key: Any) -> Any:
+        """The index batch as the dataset receives it."""
+        if isinstance(key, np.ndarray) and not self.array_indices:
+            return key.tolist()
+        return key
+
+    def items_of(self, key: Any) -> list[Any]:
+        """The single indices of a job fetched item by item."""
+        if not self.auto_batch:
+            return [key]
+        return key.tolist() if isinstance(key, np.ndarray) else list(key)
+
+    # Synchronous halves, run inline on the loop or in a worker thread.
+    def fetch_sync(self, key: Any) -> Any:
+        if not self.auto_batch:
+            return self.dataset[key]
+        if self._getitems is not None:
+            return self._getitems(self.indices(key))
+        return [self.dataset[i] for i in self.indices(key)]
+
+    def collate_sync(self, samples: Any) -> Any:
+        batch = self.collate_fn(samples)
+        return batch if self.transform is None else self.transform(batch)
+
+    def load_sync(self, key: Any) -> Any:
+        return self.collate_sync(self.fetch_sync(key))
+
+    def pull_sync(self, source: Iterator[Any], size: int | None, drop_last: bool) -> Any:
+        samples, ended = _pull_sync(source, size)
+        if samples is _NOTHING or (size is not None and drop_last and len(samples) < size):
+            return _NOTHING, True
+        return self.collate_sync(samples), ended
+
+    @property
+    def collate_in_thread(self) -> bool:
+        """Whether jobs load in one thread call: fetch and a plain collate together."""
+        return self.mode == "thread" and not self._async_collate
+
+    # The loop side.
+    async def fetch(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
+        """The samples of one job, fetched in one call."""
+        if self.mode == "thread":
+            samples = await anyio.to_thread.run_sync(self.fetch_sync, key, limiter=limiter)
+        else:
+            samples = self.fetch_sync(key)
+        samples = await _resolve(samples)
+        if self.auto_batch and isinstance(samples, list):
+            for position, sample in enumerate(samples):
+                if inspect.isawaitable(sample):
+                    samples[position] = await sample
+        return samples
+
+    async def fetch_item(self, index: Any, limiter: anyio.CapacityLimiter) -> Any:
+        if self.mode == "thread":
+            value = await anyio.to_thread.run_sync(self.dataset.__getitem__, index,
+                                                   limiter=limiter)
+        else:
+            value = self.dataset[index]
+        return await _resolve(value)
+
+    async def load(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
+        """Fetch and collate one job in a single thread call (``collate_in_thread`` plans)."""
+        batch = await anyio.to_thread.run_sync(self.load_sync, key, limiter=limiter)
+        return await _resolve(batch)
+
+    async def collate(self, samples: Any, limiter: anyio.CapacityLimiter) -> Any:
+        if self.collate_in_thread:
+            return await anyio.to_thread.run_sync(self.collate_sync, samples, limiter=limiter)
+        batch = await _resolve(self.collate_fn(samples))
+        return batch if self.transform is None else self.transform(batch)
+
+
+class Epoch:
+    """The background half of one epoch over a map-style dataset or an iterable dataset.
+
+    ``keys`` yields the jobs' keys (index batches or indices) for map-style datasets; for
+    iterable datasets ``source`` yields samples and ``batch_size`` cuts them into jobs.
+    """
+
+    def __init__(
+        self,
+        plan: FetchPlan,
+        results: Results,
+        *,
+        keys: Iterator[Any] | AsyncIterator[Any] | None = None,
+        source: Iterator[Any] | AsyncIterator[Any] | Callable[[], Any] | None = None,
+        batch_size: int | None = None,
+        drop_last: bool = False,
+    ) -> None:
+        self.plan = plan
+        self.results = results
+        self._keys = keys
+        self._source = source
+        self._batch_size = batch_size
+        self._drop_last = drop_last
+        self._scope: anyio.CancelScope | None = None
+        self._stop_requested = False
+        self.done = anyio.Event()
+        self._call_soon: Callable[[Callable[[], None]], None] | None = None
+        # Counters for tests and metrics: fetch calls running now, and the most at once.
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    # Lifecycle -------------------------------------------------------------------------
+    @property
+    def inline(self) -> bool:
+        """Whether batches are made on the consumer's call, with no background task.
+
+        Fast in-memory datasets gain nothing from a pipeline on the same thread; skipping it
+        saves the task switches, which cost as much as the fetch itself.
+        """
+        return self.plan.mode == "inline" and self._keys is not None
+
+    def start(self) -> None:
+        if self.inline:
+            assert self._keys is not None
+            self._inline_keys = _Keys(self._keys)
+            self._last_yield = time.monotonic()
+            self.done.set()
+        else:
+            self._call_soon = spawn_background(self._main)
+
+    async def next(self) -> tuple[Any, BaseException | None]:
+        """The next batch (value, error); StopAsyncIteration at the end of the epoch."""
+        if not self.inline:
+            return await self.results.take()
+        try:
+            key = await self._inline_keys.__anext__()
+        except StopAsyncIteration:
+            raise
+        except Exception as exc:
+            return None, _note(exc, "raised by the sampler")
+        seq = self.results.taken
+        try:
+            batch = await self.plan.collate(self.plan.fetch_sync(key), _NO_LIMITER)
+        except Exception as exc:
+            return None, _note(exc, f"raised while loading batch {seq} (indices "
+                                    f"{_describe(key)})")
+        finally:
+            self.results.taken += 1
+        # Keep the loop responsive even if the consumer never awaits anything else.
+        now = time.monotonic()
+        if now - self._last_yield > _YIELD_EVERY:
+            self._last_yield = now
+            await anyio.lowlevel.checkpoint()
+        return batch, None
+
+    def stop(self) -> None:
+        """Cancel every fetch; safe from any thread and from ``__del__``."""
+        self._stop_requested = True
+        if self._call_soon is not None:
+            self._call_soon(self._cancel)
+
+    def _cancel(self) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def _main(self) -> None:
+        error: BaseException = RuntimeError("DataLoader iterator was closed")
+        try:
+            with anyio.CancelScope() as self._scope:
+                if self._stop_requested:
+                    self._scope.cancel()
+                if self._source is not None:
+                    await self._run_iterable()
+                else:
+                    await self._run_map()
+        except BaseException as exc:  # reported to the consumer, never lost in the background
+            error = exc
+        finally:
+            self.results.close(error)
+            self.done.set()
+
+    # Map-style datasets ------------------------------------------------------------------
+    async def _run_map(self) -> None:
+        plan = self.plan
+        window = anyio.Semaphore(plan.window)
+        limiter = anyio.CapacityLimiter(plan.concurrency)
+        queue = _WorkQueue()
+        workers = plan.concurrency if plan.granularity == "item" else plan.window
+        async with anyio.create_task_group() as tg:
+            for _ in range(workers):
+                tg.start_soon(self._worker, queue, limiter, window)
+            try:
+                await self._produce(queue, window)
+            finally:
+                queue.close()
+
+    async def _produce(self, queue: _WorkQueue, window: anyio.Semaphore) -> None:
+        assert self._keys is not None
+        keys = _Keys(self._keys)
+        seq = 0
+        while True:
+            await window.acquire()
+            try:
+                key = await keys.__anext__()
+            except StopAsyncIteration:
+                window.release()
+                break
+            except Exception as exc:
+                await self.results.reserve(seq)
+                self.results.publish(seq, None, _note(exc, "raised by the sampler"))
+                seq += 1
+                break
+            job = _Job(seq, key)
+            seq += 1
+            if self.plan.granularity == "job":
+                queue.put_many(((job, -1, key),))
+                continue
+            items = self.plan.items_of(key)
+            job.samples = [None] * len(items)
+            job.remaining = len(items)
+            if items:
+                queue.put_many((job, position, index) for position, index in enumerate(items))
+            else:
+                await self._complete(job, anyio.CapacityLimiter(1))
+                window.release()
+        self.results.finish(seq)
+
+    async def _worker(
+        self, queue: _WorkQueue, limiter: anyio.CapacityLimiter, window: anyio.Semaphore
+    ) -> None:
+        while (work := await queue.get()) is not None:
+            job, position, index = work
+            if position < 0:
+                await self._run_job(job, limiter)
+                window.release()
+                continue
+            if job.error is None:
+                self._enter()
+                try:
+                    job.samples[position] = await self.plan.fetch_item(index, limiter)
+                except Exception as exc:
+                    job.error = _note(exc, f"raised while fetching index {index!r} "
+                                           f"of batch {job.seq}")
+                finally:
+                    self._exit()
+            job.remaining -= 1
+            if job.remaining == 0:
+                await self._complete(job, limiter)
+                window.release()
+
+    async def _run_job(self, job: _Job, limiter: anyio.CapacityLimiter) -> None:
+        """Load a job fetched in one call, publishing its batch or its error."""
+        plan = self.plan
+        reserved = False
+        try:
+            if plan.collate_in_thread:
+                # One thread hop for fetch and collate, so take the output slot first.
+                await self.results.reserve(job.seq)
+                reserved = True
+                self._enter()
+                try:
+                    batch = await plan.load(job.key, limiter)
+                finally:
+                    self._exit()
+            else:
+                self._enter()
+                try:
+                    samples = await plan.fetch(job.key, limiter)
+                finally:
+                    self._exit()
+                await self.results.reserve(job.seq)
+                reserved = True
+                batch = await plan.collate(samples, limiter)
+        except Exception as exc:
+            if not reserved:
+                await self.results.reserve(job.seq)
+            self.results.publish(job.seq, None, _note(exc, f"raised while loading batch "
+                                                           f"{job.seq} (indices "
+                                                           f"{_describe(job.key)})"))
+        else:
+            self.results.publish(job.seq, batch)
+
+    async def _complete(self, job: _Job, limiter: anyio.CapacityLimiter) -> None:
+        """Collate a job whose items are all in (or publish its first error)."""
+        await self.results.reserve(job.seq)
+        if job.error is not None:
+            self.results.publish(job.seq, None, job.error)
+        else:
+            try:
+                batch = await self.plan.collate(job.samples, limiter)
+            except Exception as exc:
+                self.results.publish(job.seq, None, _note(exc, f"raised while collating batch "
+                                                                f"{job.seq}"))
+            else:
+                self.results.publish(job.seq, batch)
+        job.samples = []
+
+    def _enter(self) -> None:
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+
+    def _exit(self) -> None:
+        self.in_flight -= 1
+
+    # Iterable datasets ---------------------------------------------------------------------
+    async def _run_iterable(self) -> None:
+        plan = self.plan
+        limiter = anyio.CapacityLimiter(1)
+        source = self._source
+        size = self._batch_size
+        seq = 0
+        ended = False
+        while not ended:
+            await self.results.reserve(seq)
+            self._enter()
+            try:
+                if isinstance(source, AsyncIterator):
+                    samples, ended = await _pull(source, size)
+                    if samples is _NOTHING or (size is not None and self._drop_last
+                                               and len(samples) < size):
+                        break
+                    batch = await plan.collate(samples, limiter)
+                elif plan.mode == "thread":
+                    batch, ended = await anyio.to_thread.run_sync(
+                        plan.pull_sync, source, size, self._drop_last, limiter=limiter
+                    )
+                    batch = await _resolve(batch)
+                else:
+                    batch, ended = plan.pull_sync(source, size, self._drop_last)
+                    batch = await _resolve(batch)
+                if batch is _NOTHING:
+                    break
+            except Exception as exc:
+                self.results.publish(seq, None, _note(exc, f"raised while loading batch {seq} "
+                                                            "of the iterable dataset"))
+                seq += 1
+                break
+            finally:
+                self._exit()
+            self.results.publish(seq, batch)
+            seq += 1
+        self.results.finish(seq)
+
+
+_NOTHING: Any = object()
+
+
+def _pull_sync(source: Any, size: int | None) -> tuple[Any, bool]:
+    """Up to ``size`` samples (one sample when ``size`` is None) and whether the source ended."""
+    if size is None:
+        return next(source, _NOTHING), False
+    samples = []
+    for sample in source:
+        samples.append(sample)
+        if len(samples) == size:
+            return samples, False
+    return (samples if samples else _NOTHING), True
+
+
+async def _pull(source: AsyncIterator[Any], size: int | None) -> tuple[Any, bool]:
+    if size is None:
+        try:
+            return await source.__anext__(), False
+        except StopAsyncIteration:
+            return _NOTHING, True
+    samples: list[Any] = []
+    while len(samples) < size:
+        try:
+            samples.append(await source.__anext__())
+        except StopAsyncIteration:
+            return (samples if samples else _NOTHING), True
+    return samples, False
+
+
+_NO_LIMITER: Any = None  # inline plans never hop to a thread
+
+
+class _Keys:
+    """Sync or async iteration over the sampler's keys, one ``__anext__`` for both."""
+
+    __slots__ = ("_async", "_iterator")
+
+    def __init__(self, keys: Iterator[Any] | AsyncIterator[Any]) -> None:
+        self._iterator = keys
+        self._async = isinstance(keys, AsyncIterator)
+
+    async def __anext__(self) -> Any:
+        if self._async:
+            return await self._iterator.__anext__()  # type: ignore[union-attr]
+        try:
+            return next(self._iterator)  # type: ignore[arg-type]
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+
+def window_for(concurrency: int, batch_size: int | None) -> int:
+    """Jobs to admit so that ``concurrency`` item fetches can overlap."""
+    return max(1, math.ceil(concurrency / (batch_size or 1)))
