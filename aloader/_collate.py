@@ -1,14 +1,36 @@
 """Collate: turn a list of samples into one batch (numpy in, numpy out).
 
-SKELETON: the collate helper fills this module in. ``ColumnBatch`` is final.
+This is ``torch.utils.data._utils.collate`` for numpy: the same lookup order, the same
+container rebuilding and the same error messages, but leaves become numpy arrays instead of
+tensors. torch is never imported here; torch tensors found in the data are stacked with
+``torch.stack``, reached through ``sys.modules`` (they exist only if torch is imported already).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import copy
+import numbers
+import sys
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any, overload
 
-__all__ = ("ColumnBatch", "collate", "default_collate", "default_collate_fn_map", "default_convert")
+import numpy as np
+
+__all__ = (
+    "ColumnBatch",
+    "CollateFnMap",
+    "collate",
+    "collate_float_fn",
+    "collate_int_fn",
+    "collate_numpy_array_fn",
+    "collate_numpy_scalar_fn",
+    "collate_str_fn",
+    "collate_tensor_fn",
+    "default_collate",
+    "default_collate_err_msg_format",
+    "default_collate_fn_map",
+    "default_convert",
+)
 
 
 class ColumnBatch(Sequence[tuple[Any, ...]]):
@@ -46,16 +68,407 @@ class ColumnBatch(Sequence[tuple[Any, ...]]):
 
 
 CollateFnMap = dict[type | tuple[type, ...], Callable[..., Any]]
-default_collate_fn_map: CollateFnMap = {}
+
+default_collate_err_msg_format = (
+    "default_collate: batch must contain tensors, numpy arrays, numbers, dicts or lists; found {}"
+)
+
+# The dtype kinds torch's np_str_obj_array_pattern ("[SaUO]" searched in dtype.str) refuses:
+# bytes, unicode and object.
+_STR_OBJ_KINDS = frozenset("SUO")
+# Kinds whose rows are numpy scalars that default_collate turns back into the same array.
+_NUMERIC_KINDS = frozenset("biufc")
+_PYTHON_NUMBERS = (bool, int, float, complex)
+
+
+class _TorchTensorMeta(type):
+    """Makes ``isinstance(x, _TorchTensor)`` mean "x is a torch.Tensor", without importing torch."""
+
+    def __instancecheck__(cls, instance: object) -> bool:
+        torch = sys.modules.get("torch")
+        # A half-imported torch may lack Tensor yet; nothing can be a tensor then.
+        tensor = getattr(torch, "Tensor", None)
+        return tensor is not None and isinstance(instance, tensor)
+
+    def __repr__(cls) -> str:
+        return "<torch.Tensor, matched once torch is imported>"
+
+
+class _TorchTensor(metaclass=_TorchTensorMeta):
+    """Stand-in key for ``torch.Tensor`` in :data:`default_collate_fn_map` (never instantiated)."""
 
 
 def collate(batch: Any, *, collate_fn_map: CollateFnMap | None = None) -> Any:
-    raise NotImplementedError
+    """Collate a batch of samples, dispatching on the type of the first one (torch's ``collate``).
+
+    The collate function for the first element is looked up by exact type in
+    ``collate_fn_map``, then by ``isinstance`` over its keys in insertion order; each is called
+    as ``fn(batch, collate_fn_map=collate_fn_map)``. Without a match, mappings are collated per
+    key (same mapping type when it can be rebuilt), namedtuples per field (same type) and other
+    sequences per position (a list for tuples, else the same sequence type when it can be
+    rebuilt).
+
+    A :class:`ColumnBatch` collated with the default map gives the list of columns directly:
+    numeric and bool ndarray columns are returned as they are, other columns are collated.
+
+    Args:
+        batch: a sequence of samples, all of the same structure.
+        collate_fn_map: element type (or tuple of types) -> collate function.
+
+    Returns:
+        The collated batch.
+
+    Raises:
+        TypeError: when no entry of ``collate_fn_map`` nor the container rules match.
+        RuntimeError: when sequences in the batch differ in length.
+    """
+    if (
+        isinstance(batch, ColumnBatch)
+        and collate_fn_map is not None
+        and collate_fn_map == _DEFAULT_ENTRIES
+    ):
+        columns = _collate_columns(batch, collate_fn_map)
+        if columns is not None:
+            return columns
+
+    elem = batch[0]
+    elem_type = type(elem)
+
+    if collate_fn_map is not None:
+        fn = collate_fn_map.get(elem_type)
+        if fn is not None:
+            return fn(batch, collate_fn_map=collate_fn_map)
+        for collate_type, fn in collate_fn_map.items():
+            if isinstance(elem, collate_type):
+                return fn(batch, collate_fn_map=collate_fn_map)
+
+    if isinstance(elem, Mapping):
+        values = {
+            key: collate([d[key] for d in batch], collate_fn_map=collate_fn_map) for key in elem
+        }
+        return _rebuild_mapping(elem, values)
+    if isinstance(elem, tuple) and hasattr(elem, "_fields"):  # namedtuple
+        return elem_type(
+            *(
+                collate(samples, collate_fn_map=collate_fn_map)
+                for samples in zip(*batch, strict=False)
+            )
+        )
+    if isinstance(elem, Sequence):
+        it = iter(batch)
+        elem_size = len(next(it))
+        if not all(len(other) == elem_size for other in it):
+            raise RuntimeError("each element in list of batch should be of equal size")
+        collated = [
+            collate(samples, collate_fn_map=collate_fn_map) for samples in zip(*batch, strict=False)
+        ]
+        return _rebuild_sequence(elem, collated)
+
+    raise TypeError(default_collate_err_msg_format.format(elem_type))
 
 
 def default_collate(batch: Any) -> Any:
-    raise NotImplementedError
+    """Stack a batch of samples into numpy arrays, keeping the samples' structure.
+
+    numpy's counterpart of ``torch.utils.data.default_collate``:
+
+    * ndarray -> ``np.stack`` of the batch (dtype kept; string, bytes and object dtypes refused);
+    * numpy scalar -> array of that dtype; ``float`` -> float64, ``int`` -> int64 and ``bool``
+      -> bool arrays (a mix of python ints and floats gives float32, as ``torch.tensor`` does);
+    * ``str`` / ``bytes`` -> the batch unchanged;
+    * mapping -> mapping of collated values; namedtuple -> namedtuple of collated fields;
+      other sequences -> collated positions (a list for tuples);
+    * torch tensor (torch already imported) -> ``torch.stack``.
+
+    Extend it by adding entries to :data:`default_collate_fn_map`.
+
+    Args:
+        batch: a sequence of samples, all of the same structure.
+
+    Returns:
+        The collated batch.
+
+    Raises:
+        TypeError: for an unsupported element type or a string/object array.
+        RuntimeError: for arrays of different shapes or sequences of different lengths.
+    """
+    return collate(batch, collate_fn_map=default_collate_fn_map)
 
 
 def default_convert(data: Any) -> Any:
-    raise NotImplementedError
+    """Convert one sample the way ``torch.utils.data.default_convert`` does, minus the tensors.
+
+    numpy arrays and scalars stay as they are (torch would turn them into tensors); mappings,
+    namedtuples and sequences are rebuilt with their items converted (tuples become lists),
+    anything else is returned unchanged. Used when automatic batching is off.
+
+    Args:
+        data: a single sample.
+
+    Returns:
+        The converted sample.
+    """
+    if isinstance(data, (np.ndarray, np.generic)):
+        return data
+    if isinstance(data, Mapping):
+        return _rebuild_mapping(data, {key: default_convert(data[key]) for key in data})
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
+        return type(data)(*(default_convert(d) for d in data))
+    if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
+        return _rebuild_sequence(data, [default_convert(d) for d in data])
+    return data
+
+
+def _rebuild_mapping(elem: Mapping[Any, Any], values: dict[Any, Any]) -> Any:
+    """Give ``values`` the mapping type of ``elem`` when torch would manage to, else a dict."""
+    try:
+        if isinstance(elem, MutableMapping):
+            # The mapping type may carry extra state (defaultdict's factory): copy, then update.
+            clone = copy.copy(elem)
+            clone.update(values)
+            return clone
+        return type(elem)(values)  # type: ignore[call-arg]
+    except TypeError:
+        # No copy() / update(mapping) / __init__(mapping) for this type.
+        return values
+
+
+def _rebuild_sequence(elem: Sequence[Any], values: list[Any]) -> Any:
+    """Give ``values`` the sequence type of ``elem`` like torch: tuples give lists."""
+    if type(elem) is list or isinstance(elem, tuple):
+        return values
+    try:
+        if isinstance(elem, MutableSequence):
+            clone = copy.copy(elem)
+            for i, value in enumerate(values):
+                clone[i] = value
+            return clone
+        return type(elem)(values)  # type: ignore[call-arg]
+    except TypeError:
+        # No copy() / __setitem__ / __init__(iterable) for this type (e.g. range).
+        return values
+
+
+def _collate_columns(batch: ColumnBatch, collate_fn_map: CollateFnMap) -> list[Any] | None:
+    """The columns of ``batch`` as default_collate would give them; None for the row-wise path."""
+    n = len(batch)
+    columns = batch.columns
+    if n == 0 or any(len(column) != n for column in columns):
+        return None  # let the row-wise path raise its own error
+    return [
+        column
+        if type(column) is np.ndarray and column.dtype.kind in _NUMERIC_KINDS
+        # The row-wise path hands each column over as the tuple zip() makes.
+        else collate(tuple(column), collate_fn_map=collate_fn_map)
+        for column in columns
+    ]
+
+
+def collate_tensor_fn(batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None) -> Any:
+    """Stack torch tensors with ``torch.stack`` (torch's ``collate_tensor_fn``).
+
+    Unlike torch, no shared-memory output is allocated inside worker processes.
+
+    Args:
+        batch: torch tensors of equal shape.
+        collate_fn_map: unused; part of the collate-function signature.
+
+    Returns:
+        A tensor with a new leading batch dimension.
+
+    Raises:
+        RuntimeError: for nested or sparse tensors, or tensors of different shapes.
+    """
+    torch = sys.modules["torch"]
+    elem = batch[0]
+    if elem.is_nested:
+        raise RuntimeError(
+            "Batches of nested tensors are not currently supported by the default collate_fn; "
+            "please provide a custom collate_fn to handle them appropriately."
+        )
+    if elem.layout in {
+        torch.sparse_coo,
+        torch.sparse_csr,
+        torch.sparse_bsr,
+        torch.sparse_csc,
+        torch.sparse_bsc,
+    }:
+        raise RuntimeError(
+            "Batches of sparse tensors are not currently supported by the default collate_fn; "
+            "please provide a custom collate_fn to handle them appropriately."
+        )
+    return torch.stack(batch, 0)
+
+
+def collate_numpy_array_fn(
+    batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None
+) -> np.ndarray[Any, Any]:
+    """Stack numpy arrays along a new first axis, keeping their dtype.
+
+    Args:
+        batch: numpy arrays of equal shape.
+        collate_fn_map: unused; part of the collate-function signature.
+
+    Returns:
+        The stacked array (always a new plain ndarray).
+
+    Raises:
+        TypeError: for string, bytes or object arrays.
+        RuntimeError: for arrays of different shapes, naming both shapes and their positions.
+    """
+    elem = batch[0]
+    if elem.dtype.kind in _STR_OBJ_KINDS:
+        raise TypeError(default_collate_err_msg_format.format(elem.dtype))
+    try:
+        # np.array equals np.stack on plain ndarrays and is several times faster on small ones;
+        # subclasses (masked arrays...) keep np.stack's own handling.
+        out = np.array(batch) if type(elem) is np.ndarray else np.stack(batch)
+    except ValueError as exc:
+        mismatch = _shape_mismatch(batch)
+        if mismatch is None:
+            raise
+        raise mismatch from exc
+    if out.dtype.kind in _STR_OBJ_KINDS:
+        # A later element promoted the batch to strings or objects.
+        raise TypeError(default_collate_err_msg_format.format(_first_str_obj_dtype(batch, out)))
+    return out
+
+
+def collate_numpy_scalar_fn(
+    batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None
+) -> np.ndarray[Any, Any]:
+    """Gather numpy scalars into a 1-D array of their dtype.
+
+    Args:
+        batch: numpy scalars (bool, number or object).
+        collate_fn_map: unused; part of the collate-function signature.
+
+    Returns:
+        The array of the scalars.
+
+    Raises:
+        TypeError: when a later element turns the batch into strings or objects.
+    """
+    out = np.array(batch)
+    if out.dtype.kind in _STR_OBJ_KINDS:
+        raise TypeError(default_collate_err_msg_format.format(_first_non_number(batch)))
+    return out
+
+
+def collate_float_fn(
+    batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None
+) -> np.ndarray[Any, Any]:
+    """Gather python floats into a float64 array (torch: ``torch.tensor(batch, dtype=float64)``).
+
+    Args:
+        batch: real numbers, the first a python float.
+        collate_fn_map: unused; part of the collate-function signature.
+
+    Returns:
+        A float64 array.
+
+    Raises:
+        TypeError: for an element that is not a real number.
+    """
+    out = np.array(batch)
+    if out.dtype.kind not in "biuf":
+        bad = _first_non_number(batch, numbers.Real)
+        if bad is not None:
+            raise TypeError(default_collate_err_msg_format.format(bad))
+        out = np.array([float(b) for b in batch])  # ints too large for int64
+    return out.astype(np.float64, copy=False)
+
+
+def collate_int_fn(
+    batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None
+) -> np.ndarray[Any, Any]:
+    """Gather python ints into an int64 array (bools into a bool array), like ``torch.tensor``.
+
+    A mix of python ints and floats gives float32, the dtype ``torch.tensor`` infers for it.
+
+    Args:
+        batch: numbers, the first a python int or bool.
+        collate_fn_map: unused; part of the collate-function signature.
+
+    Returns:
+        An int64, bool or (mixed with floats) floating array.
+
+    Raises:
+        ValueError: for an int outside the int64 range (torch's message).
+        TypeError: for an element that is not a number.
+    """
+    out = np.array(batch)
+    kind = out.dtype.kind
+    if kind == "i":
+        return out.astype(np.int64, copy=False)
+    if kind == "b":
+        return out
+    if kind in "fc":
+        if all(type(b) in _PYTHON_NUMBERS for b in batch):
+            return out.astype(np.float32 if kind == "f" else np.complex64)
+        return out
+    bad = _first_non_number(batch)
+    if bad is not None:
+        raise TypeError(default_collate_err_msg_format.format(bad))
+    raise ValueError("Overflow when unpacking long long")
+
+
+def collate_str_fn(batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None) -> Any:
+    """Return a batch of strings or bytes unchanged.
+
+    Args:
+        batch: strings or bytes.
+        collate_fn_map: unused; part of the collate-function signature.
+
+    Returns:
+        ``batch`` itself.
+    """
+    return batch
+
+
+def _shape_of(value: Any) -> tuple[int, ...] | None:
+    try:
+        shape: tuple[int, ...] = np.shape(value)
+        return shape
+    except ValueError:  # a ragged nested list has no shape
+        return None
+
+
+def _shape_mismatch(batch: Sequence[Any]) -> RuntimeError | None:
+    """torch.stack's error for the first element whose shape differs from the first one's."""
+    first = _shape_of(batch[0])
+    for i, value in enumerate(batch):
+        shape = _shape_of(value)
+        if shape != first:
+            return RuntimeError(
+                f"stack expects each array to be equal size, but got {first} at entry 0 "
+                f"and {shape} at entry {i}"
+            )
+    return None
+
+
+def _first_str_obj_dtype(batch: Sequence[Any], out: np.ndarray[Any, Any]) -> np.dtype[Any]:
+    """The dtype of the first string/object element, to name it rather than the promoted one."""
+    dtypes = (np.asarray(value).dtype for value in batch)
+    return next((dtype for dtype in dtypes if dtype.kind in _STR_OBJ_KINDS), out.dtype)
+
+
+def _first_non_number(batch: Sequence[Any], kind: type = numbers.Number) -> type | None:
+    """The type of the first element that is not a ``kind`` number, or None."""
+    return next((type(b) for b in batch if not isinstance(b, kind)), None)
+
+
+# Same keys in the same order as torch's map, so isinstance lookups resolve alike.
+default_collate_fn_map: CollateFnMap = {
+    _TorchTensor: collate_tensor_fn,
+    # ndarray and its subclasses (memmap...).
+    np.ndarray: collate_numpy_array_fn,
+    # numpy's scalar hierarchy minus the string scalars, which fall through to str / bytes.
+    (np.bool_, np.number, np.object_): collate_numpy_scalar_fn,
+    float: collate_float_fn,
+    int: collate_int_fn,
+    str: collate_str_fn,
+    bytes: collate_str_fn,
+}
+# The untouched default map: a ColumnBatch takes the column fast path only under these rules.
+_DEFAULT_ENTRIES: CollateFnMap = dict(default_collate_fn_map)

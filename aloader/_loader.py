@@ -459,7 +459,9 @@ class _AsyncLoaderIter:
             else:
                 value, error = await epoch.next()
         except StopAsyncIteration:
+            # Hand back control only once the pipeline's tasks have all returned.
             self._closed = True
+            await epoch.done.wait()
             raise
         except anyio.get_cancelled_exc_class():
             # The consumer is gone: stop fetching for it.
