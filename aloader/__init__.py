@@ -31,12 +31,14 @@ from ._sampler import (
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
+from ._worker import get_worker_info
 
 __version__ = "0.1.0.dev0"
 
 __all__ = (
     # loading
     "DataLoader",
+    "get_worker_info",
     # datasets
     "ArrayDataset",
     "ChainDataset",
