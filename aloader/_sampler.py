@@ -1,36 +1,526 @@
-"""Samplers. SKELETON: the samplers helper fills this module in."""
+"""Samplers: the order in which a map-style dataset is read, with torch.utils.data's semantics.
+
+Every sampler whose epoch is a finite sequence of int indices draws that epoch as one int64
+array (``_epoch_indices``); ``__iter__`` only converts it to Python ints chunk by chunk. The
+DataLoader reads the arrays directly through :func:`epoch_indices` and :func:`epoch_batches`, so
+a shuffled epoch of millions of indices, cut into batches, never becomes a per-index Python loop.
+
+Private protocol (relied on by the DataLoader):
+
+* ``sampler._epoch_indices() -> IndexArray``: one epoch's order as a 1-D int64 array. Calling it
+  draws the next epoch exactly as one ``__iter__`` would (the RNG advances identically).
+  :class:`SubsetRandomSampler` returns ``None`` without drawing when its indices are not ints.
+* ``batch_sampler._epoch_batches() -> Iterator[IndexArray] | None``: one epoch's batches as int64
+  array views, or ``None`` when the inner sampler has no array form.
+"""
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+import itertools
+import numbers
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence, Sized
+from typing import Generic, TypeGuard, TypeVar, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from ._random import GeneratorLike, IndexArray, as_generator, permutation
 
 __all__ = (
     "BatchSampler", "RandomSampler", "Sampler", "SequentialSampler", "SubsetRandomSampler",
-    "WeightedRandomSampler",
+    "WeightedRandomSampler", "epoch_batches", "epoch_indices",
 )
 
 T_co = TypeVar("T_co", covariant=True)
 
+# Python ints are made from the arrays this many at a time: big enough that tolist() dominates,
+# small enough that a 10M epoch never holds 10M Python ints at once.
+_CHUNK = 1 << 16
+
+_EMPTY: IndexArray = np.empty(0, dtype=np.int64)
+
+
+def _iter_ints(indices: IndexArray) -> Iterator[int]:
+    """Yield the entries of ``indices`` as Python ints, converted chunk-wise."""
+    for start in range(0, len(indices), _CHUNK):
+        yield from indices[start : start + _CHUNK].tolist()
+
+
+def _as_index_array(obj: object) -> IndexArray | None:
+    """``obj`` (a range, list, tuple or array of ints) as a 1-D int64 array, else ``None``."""
+    if isinstance(obj, range):
+        return np.arange(obj.start, obj.stop, obj.step, dtype=np.int64)
+    try:
+        arr = np.asarray(obj)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if arr.ndim != 1:
+        return None
+    if arr.size == 0:
+        return _EMPTY
+    if arr.dtype.kind not in "iu":
+        return None
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.max() > np.iinfo(np.int64).max:
+        return None
+    return arr.astype(np.int64, copy=False)
+
+
+def _owner(cls: type, name: str) -> type | None:
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return klass
+    return None
+
+
+def _fast_path_matches_iter(obj: object, name: str) -> bool:
+    """Whether ``obj``'s ``name`` method describes what its ``__iter__`` yields.
+
+    A subclass that overrides ``__iter__`` but not the array method must keep its own order, so
+    the array method only counts when it is defined at least as far down the MRO as ``__iter__``.
+    """
+    cls = type(obj)
+    fast = _owner(cls, name)
+    if fast is None or not callable(getattr(obj, name, None)):
+        return False
+    it = _owner(cls, "__iter__")
+    return it is None or issubclass(fast, it)
+
+
+def epoch_indices(sampler: object) -> IndexArray | None:
+    """Draw one epoch of ``sampler`` as a 1-D int64 array, or ``None`` if it has no array form.
+
+    Samplers with ``_epoch_indices`` draw their next epoch (advancing their RNG exactly as one
+    ``iter(sampler)`` would). Ranges, lists, tuples and 1-D numpy arrays of ints are converted
+    without consuming randomness. Anything else (a generator, an async iterable, a custom
+    sampler) gives ``None``: iterate it instead.
+
+    Args:
+        sampler: any sampler or iterable of indices.
+
+    Returns:
+        The epoch's indices, or ``None``.
+    """
+    if _fast_path_matches_iter(sampler, "_epoch_indices"):
+        result = sampler._epoch_indices()  # type: ignore[attr-defined]
+        return cast("IndexArray | None", result)
+    if isinstance(sampler, (range, list, tuple, np.ndarray)):
+        return _as_index_array(sampler)
+    return None
+
+
+def epoch_batches(batch_sampler: object) -> Iterator[IndexArray] | None:
+    """One epoch of ``batch_sampler`` as int64 array batches, or ``None`` without an array form.
+
+    Args:
+        batch_sampler: any batch sampler; only a :class:`BatchSampler` (or anything else with
+            ``_epoch_batches``) over an array-capable sampler has an array form.
+
+    Returns:
+        An iterator over the epoch's batches (array views), or ``None``.
+    """
+    if _fast_path_matches_iter(batch_sampler, "_epoch_batches"):
+        result = batch_sampler._epoch_batches()  # type: ignore[attr-defined]
+        return cast("Iterator[IndexArray] | None", result)
+    return None
+
+
+def _is_int(value: object) -> TypeGuard[numbers.Integral]:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
 
 class Sampler(Generic[T_co]):
-    pass
+    """Base class for all samplers.
+
+    A sampler provides ``__iter__`` over dataset indices (or lists of indices for a batch
+    sampler) and may provide ``__len__``. Any iterable or async iterable of ints is a valid
+    sampler, and any iterable or async iterable of index lists a valid batch sampler; subclassing
+    is optional.
+
+    Args:
+        data_source: ignored; accepted for code written against torch's old signature.
+    """
+
+    def __init__(self, data_source: Sized | None = None) -> None:
+        # torch deprecated (and later dropped) this argument; subclasses still pass it.
+        del data_source
+
+    def __iter__(self) -> Iterator[T_co]:
+        """Iterate over the indices; subclasses must override this."""
+        raise NotImplementedError
+
+    # No default __len__, as in torch: list() and friends fall back to iteration when it is
+    # missing, and len() raises TypeError.
 
 
 class SequentialSampler(Sampler[int]):
-    pass
+    """Samples elements sequentially, always in the same order.
+
+    Args:
+        data_source: the dataset to sample from; only its ``len()`` is used, at each epoch.
+    """
+
+    data_source: Sized
+
+    def __init__(self, data_source: Sized) -> None:
+        self.data_source = data_source
+
+    def _epoch_indices(self) -> IndexArray:
+        return np.arange(len(self.data_source), dtype=np.int64)
+
+    def __iter__(self) -> Iterator[int]:
+        """Iterate over ``range(len(data_source))``."""
+        return _iter_ints(self._epoch_indices())
+
+    def __len__(self) -> int:
+        """``len(data_source)``."""
+        return len(self.data_source)
 
 
 class RandomSampler(Sampler[int]):
-    pass
+    """Samples elements randomly; without replacement it samples from a shuffled dataset.
+
+    Without replacement and ``num_samples > len(data_source)``, an epoch is
+    ``num_samples // n`` full permutations followed by a prefix of one more (torch's rule).
+
+    Args:
+        data_source: the dataset to sample from; its ``len()`` is read at each epoch.
+        replacement: draw indices independently (with replacement) if True.
+        num_samples: indices per epoch; defaults to ``len(data_source)``.
+        generator: None, an int seed or a :class:`numpy.random.Generator`; converted once,
+            and every epoch draws from it.
+
+    Raises:
+        TypeError: if ``replacement`` is not a bool.
+        ValueError: if ``num_samples`` is not a positive integer.
+    """
+
+    data_source: Sized
+    replacement: bool
+    generator: np.random.Generator
+
+    def __init__(
+        self,
+        data_source: Sized,
+        replacement: bool = False,
+        num_samples: int | None = None,
+        generator: GeneratorLike = None,
+    ) -> None:
+        self.data_source = data_source
+        self.replacement = replacement
+        self._num_samples = int(num_samples) if _is_int(num_samples) else num_samples
+
+        if not isinstance(self.replacement, bool):
+            raise TypeError(
+                f"replacement should be a boolean value, but got replacement={self.replacement}"
+            )
+        if not _is_int(self.num_samples) or self.num_samples <= 0:
+            raise ValueError(
+                "num_samples should be a positive integer value, "
+                f"but got num_samples={self.num_samples}"
+            )
+        self.generator = as_generator(generator)
+
+    @property
+    def num_samples(self) -> int:
+        """Indices per epoch: ``num_samples`` if given, else the current ``len(data_source)``."""
+        # the dataset size may change at runtime
+        if self._num_samples is None:
+            return len(self.data_source)
+        return self._num_samples
+
+    def _epoch_indices(self) -> IndexArray:
+        n = len(self.data_source)
+        num_samples = self.num_samples
+        if n == 0:
+            raise ValueError(
+                f"RandomSampler cannot draw num_samples={num_samples} samples "
+                "from an empty data_source"
+            )
+        rng = self.generator
+        if self.replacement:
+            return rng.integers(0, n, size=num_samples, dtype=np.int64)
+        if num_samples == n:
+            return permutation(rng, n)
+        full, rest = divmod(num_samples, n)
+        parts = [permutation(rng, n) for _ in range(full)]
+        if rest:
+            parts.append(permutation(rng, n)[:rest])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def __iter__(self) -> Iterator[int]:
+        """Iterate over one freshly drawn epoch."""
+        yield from _iter_ints(self._epoch_indices())
+
+    def __len__(self) -> int:
+        """``num_samples``."""
+        return self.num_samples
 
 
 class SubsetRandomSampler(Sampler[int]):
-    pass
+    """Samples elements randomly from a given sequence of indices, without replacement.
+
+    Args:
+        indices: the indices to sample from (read at each epoch).
+        generator: None, an int seed or a :class:`numpy.random.Generator`.
+    """
+
+    indices: Sequence[int]
+    generator: np.random.Generator
+
+    def __init__(self, indices: Sequence[int], generator: GeneratorLike = None) -> None:
+        self.indices = indices
+        self.generator = as_generator(generator)
+
+    def _epoch_indices(self) -> IndexArray | None:
+        # Non-int indices (keys of some mapping dataset) have no array form; checked before
+        # drawing so that __iter__ still draws this epoch.
+        indices = _as_index_array(self.indices)
+        if indices is None:
+            return None
+        return indices[permutation(self.generator, len(indices))]
+
+    def __iter__(self) -> Iterator[int]:
+        """Iterate over a fresh random permutation of ``indices``."""
+        order = self._epoch_indices()
+        if order is not None:
+            yield from _iter_ints(order)
+            return
+        indices = self.indices
+        for i in _iter_ints(permutation(self.generator, len(indices))):
+            yield indices[i]
+
+    def __len__(self) -> int:
+        """``len(indices)``."""
+        return len(self.indices)
 
 
 class WeightedRandomSampler(Sampler[int]):
-    pass
+    """Samples ``[0, len(weights))`` with the given (unnormalised) probabilities.
+
+    With replacement, draws are independent. Without replacement no index is drawn twice: the
+    order is that of successive weighted draws from the remaining indices (indices of weight 0
+    come last, in random order, as they only fill up when the positive weights run out).
+
+    Args:
+        weights: a 1-D sequence of non-negative weights, not necessarily summing to one.
+        num_samples: indices per epoch.
+        replacement: draw with replacement if True.
+        generator: None, an int seed or a :class:`numpy.random.Generator`.
+
+    Raises:
+        ValueError: if ``num_samples`` is not a positive integer, ``replacement`` not a bool or
+            ``weights`` not 1-D. Invalid weight values raise RuntimeError when an epoch is drawn,
+            with torch's messages.
+    """
+
+    weights: npt.NDArray[np.float64]
+    num_samples: int
+    replacement: bool
+    generator: np.random.Generator
+
+    def __init__(
+        self,
+        weights: npt.ArrayLike,
+        num_samples: int,
+        replacement: bool = True,
+        generator: GeneratorLike = None,
+    ) -> None:
+        if not _is_int(num_samples) or num_samples <= 0:
+            raise ValueError(
+                f"num_samples should be a positive integer value, but got num_samples={num_samples}"
+            )
+        if not isinstance(replacement, bool):
+            raise ValueError(
+                f"replacement should be a boolean value, but got replacement={replacement}"
+            )
+        weights_array = np.asarray(weights, dtype=np.float64)
+        if weights_array.ndim != 1:
+            raise ValueError(
+                "weights should be a 1d sequence but given "
+                f"weights have shape {tuple(weights_array.shape)}"
+            )
+        self.weights = weights_array
+        self.num_samples = int(num_samples)
+        self.replacement = replacement
+        self.generator = as_generator(generator)
+
+    def _check_weights(self) -> npt.NDArray[np.float64]:
+        # torch.multinomial's checks and messages, which depend on the sampling path it takes.
+        w = self.weights
+        k = self.num_samples
+        if not self.replacement and k > len(w):
+            raise RuntimeError(
+                "cannot sample n_sample > prob_dist.size(-1) samples without replacement"
+            )
+        if not self.replacement or k == 1:
+            if len(w) and not (np.all(w >= 0) and np.all(w < np.inf)):
+                raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        else:
+            if not np.all(w >= 0):
+                raise RuntimeError(
+                    "invalid multinomial distribution (encountering probability entry < 0)"
+                )
+            if np.any(np.isinf(w)):
+                raise RuntimeError(
+                    "invalid multinomial distribution (encountering probability entry = infinity "
+                    "or NaN)"
+                )
+        if len(w) == 0 or not np.any(w > 0):
+            raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
+        return w
+
+    def _epoch_indices(self) -> IndexArray:
+        w = self._check_weights()
+        rng = self.generator
+        if self.replacement:
+            # Inverse-CDF sampling; scaling by the max first keeps huge weights from overflowing.
+            cdf = np.cumsum(w / w.max())
+            cdf /= cdf[-1]
+            # u < 1 == cdf[-1], and "right" never lands on a zero-weight index.
+            u = rng.random(self.num_samples)
+            return np.searchsorted(cdf, u, side="right").astype(np.int64, copy=False)
+        # Exponential race (as torch): the k largest w / E_i, in decreasing order, are k
+        # successive weighted draws without replacement. Zero weights rank below every positive
+        # one, in random order.
+        e = rng.standard_exponential(len(w))
+        with np.errstate(divide="ignore"):
+            keys = np.where(w > 0, w / e, -e)
+        k = self.num_samples
+        neg = -keys
+        if k < len(w):
+            top = np.argpartition(neg, k - 1)[:k]
+            order = top[np.argsort(neg[top], kind="stable")]
+        else:
+            order = np.argsort(neg, kind="stable")
+        return order.astype(np.int64, copy=False)
+
+    def __iter__(self) -> Iterator[int]:
+        """Iterate over one freshly drawn epoch of ``num_samples`` indices."""
+        yield from _iter_ints(self._epoch_indices())
+
+    def __len__(self) -> int:
+        """``num_samples``."""
+        return self.num_samples
+
+
+def _slices(indices: IndexArray, batch_size: int, drop_last: bool) -> Iterator[IndexArray]:
+    n = len(indices)
+    stop = n - n % batch_size if drop_last else n
+    for start in range(0, stop, batch_size):
+        yield indices[start : start + batch_size]
 
 
 class BatchSampler(Sampler[list[int]]):
-    pass
+    """Wraps another sampler to yield mini-batches of indices.
+
+    The inner sampler may be any iterable of ints (a range, a list, a sampler) or any async
+    iterable of ints; iterate with ``async for`` in the latter case.
+
+    Args:
+        sampler: the base sampler.
+        batch_size: size of a mini-batch.
+        drop_last: drop the last batch if it is smaller than ``batch_size``.
+
+    Raises:
+        ValueError: if ``batch_size`` is not a positive integer or ``drop_last`` not a bool.
+
+    Example::
+
+        >>> list(BatchSampler(SequentialSampler(range(10)), batch_size=3, drop_last=False))
+        [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+        >>> list(BatchSampler(SequentialSampler(range(10)), batch_size=3, drop_last=True))
+        [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    """
+
+    sampler: Iterable[int] | AsyncIterable[int]
+    batch_size: int
+    drop_last: bool
+
+    def __init__(
+        self,
+        sampler: Sampler[int] | Iterable[int] | AsyncIterable[int],
+        batch_size: int,
+        drop_last: bool,
+    ) -> None:
+        # No isinstance check on sampler: objects with only __getitem__ are iterable too.
+        if not _is_int(batch_size) or batch_size <= 0:
+            raise ValueError(
+                f"batch_size should be a positive integer value, but got batch_size={batch_size}"
+            )
+        if not isinstance(drop_last, bool):
+            raise ValueError(f"drop_last should be a boolean value, but got drop_last={drop_last}")
+        self.sampler = sampler
+        self.batch_size = int(batch_size)
+        self.drop_last = drop_last
+
+    def _epoch_batches(self) -> Iterator[IndexArray] | None:
+        indices = epoch_indices(self.sampler)
+        if indices is None:
+            return None
+        return _slices(indices, self.batch_size, self.drop_last)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """Iterate over one epoch of batches, each a list of ints.
+
+        Raises:
+            TypeError: if the inner sampler is only async iterable.
+        """
+        batches = self._epoch_batches()
+        if batches is not None:
+            for batch in batches:
+                yield batch.tolist()
+            return
+        yield from self._generic_batches()
+
+    def _generic_batches(self) -> Iterator[list[int]]:
+        try:
+            sampler_iter = iter(cast("Iterable[int]", self.sampler))
+        except TypeError:
+            if isinstance(self.sampler, AsyncIterable):
+                raise TypeError(
+                    f"BatchSampler's sampler ({type(self.sampler).__name__}) only supports "
+                    "async iteration; iterate the BatchSampler with `async for`"
+                ) from None
+            raise
+        # torch's loops: the drop_last one zips batch_size references to the same iterator.
+        if self.drop_last:
+            for batch_droplast in zip(*([sampler_iter] * self.batch_size), strict=False):
+                yield [*batch_droplast]
+        else:
+            batch = [*itertools.islice(sampler_iter, self.batch_size)]
+            while batch:
+                yield batch
+                batch = [*itertools.islice(sampler_iter, self.batch_size)]
+
+    async def __aiter__(self) -> AsyncIterator[list[int]]:
+        """Asynchronously iterate over one epoch of batches (sync or async inner sampler)."""
+        batches = self._epoch_batches()
+        if batches is not None:
+            for array_batch in batches:
+                yield array_batch.tolist()
+            return
+        if not isinstance(self.sampler, AsyncIterable):
+            for list_batch in self._generic_batches():
+                yield list_batch
+            return
+        it = aiter(self.sampler)
+        try:
+            batch: list[int] = []
+            async for index in it:
+                batch.append(index)
+                if len(batch) == self.batch_size:
+                    yield batch
+                    batch = []
+            if batch and not self.drop_last:
+                yield batch
+        finally:
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def __len__(self) -> int:
+        """Number of batches; needs ``len()`` of the inner sampler."""
+        n = len(cast("Sized", self.sampler))
+        if self.drop_last:
+            return n // self.batch_size
+        return (n + self.batch_size - 1) // self.batch_size
