@@ -14,6 +14,11 @@ from typing import TypeAlias
 import numpy as np
 import numpy.typing as npt
 
+try:
+    from . import _cperm
+except ImportError:  # built without a C compiler: the numpy path below does the same job
+    _cperm = None  # type: ignore[assignment]
+
 __all__ = ("GeneratorLike", "IndexArray", "as_generator", "draw_seed", "permutation")
 
 GeneratorLike: TypeAlias = "int | np.random.Generator | None"
@@ -56,12 +61,19 @@ def draw_seed(rng: np.random.Generator) -> int:
 def permutation(rng: np.random.Generator, n: int) -> IndexArray:
     """A uniformly random permutation of ``range(n)`` as an int64 array.
 
-    Large permutations use the Rao-Sandelius scatter shuffle: every index draws one of 256
-    buckets, a stable radix sort groups the buckets, and each bucket (small enough to stay in
-    cache) is shuffled on its own. Given i.i.d. uniform buckets and uniform shuffles inside them,
-    the result is exactly uniform, and about twice as fast as ``rng.permutation`` because the
-    random swaps hit cache instead of main memory.
+    Large permutations use the Rao-Sandelius scatter shuffle: every index draws one of a few
+    hundred buckets, the buckets are grouped by a counting sort, and each bucket (small enough
+    to stay in cache) is shuffled on its own. Given i.i.d. uniform buckets and uniform shuffles
+    inside them, the result is exactly uniform, and the random swaps hit cache instead of main
+    memory. The compiled fast path (``aloader._cperm``, built at install when a C compiler is
+    there) does this in one pass with its own xoshiro256** stream seeded from ``rng``; the
+    numpy fallback does the same with ``argsort`` and ``Generator.shuffle``. Both consume
+    ``rng`` and are reproducible from its state, but they give different orders.
     """
+    if _cperm is not None and n >= _BUCKET_MIN:
+        out: IndexArray = np.empty(n, dtype=np.int64)
+        _cperm.permutation(out, int(rng.integers(0, 1 << 64, dtype=np.uint64)))
+        return out
     if n < _BUCKET_MIN:
         return rng.permutation(n).astype(np.int64, copy=False)
     buckets = rng.integers(0, _BUCKETS, n, dtype=np.uint8)

@@ -1,0 +1,3 @@
+from collections.abc import Buffer
+
+def permutation(out: Buffer, seed: int, /) -> None: ...
