@@ -9,6 +9,7 @@ cancels it explicitly on close, cancellation or garbage collection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -51,10 +52,8 @@ def spawn_background(fn: Callable[[], Awaitable[None]]) -> Callable[[Callable[[]
         trio.lowlevel.spawn_system_task(fn)
 
         def call_soon_trio(callback: Callable[[], None]) -> None:
-            try:
+            with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(callback)
-            except trio.RunFinishedError:
-                pass
 
         return call_soon_trio
     if backend == "asyncio":
@@ -68,10 +67,8 @@ def spawn_background(fn: Callable[[], Awaitable[None]]) -> Callable[[Callable[[]
         task.add_done_callback(_ASYNCIO_TASKS.discard)
 
         def call_soon_asyncio(callback: Callable[[], None]) -> None:
-            try:
+            with contextlib.suppress(RuntimeError):  # a closed loop has nothing left to cancel
                 loop.call_soon_threadsafe(callback)
-            except RuntimeError:  # the loop has closed: nothing is left to cancel
-                pass
 
         return call_soon_asyncio
     raise RuntimeError("aloader needs a running asyncio or trio event loop")

@@ -1,3 +1,4 @@
-from collections.abc import Buffer
+import numpy as np
+import numpy.typing as npt
 
-def permutation(out: Buffer, seed: int, /) -> None: ...
+def permutation(out: npt.NDArray[np.int64], seed: int, /) -> None: ...

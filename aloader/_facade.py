@@ -10,6 +10,7 @@ closed, garbage-collected or still open at interpreter exit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import weakref
 from contextlib import AbstractContextManager
@@ -55,10 +56,8 @@ class _Pump:
 
     def request(self) -> None:
         """Let the pump fetch one more batch (from the consumer's thread)."""
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop has closed
             self.loop.call_soon_threadsafe(self.credits.release)
-        except RuntimeError:  # the loop has closed
-            pass
 
 
 async def _open(loader: DataLoader[Any]) -> _Pump:
@@ -115,4 +114,4 @@ class SyncLoaderIter:
     @property
     def num_yielded(self) -> int:
         """Batches delivered so far in this epoch."""
-        return self._pump.iterator.num_yielded
+        return int(self._pump.iterator.num_yielded)

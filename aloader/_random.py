@@ -8,7 +8,6 @@ of epoch orders, and each epoch differs from the last.
 
 from __future__ import annotations
 
-import numbers
 from typing import TypeAlias
 
 import numpy as np
@@ -43,9 +42,11 @@ def as_generator(generator: GeneratorLike) -> np.random.Generator:
         return np.random.default_rng()
     if isinstance(generator, np.random.Generator):
         return generator
-    if isinstance(generator, numbers.Integral) and not isinstance(generator, bool):
+    if isinstance(generator, (int, np.integer)) and not isinstance(generator, bool):
         if int(generator) < 0:
-            raise ValueError(f"generator seed should be a non-negative integer, but got {generator}")
+            raise ValueError(
+                f"generator seed should be a non-negative integer, but got {generator}"
+            )
         return np.random.default_rng(int(generator))
     raise TypeError(
         "generator should be None, an int seed or a numpy.random.Generator, "

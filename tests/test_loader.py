@@ -24,7 +24,7 @@ from aloader import DataLoader
 pytestmark = pytest.mark.anyio
 
 
-# Datasets -----------------------------------------------------------------------------------
+# Datasets ----------------------------------------------------------------------------------------
 class AsyncRange(aloader.Dataset[int]):
     """``async def __getitem__`` returning the index after a random (seeded) delay."""
 
@@ -109,7 +109,7 @@ def as_lists(batches: list[Any]) -> list[list[int]]:
     return [np.asarray(b).tolist() for b in batches]
 
 
-# Argument checks (torch's types and messages) -------------------------------------------------
+# Argument checks (torch's types and messages) ----------------------------------------------------
 ARG_ERRORS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"num_workers": -1}, ValueError, "num_workers option should be non-negative; use "
      "num_workers=0 to disable multiprocessing."),
@@ -360,10 +360,8 @@ async def test_slow_consumer_bounds_finished_batches(
                         collate_fn=counting_collate, prefetch_factor=prefetch_factor,
                         in_order=in_order)
     iterator = aiter(loader)
-    consumed = 0
-    for _ in range(3):
+    for consumed in range(1, 4):
         await anext(iterator)
-        consumed += 1
         await anyio.wait_all_tasks_blocked()  # the pipeline runs as far as it may
         assert collated - consumed == max(1, prefetch_factor)
     await iterator.aclose()
@@ -380,7 +378,7 @@ async def test_slow_consumer_bounds_fetched_items(anyio_backend: str) -> None:
     await iterator.aclose()
 
 
-# Synchronous datasets ------------------------------------------------------------------------------
+# Synchronous datasets ----------------------------------------------------------------------------
 async def test_sync_dataset_runs_in_a_worker_thread(anyio_backend: str) -> None:
     dataset = SyncRange(20)
     assert as_lists(await collect(DataLoader(dataset, batch_size=5))) == [
@@ -425,7 +423,7 @@ async def test_sync_dataset_with_max_concurrency_overlaps_items(anyio_backend: s
             return index
 
     batches = await collect(DataLoader(Rendezvous(), batch_size=4, max_concurrency=8))
-    assert sum(as_lists(batches), []) == list(range(32))
+    assert [i for b in as_lists(batches) for i in b] == list(range(32))
 
 
 async def test_sync_dataset_default_fetches_one_batch_at_a_time(anyio_backend: str) -> None:
@@ -486,7 +484,7 @@ async def test_async_getitems(anyio_backend: str) -> None:
 
     batches = as_lists(await collect(DataLoader(AsyncBulk(), batch_size=4, shuffle=True,
                                                 generator=0)))
-    assert sorted(sum(batches, [])) == [-i for i in range(8, -1, -1)]
+    assert sorted(i for b in batches for i in b) == [-i for i in range(8, -1, -1)]
 
 
 async def test_array_dataset_batches(anyio_backend: str) -> None:
@@ -502,7 +500,7 @@ async def test_array_dataset_batches(anyio_backend: str) -> None:
         assert bx.dtype == np.float32
 
 
-# Iterable datasets ---------------------------------------------------------------------------------
+# Iterable datasets -------------------------------------------------------------------------------
 class AsyncStream(aloader.IterableDataset[int]):
     def __init__(self, n: int) -> None:
         self.n = n
@@ -574,7 +572,7 @@ async def test_iterable_error_reaches_consumer(anyio_backend: str) -> None:
         await collect(DataLoader(Broken(), batch_size=4))
 
 
-# Bulk loading, custom samplers, collate -------------------------------------------------------------
+# Bulk loading, custom samplers, collate ----------------------------------------------------------
 async def test_bulk_loading_without_batching(anyio_backend: str) -> None:
     class BulkDataset(aloader.Dataset[list[int]]):
         def __len__(self) -> int:
@@ -611,7 +609,7 @@ async def test_async_samplers(anyio_backend: str) -> None:
     assert as_lists(await collect(loader)) == [[0, 1], [7]]
 
 
-class aloader_async_iterable:  # noqa: N801 - reads like the function it wraps
+class aloader_async_iterable:
     """An async iterable (not an iterator): a new pass per epoch."""
 
     def __init__(self, factory: Any) -> None:
@@ -841,7 +839,7 @@ def _loop_threads() -> list[threading.Thread]:
 def test_sync_facade_shuts_down_on_exhaustion_break_and_gc() -> None:
     assert list(DataLoader(list(range(3)))) != []
     assert _loop_threads() == []
-    for batch in DataLoader(AsyncRange(100), batch_size=2):
+    for _ in DataLoader(AsyncRange(100), batch_size=2):
         assert _loop_threads() != []
         break
     gc.collect()
@@ -869,7 +867,7 @@ def test_sync_facade_with_sync_and_iterable_datasets() -> None:
     assert as_lists(list(DataLoader(AsyncStream(5), batch_size=2))) == [[0, 1], [2, 3], [4]]
 
 
-# pin_memory ----------------------------------------------------------------------------------------
+# pin_memory --------------------------------------------------------------------------------------
 def test_pin_memory_without_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
