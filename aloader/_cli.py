@@ -1,0 +1,241 @@
+"""``python -m aloader``: the ``demo`` and ``bench`` commands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import anyio
+import numpy as np
+import numpy.typing as npt
+
+from ._dataset import Dataset
+from ._loader import DataLoader
+
+__all__ = ("RemoteDataset", "main")
+
+# Items timed one after another to estimate the sequential rate (the demo stays short).
+SEQUENTIAL_SAMPLE = 100
+
+
+class RemoteDataset(Dataset[npt.NDArray[np.float32]]):
+    """Items behind a simulated network: each fetch waits its own latency, then returns.
+
+    Latencies are drawn once, uniformly in ``latency * (1 +- jitter)``, so every run (and the
+    sequential comparison) sees the same delays.
+
+    Args:
+        n: number of items.
+        latency: mean wait per fetch, in seconds.
+        jitter: relative spread of the wait (0.5: from half to one and a half times latency).
+        seed: seed of the latencies.
+    """
+
+    def __init__(self, n: int, latency: float, jitter: float = 0.5, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.latencies = latency * (1 + jitter * rng.uniform(-1, 1, size=n))
+
+    def __len__(self) -> int:
+        return len(self.latencies)
+
+    async def __getitem__(self, index: int) -> npt.NDArray[np.float32]:
+        """Wait the item's latency, then return its payload (16 float32s holding the index)."""
+        await anyio.sleep(float(self.latencies[index]))
+        return np.full(16, index, dtype=np.float32)
+
+
+class _Progress:
+    """One line rewritten in place on a terminal; plain periodic lines otherwise."""
+
+    def __init__(self, out: TextIO, total_items: int, total_batches: int) -> None:
+        self.out = out
+        self.tty = out.isatty()
+        self.every = 0.05 if self.tty else 1.0
+        self.total_items = total_items
+        self.total_batches = total_batches
+        self.start = time.perf_counter()
+        self.last = self.start
+        self.width = 0
+
+    def _line(self, batches: int, items: int, now: float) -> str:
+        rate = items / max(now - self.start, 1e-9)
+        return (f"  batches {batches:>{len(str(self.total_batches))}}/{self.total_batches}  "
+                f"items {items:>{len(str(self.total_items))}}/{self.total_items}  "
+                f"{rate:>10,.0f} items/s")
+
+    def update(self, batches: int, items: int) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.every:
+            return
+        self.last = now
+        self._write(self._line(batches, items, now), final=False)
+
+    def finish(self, batches: int, items: int) -> float:
+        now = time.perf_counter()
+        self._write(self._line(batches, items, now), final=True)
+        return now - self.start
+
+    def _write(self, line: str, final: bool) -> None:
+        if self.tty:
+            pad = " " * max(0, self.width - len(line))
+            self.width = len(line)
+            self.out.write("\r" + line + pad + ("\n" if final else ""))
+        else:
+            self.out.write(line + "\n")
+        self.out.flush()
+
+
+async def _demo(args: argparse.Namespace) -> int:
+    out = sys.stdout
+    latency = args.latency_ms / 1e3
+    dataset = RemoteDataset(args.items, latency)
+    loader: DataLoader[Any] = DataLoader(
+        dataset, batch_size=args.batch_size, shuffle=True, generator=0,
+        max_concurrency=args.concurrency,
+    )
+    batches_total = len(loader)
+    out.write(
+        f"Streaming {args.items:,} items from a simulated remote store "
+        f"(each fetch waits {args.latency_ms:g} ms +- 50%)\n"
+        f"through aloader.DataLoader(batch_size={args.batch_size}, shuffle=True, "
+        f"max_concurrency={args.concurrency}):\n"
+    )
+    progress = _Progress(out, args.items, batches_total)
+    seen = np.zeros(args.items, dtype=np.int64)
+    batches = items = 0
+    async for batch in loader:
+        seen[batch[:, 0].astype(np.int64)] += 1
+        batches += 1
+        items += len(batch)
+        progress.update(batches, items)
+    elapsed = progress.finish(batches, items)
+    rate = items / elapsed
+    exactly_once = bool(np.all(seen == 1))
+
+    sample = min(SEQUENTIAL_SAMPLE, args.items)
+    timing = (f"timing {sample} of them and extrapolating" if sample < args.items
+              else f"timing all {sample}")
+    out.write(f"\nFetching one item after another ({timing}):\n")
+    out.flush()
+    start = time.perf_counter()
+    for index in range(sample):
+        await dataset[index]
+    sequential_rate = sample / (time.perf_counter() - start)
+    sequential_time = args.items / sequential_rate
+
+    how = "measured" if sample == args.items else "estimated"
+    ceiling = (
+        f"ceiling with {args.concurrency} fetches in flight: "
+        f"{args.concurrency / latency:,.0f} items/s" if latency > 0 else "no latency: no ceiling"
+    )
+    out.write(
+        f"  sequential: {sequential_rate:,.0f} items/s, about {sequential_time:.1f} s "
+        f"for all {args.items:,} items ({how})\n\n"
+        f"aloader:  {items:,} items in {elapsed:.2f} s = {rate:,.0f} items/s ({ceiling})\n"
+        f"speed-up: {rate / sequential_rate:.1f}x over sequential awaits\n"
+        f"every item delivered exactly once: {'yes' if exactly_once else 'NO'}\n"
+    )
+    out.flush()
+    return 0 if exactly_once else 1
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from ._bench import format_table, run_bench
+
+    def log(line: str) -> None:
+        print(f"[bench] {line}", file=sys.stderr, flush=True)
+
+    workloads: list[str] = args.workloads or ["all"]
+    started = time.perf_counter()
+    rows = run_bench(workloads, quick=args.quick, repeat=args.repeat,
+                     with_torch=not args.no_torch, log=log)
+    elapsed = time.perf_counter() - started
+    print(f"aloader loader benchmarks ({', '.join(workloads)}{', quick' if args.quick else ''}): "
+          f"best of {args.repeat} per figure, ratios against limits measured in the same run; "
+          f"Python {sys.version.split()[0]}, numpy {np.__version__}")
+    print()
+    print(format_table(rows))
+    print()
+    missed = [row.workload for row in rows if row.met is False]
+    print(f"{len(rows)} rows in {elapsed:.0f} s; targets missed: {len(missed)}")
+    for name in missed:
+        print(f"  MISSED: {name}")
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"should be a positive integer, but got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"should be a number >= 0, but got {text}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    from ._bench import WORKLOADS
+
+    parser = argparse.ArgumentParser(
+        prog="python -m aloader",
+        description="aloader: an asyncio-native streaming data loader.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = commands.add_parser(
+        "demo",
+        help="stream an async dataset with simulated network latency and compare with "
+             "sequential fetching",
+        description="Stream an async dataset with simulated network latency through the "
+                    "DataLoader, then compare with fetching the items one after another.",
+    )
+    demo.add_argument("--items", type=_positive_int, default=20_000,
+                      help="items (default 20000)")
+    demo.add_argument("--latency-ms", type=_non_negative_float, default=5.0,
+                      help="mean latency of one fetch in ms, +- 50%% jitter (default 5)")
+    demo.add_argument("--concurrency", type=_positive_int, default=256,
+                      help="max_concurrency: fetches in flight (default 256)")
+    demo.add_argument("--batch-size", type=_positive_int, default=32,
+                      help="batch size (default 32)")
+    demo.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio",
+                      help="event loop to run on (default asyncio)")
+
+    bench = commands.add_parser(
+        "bench",
+        help="measure the loader against the limits of its workloads",
+        description="Print a markdown table of the loader's throughput on each workload, as a "
+                    "ratio against its limit measured in the same run. io: async dataset and "
+                    "the sync `for` facade; sync: a synchronous dataset doing blocking I/O in "
+                    "threads; mem: in-memory ArrayDataset; lag: event-loop lag while a "
+                    "synchronous dataset loads.",
+    )
+    bench.add_argument("workloads", nargs="*", choices=[*WORKLOADS, "all"], metavar="WORKLOAD",
+                       help=f"any of {', '.join([*WORKLOADS, 'all'])} (default all)")
+    bench.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
+    bench.add_argument("--repeat", type=_positive_int, default=3,
+                       help="runs per figure, best kept (default 3)")
+    bench.add_argument("--no-torch", action="store_true", help="skip torch's figures")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line.
+
+    Args:
+        argv: the arguments after the program name (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status.
+    """
+    args = _parser().parse_args(argv)
+    if args.command == "demo":
+        status: Any = anyio.run(_demo, args, backend=args.backend)
+        return int(status)
+    return _bench(args)

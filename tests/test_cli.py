@@ -1,0 +1,130 @@
+"""``python -m aloader demo`` and ``bench`` run to completion and print what they promise."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aloader._bench import Row, format_table, run_bench
+from aloader._cli import RemoteDataset, main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+
+
+def test_demo_runs_and_reports() -> None:
+    result = run("-m", "aloader", "demo", "--items", "200", "--latency-ms", "1")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "Streaming 200 items" in out
+    assert "batches 7/7  items 200/200" in out  # ceil(200 / 32) batches, every item
+    assert "sequential:" in out
+    assert "aloader:  200 items in" in out
+    assert "speed-up:" in out
+    assert "every item delivered exactly once: yes" in out
+
+
+def test_demo_not_a_tty_prints_plain_lines() -> None:
+    result = run("-m", "aloader", "demo", "--items", "64", "--latency-ms", "0",
+                 "--batch-size", "16", "--concurrency", "4")
+    assert result.returncode == 0, result.stderr
+    assert "\r" not in result.stdout
+    assert "batches 4/4  items 64/64" in result.stdout
+    assert "timing all 64" in result.stdout  # fewer items than the sample: nothing estimated
+
+
+def test_demo_on_trio() -> None:
+    assert main(["demo", "--items", "40", "--latency-ms", "0.5", "--backend", "trio"]) == 0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["demo", "--items", "0"],
+        ["demo", "--latency-ms", "-1"],
+        ["demo", "--concurrency", "x"],
+        ["bench", "nosuch"],
+        ["bench", "--repeat", "0"],
+    ],
+)
+def test_bad_arguments_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_bench_io_quick() -> None:
+    result = run("-m", "aloader", "bench", "io", "--quick")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    header = "| workload | aloader items/s | limit items/s | ratio | target | torch items/s |"
+    assert header in lines
+    assert any(line.startswith("| io: async dataset, max_concurrency=512, N=2,000 |")
+               for line in lines)
+    assert any(line.startswith("| io: same, through the sync `for` facade") for line in lines)
+    rows = [line for line in lines if line.startswith("| io")]
+    assert len(rows) == 2
+    for line in rows:
+        assert line.count("|") == 7, line  # six cells
+    assert "rows in" in result.stdout
+
+
+def test_bench_script_wraps_the_cli() -> None:
+    result = run("benchmarks/bench_loader.py", "sync", "--quick", "--no-torch", "--repeat", "1")
+    assert result.returncode == 0, result.stderr
+    assert "| sync io: sync dataset, blocking time.sleep" in result.stdout
+    assert "- (skipped)" in result.stdout
+
+
+def test_run_bench_mem_and_lag_rows() -> None:
+    rows = run_bench(["mem", "lag"], quick=True, repeat=1, with_torch=False)
+    names = [row.workload for row in rows]
+    assert names[0].startswith("mem: ArrayDataset 20,000 x 128")
+    assert [n for n in names if n.startswith("lag:")] == [
+        "lag: sync dataset, 2 ms blocking sleep/item, batch 32, N=160",
+        "lag: sync dataset, 2 ms GIL-holding work/item, batch 32, N=160",
+    ]
+    for row in rows:
+        assert row.aloader > 0
+        assert row.limit is not None and row.limit > 0
+    assert "lag p50" in rows[-1].ratio and "p99" in rows[-1].ratio
+
+
+def test_run_bench_rejects_unknown_workload() -> None:
+    with pytest.raises(ValueError, match="unknown workload"):
+        run_bench(["nosuch"])
+    with pytest.raises(ValueError, match="repeat"):
+        run_bench(["io"], repeat=0)
+
+
+def test_format_table() -> None:
+    row = Row("w", 1234.5, None, "", "0.50x", ">= 0.6x: MISSED", "-", False)
+    assert format_table([row]).splitlines() == [
+        "| workload | aloader items/s | limit items/s | ratio | target | torch items/s |",
+        "|---|---|---|---|---|---|",
+        "| w | 1,234 | - | 0.50x | >= 0.6x: MISSED | - |",
+    ]
+
+
+@pytest.mark.anyio
+async def test_remote_dataset_payload(anyio_backend: str) -> None:
+    dataset = RemoteDataset(3, latency=0.0001)
+    assert len(dataset) == 3
+    item = await dataset[2]
+    assert item.dtype.name == "float32" and item.shape == (16,)
+    assert (item == 2).all()
+
+
+def test_importing_the_cli_and_bench_does_not_import_torch() -> None:
+    code = ("import sys, aloader._cli, aloader._bench, aloader.__main__; "
+            "assert 'torch' not in sys.modules")
+    assert run("-c", code).returncode == 0
