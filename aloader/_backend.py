@@ -14,7 +14,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-__all__ = ("current_backend", "spawn_background")
+__all__ = ("current_backend", "spawn_background", "threadsafe_caller")
 
 # asyncio only keeps weak references to tasks: hold them until they finish.
 _ASYNCIO_TASKS: set[asyncio.Task[Any]] = set()
@@ -37,19 +37,16 @@ def current_backend() -> str | None:
     return "asyncio"
 
 
-def spawn_background(fn: Callable[[], Awaitable[None]]) -> Callable[[Callable[[], None]], None]:
-    """Start ``fn()`` as a detached task of the running event loop.
+def threadsafe_caller() -> Callable[[Callable[[], None]], None]:
+    """A function that runs a plain callback on the running event loop, from any thread.
 
-    ``fn`` must handle its own exceptions. Returns a function that schedules a plain callback on
-    that loop from any thread (used to cancel the task from ``__del__``); it does nothing once
-    the loop has closed.
+    It does nothing once the loop has closed (there is nothing left to notify then).
     """
     backend = current_backend()
     if backend == "trio":
         import trio
 
         token = trio.lowlevel.current_trio_token()
-        trio.lowlevel.spawn_system_task(fn)
 
         def call_soon_trio(callback: Callable[[], None]) -> None:
             with contextlib.suppress(trio.RunFinishedError):
@@ -59,16 +56,32 @@ def spawn_background(fn: Callable[[], Awaitable[None]]) -> Callable[[Callable[[]
     if backend == "asyncio":
         loop = asyncio.get_running_loop()
 
+        def call_soon_asyncio(callback: Callable[[], None]) -> None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(callback)
+
+        return call_soon_asyncio
+    raise RuntimeError("aloader needs a running asyncio or trio event loop")
+
+
+def spawn_background(fn: Callable[[], Awaitable[None]]) -> Callable[[Callable[[], None]], None]:
+    """Start ``fn()`` as a detached task of the running event loop.
+
+    ``fn`` must handle its own exceptions. Returns :func:`threadsafe_caller`'s function for that
+    loop (used to cancel the task from ``__del__``, whatever thread runs it).
+    """
+    call_soon = threadsafe_caller()
+    if current_backend() == "trio":
+        import trio
+
+        trio.lowlevel.spawn_system_task(fn)
+    else:
+        loop = asyncio.get_running_loop()
+
         async def main() -> None:
             await fn()
 
         task = loop.create_task(main())
         _ASYNCIO_TASKS.add(task)
         task.add_done_callback(_ASYNCIO_TASKS.discard)
-
-        def call_soon_asyncio(callback: Callable[[], None]) -> None:
-            with contextlib.suppress(RuntimeError):  # a closed loop has nothing left to cancel
-                loop.call_soon_threadsafe(callback)
-
-        return call_soon_asyncio
-    raise RuntimeError("aloader needs a running asyncio or trio event loop")
+    return call_soon

@@ -213,6 +213,7 @@ class DataLoader(Generic[T_co]):
             )
         self._iterable_len_called: int | None = None
         self._iterators: weakref.WeakSet[_AsyncLoaderIter] = weakref.WeakSet()
+        self._epochs: set[Epoch] = set()  # started and maybe not yet wound down
         self.__initialized = True
 
     # torch's guards --------------------------------------------------------------------------
@@ -278,9 +279,18 @@ class DataLoader(Generic[T_co]):
         return SyncLoaderIter(self)
 
     async def aclose(self) -> None:
-        """Stop every epoch in progress and wait until their fetches have ended."""
+        """Stop every epoch in progress and wait until their fetches have ended.
+
+        This includes epochs whose iterator was already dropped (``break``), which stop on
+        their own but may still be winding down.
+        """
         for iterator in list(self._iterators):
-            await iterator.aclose()
+            iterator._shutdown()
+        while self._epochs:
+            epoch = self._epochs.pop()
+            epoch.stop()
+            with anyio.CancelScope(shield=True):
+                await epoch.done.wait()
 
     async def __aenter__(self) -> DataLoader[T_co]:
         return self
@@ -439,6 +449,8 @@ class _AsyncLoaderIter:
         else:
             epoch = Epoch(plan, results, keys=loader._keys())
         epoch.start()
+        loader._epochs = {e for e in loader._epochs if not e.done.is_set()}
+        loader._epochs.add(epoch)
         return epoch
 
     async def __anext__(self) -> Any:

@@ -373,8 +373,9 @@ async def test_slow_consumer_bounds_fetched_items(anyio_backend: str) -> None:
     iterator = aiter(loader)
     await anext(iterator)
     await anyio.wait_all_tasks_blocked()
-    # Items fetched: the batch taken, 2 collated batches, and at most the window of 3 batches.
-    assert len(dataset.calls) <= 10 + 2 * 10 + 30
+    # Items fetched: the batch taken, 2 collated batches, and the window: max_concurrency items
+    # plus one batch.
+    assert len(dataset.calls) <= 10 + 2 * 10 + 30 + 10
     await iterator.aclose()
 
 
@@ -424,6 +425,41 @@ async def test_sync_dataset_with_max_concurrency_overlaps_items(anyio_backend: s
 
     batches = await collect(DataLoader(Rendezvous(), batch_size=4, max_concurrency=8))
     assert [i for b in as_lists(batches) for i in b] == list(range(32))
+
+
+def _fetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "aloader-fetch"]
+
+
+async def test_fetch_threads_end_with_the_epoch(anyio_backend: str) -> None:
+    batches = await collect(DataLoader(SyncRange(50), batch_size=5, max_concurrency=8))
+    assert len(batches) == 10
+    assert _fetch_threads() == []
+    async with DataLoader(SyncRange(1000), batch_size=5, max_concurrency=8) as loader:
+        async for _ in loader:
+            assert len(_fetch_threads()) == 8
+            break
+    assert _fetch_threads() == []
+
+
+async def test_sync_dataset_error_with_fetch_threads(anyio_backend: str) -> None:
+    class Bad(aloader.Dataset[int]):
+        def __len__(self) -> int:
+            return 12
+
+        def __getitem__(self, index: int) -> int:
+            if index == 7:
+                raise OSError("disk gone")
+            return index
+
+    iterator = aiter(DataLoader(Bad(), batch_size=4, max_concurrency=3))
+    assert as_lists([await anext(iterator)]) == [[0, 1, 2, 3]]
+    with pytest.raises(OSError, match="disk gone") as info:
+        await anext(iterator)
+    assert any("index 7" in note for note in info.value.__notes__)
+    assert as_lists([await anext(iterator)]) == [[8, 9, 10, 11]]
+    await iterator.aclose()
+    assert _fetch_threads() == []
 
 
 async def test_sync_dataset_default_fetches_one_batch_at_a_time(anyio_backend: str) -> None:
