@@ -294,17 +294,19 @@ def _consume_columns_sync(loader: DataLoader[Any], n: int) -> float:
     return n / elapsed
 
 
-def _mem_limit(x: npt.NDArray[np.float32], sort: bool) -> float:
-    # The anchor's limit loop; the permutation is part of the epoch, as in the anchor.
+def _mem_limit(x: npt.NDArray[np.float32], how: str) -> float:
+    # The anchor's limit loop ("sorted"), the same in sampler order ("unsorted"), and numpy's
+    # fastest gather in sampler order ("take"); the permutation is part of the epoch.
     rows = len(x)
     start = time.perf_counter()
     perm = np.random.default_rng(1).permutation(rows)
-    if sort:
-        for s in range(0, rows, MEM_BATCH):
+    for s in range(0, rows, MEM_BATCH):
+        if how == "sorted":
             _ = x[np.sort(perm[s : s + MEM_BATCH])]
-    else:
-        for s in range(0, rows, MEM_BATCH):
+        elif how == "unsorted":
             _ = x[perm[s : s + MEM_BATCH]]
+        else:
+            _ = x.take(perm[s : s + MEM_BATCH], axis=0)
     return rows / (time.perf_counter() - start)
 
 
@@ -497,10 +499,11 @@ def _mem_rows(sizes: Sizes, repeat: int, torch: _Torch, log: Callable[[str], Non
     loader: DataLoader[Any] = DataLoader(
         ArrayDataset(x), batch_size=MEM_BATCH, shuffle=True, generator=0
     )
-    sorted_limit, unsorted_limit, async_rate, sync_rate = _best_of(
+    sorted_limit, unsorted_limit, take_limit, async_rate, sync_rate = _best_of(
         repeat,
-        lambda: _mem_limit(x, sort=True),
-        lambda: _mem_limit(x, sort=False),
+        lambda: _mem_limit(x, "sorted"),
+        lambda: _mem_limit(x, "unsorted"),
+        lambda: _mem_limit(x, "take"),
         lambda: asyncio.run(_consume_columns(loader, rows)),
         lambda: _consume_columns_sync(loader, rows),
     )
@@ -511,6 +514,8 @@ def _mem_rows(sizes: Sizes, repeat: int, torch: _Torch, log: Callable[[str], Non
                    MEM_TARGET, torch_mem),
         _ratio_row("mem: same, vs indexing in sampler order", async_rate, unsorted_limit,
                    "numpy x[perm[s:s+256]]", None, torch_mem),
+        _ratio_row("mem: same, vs numpy's fastest gather in sampler order", async_rate,
+                   take_limit, "numpy x.take(perm[s:s+256], axis=0)", None, torch_mem),
         _ratio_row("mem: same, through the sync `for` facade", sync_rate, unsorted_limit,
                    "numpy x[perm[s:s+256]]", None, torch_mem),
     ]

@@ -358,7 +358,8 @@ class ArrayDataset(Dataset[tuple[Any, ...]]):
         """
         if self._all_numpy:
             idx = _as_index_array(indices)
-            return ColumnBatch([array[idx] for array in self.arrays])
+            # take() gathers rows about twice as fast as fancy indexing.
+            return ColumnBatch([array.take(idx, axis=0) for array in self.arrays])
         columns: list[Any] = []
         idx_array: npt.NDArray[np.intp] | None = None
         for array in self.arrays:
