@@ -587,9 +587,11 @@ def test_iterable_length_warning() -> None:
     loader = DataLoader(Liar(), batch_size=None)
     assert len(loader) == 2
     with pytest.warns(UserWarning, match=r"Length of IterableDataset .* was reported to be 2"
-                                         r"\(when accessing len\(dataloader\)\), but 3 samples "
-                                         r"have been fetched"):
+                                         r"\(when accessing len\(dataloader\)\), but \d samples "
+                                         r"have been fetched") as record:
         list(loader)
+    # Like torch: one warning for each sample past the reported length.
+    assert [str(w.message).split("but ")[1][0] for w in record] == ["3", "4", "5", "6"]
 
 
 def test_no_length_warning_without_len_call() -> None:
