@@ -1,23 +1,957 @@
-"""Inference micro-batcher. SKELETON: the batcher helper fills this module in."""
+"""Inference micro-batcher: concurrent single requests in, batches of them through a model out.
+
+:class:`Batcher` wraps a *batch function* (``list of items -> sequence of results``) so that
+callers await one item each::
+
+    async with Batcher(model_fn, max_batch_size=32, max_wait=0.002, max_queue=1024) as model:
+        y = await model(x)  # from many concurrent tasks
+
+The design answers the problems users report with Ray Serve's ``@serve.batch``:
+
+* **Backpressure.** The queue is bounded (``max_queue``); a full queue raises
+  :class:`QueueFullError` at once (O(1)), so a server can answer 503 instead of piling up
+  memory and latency.
+* **Cancellation and deadlines.** A caller that times out or is cancelled leaves the queue at
+  once (its item never reaches the batch function and takes no slot in a batch). Cancelling a
+  caller whose batch is already running never aborts the batch for the others.
+* **Full batches under load.** A batch is formed only when an execution slot
+  (``max_concurrent_batches``) is free, so requests that arrive while the model is busy join the
+  next batch instead of being frozen into small batches that then wait for a slot.
+* **Errors.** An exception from the batch function reaches every caller of that batch; a result
+  slot holding an exception is raised for that caller alone; a wrong number of results is a
+  :class:`BatchResultError`. The dispatcher survives every error.
+* **Shutdown.** ``async with`` / :meth:`Batcher.aclose` stop admitting, drain running and queued
+  requests within a timeout and fail what remains with :class:`BatcherClosedError`. No task is
+  left behind.
+* **Metrics** as a plain dict (:meth:`Batcher.metrics`), without a metrics server.
+* Plain (sync) batch functions run in a worker thread; asyncio and trio both work (anyio).
+
+Batch formation follows Triton's dynamic batcher: the wait starts when the oldest queued
+request arrived; a batch goes out as soon as ``max_batch_size`` requests (or the smallest of
+``preferred_batch_sizes``) are queued, or when the oldest request has waited ``max_wait``
+seconds. ``max_wait=0`` (the default) takes whatever is queued when a slot is free: a lone
+request is served at once, and under load batches fill by themselves while the previous batch
+runs.
+
+All times come from the event loop's clock (:func:`anyio.current_time`), so trio's
+``MockClock`` drives batch formation, timeouts and the metrics deterministically in tests.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import inspect
+import math
+import sys
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import Any, Generic, Protocol, TypedDict, TypeVar, cast, overload
+
+import anyio
+from anyio.abc import TaskGroup
+
 from ._exceptions import AloaderError
 
-__all__ = ("Batcher", "BatcherClosedError", "QueueFullError", "batch")
+__all__ = (
+    "Batcher",
+    "BatcherClosedError",
+    "BatcherMetrics",
+    "BatchMethod",
+    "BatchResultError",
+    "BatcherTimeoutError",
+    "LatencySummary",
+    "QueueFullError",
+    "batch",
+)
+
+T = TypeVar("T")
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+C = TypeVar("C")
+S = TypeVar("S")
 
 
 class QueueFullError(AloaderError):
-    """The batcher's queue is full: the request was rejected at once."""
+    """The batcher's queue is full: the request was rejected at once.
+
+    A server should answer it with "503 Service Unavailable" (and possibly ``Retry-After``).
+    """
 
 
 class BatcherClosedError(AloaderError):
-    """The batcher is closed or closing and admits no request."""
+    """The batcher is closed or closing and admits no request.
+
+    Also raised for a request that was still queued or running when :meth:`Batcher.aclose`
+    gave up draining.
+    """
 
 
-class Batcher:
-    """SKELETON."""
+class BatcherTimeoutError(AloaderError, TimeoutError):
+    """A request was not served within its timeout (it is also a builtin :class:`TimeoutError`)."""
 
 
-def batch() -> None:
-    """SKELETON."""
+class BatchResultError(AloaderError, ValueError):
+    """The batch function did not return one result per item of the batch."""
+
+
+class _Results(Protocol[R_co]):
+    """What a batch function returns: anything sized and indexable (list, tuple, ndarray)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> R_co: ...
+
+
+class LatencySummary(TypedDict):
+    """Percentiles, in seconds, over the most recent samples (``None`` before any sample)."""
+
+    count: int
+    p50: float | None
+    p99: float | None
+    max: float | None
+
+
+class BatcherMetrics(TypedDict):
+    """The plain dict :meth:`Batcher.metrics` returns."""
+
+    submitted: int
+    """Requests admitted to the queue."""
+    completed: int
+    """Requests answered with a result."""
+    failed: int
+    """Requests answered with an exception (batch error, per-item error, closed)."""
+    rejected: int
+    """Requests refused with :class:`QueueFullError`."""
+    timed_out: int
+    """Requests whose caller's timeout expired (queued or running)."""
+    cancelled: int
+    """Requests whose caller was cancelled (queued or running)."""
+    queued: int
+    """Requests waiting in the queue now."""
+    running_batches: int
+    """Batches being executed now."""
+    batches: int
+    """Batches executed so far."""
+    batch_size_histogram: dict[int, int]
+    """Batch size -> number of batches of that size."""
+    queue_wait: LatencySummary
+    """Time from admission to the start of the request's batch."""
+    execution: LatencySummary
+    """Time the batch function took, per batch (collate included)."""
+
+
+# Request states.
+_QUEUED = 0
+_RUNNING = 1
+_DONE = 2
+_ABANDONED = 3
+
+_UNSET: Any = object()
+_NEVER = sys.maxsize
+
+
+class _Request:
+    __slots__ = ("enqueued", "error", "event", "item", "result", "state", "tb")
+
+    def __init__(self, item: Any, enqueued: float) -> None:
+        self.item = item
+        self.enqueued = enqueued
+        self.state = _QUEUED
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.tb: TracebackType | None = None
+        self.event = anyio.Event()
+
+
+def _current_loop() -> object:
+    """An identity for the running event loop: the asyncio loop or trio's run token."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            return trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            pass
+    raise RuntimeError("a Batcher can only be called from a running asyncio or trio event loop")
+
+
+def _clock_of(loop: object) -> Callable[[], float]:
+    if isinstance(loop, asyncio.AbstractEventLoop):
+        return loop.time
+    import trio
+
+    return trio.current_time
+
+
+def _loop_is_alive(loop: object) -> bool:
+    if isinstance(loop, asyncio.AbstractEventLoop):
+        return not loop.is_closed() and loop.is_running()
+    # A trio run cancels its system tasks when it ends, so a live dispatcher means a live run.
+    return True
+
+
+def _is_async_callable(fn: Callable[..., Any]) -> bool:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if inspect.iscoroutinefunction(fn):
+        return True
+    call = getattr(fn, "__call__", None)  # noqa: B004 -- an async __call__ on an instance
+    return call is not None and inspect.iscoroutinefunction(call)
+
+
+def _summary(samples: deque[float]) -> LatencySummary:
+    if not samples:
+        return {"count": 0, "p50": None, "p99": None, "max": None}
+    ordered = sorted(samples)
+    n = len(ordered)
+
+    def rank(q: float) -> float:
+        # Nearest-rank percentile: the smallest sample with at least q of the samples <= it.
+        return ordered[max(0, math.ceil(q * n) - 1)]
+
+    return {"count": n, "p50": rank(0.50), "p99": rank(0.99), "max": ordered[-1]}
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} should be a positive integer value, but got {name}={value!r}")
+    return value
+
+
+def _check_seconds(name: str, value: object, *, allow_none: bool, allow_zero: bool) -> float | None:
+    if value is None:
+        if allow_none:
+            return None
+        raise ValueError(f"{name} should be a number of seconds, but got {name}=None")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"{name} should be a number of seconds, but got {name}={value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = "non-negative" if allow_zero else "positive"
+        raise ValueError(f"{name} should be {bound}, but got {name}={value!r}")
+    return float(value)
+
+
+class Batcher(Generic[T, R]):
+    """Batches concurrent single requests into calls of a batch function.
+
+    ``await batcher(item)`` queues ``item`` and returns its result once a batch containing it
+    has run. The batch function receives the list of queued items (or ``collate_fn`` of that
+    list) and must return a sequence of the same length (a list, tuple or ndarray); result ``i``
+    answers item ``i``. A result that is an :class:`Exception` instance is raised for that
+    caller alone; an exception raised by the batch function is raised for every caller of the
+    batch.
+
+    The batcher needs a dispatcher task. Either use ``async with Batcher(...) as b:`` (the
+    dispatcher lives in a task group for the block, and the exit drains and closes it), or just
+    call it: the first call starts the dispatcher in the background of the running event loop
+    (an asyncio task, or a trio system task) and :meth:`aclose` stops it. A batcher serves one
+    event loop at a time.
+
+    Args:
+        fn: The batch function, ``async def fn(items)`` or a plain ``def fn(items)``; plain
+            functions run in a worker thread (see ``to_thread``).
+        max_batch_size: The most items in one batch.
+        max_wait: Seconds the oldest queued request may wait for its batch to fill before the
+            batch goes out anyway. ``0`` takes whatever is queued when an execution slot is
+            free (no timer: lowest latency, and batches still fill while the model is busy).
+        max_concurrent_batches: How many batches may run at once.
+        max_queue: The most requests waiting in the queue; a request beyond it raises
+            :class:`QueueFullError` at once.
+        timeout: Default per-request timeout in seconds (queueing and execution together);
+            ``None`` waits forever. A late request raises :class:`BatcherTimeoutError`, which
+            is a :class:`TimeoutError`.
+        collate_fn: Turns the list of items into the batch function's argument, e.g.
+            :func:`aloader.default_collate` to stack arrays, or a function that pads.
+            ``None`` (default) passes the list as is.
+        preferred_batch_sizes: Batch sizes to prefer (Triton's ``preferred_batch_size``): a
+            batch goes out as soon as the smallest of them is queued, with the largest that
+            the queue allows; when ``max_wait`` expires first, whatever is queued goes out.
+        to_thread: Run a plain batch function (and its collate) in a worker thread so the
+            event loop stays responsive. ``False`` calls it on the event loop: faster for
+            functions that take microseconds. Ignored for async batch functions.
+        close_timeout: Seconds the exit of ``async with`` waits for queued and running
+            requests to finish before failing them (``None``: wait as long as it takes).
+        metrics_window: How many recent samples the latency percentiles are taken over.
+        name: Name used in error messages and ``repr`` (default: the function's name).
+
+    Raises:
+        ValueError: If an argument is out of range.
+        TypeError: If ``fn`` or ``collate_fn`` is not callable.
+    """
+
+    @overload
+    def __init__(
+        self: Batcher[T, R],
+        fn: Callable[[list[T]], Awaitable[_Results[R]] | _Results[R]],
+        *,
+        max_batch_size: int = ...,
+        max_wait: float = ...,
+        max_concurrent_batches: int = ...,
+        max_queue: int = ...,
+        timeout: float | None = ...,
+        collate_fn: None = ...,
+        preferred_batch_sizes: Sequence[int] | None = ...,
+        to_thread: bool = ...,
+        close_timeout: float | None = ...,
+        metrics_window: int = ...,
+        name: str | None = ...,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self: Batcher[T, R],
+        fn: Callable[[C], Awaitable[_Results[R]] | _Results[R]],
+        *,
+        max_batch_size: int = ...,
+        max_wait: float = ...,
+        max_concurrent_batches: int = ...,
+        max_queue: int = ...,
+        timeout: float | None = ...,
+        collate_fn: Callable[[list[T]], C],
+        preferred_batch_sizes: Sequence[int] | None = ...,
+        to_thread: bool = ...,
+        close_timeout: float | None = ...,
+        metrics_window: int = ...,
+        name: str | None = ...,
+    ) -> None: ...
+
+    def __init__(
+        self,
+        fn: Callable[[Any], Any],
+        *,
+        max_batch_size: int = 32,
+        max_wait: float = 0.0,
+        max_concurrent_batches: int = 1,
+        max_queue: int = 1024,
+        timeout: float | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        preferred_batch_sizes: Sequence[int] | None = None,
+        to_thread: bool = True,
+        close_timeout: float | None = 30.0,
+        metrics_window: int = 10_000,
+        name: str | None = None,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"Batcher needs a callable batch function, but got {fn!r}")
+        if collate_fn is not None and not callable(collate_fn):
+            raise TypeError(f"collate_fn should be callable or None, but got {collate_fn!r}")
+        self._max_batch_size = _check_positive_int("max_batch_size", max_batch_size)
+        self._max_wait = cast(
+            float, _check_seconds("max_wait", max_wait, allow_none=False, allow_zero=True)
+        )
+        self._max_concurrent = _check_positive_int("max_concurrent_batches", max_concurrent_batches)
+        self._max_queue = _check_positive_int("max_queue", max_queue)
+        self._timeout = _check_seconds("timeout", timeout, allow_none=True, allow_zero=False)
+        self._close_timeout = _check_seconds(
+            "close_timeout", close_timeout, allow_none=True, allow_zero=True
+        )
+        window = _check_positive_int("metrics_window", metrics_window)
+        preferred: tuple[int, ...] = ()
+        if preferred_batch_sizes is not None:
+            for size in preferred_batch_sizes:
+                _check_positive_int("preferred_batch_sizes item", size)
+                if size > max_batch_size:
+                    raise ValueError(
+                        f"preferred_batch_sizes item {size} is larger than "
+                        f"max_batch_size={max_batch_size}"
+                    )
+            preferred = tuple(sorted(set(preferred_batch_sizes)))
+            if not preferred:
+                raise ValueError("preferred_batch_sizes should not be empty (use None instead)")
+        self._preferred = preferred
+        # A batch goes out without waiting once this many requests are queued.
+        self._fill_target = preferred[0] if preferred else self._max_batch_size
+
+        self._fn = fn
+        self._collate = collate_fn
+        self._is_async = _is_async_callable(fn)
+        self._to_thread = bool(to_thread)
+        self._name = name if name is not None else getattr(fn, "__name__", type(fn).__name__)
+
+        # OrderedDict: O(1) append, O(1) pop of the oldest, O(1) removal of a cancelled request.
+        self._queue: OrderedDict[_Request, None] = OrderedDict()
+        self._running = 0
+        self._closing = False
+        self._managed = False  # entered with `async with`
+        self._alive = False  # a dispatcher is running (or about to)
+        self._loop: object = None
+        # The event loop's clock (what anyio.current_time() returns), looked up once per loop.
+        self._now: Callable[[], float] = anyio.current_time
+        self._stopped: anyio.Event | None = None
+        self._scope: anyio.CancelScope | None = None
+        self._task_group: TaskGroup | None = None
+        self._background: asyncio.Task[None] | None = None
+        # The dispatcher sleeps on _wake; callers set it once the queue holds _wake_at items.
+        self._wake: anyio.Event | None = None
+        self._wake_at = _NEVER
+
+        self._n_submitted = 0
+        self._n_completed = 0
+        self._n_failed = 0
+        self._n_rejected = 0
+        self._n_timed_out = 0
+        self._n_cancelled = 0
+        self._n_batches = 0
+        self._size_hist: dict[int, int] = {}
+        self._queue_waits: deque[float] = deque(maxlen=window)
+        self._exec_times: deque[float] = deque(maxlen=window)
+
+    # -- public API ------------------------------------------------------------------------
+
+    @property
+    def max_batch_size(self) -> int:
+        """The most items in one batch."""
+        return self._max_batch_size
+
+    @property
+    def max_wait(self) -> float:
+        """Seconds the oldest queued request may wait for its batch to fill."""
+        return self._max_wait
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """How many batches may run at once."""
+        return self._max_concurrent
+
+    @property
+    def max_queue(self) -> int:
+        """The most requests waiting in the queue."""
+        return self._max_queue
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` was called (the batcher admits no new request)."""
+        return self._closing
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closing else ("running" if self._alive else "idle")
+        return (
+            f"<Batcher {self._name!r} {state} max_batch_size={self._max_batch_size} "
+            f"max_wait={self._max_wait} queued={len(self._queue)}/{self._max_queue}>"
+        )
+
+    async def __call__(self, item: T, *, timeout: float | None = _UNSET) -> R:
+        """Submit one item and wait for its result.
+
+        Args:
+            item: The item; it becomes one element of the list given to the batch function.
+            timeout: Seconds to wait for the result (queueing and execution together),
+                overriding the batcher's ``timeout``; ``None`` waits forever.
+
+        Returns:
+            The batch function's result for this item.
+
+        Raises:
+            QueueFullError: At once, when ``max_queue`` requests are already waiting.
+            BatcherClosedError: If the batcher is closed, or closed before serving the item.
+            BatcherTimeoutError: If the timeout expired (the request leaves the queue; a
+                running batch goes on for the others).
+            BatchResultError: If the batch function returned the wrong number of results.
+            Exception: Whatever the batch function (or ``collate_fn``) raised for the batch,
+                or the exception instance it returned in this item's result slot.
+        """
+        if self._closing:
+            raise BatcherClosedError(f"batcher {self._name!r} is closed and admits no request")
+        loop = _current_loop()
+        if loop is not self._loop or not self._alive:
+            self._bind(loop)
+        queue = self._queue
+        if len(queue) >= self._max_queue:
+            self._n_rejected += 1
+            raise QueueFullError(
+                f"batcher {self._name!r} queue is full ({self._max_queue} requests waiting); "
+                "retry later"
+            )
+        if timeout is _UNSET:
+            timeout = self._timeout
+        elif timeout is not None:
+            timeout = _check_seconds("timeout", timeout, allow_none=True, allow_zero=False)
+        request = _Request(item, self._now())
+        queue[request] = None
+        self._n_submitted += 1
+        wake = self._wake
+        if wake is not None and len(queue) >= self._wake_at:
+            self._wake = None
+            wake.set()
+        try:
+            if timeout is None:
+                await request.event.wait()
+            else:
+                with anyio.fail_after(timeout):
+                    await request.event.wait()
+        except TimeoutError:
+            if request.state == _DONE:
+                # The result arrived as the deadline hit: a served request is not late.
+                pass
+            else:
+                self._abandon(request)
+                self._n_timed_out += 1
+                raise BatcherTimeoutError(
+                    f"batcher {self._name!r}: request not served within {timeout} s"
+                ) from None
+        except BaseException as exc:
+            if request.state != _DONE:
+                self._abandon(request)
+                if isinstance(exc, anyio.get_cancelled_exc_class()):
+                    self._n_cancelled += 1
+            raise
+        error = request.error
+        if error is not None:
+            raise error.with_traceback(request.tb)
+        return cast(R, request.result)
+
+    async def aclose(self, timeout: float | None = _UNSET) -> None:
+        """Stop admitting requests, drain the queued and running ones, then stop the dispatcher.
+
+        Queued requests are dispatched at once (without waiting for ``max_wait``). Whatever
+        is still queued or running when ``timeout`` expires fails with
+        :class:`BatcherClosedError` (a batch function still running in a worker thread is
+        abandoned). Calling it again waits for the first call to finish.
+
+        Args:
+            timeout: Seconds to wait for the drain; default: the batcher's ``close_timeout``.
+                ``0`` fails everything pending at once; ``None`` waits as long as it takes.
+        """
+        if timeout is _UNSET:
+            timeout = self._close_timeout
+        else:
+            timeout = _check_seconds("timeout", timeout, allow_none=True, allow_zero=True)
+        self._closing = True
+        self._wake_dispatcher()
+        stopped = self._stopped
+        if stopped is None or not self._alive:
+            self._fail_queued()
+            return
+        try:
+            with anyio.move_on_after(math.inf if timeout is None else timeout):
+                await stopped.wait()
+        finally:
+            if not stopped.is_set():
+                # Drain timed out (or we are being cancelled): fail what remains and stop.
+                with anyio.CancelScope(shield=True):
+                    self._fail_queued()
+                    if self._scope is not None:
+                        self._scope.cancel()
+                    await stopped.wait()
+
+    async def __aenter__(self) -> Batcher[T, R]:
+        """Start the dispatcher in a task group that lives until the block exits."""
+        if self._closing:
+            raise BatcherClosedError(f"batcher {self._name!r} is closed")
+        if self._alive:
+            raise RuntimeError(f"batcher {self._name!r} is already running")
+        task_group = anyio.create_task_group()
+        await task_group.__aenter__()
+        self._task_group = task_group
+        self._managed = True
+        self._loop = _current_loop()
+        self._now = _clock_of(self._loop)
+        self._alive = True
+        self._stopped = anyio.Event()
+        task_group.start_soon(self._serve, name=f"aloader.Batcher({self._name}) dispatcher")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        """Drain and close (see :meth:`aclose`), then leave the task group."""
+        task_group = self._task_group
+        assert task_group is not None
+        try:
+            await self.aclose()
+        finally:
+            self._task_group = None
+            await task_group.__aexit__(exc_type, exc, tb)
+        return None
+
+    def metrics(self) -> BatcherMetrics:
+        """Counters, batch-size histogram and latency percentiles, as a plain dict.
+
+        Returns:
+            A new :class:`BatcherMetrics` dict; latencies are in seconds.
+        """
+        return {
+            "submitted": self._n_submitted,
+            "completed": self._n_completed,
+            "failed": self._n_failed,
+            "rejected": self._n_rejected,
+            "timed_out": self._n_timed_out,
+            "cancelled": self._n_cancelled,
+            "queued": len(self._queue),
+            "running_batches": self._running,
+            "batches": self._n_batches,
+            "batch_size_histogram": dict(sorted(self._size_hist.items())),
+            "queue_wait": _summary(self._queue_waits),
+            "execution": _summary(self._exec_times),
+        }
+
+    # -- dispatcher ------------------------------------------------------------------------
+
+    def _bind(self, loop: object) -> None:
+        """Start the dispatcher lazily in the caller's event loop (or refuse)."""
+        if self._alive and loop is self._loop:
+            return
+        if self._managed:
+            raise RuntimeError(
+                f"batcher {self._name!r} was started by `async with`, and its dispatcher is not "
+                "running in this event loop"
+            )
+        if self._alive and self._loop is not None and _loop_is_alive(self._loop):
+            raise RuntimeError(
+                f"batcher {self._name!r} is serving another event loop; "
+                "create one Batcher per event loop"
+            )
+        # Requests left by a dead loop have no caller any more: drop them.
+        self._queue.clear()
+        self._running = 0
+        self._wake = None
+        self._wake_at = _NEVER
+        self._loop = loop
+        self._now = _clock_of(loop)
+        self._stopped = anyio.Event()
+        self._alive = True
+        if isinstance(loop, asyncio.AbstractEventLoop):
+            self._background = loop.create_task(self._serve())
+        else:
+            import trio
+
+            trio.lowlevel.spawn_system_task(self._serve)
+
+    async def _serve(self) -> None:
+        stopped = self._stopped
+        assert stopped is not None
+        try:
+            with anyio.CancelScope() as scope:
+                self._scope = scope
+                async with anyio.create_task_group() as task_group:
+                    await self._dispatch(task_group)
+        finally:
+            self._scope = None
+            self._alive = False
+            self._background = None
+            self._fail_queued()
+            stopped.set()
+
+    def _wake_dispatcher(self) -> None:
+        wake = self._wake
+        if wake is not None:
+            self._wake = None
+            wake.set()
+
+    async def _sleep(self, wake_at: int, deadline: float = math.inf) -> None:
+        """Sleep until ``wake_at`` requests are queued, a wake-up, or ``deadline``."""
+        event = anyio.Event()
+        self._wake = event
+        self._wake_at = wake_at
+        try:
+            if deadline == math.inf:
+                await event.wait()  # no cancel scope: the idle -> busy path stays cheap
+            else:
+                with anyio.CancelScope(deadline=deadline):
+                    await event.wait()
+        finally:
+            if self._wake is event:
+                self._wake = None
+            self._wake_at = _NEVER
+
+    async def _dispatch(self, task_group: TaskGroup) -> None:
+        queue = self._queue
+        max_wait = self._max_wait
+        while True:
+            if self._running >= self._max_concurrent:
+                await self._sleep(_NEVER)  # a finishing batch wakes us
+                continue
+            if not queue:
+                if self._closing:
+                    return
+                await self._sleep(1)
+                continue
+            if max_wait > 0 and not self._closing and len(queue) < self._fill_target:
+                deadline = next(iter(queue)).enqueued + max_wait
+                if self._now() < deadline:
+                    await self._sleep(self._fill_target, deadline)
+                    continue  # re-evaluate: the queue may have grown, shrunk or emptied
+            batch = self._take()
+            self._running += 1
+            if self._max_concurrent == 1:
+                # No other batch can start meanwhile: run inline, saving a task per batch.
+                await self._run_batch(batch)
+            else:
+                task_group.start_soon(self._run_batch, batch)
+
+    def _take(self) -> list[_Request]:
+        queue = self._queue
+        size = min(len(queue), self._max_batch_size)
+        if self._preferred and size >= self._preferred[0]:
+            size = max(p for p in self._preferred if p <= size)
+        popitem = queue.popitem
+        return [popitem(last=False)[0] for _ in range(size)]
+
+    async def _run_batch(self, batch: list[_Request]) -> None:
+        start = self._now()
+        waits = self._queue_waits
+        for request in batch:
+            request.state = _RUNNING
+            waits.append(start - request.enqueued)
+        n = len(batch)
+        self._n_batches += 1
+        self._size_hist[n] = self._size_hist.get(n, 0) + 1
+        try:
+            try:
+                results = await self._call_fn([request.item for request in batch])
+                try:
+                    count = len(results)
+                except TypeError:
+                    raise BatchResultError(
+                        f"batch function {self._name!r} returned a "
+                        f"{type(results).__name__} object, which has no len(); it must return "
+                        "a sequence (list, tuple or array) with one result per item"
+                    ) from None
+                if count != n:
+                    raise BatchResultError(
+                        f"batch function {self._name!r} returned {count} results for a batch "
+                        f"of {n} items; it must return exactly one result per item"
+                    )
+            except anyio.get_cancelled_exc_class() as exc:
+                if self._cancel_is_ours():
+                    self._fail_batch(
+                        batch,
+                        BatcherClosedError(
+                            f"batcher {self._name!r} closed while the request's batch was running"
+                        ),
+                        None,
+                    )
+                    raise
+                # The batch function raised CancelledError without being cancelled. Handing
+                # CancelledError to the callers would make them look cancelled: wrap it.
+                error = RuntimeError(
+                    f"batch function {self._name!r} raised {type(exc).__name__} "
+                    "without being cancelled"
+                )
+                error.__cause__ = exc
+                self._fail_batch(batch, error, None)
+            except Exception as exc:
+                self._fail_batch(batch, exc, exc.__traceback__)
+            except BaseException as exc:
+                self._fail_batch(batch, exc, exc.__traceback__)
+                raise
+            else:
+                self._deliver(batch, results)
+        finally:
+            self._exec_times.append(self._now() - start)
+            self._running -= 1
+            if self._wake_at == _NEVER:
+                self._wake_dispatcher()
+
+    def _cancel_is_ours(self) -> bool:
+        """Whether a cancellation exception comes from a real cancellation of the dispatcher."""
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:
+            return True  # trio: Cancelled only comes from an enclosing cancel scope
+        cancelling = getattr(task, "cancelling", None)
+        if task is None or cancelling is None:
+            return True  # Python 3.10 cannot tell: assume it is
+        return bool(cancelling())
+
+    async def _call_fn(self, items: list[Any]) -> Any:
+        collate = self._collate
+        fn = self._fn
+        if self._is_async:
+            result = await fn(items if collate is None else collate(items))
+        elif self._to_thread:
+            if collate is None:
+                result = await anyio.to_thread.run_sync(fn, items, abandon_on_cancel=True)
+            else:
+                result = await anyio.to_thread.run_sync(
+                    lambda: fn(collate(items)), abandon_on_cancel=True
+                )
+        else:
+            result = fn(items if collate is None else collate(items))
+        if inspect.isawaitable(result):
+            # A plain function that returned an awaitable (e.g. a lambda around a coroutine).
+            result = await result
+        return result
+
+    def _deliver(self, batch: list[_Request], results: _Results[Any]) -> None:
+        completed = failed = 0
+        for index, request in enumerate(batch):
+            if request.state != _RUNNING:
+                continue  # its caller gave up: never resolve it
+            result = results[index]
+            if isinstance(result, Exception):
+                request.error = result
+                request.tb = result.__traceback__
+                failed += 1
+            else:
+                request.result = result
+                completed += 1
+            request.state = _DONE
+            request.event.set()
+        self._n_completed += completed
+        self._n_failed += failed
+
+    def _fail_batch(
+        self, batch: list[_Request], error: BaseException, tb: TracebackType | None
+    ) -> None:
+        for request in batch:
+            if request.state == _RUNNING:
+                request.error = error
+                request.tb = tb
+                request.state = _DONE
+                request.event.set()
+                self._n_failed += 1
+
+    def _fail_queued(self) -> None:
+        queue = self._queue
+        if not queue:
+            return
+        error = BatcherClosedError(f"batcher {self._name!r} closed before serving the request")
+        while queue:
+            request = queue.popitem(last=False)[0]
+            request.error = error
+            request.state = _DONE
+            request.event.set()
+            self._n_failed += 1
+
+    def _abandon(self, request: _Request) -> None:
+        if request.state == _QUEUED:
+            self._queue.pop(request, None)
+        request.state = _ABANDONED
+
+
+class BatchMethod(Generic[S, T, R]):
+    """The descriptor :func:`batch` returns: each instance gets its own :class:`Batcher`.
+
+    ``instance.method`` is that instance's :class:`Batcher` (created on first access), so
+    ``await instance.method(item)`` batches, ``instance.method.metrics()`` reads its metrics
+    and ``await instance.method.aclose()`` closes it. Accessed on the class, it is the
+    descriptor itself.
+    """
+
+    def __init__(self, fn: Callable[[S, Any], Any], options: dict[str, Any]) -> None:
+        self._fn = fn
+        self._options = options
+        self._attr = getattr(fn, "__name__", "batched")
+        functools.update_wrapper(self, fn)
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        self._attr = name
+
+    @overload
+    def __get__(self, instance: None, owner: type[Any] | None = None) -> BatchMethod[S, T, R]: ...
+
+    @overload
+    def __get__(self, instance: S, owner: type[Any] | None = None) -> Batcher[T, R]: ...
+
+    def __get__(
+        self, instance: S | None, owner: type[Any] | None = None
+    ) -> BatchMethod[S, T, R] | Batcher[T, R]:
+        if instance is None:
+            return self
+        try:
+            namespace = vars(instance)
+        except TypeError:
+            raise TypeError(
+                f"@batch needs instances with a __dict__ to keep one Batcher per instance; "
+                f"{type(instance).__name__} has __slots__ without __dict__"
+            ) from None
+        batcher = namespace.get(self._attr)
+        if not isinstance(batcher, Batcher):
+            options = dict(self._options)
+            options.setdefault("name", f"{type(instance).__name__}.{self._attr}")
+            batcher = Batcher(functools.partial(self._fn, instance), **options)
+            # Stored under the method's name: later lookups find it before this (non-data)
+            # descriptor, so the hot path costs one dict lookup.
+            namespace[self._attr] = batcher
+        return cast("Batcher[T, R]", batcher)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Refuse calls on the class: ``@batch`` decorates methods."""
+        raise TypeError(
+            f"{self._attr} is a batched method: call it on an instance "
+            "(use aloader.Batcher(fn) to batch a plain function)"
+        )
+
+
+@overload
+def batch(
+    fn: Callable[[S, list[T]], Awaitable[_Results[R]] | _Results[R]], /
+) -> BatchMethod[S, T, R]: ...
+
+
+@overload
+def batch(
+    fn: None = None,
+    /,
+    *,
+    max_batch_size: int = ...,
+    max_wait: float = ...,
+    max_concurrent_batches: int = ...,
+    max_queue: int = ...,
+    timeout: float | None = ...,
+    collate_fn: Callable[[list[Any]], Any] | None = ...,
+    preferred_batch_sizes: Sequence[int] | None = ...,
+    to_thread: bool = ...,
+    close_timeout: float | None = ...,
+    metrics_window: int = ...,
+) -> Callable[
+    [Callable[[S, list[T]], Awaitable[_Results[R]] | _Results[R]]], BatchMethod[S, T, R]
+]: ...
+
+
+def batch(
+    fn: Callable[..., Any] | None = None, /, **options: Any
+) -> BatchMethod[Any, Any, Any] | Callable[[Callable[..., Any]], BatchMethod[Any, Any, Any]]:
+    """Decorate a method ``(self, items) -> results`` so that it batches single calls.
+
+    The decorator form of :class:`Batcher`, like Ray Serve's ``@serve.batch``; it takes the
+    same keyword arguments. Each instance gets its own batcher, started on the first call::
+
+        class Model:
+            @aloader.batch(max_batch_size=16, max_wait=0.002)
+            async def predict(self, xs: list[np.ndarray]) -> list[float]:
+                return self.net(np.stack(xs)).tolist()
+
+        y = await model.predict(x)  # one item in, one result out
+        await model.predict.aclose()
+
+    Args:
+        fn: The method, when used as ``@batch`` without arguments.
+        **options: Keyword arguments of :class:`Batcher` (``max_batch_size``, ``max_wait``,
+            ``max_concurrent_batches``, ``max_queue``, ``timeout``, ``collate_fn``,
+            ``preferred_batch_sizes``, ``to_thread``, ``close_timeout``, ``metrics_window``).
+
+    Returns:
+        A :class:`BatchMethod` descriptor, or a decorator that makes one.
+
+    Raises:
+        TypeError: If an option is unknown or ``fn`` is not callable.
+        ValueError: If an option is out of range.
+    """
+    allowed = {
+        "max_batch_size", "max_wait", "max_concurrent_batches", "max_queue", "timeout",
+        "collate_fn", "preferred_batch_sizes", "to_thread", "close_timeout", "metrics_window",
+    }  # fmt: skip
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise TypeError(f"batch() got unexpected keyword argument(s): {', '.join(unknown)}")
+    # Validate now rather than on the first call of the first instance.
+    Batcher(lambda items: items, **options)
+
+    def decorate(method: Callable[..., Any]) -> BatchMethod[Any, Any, Any]:
+        if not callable(method):
+            raise TypeError(f"@batch decorates a method, but got {method!r}")
+        return BatchMethod(method, options)
+
+    if fn is None:
+        return decorate
+    return decorate(fn)
