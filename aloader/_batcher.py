@@ -52,6 +52,7 @@ from typing import Any, Generic, Protocol, TypedDict, TypeVar, cast, overload
 import anyio
 from anyio.abc import TaskGroup
 
+from ._backend import spawn_background
 from ._exceptions import AloaderError
 
 __all__ = (
@@ -385,7 +386,6 @@ class Batcher(Generic[T, R]):
         self._stopped: anyio.Event | None = None
         self._scope: anyio.CancelScope | None = None
         self._task_group: TaskGroup | None = None
-        self._background: asyncio.Task[None] | None = None
         # The dispatcher sleeps on _wake; callers set it once the queue holds _wake_at items.
         self._wake: anyio.Event | None = None
         self._wake_at = _NEVER
@@ -618,12 +618,7 @@ class Batcher(Generic[T, R]):
         self._now = _clock_of(loop)
         self._stopped = anyio.Event()
         self._alive = True
-        if isinstance(loop, asyncio.AbstractEventLoop):
-            self._background = loop.create_task(self._serve())
-        else:
-            import trio
-
-            trio.lowlevel.spawn_system_task(self._serve)
+        spawn_background(self._serve)
 
     async def _serve(self) -> None:
         stopped = self._stopped
@@ -636,7 +631,6 @@ class Batcher(Generic[T, R]):
         finally:
             self._scope = None
             self._alive = False
-            self._background = None
             self._fail_queued()
             stopped.set()
 
