@@ -7,7 +7,14 @@ Quick start::
         ...
 """
 
-from ._batcher import Batcher, BatcherClosedError, QueueFullError, batch
+from ._batcher import (
+    Batcher,
+    BatcherClosedError,
+    BatcherTimeoutError,
+    BatchResultError,
+    QueueFullError,
+    batch,
+)
 from ._collate import collate, default_collate, default_collate_fn_map, default_convert
 from ._dataset import (
     ArrayDataset,
@@ -22,6 +29,7 @@ from ._dataset import (
 )
 from ._distributed import DistributedSampler
 from ._exceptions import AloaderError, LoaderTimeoutError
+from ._formats import SourceStats
 from ._loader import DataLoader
 from ._sampler import (
     BatchSampler,
@@ -31,6 +39,8 @@ from ._sampler import (
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
+from ._sources import BinaryRecords, JsonLines, NpyRows, ShardedSource, TextLines
+from ._streams import FetchError, RecordError, SourceError, Stream, as_stream, interleave
 from ._worker import get_worker_info
 
 __version__ = "0.1.0.dev0"
@@ -62,12 +72,27 @@ __all__ = (
     "default_collate",
     "default_collate_fn_map",
     "default_convert",
+    # streaming sources
+    "BinaryRecords",
+    "JsonLines",
+    "NpyRows",
+    "ShardedSource",
+    "SourceStats",
+    "Stream",
+    "TextLines",
+    "as_stream",
+    "interleave",
     # inference batching
     "Batcher",
     "batch",
     # errors
     "AloaderError",
     "BatcherClosedError",
+    "BatcherTimeoutError",
+    "BatchResultError",
+    "FetchError",
     "LoaderTimeoutError",
     "QueueFullError",
+    "RecordError",
+    "SourceError",
 )

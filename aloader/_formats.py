@@ -1,0 +1,529 @@
+"""Record formats: turn a shard's bytes, chunk by chunk, into records.
+
+A decoder sees the shard as a sequence of byte chunks (from a file or an HTTP response) and
+keeps the state that crosses chunk boundaries: the unfinished line or record, the line number
+and the byte offset, so that a malformed record is reported with its location. Decoders never
+hold more than one unfinished record besides the chunk in hand.
+"""
+
+from __future__ import annotations
+
+import codecs
+import io
+import json
+import math
+import struct
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from ._streams import RecordError, SourceError
+
+__all__ = (
+    "BadRecords",
+    "BinaryDecoder",
+    "Decoder",
+    "JsonLinesDecoder",
+    "NpyDecoder",
+    "SourceStats",
+    "TextDecoder",
+)
+
+T = TypeVar("T")
+
+# Errors kept for inspection when bad records are skipped (the count is exact regardless).
+_KEEP_ERRORS = 100
+
+
+@dataclass
+class SourceStats:
+    """Counters of a source, cumulative over its epochs (in this process).
+
+    Attributes:
+        shards: shards read to their end.
+        records: records produced.
+        bytes: bytes read from files and HTTP responses.
+        skipped: malformed records skipped because ``skip_errors=True``.
+        retries: HTTP requests retried (connection errors, timeouts, 5xx).
+        skipped_errors: the errors of the last skipped records (up to 100).
+    """
+
+    shards: int = 0
+    records: int = 0
+    bytes: int = 0
+    skipped: int = 0
+    retries: int = 0
+    skipped_errors: deque[RecordError] = field(
+        default_factory=lambda: deque(maxlen=_KEEP_ERRORS)
+    )
+
+
+class BadRecords:
+    """What to do with a malformed record: raise its error, or count it and go on."""
+
+    __slots__ = ("skip", "stats")
+
+    def __init__(self, skip: bool, stats: SourceStats) -> None:
+        self.skip = skip
+        self.stats = stats
+
+    def __call__(self, error: RecordError) -> bool:
+        """Count ``error`` and return True when skipping, else return False."""
+        if not self.skip:
+            return False
+        self.stats.skipped += 1
+        self.stats.skipped_errors.append(error)
+        return True
+
+
+class Decoder(Generic[T]):
+    """Bytes of one shard in, records out.
+
+    Args:
+        name: the path or URL, for error messages.
+        bad: the policy for malformed records.
+        max_record_bytes: the largest line or record accepted (bounds the memory).
+    """
+
+    def __init__(self, name: str, bad: BadRecords, max_record_bytes: int) -> None:
+        self.name = name
+        self.bad = bad
+        self.max_record_bytes = max_record_bytes
+        #: The error to raise once the records before it are delivered (errors not skipped).
+        self.pending: RecordError | None = None
+
+    def feed(self, data: bytes) -> list[T]:
+        """The records completed by ``data``, the next chunk of the shard."""
+        raise NotImplementedError
+
+    def finish(self) -> list[T]:
+        """The last records at the end of the shard; reports a truncated one."""
+        return []
+
+    def _error(self, where: str, what: str, *, offset: int, line: int | None = None) -> bool:
+        """Report a bad record: True to go on (skipped), False to stop (``pending`` is set)."""
+        error = RecordError(f"{self.name}: {where}: {what}", source=self.name, offset=offset,
+                            line=line)
+        if self.bad(error):
+            return True
+        self.pending = error
+        return False
+
+
+# --------------------------------------------------------------------------- lines
+
+
+class _LineDecoder(Decoder[T]):
+    """Splits chunks into lines (``\\n``-terminated, ``\\r\\n`` allowed) for a line format."""
+
+    def __init__(self, name: str, bad: BadRecords, max_record_bytes: int) -> None:
+        super().__init__(name, bad, max_record_bytes)
+        self._carry = b""
+        self._offset = 0  # byte offset of the first unparsed byte
+        self._line = 0  # lines parsed so far
+        self._discarding = False  # skipping the rest of an oversized line
+
+    @staticmethod
+    def _where(line: int, offset: int) -> str:
+        return f"line {line} (byte offset {offset})"
+
+    def _parse(self, body: bytes, first_line: int, first_offset: int) -> tuple[list[T], int]:
+        """Records of the complete lines in ``body`` (without its last newline), and how many
+        lines it held."""
+        raise NotImplementedError
+
+    def _take(self, body: bytes) -> list[T]:
+        records, lines = self._parse(body, self._line, self._offset)
+        self._line += lines
+        self._offset += len(body) + 1
+        return records
+
+    def feed(self, data: bytes) -> list[T]:
+        if self.pending is not None:
+            return []
+        if self._discarding:
+            newline = data.find(b"\n")
+            if newline < 0:
+                self._offset += len(data)
+                return []
+            self._offset += newline + 1
+            self._line += 1
+            self._discarding = False
+            data = data[newline + 1 :]
+        if self._carry:
+            data = self._carry + data
+        cut = data.rfind(b"\n")
+        if cut < 0:
+            self._carry = data
+            records: list[T] = []
+        else:
+            self._carry = data[cut + 1 :]
+            records = self._take(data[:cut])
+        if len(self._carry) > self.max_record_bytes and self.pending is None:
+            self._too_long()
+        return records
+
+    def _too_long(self) -> None:
+        line, offset = self._line + 1, self._offset
+        self._error(self._where(line, offset),
+                    f"line longer than max_record_bytes ({self.max_record_bytes} bytes)",
+                    offset=offset, line=line)
+        # Skipping: drop the line up to its newline.
+        self._offset += len(self._carry)
+        self._carry = b""
+        self._discarding = True
+
+    def finish(self) -> list[T]:
+        if self._discarding or not self._carry or self.pending is not None:
+            return []
+        body, self._carry = self._carry, b""
+        records = self._take(body)
+        self._offset -= 1  # the last line had no newline
+        return records
+
+
+class TextDecoder(_LineDecoder[str]):
+    """Lines as strings, without their line ending.
+
+    Args:
+        encoding: an ASCII-compatible encoding (utf-8, latin-1, ...).
+    """
+
+    def __init__(self, name: str, bad: BadRecords, max_record_bytes: int,
+                 encoding: str = "utf-8") -> None:
+        super().__init__(name, bad, max_record_bytes)
+        self.encoding = encoding
+
+    def _parse(self, body: bytes, first_line: int, first_offset: int) -> tuple[list[str], int]:
+        try:
+            text = body.decode(self.encoding)
+        except UnicodeDecodeError:
+            return self._parse_slowly(body, first_line, first_offset)
+        lines = text.split("\n")
+        count = len(lines)
+        if "\r" in text:
+            lines = [line[:-1] if line.endswith("\r") else line for line in lines]
+        return lines, count
+
+    def _parse_slowly(self, body: bytes, first_line: int,
+                      first_offset: int) -> tuple[list[str], int]:
+        raws = body.split(b"\n")
+        out: list[str] = []
+        offset = first_offset
+        for number, raw in enumerate(raws, first_line + 1):
+            try:
+                line = raw.decode(self.encoding)
+            except UnicodeDecodeError as exc:
+                if not self._error(self._where(number, offset),
+                                   f"cannot decode the line as {self.encoding}: {exc.reason} "
+                                   f"(byte {exc.start} of the line)", offset=offset,
+                                   line=number):
+                    break
+            else:
+                out.append(line[:-1] if line.endswith("\r") else line)
+            offset += len(raw) + 1
+        return out, len(raws)
+
+
+def _check_encoding(encoding: str) -> str:
+    try:
+        codecs.lookup(encoding)
+    except LookupError:
+        raise ValueError(f"unknown encoding {encoding!r}") from None
+    if "\n".encode(encoding) != b"\n":
+        raise ValueError(
+            f"encoding {encoding!r} is not ASCII-compatible; lines are split on the byte b'\\n'"
+        )
+    return encoding
+
+
+class _Fallback(Exception):
+    """The fast JSON path met something it leaves to the careful one."""
+
+
+# The decoder's C scanner: (value, end) = scan(text, start), one JSON value from ``start``.
+_SCAN_ONCE: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+class JsonLinesDecoder(_LineDecoder[Any]):
+    """JSON Lines: one JSON value per line; blank lines are allowed and ignored.
+
+    Args:
+        loads: a custom parser (e.g. ``orjson.loads``) called with each line's text, or None
+            for the standard library's, which parses a whole chunk per call.
+    """
+
+    def __init__(self, name: str, bad: BadRecords, max_record_bytes: int,
+                 loads: Callable[[str], Any] | None = None) -> None:
+        super().__init__(name, bad, max_record_bytes)
+        self.loads = loads
+
+    def _parse(self, body: bytes, first_line: int, first_offset: int) -> tuple[list[Any], int]:
+        try:
+            text = body.decode("utf-8")
+            if self.loads is not None:
+                records = [self.loads(line) for line in text.split("\n")]
+            else:
+                records = self._scan(text)
+        except Exception:
+            return self._parse_slowly(body, first_line, first_offset)
+        return records, len(records)
+
+    @staticmethod
+    def _scan(text: str) -> list[Any]:
+        # One value per line, each parsed by the C scanner straight from the chunk's text:
+        # no per-line slicing or json.loads call. Every value must end just before a newline
+        # (or the end); since a JSON value cannot hold a raw newline except as whitespace
+        # between tokens, values == newlines + 1 proves that none spans two lines. Anything
+        # unusual (blank lines, spaces around a value, an error) goes to the careful path.
+        if "\r" in text:
+            text = text.replace("\r\n", "\n")
+        out: list[Any] = []
+        append = out.append
+        scan = _SCAN_ONCE
+        size = len(text)
+        start = 0
+        while True:
+            value, end = scan(text, start)
+            append(value)
+            if end >= size:
+                break
+            if text[end] != "\n":
+                raise _Fallback
+            start = end + 1
+        if end != size or len(out) != text.count("\n") + 1:
+            raise _Fallback
+        return out
+
+    def _parse_slowly(self, body: bytes, first_line: int,
+                      first_offset: int) -> tuple[list[Any], int]:
+        raws = body.split(b"\n")
+        out: list[Any] = []
+        offset = first_offset
+        loads = self.loads or json.loads
+        for number, raw in enumerate(raws, first_line + 1):
+            if raw.strip():
+                try:
+                    out.append(loads(raw.decode("utf-8")))
+                except UnicodeDecodeError as exc:
+                    if not self._error(self._where(number, offset),
+                                       f"invalid UTF-8: {exc.reason} (byte {exc.start} of the "
+                                       "line)", offset=offset, line=number):
+                        break
+                except Exception as exc:
+                    if not self._error(self._where(number, offset),
+                                       f"invalid JSON: {type(exc).__name__}: {exc}; the line "
+                                       f"starts {_preview(raw)}", offset=offset, line=number):
+                        break
+            offset += len(raw) + 1
+        return out, len(raws)
+
+
+def _preview(raw: bytes, limit: int = 60) -> str:
+    text = raw[:limit].decode("utf-8", errors="replace")
+    return repr(text) + ("..." if len(raw) > limit else "")
+
+
+# --------------------------------------------------------------------------- binary
+
+
+def _length_header(fmt: str) -> struct.Struct:
+    try:
+        header = struct.Struct(fmt)
+        values = header.unpack(bytes(header.size))
+    except struct.error as exc:
+        raise ValueError(f"header should be a struct format, but got {fmt!r}: {exc}") from None
+    if len(values) != 1 or not isinstance(values[0], int) or isinstance(values[0], bool):
+        raise ValueError(
+            f"header should be a struct format of one unsigned integer (e.g. '<I', '>Q'), "
+            f"but got {fmt!r}"
+        )
+    return header
+
+
+class BinaryDecoder(Decoder[bytes]):
+    """Length-prefixed binary records: a ``header`` integer (struct format) then that many
+    bytes.
+
+    Args:
+        header: struct format of the length, e.g. ``"<I"`` (little-endian uint32).
+    """
+
+    def __init__(self, name: str, bad: BadRecords, max_record_bytes: int,
+                 header: str = "<I") -> None:
+        super().__init__(name, bad, max_record_bytes)
+        self._header = _length_header(header)
+        self._buffer = bytearray()
+        self._offset = 0  # byte offset of the buffer's start
+        self._dead = False  # the rest of the shard cannot be framed
+        self._count = 0
+
+    def feed(self, data: bytes) -> list[bytes]:
+        if self._dead:
+            return []
+        buffer = self._buffer
+        buffer += data
+        size = self._header.size
+        unpack = self._header.unpack_from
+        limit = self.max_record_bytes
+        records: list[bytes] = []
+        pos = 0
+        available = len(buffer)
+        bad_length: int | None = None
+        with memoryview(buffer) as view:
+            while available - pos >= size:
+                (length,) = unpack(buffer, pos)
+                if length < 0 or length > limit:
+                    bad_length = length
+                    break
+                end = pos + size + length
+                if end > available:
+                    break
+                records.append(bytes(view[pos + size : end]))
+                pos = end
+        self._count += len(records)
+        if bad_length is not None:
+            offset = self._offset + pos
+            self._dead = True
+            buffer.clear()
+            self._error(f"record {self._count} at byte offset {offset}",
+                        f"its length header says {bad_length} bytes, more than "
+                        f"max_record_bytes ({limit}); the rest of the shard cannot be read",
+                        offset=offset)
+            return records
+        del buffer[:pos]
+        self._offset += pos
+        return records
+
+    def finish(self) -> list[bytes]:
+        if self._buffer and not self._dead:
+            offset = self._offset
+            left = len(self._buffer)
+            self._buffer.clear()
+            self._error(f"record {self._count} at byte offset {offset}",
+                        f"truncated record: the shard ends {left} bytes into it", offset=offset)
+        return []
+
+
+# --------------------------------------------------------------------------- npy
+
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+class NpyDecoder(Decoder[Any]):
+    """Rows of a ``.npy`` array (along its first axis), without loading the whole array.
+
+    The header is parsed with ``numpy.lib.format``; rows are then cut from the data in blocks,
+    each row a view into a writable block of the rows completed by one chunk. A 1-D array
+    yields numpy scalars.
+    """
+
+    def __init__(self, name: str, bad: BadRecords, max_record_bytes: int) -> None:
+        super().__init__(name, bad, max_record_bytes)
+        self._buffer = bytearray()
+        self._offset = 0
+        self._dead = False
+        self._rows_total = -1  # -1 until the header is parsed
+        self._rows_done = 0
+        self._dtype: np.dtype[Any] = np.dtype(np.uint8)
+        self._row_shape: tuple[int, ...] = ()
+        self._row_bytes = 0
+
+    def _fail(self, what: str, offset: int) -> None:
+        self._dead = True
+        self._buffer.clear()
+        self._error(f"byte offset {offset}", what, offset=offset)
+
+    def _parse_header(self) -> bool:
+        buffer = self._buffer
+        if len(buffer) < 10:
+            return False
+        if bytes(buffer[:6]) != _NPY_MAGIC:
+            self._fail("not a .npy file (bad magic string)", 0)
+            return False
+        major = buffer[6]
+        if major == 1:
+            total = 10 + int.from_bytes(buffer[8:10], "little")
+        elif major in (2, 3):
+            if len(buffer) < 12:
+                return False
+            total = 12 + int.from_bytes(buffer[8:12], "little")
+        else:
+            self._fail(f"unsupported .npy format version {major}.{buffer[7]}", 6)
+            return False
+        if len(buffer) < total:
+            if total > self.max_record_bytes:
+                self._fail(f"header of {total} bytes exceeds max_record_bytes", 8)
+            return False
+        handle = io.BytesIO(bytes(buffer[:total]))
+        try:
+            version = np.lib.format.read_magic(handle)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(handle)
+            else:
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(handle)
+        except ValueError as exc:
+            self._fail(f"bad .npy header: {exc}", 8)
+            return False
+        if dtype.hasobject:
+            raise SourceError(f"{self.name}: arrays of Python objects (pickled) cannot be "
+                              "streamed; save them with a plain dtype", source=self.name)
+        if len(shape) == 0:
+            raise SourceError(f"{self.name}: a 0-dimensional array has no rows to stream",
+                              source=self.name)
+        if fortran and len(shape) > 1:
+            raise SourceError(f"{self.name}: a Fortran-ordered array cannot be streamed by "
+                              "rows; save it in C order", source=self.name)
+        self._rows_total = int(shape[0])
+        self._row_shape = tuple(int(d) for d in shape[1:])
+        self._dtype = dtype
+        self._row_bytes = dtype.itemsize * math.prod(self._row_shape)
+        if self._row_bytes > self.max_record_bytes:
+            raise SourceError(f"{self.name}: rows of {self._row_bytes} bytes exceed "
+                              f"max_record_bytes ({self.max_record_bytes})", source=self.name)
+        del buffer[:total]
+        self._offset = total
+        return True
+
+    def _rows(self, count: int) -> list[Any]:
+        size = count * self._row_bytes
+        # A copy of just these rows: writable, and the shard's buffer can move on.
+        block: npt.NDArray[Any] = np.frombuffer(bytearray(self._buffer[:size]), self._dtype)
+        del self._buffer[:size]
+        self._offset += size
+        self._rows_done += count
+        return list(block.reshape((count, *self._row_shape)))
+
+    def feed(self, data: bytes) -> list[Any]:
+        if self._dead:
+            return []
+        self._buffer += data
+        if self._rows_total < 0 and not self._parse_header():
+            return []
+        left = self._rows_total - self._rows_done
+        if self._row_bytes == 0:
+            self._rows_done = self._rows_total
+            return [np.empty(self._row_shape, self._dtype) for _ in range(left)]
+        count = min(len(self._buffer) // self._row_bytes, left)
+        records = self._rows(count) if count else []
+        if self._rows_done == self._rows_total and self._buffer:
+            self._fail(f"unexpected bytes after the last row ({self._rows_total} rows)",
+                       self._offset)
+        return records
+
+    def finish(self) -> list[Any]:
+        if self._dead:
+            return []
+        if self._rows_total < 0:
+            self._fail(f"truncated .npy header ({len(self._buffer)} bytes)", 0)
+        elif self._rows_done < self._rows_total:
+            offset = self._offset
+            self._fail(f"truncated array: the shard ends after {self._rows_done} of "
+                       f"{self._rows_total} rows", offset)
+        elif self._buffer:
+            self._fail(f"{len(self._buffer)} unexpected bytes after the last row", self._offset)
+        return []

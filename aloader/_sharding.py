@@ -1,0 +1,183 @@
+"""Which shards one consumer reads: the split across ranks and worker processes.
+
+A *consumer* is one worker process of one rank (the main process counts as worker 0 of 1 when
+the loader runs no workers). Every consumer computes the same shard order for an epoch (a
+permutation seeded by ``seed + epoch`` when shuffling, as ``DistributedSampler`` does) and takes
+every ``world_size * num_workers``-th shard of it, starting at its global index
+``rank * num_workers + worker_id``. So each shard is read exactly once per epoch overall, also
+when there are more consumers than shards (some then read none). Unlike ``DistributedSampler``
+nothing is padded: a repeated shard would be read twice.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Sequence
+from typing import TypeAlias
+
+import numpy as np
+
+from ._distributed import _env_int
+from ._random import permutation
+from ._worker import get_worker_info
+
+__all__ = (
+    "ShardsLike",
+    "assign_shards",
+    "expand_shards",
+    "is_url",
+    "resolve_world",
+    "worker_slot",
+)
+
+ShardsLike: TypeAlias = "str | os.PathLike[str] | Sequence[str | os.PathLike[str]]"
+
+_UINT64 = 1 << 64
+_GLOB_CHARS = frozenset("*?[")
+
+
+def is_url(shard: str) -> bool:
+    """Whether ``shard`` names an HTTP(S) URL rather than a local path."""
+    head = shard[:8].lower()
+    return head.startswith("http://") or head.startswith("https://")
+
+
+def _expand_one(spec: str) -> list[str]:
+    if is_url(spec):
+        return [spec]
+    if any(char in _GLOB_CHARS for char in spec):
+        matches = sorted(path for path in glob.glob(spec, recursive=True)
+                         if os.path.isfile(path))
+        if not matches:
+            raise ValueError(f"no shard files match the pattern {spec!r}")
+        return matches
+    if os.path.isdir(spec):
+        files = sorted(
+            os.path.join(spec, name)
+            for name in os.listdir(spec)
+            if not name.startswith(".") and os.path.isfile(os.path.join(spec, name))
+        )
+        if not files:
+            raise ValueError(f"the shard directory {spec!r} holds no files")
+        return files
+    if not os.path.exists(spec):
+        raise FileNotFoundError(f"shard file {spec!r} does not exist")
+    return [spec]
+
+
+def expand_shards(shards: ShardsLike) -> list[str]:
+    """Turn a shard specification into the list of shards, in a deterministic order.
+
+    Args:
+        shards: one path, URL, directory or glob pattern, or a sequence of them. A directory
+            stands for the (non-hidden) files directly in it, a pattern (``*``, ``?``, ``[``,
+            ``**`` with recursion) for the files it matches; both are sorted by name so that
+            every rank and worker sees the same list.
+
+    Returns:
+        Paths and URLs, in the order given (expansions sorted in place).
+
+    Raises:
+        FileNotFoundError: a plain path does not exist.
+        ValueError: a pattern matches nothing, a directory is empty, or no shard is given.
+        TypeError: ``shards`` is not a string, a path or a sequence of them.
+    """
+    if isinstance(shards, (str, os.PathLike)):
+        specs = [shards]
+    elif isinstance(shards, Sequence):
+        specs = list(shards)
+    else:
+        raise TypeError(
+            "shards should be a path, a URL, a directory, a glob pattern or a sequence of them, "
+            f"but got {type(shards).__name__}"
+        )
+    out: list[str] = []
+    for spec in specs:
+        if not isinstance(spec, (str, os.PathLike)):
+            raise TypeError(f"a shard should be a path or a URL, but got {spec!r}")
+        out.extend(_expand_one(os.fspath(spec)))
+    return out
+
+
+def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """This process's rank and the world size, from the arguments or torchrun's environment.
+
+    Args:
+        rank: the rank, or None for the ``RANK`` environment variable (else 0).
+        world_size: the number of ranks, or None for ``WORLD_SIZE`` (else 1).
+
+    Raises:
+        ValueError: with ``DistributedSampler``'s message when the rank is out of range, or
+            when the world size is not positive.
+    """
+    if world_size is None:
+        world_size = _env_int("WORLD_SIZE", 1)
+    if rank is None:
+        rank = _env_int("RANK", 0)
+    if world_size < 1:
+        raise ValueError(f"world_size should be a positive integer, but got {world_size}")
+    if rank >= world_size or rank < 0:
+        raise ValueError(
+            f"Invalid rank {rank}, rank should be in the interval [0, {world_size - 1}]"
+        )
+    return rank, world_size
+
+
+def worker_slot() -> tuple[int, int]:
+    """(worker id, number of workers) of this process: (0, 1) outside loader workers."""
+    info = get_worker_info()
+    if info is None:
+        return 0, 1
+    return int(info.id), int(info.num_workers)
+
+
+def shard_order(num_shards: int, *, epoch: int, seed: int, shuffle: bool) -> list[int]:
+    """The epoch's shard order, the same on every rank and worker."""
+    if not shuffle:
+        return list(range(num_shards))
+    value = int(seed) + int(epoch)
+    rng = np.random.default_rng(value % _UINT64 if value < 0 else value)
+    return permutation(rng, num_shards).tolist()  # type: ignore[no-any-return]
+
+
+def assign_shards(
+    num_shards: int,
+    *,
+    rank: int,
+    world_size: int,
+    worker_id: int,
+    num_workers: int,
+    epoch: int = 0,
+    seed: int = 0,
+    shuffle: bool = False,
+) -> list[int]:
+    """The shards one consumer reads in one epoch, in reading order.
+
+    Args:
+        num_shards: how many shards there are.
+        rank: this process's rank, in ``range(world_size)``.
+        world_size: number of ranks.
+        worker_id: this worker's id, in ``range(num_workers)``.
+        num_workers: loader workers per rank (1 when the loader runs none).
+        epoch: the epoch, which seeds the shuffle together with ``seed``.
+        seed: the shuffling seed; must be the same on every rank.
+        shuffle: shuffle the shard order at every epoch.
+
+    Returns:
+        Shard indices: over all ``(rank, worker_id)`` pairs every index in
+        ``range(num_shards)`` appears exactly once.
+
+    Raises:
+        ValueError: an argument is out of range.
+    """
+    if num_shards < 0:
+        raise ValueError(f"num_shards should be non-negative, but got {num_shards}")
+    if num_workers < 1 or not 0 <= worker_id < num_workers:
+        raise ValueError(f"Invalid worker id {worker_id} for {num_workers} workers")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"Invalid rank {rank}, rank should be in the interval [0, {world_size - 1}]"
+        )
+    order = shard_order(num_shards, epoch=epoch, seed=seed, shuffle=shuffle)
+    return order[rank * num_workers + worker_id :: world_size * num_workers]

@@ -1,0 +1,431 @@
+"""Ready sources: records from sharded files and URLs, split across ranks and workers.
+
+``TextLines``, ``JsonLines``, ``BinaryRecords`` and ``NpyRows`` read a list of shards (local
+paths, directories, glob patterns, or ``http(s)://`` URLs, freely mixed). Each epoch, the
+consumer (one worker of one rank) reads its share of the shards (see
+:mod:`aloader._sharding`), a few shards at a time, and hands their records on in shard order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Unpack
+
+import anyio
+
+from ._files import file_chunks
+from ._formats import (
+    BadRecords,
+    BinaryDecoder,
+    Decoder,
+    JsonLinesDecoder,
+    NpyDecoder,
+    SourceStats,
+    TextDecoder,
+    _check_encoding,
+)
+from ._http import HttpOptions, http_chunks, make_client
+from ._sharding import ShardsLike, assign_shards, expand_shards, is_url, resolve_world, worker_slot
+from ._streams import Stream, _Channel, _Closing, _Context
+
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = (
+    "BinaryRecords",
+    "JsonLines",
+    "NpyRows",
+    "ShardedSource",
+    "SourceOptions",
+    "TextLines",
+)
+
+T_co = TypeVar("T_co", covariant=True)
+
+DEFAULT_CONCURRENCY = 8
+DEFAULT_CHUNK_SIZE = 1 << 16
+DEFAULT_MAX_RECORD_BYTES = 1 << 26
+
+
+class SourceOptions(TypedDict, total=False):
+    """Keyword options common to every sharded source (see :class:`ShardedSource`)."""
+
+    shuffle_shards: bool
+    seed: int
+    rank: int | None
+    world_size: int | None
+    concurrency: int
+    chunk_size: int
+    max_record_bytes: int
+    skip_errors: bool
+    timeout: float | None
+    retries: int
+    backoff: float
+    max_backoff: float
+    headers: Mapping[str, str] | None
+    client_factory: Callable[[], Any] | None
+
+
+def _check_int(value: object, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive" if minimum == 1 else "a non-negative"
+        raise ValueError(f"{name} should be {kind} integer, but got {name}={value!r}")
+    return value
+
+
+def _check_seconds(value: object, name: str, allow_none: bool = False) -> Any:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{name} should be a non-negative number of seconds, but got "
+                         f"{name}={value!r}")
+    return float(value)
+
+
+class _Signal:
+    """A condition several tasks wait on: ``wait()`` returns at the next ``notify()``."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = anyio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+async def _read_ahead(
+    ctx: _Context,
+    readers: Sequence[Callable[[], AsyncGenerator[list[Any], None]]],
+    concurrency: int,
+    depth: int,
+) -> AsyncGenerator[list[Any], None]:
+    """The blocks of ``readers`` in order, with up to ``concurrency`` of them reading at once.
+
+    Reader ``i + concurrency`` starts once reader ``i`` has been consumed to its end. Each
+    running reader holds at most ``depth`` finished blocks plus the one it is handing over.
+    """
+    channels: list[_Channel[list[Any]] | None] = [None] * len(readers)
+    slots = anyio.Semaphore(concurrency)
+    signal = _Signal()
+    scope = anyio.CancelScope()
+
+    async def read(index: int, channel: _Channel[list[Any]]) -> None:
+        try:
+            async with _Closing(readers[index]()) as blocks:
+                async for block in blocks:
+                    await channel.put(block)
+        except Exception as exc:  # _Abandoned included: then nobody reads it
+            channel.end(exc)
+        else:
+            channel.end()
+
+    launched = anyio.Event()
+
+    async def launch() -> None:
+        try:
+            with scope:
+                async with anyio.create_task_group() as group:
+                    for index in range(len(readers)):
+                        await slots.acquire()
+                        channel: _Channel[list[Any]] = _Channel(depth)
+                        channels[index] = channel
+                        signal.notify()
+                        group.start_soon(read, index, channel)
+        finally:
+            launched.set()
+
+    ctx.group.start_soon(launch)
+    try:
+        for index in range(len(readers)):
+            while (channel := channels[index]) is None:
+                await signal.wait()
+            while True:
+                try:
+                    block = await channel.get()
+                except StopAsyncIteration:
+                    break
+                yield block
+            slots.release()
+    finally:
+        scope.cancel()
+        for channel in channels:
+            if channel is not None:
+                channel.abandon()
+        # Readers share the epoch's HTTP client: they must be done before it closes.
+        with anyio.CancelScope(shield=True):
+            await launched.wait()
+
+
+class ShardedSource(Stream[T_co]):
+    """Base of the sources that read records from a list of shards (files or URLs).
+
+    Each epoch, this consumer (worker ``w`` of ``W`` of rank ``r`` of ``R``) reads the shards
+    at positions ``r * W + w``, ``r * W + w + R * W``, ... of the epoch's shard order, so every
+    shard is read exactly once per epoch across all ranks and workers. Up to ``concurrency``
+    shards are read at once and their records handed on in shard order, so the output is
+    reproducible. The memory held is bounded: at most ``concurrency * 3`` chunks of
+    ``chunk_size`` bytes (decoded) plus the stream's few blocks of read-ahead.
+
+    Args:
+        shards: a path, directory, glob pattern or ``http(s)://`` URL, or a sequence of them.
+            Directories and patterns expand to their files sorted by name.
+        shuffle_shards: shuffle the shard order at every epoch, with a permutation seeded by
+            ``seed + epoch`` (the same on every rank and worker).
+        seed: the shard shuffling seed; must be the same on every rank.
+        rank: this process's rank; defaults to the ``RANK`` environment variable, else 0.
+        world_size: number of ranks; defaults to ``WORLD_SIZE``, else 1.
+        concurrency: shards read at once (read-ahead; one HTTP connection each).
+        chunk_size: bytes per read from a file or a response.
+        max_record_bytes: longest line or record accepted (a guard on memory).
+        skip_errors: skip malformed records instead of raising, counting them in
+            ``stats.skipped`` (``stats.skipped_errors`` keeps the last errors). I/O errors and
+            HTTP failures always raise.
+        timeout: HTTP connect and read timeout in seconds (None: no limit).
+        retries: HTTP attempts after the first, counted since the last byte received;
+            connection errors, timeouts, 5xx, 408 and 429 are retried, other statuses are not.
+        backoff: delay before the first retry (doubles at each one, with jitter).
+        max_backoff: longest delay between retries.
+        headers: extra HTTP request headers.
+        client_factory: called at each epoch to make the ``httpx.AsyncClient`` (closed at the
+            end of the epoch), for custom transports, proxies or authentication.
+
+    Attributes:
+        shards: the expanded list of shards.
+        rank: this process's rank.
+        world_size: number of ranks.
+        stats: :class:`~aloader._formats.SourceStats` counters (records, bytes, skipped, ...).
+
+    Raises:
+        FileNotFoundError: a shard path does not exist.
+        ValueError: a bad option, an empty pattern or directory, or a rank out of range.
+    """
+
+    def __init__(
+        self,
+        shards: ShardsLike,
+        *,
+        shuffle_shards: bool = False,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+        skip_errors: bool = False,
+        timeout: float | None = 30.0,
+        retries: int = 5,
+        backoff: float = 0.1,
+        max_backoff: float = 10.0,
+        headers: Mapping[str, str] | None = None,
+        client_factory: Callable[[], Any] | None = None,
+    ) -> None:
+        self.shards: list[str] = expand_shards(shards)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed should be an integer, but got seed={seed!r}")
+        self.shuffle_shards = bool(shuffle_shards)
+        self.seed = seed
+        self.rank, self.world_size = resolve_world(rank, world_size)
+        self.concurrency = _check_int(concurrency, "concurrency", 1)
+        self.chunk_size = _check_int(chunk_size, "chunk_size", 1)
+        self.max_record_bytes = _check_int(max_record_bytes, "max_record_bytes", 1)
+        self.skip_errors = bool(skip_errors)
+        self.http = HttpOptions(
+            timeout=_check_seconds(timeout, "timeout", allow_none=True),
+            retries=_check_int(retries, "retries", 0),
+            backoff=_check_seconds(backoff, "backoff"),
+            max_backoff=_check_seconds(max_backoff, "max_backoff"),
+            headers=dict(headers) if headers else None,
+            chunk_size=self.chunk_size,
+            client_factory=client_factory,
+        )
+        self.stats = SourceStats()
+
+    def _decoder(self, name: str, bad: BadRecords) -> Decoder[T_co]:
+        raise NotImplementedError
+
+    def shards_for(
+        self, epoch: int | None = None, worker_id: int | None = None,
+        num_workers: int | None = None,
+    ) -> list[str]:
+        """The shards this rank's worker reads in an epoch, in reading order.
+
+        Args:
+            epoch: the epoch (default: the one the next iteration uses).
+            worker_id: the worker (default: this process's, 0 outside workers).
+            num_workers: workers per rank (default: this process's, 1 outside workers).
+        """
+        own_id, own_count = worker_slot()
+        indices = assign_shards(
+            len(self.shards),
+            rank=self.rank,
+            world_size=self.world_size,
+            worker_id=own_id if worker_id is None else worker_id,
+            num_workers=own_count if num_workers is None else num_workers,
+            epoch=self.epoch if epoch is None else epoch,
+            seed=self.seed,
+            shuffle=self.shuffle_shards,
+        )
+        return [self.shards[i] for i in indices]
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({len(self.shards)} shards, rank {self.rank} of "
+                f"{self.world_size}, shuffle_shards={self.shuffle_shards})")
+
+    async def _blocks(self, ctx: _Context) -> AsyncGenerator[list[T_co], None]:
+        names = self.shards_for(ctx.epoch, ctx.worker_id, ctx.num_workers)
+        slots = min(self.concurrency, len(names))
+        clients: list[httpx.AsyncClient] = []
+        if any(is_url(name) for name in names):
+            # One single-connection client per read-ahead slot: shard i reuses the keep-alive
+            # connection of shard i - concurrency, and no pool has to scan the others.
+            count = 1 if self.http.client_factory is not None else slots
+            clients = [make_client(self.http, 1) for _ in range(count)]
+        try:
+            readers = [
+                functools.partial(self._read, name, clients[i % len(clients)] if clients else None)
+                for i, name in enumerate(names)
+            ]
+            if slots <= 1:
+                for reader in readers:
+                    async with _Closing(reader()) as blocks:
+                        async for block in blocks:
+                            yield block
+            else:
+                async with _Closing(_read_ahead(ctx, readers, slots, 2)) as blocks:
+                    async for block in blocks:
+                        yield block
+        finally:
+            if clients:
+                with anyio.CancelScope(shield=True):
+                    for client in clients:
+                        await client.aclose()
+
+    async def _read(
+        self, name: str, client: httpx.AsyncClient | None
+    ) -> AsyncGenerator[list[T_co], None]:
+        """One shard's records, block by block (a block per chunk)."""
+        stats = self.stats
+        decoder = self._decoder(name, BadRecords(self.skip_errors, stats))
+        if client is not None and is_url(name):
+            chunks = http_chunks(client, name, self.http, stats)
+        else:
+            chunks = file_chunks(name, self.chunk_size)
+        async with _Closing(chunks) as pieces:
+            async for chunk in pieces:
+                stats.bytes += len(chunk)
+                records = decoder.feed(chunk)
+                if records:
+                    stats.records += len(records)
+                    yield records
+                if decoder.pending is not None:
+                    raise decoder.pending
+        records = decoder.finish()
+        if records:
+            stats.records += len(records)
+            yield records
+        if decoder.pending is not None:
+            raise decoder.pending
+        stats.shards += 1
+
+
+class TextLines(ShardedSource[str]):
+    """Lines of text files or URLs, as strings without their line endings.
+
+    Lines end at ``\\n`` (a ``\\r`` before it is removed too); a last line without a newline
+    counts. Every other option is :class:`ShardedSource`'s.
+
+    Args:
+        shards: paths, directories, glob patterns or URLs.
+        encoding: an ASCII-compatible encoding; a line that does not decode is a malformed
+            record (:class:`RecordError` naming the shard, the line and its byte offset).
+        **options: see :class:`ShardedSource`.
+    """
+
+    def __init__(self, shards: ShardsLike, *, encoding: str = "utf-8",
+                 **options: Unpack[SourceOptions]) -> None:
+        super().__init__(shards, **options)
+        self.encoding = _check_encoding(encoding)
+
+    def _decoder(self, name: str, bad: BadRecords) -> Decoder[str]:
+        return TextDecoder(name, bad, self.max_record_bytes, self.encoding)
+
+
+class JsonLines(ShardedSource[Any]):
+    """JSON Lines records (one JSON value per line) from files or URLs.
+
+    Blank lines are ignored. A line that is not valid JSON is a malformed record: a
+    :class:`RecordError` names the shard, the line number and its byte offset (or, with
+    ``skip_errors=True``, it is skipped and counted).
+
+    Args:
+        shards: paths, directories, glob patterns or URLs.
+        loads: a parser called with each line's text (e.g. ``orjson.loads``); by default the
+            standard library's C scanner parses whole chunks, which is faster than calling
+            ``json.loads`` per line.
+        **options: see :class:`ShardedSource`.
+
+    Example::
+
+        source = JsonLines("data/*.jsonl", shuffle_shards=True, seed=0).shuffle(10_000, seed=0)
+        async for batch in DataLoader(source, batch_size=256):
+            ...
+    """
+
+    def __init__(self, shards: ShardsLike, *, loads: Callable[[str], Any] | None = None,
+                 **options: Unpack[SourceOptions]) -> None:
+        super().__init__(shards, **options)
+        if loads is not None and not callable(loads):
+            raise TypeError(f"loads should be callable, but got {loads!r}")
+        self.loads = loads
+
+    def _decoder(self, name: str, bad: BadRecords) -> Decoder[Any]:
+        return JsonLinesDecoder(name, bad, self.max_record_bytes, self.loads)
+
+
+class BinaryRecords(ShardedSource[bytes]):
+    """Length-prefixed binary records: each a length (``header``) then that many bytes.
+
+    A shard that ends inside a record, or a length above ``max_record_bytes``, is a malformed
+    record reported with its byte offset (with ``skip_errors=True``, the rest of such a shard
+    counts as one skipped record, since it cannot be framed any more).
+
+    Args:
+        shards: paths, directories, glob patterns or URLs.
+        header: struct format of the length: ``"<I"`` (little-endian uint32, the default),
+            ``">I"``, ``"<Q"``, ...
+        **options: see :class:`ShardedSource`.
+    """
+
+    def __init__(self, shards: ShardsLike, *, header: str = "<I",
+                 **options: Unpack[SourceOptions]) -> None:
+        super().__init__(shards, **options)
+        BinaryDecoder("", BadRecords(False, self.stats), 1, header)  # validates the header
+        self.header = header
+
+    def _decoder(self, name: str, bad: BadRecords) -> Decoder[bytes]:
+        return BinaryDecoder(name, bad, self.max_record_bytes, self.header)
+
+
+class NpyRows(ShardedSource[Any]):
+    """Rows (along the first axis) of ``.npy`` arrays, streamed without loading whole arrays.
+
+    Each row is a writable numpy array of shape ``array.shape[1:]`` (a numpy scalar for 1-D
+    arrays). Arrays of Python objects and Fortran-ordered arrays cannot be streamed by rows
+    (:class:`SourceError`); a truncated file is a malformed record.
+
+    Args:
+        shards: ``.npy`` paths, directories, glob patterns or URLs.
+        **options: see :class:`ShardedSource`.
+    """
+
+    def __init__(self, shards: ShardsLike, **options: Unpack[SourceOptions]) -> None:
+        super().__init__(shards, **options)
+
+    def _decoder(self, name: str, bad: BadRecords) -> Decoder[Any]:
+        return NpyDecoder(name, bad, self.max_record_bytes)

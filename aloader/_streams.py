@@ -1,0 +1,940 @@
+"""Composable async streams: the base of aloader's sources and the transforms between them.
+
+A :class:`Stream` is an :class:`~aloader.IterableDataset` with ``async def __aiter__``, so
+``DataLoader(stream, batch_size=...)`` batches it. Internally every stage passes *blocks* (lists
+of items) to the next one, so per-item costs stay small; the consumer still receives one item at
+a time.
+
+Each ``async for`` over a stream (one epoch) runs the whole chain of stages in one background
+task that reads at most a few blocks ahead of the consumer, then waits: a slow consumer stops
+the sources. Stages that need concurrency (``map(..., concurrency=n)``, shard read-ahead) run
+helper tasks in that background task's task group and talk to it through bounded channels. No
+stage holds a cancel scope or a task group across a ``yield``, so the chain can be closed from
+any task, and closing the iterator (``aclose()``, garbage collection, cancelling the loader)
+cancels the background task, which closes every file and connection the stages opened.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, cast, overload
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import anyio.to_thread
+import numpy as np
+
+from ._backend import spawn_background
+from ._dataset import IterableDataset
+from ._exceptions import AloaderError
+from ._random import GeneratorLike, as_generator, draw_seed, permutation
+from ._sharding import worker_slot
+
+__all__ = (
+    "FetchError",
+    "RecordError",
+    "SourceError",
+    "Stream",
+    "as_stream",
+    "interleave",
+)
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+U = TypeVar("U")
+
+_UINT64 = 1 << 64
+# Items per block when a stage builds blocks itself (sync iterables, interleave).
+_BLOCK = 256
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class SourceError(AloaderError):
+    """A source could not produce its records: the message names the file or URL and where.
+
+    Attributes:
+        source: the path or URL, when known.
+        offset: the byte offset in it, when known.
+        line: the 1-based line number (line-oriented formats), when known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        source: str | None = None,
+        offset: int | None = None,
+        line: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.source = source
+        self.offset = offset
+        self.line = line
+
+
+class RecordError(SourceError, ValueError):
+    """A malformed record (bad JSON, bad encoding, a truncated or oversized record)."""
+
+
+class FetchError(SourceError, OSError):
+    """Reading a file or URL failed: an HTTP error status, or retries ran out.
+
+    Attributes:
+        status_code: the HTTP status that caused it, or None for connection errors.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        source: str | None = None,
+        offset: int | None = None,
+        status_code: int | None = None,
+    ) -> None:
+        super().__init__(message, source=source, offset=offset)
+        self.status_code = status_code
+
+
+# --------------------------------------------------------------------------- plumbing
+
+
+class _Abandoned(Exception):
+    """The reading side of a channel is gone: the writer should stop."""
+
+
+class _Channel(Generic[T]):
+    """A bounded FIFO between two tasks of one event loop, closable from either end."""
+
+    __slots__ = ("_abandoned", "_capacity", "_changed", "_ended", "_error", "_items")
+
+    def __init__(self, capacity: int) -> None:
+        self._items: deque[T] = deque()
+        self._capacity = max(1, capacity)
+        self._changed = anyio.Event()
+        self._ended = False
+        self._error: BaseException | None = None
+        self._abandoned = False
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    async def put(self, item: T) -> None:
+        """Append ``item``, waiting while the channel is full; _Abandoned once the reader left."""
+        while len(self._items) >= self._capacity and not self._abandoned:
+            await self._changed.wait()
+        if self._abandoned:
+            raise _Abandoned
+        self._items.append(item)
+        self._notify()
+
+    def end(self, error: BaseException | None = None) -> None:
+        """No more items; the reader gets ``error`` (or the end) after the queued ones."""
+        if not self._ended:
+            self._ended = True
+            self._error = error
+            self._notify()
+
+    def abandon(self) -> None:
+        """The reader is gone: drop what is queued and release a waiting writer."""
+        self._abandoned = True
+        self._items.clear()
+        self._notify()
+
+    async def get(self) -> T:
+        """The next item; StopAsyncIteration at the end, or the writer's error (once)."""
+        while not self._items:
+            if self._ended:
+                error, self._error = self._error, None
+                if error is not None:
+                    raise error
+                raise StopAsyncIteration
+            await self._changed.wait()
+        item = self._items.popleft()
+        self._notify()
+        return item
+
+
+class _Closing:
+    """``async with`` that closes an async generator, shielded so that cancellation cannot
+    interrupt the release of its files and connections."""
+
+    __slots__ = ("_iterator",)
+
+    def __init__(self, iterator: AsyncGenerator[Any, None]) -> None:
+        self._iterator = iterator
+
+    async def __aenter__(self) -> AsyncGenerator[Any, None]:
+        return self._iterator
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        with anyio.CancelScope(shield=True):
+            await self._iterator.aclose()
+
+
+@dataclass(frozen=True, eq=False)
+class _Context:
+    """What every stage of one epoch's chain shares.
+
+    Attributes:
+        epoch: the epoch (seeds shard orders and shuffles).
+        worker_id: this loader worker's id (0 without workers).
+        num_workers: loader workers per rank (1 without workers).
+        group: the background task's task group, for stages that run helper tasks.
+    """
+
+    epoch: int
+    worker_id: int
+    num_workers: int
+    group: anyio.abc.TaskGroup
+
+    def rng(self, base_seed: int) -> np.random.Generator:
+        """A generator for one stage in this epoch and worker, reproducible from its seed."""
+        return np.random.default_rng(
+            [base_seed, self.epoch % _UINT64, self.worker_id, self.num_workers]
+        )
+
+
+def _single_error(error: BaseException) -> BaseException:
+    """The one real error inside (nested) exception groups, else the group itself."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
+class _Driver:
+    """The background task of one epoch: pulls the chain's blocks into a bounded channel.
+
+    Holds no reference to the iterator, so dropping the iterator lets ``__del__`` stop it.
+    """
+
+    def __init__(self, stream: Stream[Any], epoch: int, capacity: int) -> None:
+        self.stream = stream
+        self.epoch = epoch
+        self.channel: _Channel[list[Any]] = _Channel(capacity)
+        self.done = anyio.Event()
+        self._scope: anyio.CancelScope | None = None
+        self._stop_requested = False
+        self._call_soon: Callable[[Callable[[], None]], None] | None = None
+
+    def start(self) -> None:
+        self._call_soon = spawn_background(self._main)
+
+    def stop(self) -> None:
+        """Cancel the background task; safe from ``__del__`` and from other threads."""
+        self._stop_requested = True
+        if self._call_soon is not None:
+            self._call_soon(self._cancel)
+
+    def _cancel(self) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def _main(self) -> None:
+        error: BaseException | None = None
+        try:
+            with anyio.CancelScope() as scope:
+                self._scope = scope
+                if self._stop_requested:
+                    scope.cancel()
+                worker_id, num_workers = worker_slot()
+                async with anyio.create_task_group() as group:
+                    ctx = _Context(self.epoch, worker_id, num_workers, group)
+                    error = await self._pump(ctx)
+                    # Helper tasks end with their stages; cancel any that linger.
+                    group.cancel_scope.cancel()
+            if scope.cancelled_caught and error is None:
+                error = RuntimeError("the stream was closed")
+        except BaseException as exc:  # reported to the consumer, never lost in the background
+            # The chain's own error comes first; a helper failing while it winds down after it
+            # would only hide it.
+            if error is None:
+                error = _single_error(exc)
+        finally:
+            self.channel.end(error)
+            self.done.set()
+
+    async def _pump(self, ctx: _Context) -> BaseException | None:
+        channel = self.channel
+        try:
+            async with _Closing(self.stream._blocks(ctx)) as blocks:
+                async for block in blocks:
+                    if block:
+                        await channel.put(block)
+        except _Abandoned:
+            return None
+        except Exception as exc:
+            return exc
+        return None
+
+
+class _StreamIterator(AsyncIterator[T]):
+    """One epoch of a stream, item by item, from the blocks the driver prefetches."""
+
+    __slots__ = ("_block", "_capacity", "_driver", "_epoch", "_finished", "_pos", "_stream")
+
+    def __init__(self, stream: Stream[T], epoch: int, capacity: int) -> None:
+        self._stream = stream
+        self._epoch = epoch
+        self._capacity = capacity
+        self._driver: _Driver | None = None
+        self._block: list[T] = []
+        self._pos = 0
+        self._finished = False
+
+    def __aiter__(self) -> _StreamIterator[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        pos = self._pos
+        block = self._block
+        if pos < len(block):
+            self._pos = pos + 1
+            return block[pos]
+        return await self._refill()
+
+    async def _refill(self) -> T:
+        if self._finished:
+            raise StopAsyncIteration
+        driver = self._driver
+        if driver is None:
+            driver = self._driver = _Driver(self._stream, self._epoch, self._capacity)
+            driver.start()
+        try:
+            block: list[T] = await driver.channel.get()
+        except anyio.get_cancelled_exc_class():
+            # The consumer is gone (as the DataLoader treats it): stop reading for it now,
+            # rather than when this iterator is garbage-collected.
+            self._finished = True
+            driver.stop()
+            raise
+        except BaseException:
+            self._finished = True
+            self._block = []
+            with anyio.CancelScope(shield=True):
+                await driver.done.wait()
+            raise
+        self._block = block
+        self._pos = 1
+        return block[0]
+
+    async def aclose(self) -> None:
+        """Stop reading and wait until every file and connection of this epoch is closed."""
+        self._finished = True
+        self._block = []
+        driver = self._driver
+        if driver is not None:
+            driver.stop()
+            with anyio.CancelScope(shield=True):
+                await driver.done.wait()
+
+    def __del__(self) -> None:
+        driver = self._driver
+        if driver is not None and not driver.done.is_set():
+            driver.stop()
+
+
+# --------------------------------------------------------------------------- the base class
+
+
+def _is_async_callable(fn: object) -> bool:
+    if inspect.iscoroutinefunction(fn):
+        return True
+    call = getattr(fn, "__call__", None)  # noqa: B004 - a callable object with async __call__
+    return call is not None and not inspect.isroutine(fn) and inspect.iscoroutinefunction(call)
+
+
+class Stream(IterableDataset[T_co]):
+    """A composable async stream of items: an iterable dataset with ``async def __aiter__``.
+
+    Every ``async for`` over a stream is one epoch. Without :meth:`set_epoch`, each new
+    iteration advances the epoch counter (0, 1, 2, ...), which seeds shard orders and shuffles
+    together with their seeds, like ``DistributedSampler``'s ``seed + epoch``. After
+    ``set_epoch(e)`` every iteration uses epoch ``e`` until the next call: do call it before
+    each epoch when the loader runs worker processes, whose copies of the stream do not see
+    each other's counters.
+
+    Streams compose: ``source.shuffle(1000, seed=0).map(parse, concurrency=16).filter(ok)``,
+    and :func:`interleave` mixes several. Memory stays bounded: an epoch reads at most a couple
+    of blocks ahead of its consumer, and every stage documents what it holds.
+    """
+
+    # Class-level defaults keep subclasses free of any required __init__ call.
+    _fixed_epoch: int | None = None
+    _next_epoch: int = 0
+    #: Blocks the background task may read ahead of the consumer.
+    _prefetch_blocks: int = 2
+
+    def _blocks(self, ctx: _Context) -> AsyncGenerator[list[T_co], None]:
+        """This epoch's items, in blocks (lists); subclasses implement it."""
+        raise NotImplementedError
+
+    def _upstreams(self) -> Sequence[Stream[Any]]:
+        return ()
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration will use."""
+        return self._fixed_epoch if self._fixed_epoch is not None else self._next_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch`` for every following iteration (of this stream and its inputs).
+
+        Args:
+            epoch: epoch number; with the seeds, it decides shard orders and shuffles.
+        """
+        self._fixed_epoch = int(epoch)
+        for upstream in self._upstreams():
+            upstream.set_epoch(epoch)
+
+    def __aiter__(self) -> AsyncIterator[T_co]:
+        """Start one epoch: items one by one, read in the background at most a few blocks
+        ahead of the consumer."""
+        if self._fixed_epoch is not None:
+            epoch = self._fixed_epoch
+        else:
+            epoch = self._next_epoch
+            self._next_epoch = epoch + 1
+        return _StreamIterator(self, epoch, self._prefetch_blocks)
+
+    # Transforms --------------------------------------------------------------------------
+    def shuffle(self, buffer_size: int, seed: GeneratorLike = None) -> Stream[T_co]:
+        """Shuffle the stream through a buffer of ``buffer_size`` items (webdataset's
+        ``shuffle(n)``, tf.data's ``shuffle``).
+
+        The buffer fills with the first ``buffer_size`` items; then each new item takes the
+        place of a uniformly chosen buffered one, which is emitted; at the end the rest is
+        emitted in random order. The stage never holds more than ``buffer_size`` items. The
+        order depends only on the input order, the seed, the epoch and the worker, so it is
+        reproducible.
+
+        Args:
+            buffer_size: items held at most (1 keeps the order).
+            seed: None (fresh entropy), an int or a numpy Generator; one base seed is drawn
+                from it at construction and each epoch's shuffle is seeded by
+                ``(base seed, epoch, worker)``.
+
+        Raises:
+            ValueError: ``buffer_size`` is not a positive integer.
+        """
+        return _Shuffled(self, buffer_size, seed)
+
+    @overload
+    def map(
+        self, fn: Callable[[T_co], Awaitable[U]], *, concurrency: int = 1, ordered: bool = True
+    ) -> Stream[U]: ...
+
+    @overload
+    def map(
+        self, fn: Callable[[T_co], U], *, concurrency: int = 1, ordered: bool = True
+    ) -> Stream[U]: ...
+
+    def map(
+        self,
+        fn: Callable[[T_co], Any],
+        *,
+        concurrency: int = 1,
+        ordered: bool = True,
+    ) -> Stream[Any]:
+        """Apply ``fn`` to every item.
+
+        ``fn`` may be a plain function or an ``async def``. With ``concurrency=1`` calls run
+        one at a time on the event loop (a plain function should be quick). With
+        ``concurrency=n > 1``, up to ``n`` calls run at once: async functions on the event
+        loop, plain functions in worker threads (for blocking I/O or code that releases the
+        GIL). The stage then holds at most ``2 * n`` items (running or finished and waiting).
+
+        Args:
+            fn: the function.
+            concurrency: calls in flight at most.
+            ordered: keep the input order (True), or emit results as they finish (False: not
+                reproducible, but one slow item does not hold back the others).
+
+        Raises:
+            ValueError: ``concurrency`` is not a positive integer.
+        """
+        return _Mapped[Any](self, fn, concurrency, ordered)
+
+    def filter(self, predicate: Callable[[T_co], bool | Awaitable[bool]]) -> Stream[T_co]:
+        """Keep the items for which ``predicate`` (plain or ``async def``) is true.
+
+        Args:
+            predicate: called once per item, in order.
+        """
+        return _Filtered(self, predicate)
+
+
+# --------------------------------------------------------------------------- shuffle
+
+
+def _positive_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} should be a positive integer, but got {name}={value!r}")
+    return value
+
+
+class _Shuffled(Stream[T_co]):
+    def __init__(self, upstream: Stream[T_co], buffer_size: int, seed: GeneratorLike) -> None:
+        self.upstream = upstream
+        self.buffer_size = _positive_int(buffer_size, "buffer_size")
+        self.seed = draw_seed(as_generator(seed))
+        #: The most items the buffer has held (a bound the tests check).
+        self.max_buffered = 0
+
+    def _upstreams(self) -> Sequence[Stream[Any]]:
+        return (self.upstream,)
+
+    async def _blocks(self, ctx: _Context) -> AsyncGenerator[list[T_co], None]:
+        rng = ctx.rng(self.seed)
+        size = self.buffer_size
+        buffer: list[T_co] = []
+        async with _Closing(self.upstream._blocks(ctx)) as blocks:
+            async for block in blocks:
+                room = size - len(buffer)
+                if room > 0:
+                    buffer.extend(block[:room])
+                    self.max_buffered = max(self.max_buffered, len(buffer))
+                    if len(block) <= room:
+                        continue
+                    block = block[room:]
+                picks = rng.integers(0, size, size=len(block)).tolist()
+                out: list[T_co] = []
+                append = out.append
+                for slot, item in zip(picks, block, strict=True):
+                    append(buffer[slot])
+                    buffer[slot] = item
+                yield out
+        if buffer:
+            order = permutation(rng, len(buffer)).tolist()
+            yield [buffer[i] for i in order]
+
+
+# --------------------------------------------------------------------------- map
+
+
+class _Pool(Generic[T, U]):
+    """``map`` with concurrency: workers pull items, results go back in order (or not)."""
+
+    def __init__(
+        self,
+        upstream: AsyncGenerator[list[T], None],
+        call: Callable[[T], Awaitable[U]],
+        concurrency: int,
+        ordered: bool,
+    ) -> None:
+        self.upstream = upstream
+        self.call = call
+        self.concurrency = concurrency
+        self.ordered = ordered
+        self.lock = anyio.Lock()
+        # A slot per item between its pull and its hand-over to the consumer.
+        self.window = anyio.Semaphore(2 * concurrency)
+        self.block: list[T] = []
+        self.pos = 0
+        self.exhausted = False
+        self.next_seq = 0
+        self.total: int | None = None
+        self.done_ordered: dict[int, tuple[bool, Any]] = {}
+        self.done_fifo: deque[tuple[bool, Any]] = deque()
+        self.changed = anyio.Event()
+        self.scope = anyio.CancelScope()
+        self.running = 0
+        self.max_running = 0
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = anyio.Event()
+
+    def deliver(self, seq: int, ok: bool, value: Any) -> None:
+        if self.ordered:
+            self.done_ordered[seq] = (ok, value)
+        else:
+            self.done_fifo.append((ok, value))
+        self.notify()
+
+    async def pull(self) -> tuple[int, T] | None:
+        async with self.lock:
+            if self.exhausted:
+                return None
+            while self.pos >= len(self.block):
+                try:
+                    self.block = await self.upstream.__anext__()
+                except StopAsyncIteration:
+                    self.exhausted = True
+                    self.total = self.next_seq
+                    self.notify()
+                    return None
+                except Exception as exc:
+                    # The upstream's error takes its place in the order.
+                    self.exhausted = True
+                    self.total = self.next_seq + 1
+                    self.deliver(self.next_seq, False, exc)
+                    return None
+                self.pos = 0
+            item = self.block[self.pos]
+            self.pos += 1
+            seq = self.next_seq
+            self.next_seq = seq + 1
+            if self.pos == len(self.block):
+                self.block = []
+            return seq, item
+
+    async def worker(self) -> None:
+        while True:
+            await self.window.acquire()
+            got = await self.pull()
+            if got is None:
+                self.window.release()
+                return
+            seq, item = got
+            self.running += 1
+            self.max_running = max(self.max_running, self.running)
+            try:
+                value = await self.call(item)
+            except Exception as exc:
+                self.deliver(seq, False, exc)
+            else:
+                self.deliver(seq, True, value)
+            finally:
+                self.running -= 1
+
+    async def run(self) -> None:
+        try:
+            with self.scope:
+                async with anyio.create_task_group() as group:
+                    for _ in range(self.concurrency):
+                        group.start_soon(self.worker)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.upstream.aclose()
+
+    def take_ready(self, taken: int) -> list[tuple[bool, Any]]:
+        if self.ordered:
+            out = []
+            while taken in self.done_ordered:
+                out.append(self.done_ordered.pop(taken))
+                taken += 1
+            return out
+        out = list(self.done_fifo)
+        self.done_fifo.clear()
+        return out
+
+
+class _Mapped(Stream[U]):
+    def __init__(
+        self,
+        upstream: Stream[Any],
+        fn: Callable[[Any], Any],
+        concurrency: int,
+        ordered: bool,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"map needs a callable, but got {fn!r}")
+        self.upstream = upstream
+        self.fn = fn
+        self.concurrency = _positive_int(concurrency, "concurrency")
+        self.ordered = bool(ordered)
+        self.is_async = _is_async_callable(fn)
+        #: The most calls that ran at once, and the most items the stage held.
+        self.max_running = 0
+
+    def _upstreams(self) -> Sequence[Stream[Any]]:
+        return (self.upstream,)
+
+    async def _blocks(self, ctx: _Context) -> AsyncGenerator[list[U], None]:
+        fn = self.fn
+        upstream = self.upstream._blocks(ctx)
+        if self.concurrency == 1:
+            async with _Closing(upstream) as blocks:
+                async for block in blocks:
+                    if self.is_async:
+                        self.max_running = 1
+                        yield [await fn(item) for item in block]
+                    else:
+                        yield [fn(item) for item in block]
+            return
+
+        call: Callable[[Any], Awaitable[U]]
+        if self.is_async:
+            call = fn
+        else:
+            limiter = anyio.CapacityLimiter(self.concurrency)
+
+            async def call(item: Any) -> U:
+                return cast(U, await anyio.to_thread.run_sync(fn, item, limiter=limiter))
+
+        pool: _Pool[Any, U] = _Pool(upstream, call, self.concurrency, self.ordered)
+        ctx.group.start_soon(pool.run)
+        taken = 0
+        try:
+            while True:
+                ready = pool.take_ready(taken)
+                if not ready:
+                    if pool.total is not None and taken >= pool.total:
+                        return
+                    await pool.changed.wait()
+                    continue
+                out: list[U] = []
+                for ok, value in ready:
+                    taken += 1
+                    pool.window.release()
+                    if not ok:
+                        if out:
+                            yield out
+                        raise value
+                    out.append(value)
+                self.max_running = max(self.max_running, pool.max_running)
+                yield out
+        finally:
+            self.max_running = max(self.max_running, pool.max_running)
+            pool.scope.cancel()
+
+
+# --------------------------------------------------------------------------- filter
+
+
+class _Filtered(Stream[T_co]):
+    def __init__(self, upstream: Stream[T_co], predicate: Callable[[Any], Any]) -> None:
+        if not callable(predicate):
+            raise TypeError(f"filter needs a callable, but got {predicate!r}")
+        self.upstream = upstream
+        self.predicate = predicate
+        self.is_async = _is_async_callable(predicate)
+
+    def _upstreams(self) -> Sequence[Stream[Any]]:
+        return (self.upstream,)
+
+    async def _blocks(self, ctx: _Context) -> AsyncGenerator[list[T_co], None]:
+        predicate = self.predicate
+        async with _Closing(self.upstream._blocks(ctx)) as blocks:
+            async for block in blocks:
+                if self.is_async:
+                    kept = [item for item in block if await predicate(item)]
+                else:
+                    kept = [item for item in block if predicate(item)]
+                if kept:
+                    yield kept
+
+
+# --------------------------------------------------------------------------- interleave
+
+
+class _Cursor(Generic[T]):
+    """One input of an interleave: its blocks and the position in the current one."""
+
+    __slots__ = ("block", "blocks", "pos")
+
+    def __init__(self, blocks: AsyncGenerator[list[T], None]) -> None:
+        self.blocks = blocks
+        self.block: list[T] = []
+        self.pos = 0
+
+    async def refill(self) -> bool:
+        """Load the next non-empty block; False at the end of the input."""
+        while True:
+            try:
+                self.block = await self.blocks.__anext__()
+            except StopAsyncIteration:
+                self.block = []
+                return False
+            self.pos = 0
+            if self.block:
+                return True
+
+
+class _Interleaved(Stream[Any]):
+    def __init__(
+        self,
+        streams: Sequence[Stream[Any]],
+        weights: Sequence[float] | None,
+        seed: GeneratorLike,
+        stop_on_first: bool,
+    ) -> None:
+        if not streams:
+            raise ValueError("interleave needs at least one stream")
+        self.streams = list(streams)
+        self.stop_on_first = bool(stop_on_first)
+        self.weights: list[float] | None = None
+        if weights is not None:
+            values = [float(w) for w in weights]
+            if len(values) != len(self.streams):
+                raise ValueError(
+                    f"interleave got {len(self.streams)} streams but {len(values)} weights"
+                )
+            if any(not w >= 0 for w in values) or not any(w > 0 for w in values):
+                raise ValueError(
+                    f"weights should be non-negative with a positive sum, but got {values}"
+                )
+            self.weights = values
+        self.seed = draw_seed(as_generator(seed))
+
+    def _upstreams(self) -> Sequence[Stream[Any]]:
+        return self.streams
+
+    async def _blocks(self, ctx: _Context) -> AsyncGenerator[list[Any], None]:
+        cursors = [_Cursor(stream._blocks(ctx)) for stream in self.streams]
+        if self.weights is None:
+            mixed = self._round_robin(cursors)
+        else:
+            mixed = self._weighted(cursors, ctx.rng(self.seed), self.weights)
+        try:
+            async with _Closing(mixed) as blocks:
+                async for block in blocks:
+                    yield block
+        finally:
+            with anyio.CancelScope(shield=True):
+                for cursor in cursors:
+                    await cursor.blocks.aclose()
+
+    async def _round_robin(self, cursors: list[_Cursor[Any]]) -> AsyncGenerator[list[Any], None]:
+        active = list(cursors)
+        out: list[Any] = []
+        while active:
+            still: list[_Cursor[Any]] = []
+            for cursor in active:
+                if cursor.pos >= len(cursor.block) and not await cursor.refill():
+                    if self.stop_on_first:
+                        if out:
+                            yield out
+                        return
+                    continue
+                out.append(cursor.block[cursor.pos])
+                cursor.pos += 1
+                still.append(cursor)
+            active = still
+            if len(out) >= _BLOCK:
+                yield out
+                out = []
+        if out:
+            yield out
+
+    async def _weighted(
+        self, cursors: list[_Cursor[Any]], rng: np.random.Generator, weights: list[float]
+    ) -> AsyncGenerator[list[Any], None]:
+        live = np.array([w > 0 for w in weights])
+        base = np.array(weights, dtype=np.float64)
+        out: list[Any] = []
+        while live.any():
+            p = np.where(live, base, 0.0)
+            picks = rng.choice(len(cursors), size=_BLOCK, p=p / p.sum()).tolist()
+            for index in picks:
+                cursor = cursors[index]
+                if cursor.pos >= len(cursor.block) and not await cursor.refill():
+                    if self.stop_on_first:
+                        if out:
+                            yield out
+                        return
+                    live[index] = False
+                    break  # redraw without the finished input
+                out.append(cursor.block[cursor.pos])
+                cursor.pos += 1
+            if len(out) >= _BLOCK:
+                yield out
+                out = []
+        if out:
+            yield out
+
+
+def interleave(
+    *streams: Stream[Any] | Any,
+    weights: Sequence[float] | None = None,
+    seed: GeneratorLike = None,
+    stop_on_first: bool = False,
+) -> Stream[Any]:
+    """Mix several streams into one.
+
+    By default items alternate round-robin (one from each input in turn); an input that ends
+    drops out and the others go on. With ``weights``, each item comes from an input drawn at
+    random with those relative weights (renormalised over the inputs still running),
+    reproducibly from ``seed``, the epoch and the worker. Inputs are read as needed: the stage
+    holds one block of each input.
+
+    Args:
+        *streams: streams, or anything :func:`as_stream` accepts.
+        weights: relative weights, one per stream, or None for round-robin.
+        seed: None, an int or a numpy Generator (used with ``weights``).
+        stop_on_first: end as soon as any input ends (the others are not drained).
+
+    Returns:
+        A stream; ``set_epoch`` on it reaches every input.
+
+    Raises:
+        ValueError: no stream, or bad weights.
+    """
+    return _Interleaved([as_stream(s) for s in streams], weights, seed, stop_on_first)
+
+
+# --------------------------------------------------------------------------- adapters
+
+
+class _Iterated(Stream[Any]):
+    """Any iterable or async iterable, as a stream (iterated anew at every epoch)."""
+
+    def __init__(self, iterable: Any) -> None:
+        self.iterable = iterable
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        set_epoch = getattr(self.iterable, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+    async def _blocks(self, ctx: _Context) -> AsyncGenerator[list[Any], None]:
+        source = self.iterable
+        aiter_ = getattr(type(source), "__aiter__", None)
+        if aiter_ is not None and not getattr(aiter_, "_aloader_stub", False):
+            iterator = source.__aiter__()
+            try:
+                async for item in iterator:
+                    yield [item]
+            finally:
+                aclose = getattr(iterator, "aclose", None)
+                if aclose is not None:
+                    with anyio.CancelScope(shield=True):
+                        await aclose()
+            return
+        sync_iterator = iter(source)
+        try:
+            while True:
+                block = []
+                for item in sync_iterator:
+                    block.append(item)
+                    if len(block) == _BLOCK:
+                        break
+                if not block:
+                    return
+                yield block
+                await anyio.lowlevel.checkpoint()
+        finally:
+            close = getattr(sync_iterator, "close", None)
+            if close is not None:
+                close()
+
+
+def as_stream(iterable: Any) -> Stream[Any]:
+    """Wrap an iterable (a list, a generator function's iterable, an ``IterableDataset``) or
+    an async iterable as a :class:`Stream`, to ``shuffle``, ``map`` or ``interleave`` it.
+
+    Plain iterators are pulled on the event loop, so they should not block. The wrapped
+    object is iterated anew at every epoch (a one-shot iterator yields its items once).
+
+    Args:
+        iterable: the object; a :class:`Stream` is returned unchanged.
+
+    Raises:
+        TypeError: ``iterable`` is neither iterable nor async iterable.
+    """
+    if isinstance(iterable, Stream):
+        return iterable
+    if not (hasattr(iterable, "__iter__") or hasattr(iterable, "__aiter__")):
+        raise TypeError(f"as_stream needs an iterable or async iterable, but got {iterable!r}")
+    return _Iterated(iterable)

@@ -1,0 +1,239 @@
+"""Streaming JSON Lines shards over HTTP and from local files.
+
+Run: ``python benchmarks/bench_sources.py``. Everything below is measured in the same run.
+
+HTTP: 64 shards of 1,000 JSON Lines records (~106 bytes each) served by a local HTTP server
+(a separate process, ``aloader._demo_http.ShardServer``) that waits 20 ms before answering each
+request. One epoch, batches of 256, best of 3:
+
+* aloader: ``DataLoader(JsonLines(urls, concurrency=8), batch_size=256)`` on one event loop.
+* PyTorch: ``torch.utils.data.DataLoader`` over an ``IterableDataset`` whose workers each fetch
+  their share of the URLs with ``urllib.request`` (blocking) and ``json.loads`` every line,
+  ``num_workers`` 0, 2 and 8 (workers started by each epoch, as by default).
+* limit: one event loop cannot beat both (a) the latency floor, 64 requests x 20 ms / 8 in
+  flight, and (b) the parse floor, the time to turn the same bytes into records and batches in
+  memory on one core (aloader's chunk parser + ``default_collate``, measured here). The limit
+  is ``max(a, b)`` (perfect overlap of waiting and parsing); ``a + b`` (no overlap) is shown
+  too.
+
+Local files: the same records in 32 files of 20,000 lines, read with ``TextLines`` and
+``JsonLines`` against a plain ``for line in open(f)`` loop (and ``json.loads(line)`` in it).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from aloader import DataLoader, JsonLines, TextLines, default_collate
+from aloader._demo_http import ShardServer, make_jsonl_shards
+from aloader._formats import BadRecords, JsonLinesDecoder, SourceStats
+
+SHARDS = 64
+RECORDS = 1000
+LATENCY = float(os.environ.get("BENCH_LATENCY", "0.02"))
+CONCURRENCY = 16
+BATCH = 256
+RUNS = 3
+TOTAL = SHARDS * RECORDS
+
+
+def _serve(port_queue: Any, stop: Any) -> None:
+    """Server process: serve the shards until told to stop."""
+    server = ShardServer(make_jsonl_shards(SHARDS, RECORDS), latency=LATENCY).start()
+    port_queue.put(server.port)
+    stop.wait()
+    server.close()
+
+
+def best(fn: Callable[[], int], runs: int = RUNS) -> tuple[float, int]:
+    """(best seconds, items) over ``runs`` calls of ``fn`` (which returns the items seen)."""
+    times = []
+    items = 0
+    for _ in range(runs):
+        start = time.perf_counter()
+        items = fn()
+        times.append(time.perf_counter() - start)
+    return min(times), items
+
+
+def run_aloader(urls: list[str]) -> int:
+    async def epoch() -> int:
+        count = 0
+        async for batch in DataLoader(JsonLines(urls, concurrency=CONCURRENCY),
+                                      batch_size=BATCH):
+            count += len(batch["id"])
+        return count
+
+    return anyio.run(epoch)
+
+
+def run_torch(urls: list[str], workers: int) -> int:
+    import urllib.request
+
+    import torch.utils.data as tud
+
+    class UrlJsonLines(tud.IterableDataset):  # type: ignore[type-arg,misc]
+        def __iter__(self) -> Any:
+            info = tud.get_worker_info()
+            mine = urls if info is None else urls[info.id :: info.num_workers]
+            for url in mine:
+                with urllib.request.urlopen(url) as response:
+                    for line in response:
+                        yield json.loads(line)
+
+    count = 0
+    for batch in tud.DataLoader(UrlJsonLines(), batch_size=BATCH, num_workers=workers):
+        count += len(batch["id"])
+    return count
+
+
+def parse_floor(bodies: list[bytes]) -> float:
+    """Seconds to decode all bodies (as 64 KiB network reads) and collate them in batches."""
+
+    def work() -> int:
+        stats = SourceStats()
+        count = 0
+        pending: list[Any] = []
+        for body in bodies:
+            decoder = JsonLinesDecoder("x", BadRecords(False, stats), 1 << 26)
+            for start in range(0, len(body), 1 << 16):
+                pending.extend(decoder.feed(body[start : start + (1 << 16)]))
+                while len(pending) >= BATCH:
+                    default_collate(pending[:BATCH])
+                    count += BATCH
+                    del pending[:BATCH]
+        if pending:
+            default_collate(pending)
+            count += len(pending)
+        return count
+
+    seconds, items = best(work)
+    assert items == TOTAL
+    return seconds
+
+
+def local_files(bodies: list[bytes]) -> list[tuple[str, float]]:
+    """Lines/s of plain loops and aloader's sources over the same local files."""
+    rows: list[tuple[str, float]] = []
+    with tempfile.TemporaryDirectory() as directory:
+        paths = []
+        for i in range(32):
+            path = os.path.join(directory, f"part-{i:03d}.jsonl")
+            with open(path, "wb") as f:
+                f.write(b"".join(bodies[(i * 20 + k) % SHARDS] for k in range(20)))
+            paths.append(path)
+        total = 0
+        for path in paths:
+            with open(path, "rb") as f:
+                total += sum(1 for _ in f)
+
+        def plain_lines() -> int:
+            n = 0
+            for path in paths:
+                with open(path) as f:
+                    for _line in f:
+                        n += 1
+            return n
+
+        def plain_json() -> int:
+            n = 0
+            for path in paths:
+                with open(path) as f:
+                    for line in f:
+                        json.loads(line)
+                        n += 1
+            return n
+
+        def source(cls: Any) -> Callable[[], int]:
+            def run() -> int:
+                async def epoch() -> int:
+                    n = 0
+                    async for _ in cls(directory):
+                        n += 1
+                    return n
+
+                return anyio.run(epoch)
+
+            return run
+
+        for label, fn in (
+            ("plain loop: for line in open(f)", plain_lines),
+            ("aloader TextLines(dir)", source(TextLines)),
+            ("plain loop: json.loads(line) for line in open(f)", plain_json),
+            ("aloader JsonLines(dir)", source(JsonLines)),
+        ):
+            seconds, items = best(fn)
+            assert items == total, (label, items, total)
+            rows.append((label, items / seconds))
+    return rows
+
+
+def main() -> None:
+    """Measure and print the tables."""
+    context = multiprocessing.get_context("spawn")
+    port_queue = context.Queue()
+    stop = context.Event()
+    process = context.Process(target=_serve, args=(port_queue, stop), daemon=True)
+    process.start()
+    port = port_queue.get(timeout=60)
+    names = sorted(make_jsonl_shards(SHARDS, RECORDS))
+    urls = [f"http://127.0.0.1:{port}/{name}" for name in names]
+    bodies = list(make_jsonl_shards(SHARDS, RECORDS).values())
+
+    try:
+        rows: list[tuple[str, float]] = []
+        run_aloader(urls)  # warm-up: imports, connections, thread pools
+        seconds, items = best(lambda: run_aloader(urls))
+        assert items == TOTAL
+        aloader_rate = items / seconds
+        rows.append((f"aloader JsonLines(concurrency={CONCURRENCY}) + DataLoader",
+                     aloader_rate))
+        torch_rates: dict[int, float] = {}
+        try:
+            import torch  # noqa: F401 - only to know whether the anchor can run
+        except ImportError:
+            print("torch is not installed: the PyTorch rows are skipped", file=sys.stderr)
+        else:
+            for workers in (0, 2, 8):
+                seconds, items = best(lambda w=workers: run_torch(urls, w))  # type: ignore[misc]
+                assert items == TOTAL
+                torch_rates[workers] = items / seconds
+                rows.append((f"PyTorch DataLoader, urllib, num_workers={workers}",
+                             torch_rates[workers]))
+        latency_floor = SHARDS * LATENCY / CONCURRENCY
+        parse = parse_floor(bodies)
+        limit = TOTAL / max(latency_floor, parse)
+        rows.append((f"limit max(latency {latency_floor * 1e3:.0f} ms, parse "
+                     f"{parse * 1e3:.0f} ms)", limit))
+        rows.append(("no-overlap bound (latency + parse)", TOTAL / (latency_floor + parse)))
+    finally:
+        stop.set()
+        process.join(timeout=10)
+
+    print(f"HTTP: {SHARDS} shards x {RECORDS:,} JSON Lines records, {LATENCY * 1e3:.0f} ms per "
+          f"request, batch {BATCH}, best of {RUNS}")
+    print(f"{'':58} {'items/s':>11} {'vs torch-8':>10} {'of limit':>9}")
+    for label, rate in rows:
+        vs = f"{rate / torch_rates[8]:.2f}x" if 8 in torch_rates else "-"
+        print(f"{label:58} {rate:>11,.0f} {vs:>10} {rate / limit:>8.0%}")
+
+    print()
+    print("Local files: 32 files x 20,000 JSON Lines records (~68 MB), best of 3")
+    print(f"{'':58} {'lines/s':>11} {'vs plain':>10}")
+    local = local_files(bodies)
+    for index, (label, rate) in enumerate(local):
+        plain = local[index - index % 2][1]
+        print(f"{label:58} {rate:>11,.0f} {rate / plain:>9.2f}x")
+
+
+if __name__ == "__main__":
+    main()
