@@ -12,6 +12,7 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
+from . import _demo_http
 from ._dataset import Dataset
 from ._loader import DataLoader
 
@@ -191,11 +192,16 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser(
         "demo",
-        help="stream an async dataset with simulated network latency and compare with "
-             "sequential fetching",
-        description="Stream an async dataset with simulated network latency through the "
-                    "DataLoader, then compare with fetching the items one after another.",
+        help="the main job: an async dataset with simulated latency vs sequential fetching, "
+             "then JSON Lines shards streamed from a local HTTP server",
+        description="Part 1 streams an async dataset with simulated network latency through "
+                    "the DataLoader and compares with fetching the items one after another. "
+                    "Part 2 starts an HTTP server on 127.0.0.1 serving generated shards with "
+                    "latency and streams them through the sharded, shuffled JsonLines source "
+                    "and the DataLoader (`python -m aloader demo-http --help` for its options).",
     )
+    demo.add_argument("--only", choices=("latency", "http"), default=None,
+                      help="run one part only")
     demo.add_argument("--items", type=_positive_int, default=20_000,
                       help="items (default 20000)")
     demo.add_argument("--latency-ms", type=_non_negative_float, default=5.0,
@@ -206,6 +212,12 @@ def _parser() -> argparse.ArgumentParser:
                       help="batch size (default 32)")
     demo.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio",
                       help="event loop to run on (default asyncio)")
+
+    commands.add_parser(
+        "demo-http",
+        help="part 2 of the demo on its own, with its options",
+        add_help=False,
+    )
 
     bench = commands.add_parser(
         "bench",
@@ -234,8 +246,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo-http"]:
+        return _demo_http.main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "demo":
-        status: Any = anyio.run(_demo, args, backend=args.backend)
-        return int(status)
+        status = 0
+        if args.only in (None, "latency"):
+            status = int(anyio.run(_demo, args, backend=args.backend))
+        if args.only in (None, "http"):
+            print()
+            status = max(status, _demo_http.main([]))
+        return status
     return _bench(args)
