@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None, out: TextIO | None = None) -> int:
         out: where to print (default: standard output).
     """
     parser = argparse.ArgumentParser(
-        prog="python -m aloader demo",
+        prog="python -m aloader demo-http",
         description="Stream generated JSON Lines shards from a local HTTP server through a "
                     "sharded, shuffled source and the DataLoader.",
     )
