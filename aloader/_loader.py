@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -15,9 +16,11 @@ from ._backend import current_backend
 from ._collate import default_collate, default_convert
 from ._dataset import IterableDataset, fetch_mode
 from ._exceptions import LoaderTimeoutError
-from ._pipeline import Epoch, FetchPlan, Results, window_for
+from ._pipeline import Epoch, FetchPlan, Remote, Results, window_for
+from ._pool import PoolEpoch, WorkerPool, default_context, prepare_context, resolve_context
 from ._random import as_generator, draw_seed
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler, epoch_batches, epoch_indices
+from ._worker import WorkerSetup
 
 __all__ = ("DataLoader",)
 
@@ -47,6 +50,28 @@ class DataLoader(Generic[T_co]):
     when it is given. At most ``prefetch_factor`` collated batches wait for the consumer.
     ``for batch in loader`` gives the same epochs to synchronous code.
 
+    With ``num_workers > 0``, worker processes fetch and collate whole batches, each with the
+    same concurrency as above (async datasets keep ``max_concurrency`` fetches in flight per
+    worker); arrays in batches come back through shared memory, not through pickling. Map-style
+    index batches go to the least busy worker and are delivered in sampler order (or as they
+    finish with ``in_order=False``); with an iterable dataset, every worker iterates its own
+    replica (shard it with :func:`get_worker_info`), batches come from the workers in turn, and
+    the epoch ends when all are exhausted. Each epoch draws ``base_seed`` from ``generator``;
+    worker ``i`` seeds Python's ``random`` with ``base_seed + i`` and numpy's global RNG (and
+    torch's, if it imported torch) as torch's workers do, then calls ``worker_init_fn(i)``.
+    A worker's exception reaches the consumer with its type, the worker id and its traceback;
+    a worker that dies raises torch's "DataLoader worker (pid N) exited unexpectedly" / "is
+    killed by signal" error at once. Workers stop when the epoch ends or is abandoned
+    (``break``, cancellation, garbage collection) or, with ``persistent_workers``, when the
+    loader is closed or collected, and in any case when the loader's process dies.
+
+    Workers start with the ``forkserver`` method by default, which is safe in a process that
+    runs threads (``fork`` is not); the dataset is pickled once per start, its large arrays
+    into shared memory that the workers map. As with ``spawn``, what workers unpickle must be
+    importable (not defined in a notebook or ``python -c``) and a script must start loading
+    under ``if __name__ == "__main__":``; ``multiprocessing_context="fork"`` lifts both, at the
+    usual risk of forking a process that runs threads.
+
     The arguments, defaults, checks and error messages are those of
     ``torch.utils.data.DataLoader``, with two differences: ``generator`` also takes an int seed
     or a :class:`numpy.random.Generator`, and ``prefetch_factor`` is accepted without worker
@@ -67,11 +92,14 @@ class DataLoader(Generic[T_co]):
         drop_last: drop the last incomplete batch.
         timeout: seconds to wait for one batch before raising (0 waits forever).
         worker_init_fn: called with the worker id in each worker process.
-        multiprocessing_context: start method or context for worker processes.
+        multiprocessing_context: start method (a string) or multiprocessing context for the
+            workers; None means ``"forkserver"`` (``"spawn"`` where it is missing).
         generator: None, an int seed or a numpy Generator; it seeds the random sampler and each
             epoch's ``base_seed``. The same seed gives the same sequence of epochs.
-        prefetch_factor: collated batches allowed to wait for the consumer (default 2).
-        persistent_workers: keep worker processes alive between epochs.
+        prefetch_factor: collated batches allowed to wait for the consumer (default 2); with
+            workers, also the batches each worker is asked for ahead of time.
+        persistent_workers: keep worker processes (and their dataset copies) alive between
+            epochs; they keep the seeds of the epoch that started them.
         pin_memory_device: deprecated in torch; kept for signature compatibility.
         in_order: deliver batches in sampler order (True) or as soon as they are ready.
         max_concurrency: fetch calls in flight. Async datasets default to 64; synchronous
@@ -205,15 +233,12 @@ class DataLoader(Generic[T_co]):
 
         if pin_memory:
             _require_torch("pin_memory=True")
-        if num_workers > 0:
-            raise NotImplementedError(
-                f"num_workers={num_workers}: worker processes are not available in this "
-                "version of aloader; use num_workers=0 (async datasets and threads already "
-                "fetch concurrently)"
-            )
         self._iterable_len_called: int | None = None
         self._iterators: weakref.WeakSet[_AsyncLoaderIter] = weakref.WeakSet()
         self._epochs: set[Epoch] = set()  # started and maybe not yet wound down
+        self._pool: WorkerPool | None = None
+        if num_workers > 0:
+            prepare_context(self._context(), warm=True)
         self.__initialized = True
 
     # torch's guards --------------------------------------------------------------------------
@@ -224,13 +249,18 @@ class DataLoader(Generic[T_co]):
 
     @multiprocessing_context.setter
     def multiprocessing_context(self, multiprocessing_context: Any) -> None:
-        if multiprocessing_context is not None and self.num_workers == 0:
-            raise ValueError(
-                "multiprocessing_context can only be used with "
-                "multi-process loading (num_workers > 0), but got "
-                f"num_workers={self.num_workers}"
-            )
+        if multiprocessing_context is not None:
+            if self.num_workers == 0:
+                raise ValueError(
+                    "multiprocessing_context can only be used with "
+                    "multi-process loading (num_workers > 0), but got "
+                    f"num_workers={self.num_workers}"
+                )
+            multiprocessing_context = resolve_context(multiprocessing_context)
         self.__multiprocessing_context = multiprocessing_context
+
+    def _context(self) -> Any:
+        return self.multiprocessing_context or default_context()
 
     def __setattr__(self, attr: str, val: Any) -> None:
         if self.__initialized and attr in _FROZEN:
@@ -264,6 +294,7 @@ class DataLoader(Generic[T_co]):
 
     # Iteration -------------------------------------------------------------------------------
     def __aiter__(self) -> _AsyncLoaderIter:
+        self._check_worker_number()
         iterator = _AsyncLoaderIter(self)
         self._iterators.add(iterator)
         return iterator
@@ -278,8 +309,36 @@ class DataLoader(Generic[T_co]):
 
         return SyncLoaderIter(self)
 
+    def _check_worker_number(self) -> None:
+        """torch's warning when an epoch is to start more workers than there are CPUs."""
+        workers = self.num_workers
+        if workers == 0 or (self.persistent_workers and self._pool is not None):
+            return
+        try:
+            cpus: int | None = len(os.sched_getaffinity(0))
+            cpuset = True
+        except AttributeError:
+            cpus = os.cpu_count()
+            cpuset = False
+        if cpus is not None and workers <= cpus:
+            return
+        if cpus is None:
+            suggestion = ("DataLoader is not able to compute a suggested max number of worker "
+                          "in current system.")
+        else:
+            suggestion = (f"Our suggested max number of worker in current system is {cpus}"
+                          f"{'' if cpuset else ' (`cpuset` is not taken into account)'}, which "
+                          "is smaller than what this DataLoader is going to create.")
+        warnings.warn(
+            f"This DataLoader will create {workers} worker processes in total. {suggestion} "
+            "Please be aware that excessive worker creation might get DataLoader running slow "
+            "or even freeze, lower the worker number to avoid potential slowness/freeze if "
+            "necessary.",
+            stacklevel=3,  # the `async for` (the synchronous facade's loop for `for`)
+        )
+
     async def aclose(self) -> None:
-        """Stop every epoch in progress and wait until their fetches have ended.
+        """Stop every epoch in progress and wait until their fetches have ended; stop workers.
 
         This includes epochs whose iterator was already dropped (``break``), which stop on
         their own but may still be winding down.
@@ -291,6 +350,9 @@ class DataLoader(Generic[T_co]):
             epoch.stop()
             with anyio.CancelScope(shield=True):
                 await epoch.done.wait()
+        if self._pool is not None:  # persistent workers
+            self._pool.shutdown()
+            self._pool = None
 
     async def __aenter__(self) -> DataLoader[T_co]:
         return self
@@ -299,7 +361,26 @@ class DataLoader(Generic[T_co]):
         await self.aclose()
 
     # The epoch's plan ------------------------------------------------------------------------
-    def _plan(self) -> FetchPlan:
+    def _plan(self, remote: Remote | None = None) -> FetchPlan:
+        """The plan of an epoch in this process, or of one whose jobs go to ``remote``."""
+        transform = _pin_memory_transform(self)
+        if remote is None:
+            return self._local_plan(transform)
+        window = max(1, self.prefetch_factor) * self.num_workers
+        return FetchPlan(
+            dataset=self.dataset,
+            mode="process",
+            auto_batch=self._auto_collation,
+            collate_fn=self.collate_fn,
+            granularity="job",
+            concurrency=window,
+            window=window,
+            transform=transform,
+            remote=remote,
+        )
+
+    def _local_plan(self, transform: Callable[[Any], Any] | None) -> FetchPlan:
+        """How this process (or a worker) fetches: on the loop, in threads or both."""
         dataset = self.dataset
         auto = self._auto_collation
         if self._iterable:
@@ -337,8 +418,37 @@ class DataLoader(Generic[T_co]):
             concurrency=concurrency,
             window=window,
             array_indices=bool(getattr(dataset, "_array_indices", False)),
-            transform=_pin_memory_transform(self),
+            transform=transform,
         )
+
+    def _remote(self, base_seed: int) -> PoolEpoch:
+        """This epoch's use of the worker processes: the persistent pool when it is free."""
+        pool = self._pool
+        if pool is not None and (pool.closed or pool.broken):
+            pool.shutdown()
+            pool = self._pool = None
+        if pool is not None and (pool.holder is None or pool.holder.stopping):
+            return PoolEpoch(pool)
+        setup = WorkerSetup(
+            plan=self._local_plan(None),
+            iterable=self._iterable,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            base_seed=base_seed,
+            num_workers=self.num_workers,
+            worker_init_fn=self.worker_init_fn,
+            prefetch=self.prefetch_factor,
+            owner=os.getpid(),
+        )
+        context = self._context()
+        prepare_context(context, warm=False)
+        # A second epoch while the persistent pool serves a live one gets workers of its own.
+        persistent = self.persistent_workers and pool is None
+        pool = WorkerPool(setup, context, persistent=persistent)
+        if persistent:
+            self._pool = pool
+            weakref.finalize(self, pool.shutdown)
+        return PoolEpoch(pool)
 
     def _keys(self) -> Iterator[Any] | AsyncIterator[Any]:
         """This epoch's keys: index batches, or indices without auto-batching."""
@@ -436,18 +546,21 @@ class _AsyncLoaderIter:
 
     def _start(self) -> Epoch:
         loader = self._loader
-        plan = loader._plan()
         results = Results(loader.prefetch_factor, loader.in_order)
-        if loader._iterable:
+        if loader.num_workers > 0:
+            remote = loader._remote(self.base_seed)
+            keys = remote.keys() if loader._iterable else loader._keys()
+            epoch = Epoch(loader._plan(remote), results, keys=keys)
+        elif loader._iterable:
             epoch = Epoch(
-                plan,
+                loader._plan(),
                 results,
                 source=loader._source(),
                 batch_size=loader.batch_size,
                 drop_last=loader.drop_last,
             )
         else:
-            epoch = Epoch(plan, results, keys=loader._keys())
+            epoch = Epoch(loader._plan(), results, keys=loader._keys())
         epoch.start()
         loader._epochs = {e for e in loader._epochs if not e.done.is_set()}
         loader._epochs.add(epoch)

@@ -10,6 +10,10 @@ pipeline runs in a background task (see :mod:`aloader._backend`) and has three p
 * :class:`Results`, which hands finished batches to the consumer in sampler order (or in
   completion order) and lets at most ``capacity`` collated batches wait for it.
 
+With worker processes (``mode="process"``) the same pipeline runs; a job's fetch sends its key
+to a worker and awaits the batch the worker collated (see :mod:`aloader._pool`), and the plan's
+``remote`` runs a service task beside the fetch workers for as long as the epoch lasts.
+
 Memory is bounded whatever the consumer does: a job holds a window slot from admission until its
 batch is collated, and a batch is collated only once it has an output slot.
 """
@@ -24,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import anyio
 import anyio.lowlevel
@@ -32,7 +36,7 @@ import numpy as np
 
 from ._backend import spawn_background, threadsafe_caller
 
-__all__ = ("Epoch", "FetchPlan", "Results")
+__all__ = ("SKIP", "Epoch", "FetchPlan", "Remote", "Results")
 
 # Work queue positions that are not item positions: a job fetched in one call, and a job whose
 # items fetch threads are filling.
@@ -42,9 +46,16 @@ _AWAIT_THREADS = -2
 # Inline epochs give other tasks a turn at least this often (seconds).
 _YIELD_EVERY = 0.001
 
-FetchMode = Literal["async", "inline", "thread"]
+FetchMode = Literal["async", "inline", "thread", "process"]
 # How a job's data is fetched: one call per job, or one call per item with items overlapping.
 Granularity = Literal["job", "item"]
+
+# Published by a job that turned out to have no batch (a worker's exhausted iterable replica):
+# it keeps its place in the order and is passed over by the consumer.
+SKIP: Any = object()
+
+
+_CLOSED = RuntimeError("DataLoader iterator was closed")  # never raised itself
 
 
 class Results:
@@ -117,11 +128,18 @@ class Results:
             if item is not None:
                 self.taken += 1
                 self._notify()
+                if item[0] is SKIP:
+                    continue
                 return item
             if self._total is not None and self.taken >= self._total:
                 raise StopAsyncIteration
             if self._closed is not None:
-                raise self._closed
+                # Reported once, then dropped: kept, its traceback (the consumer's frames)
+                # would keep the consumer's objects alive as long as the epoch.
+                error, self._closed = self._closed, _CLOSED
+                raise error if error is not _CLOSED else RuntimeError(
+                    "DataLoader iterator was closed"
+                )
             await self._changed.wait()
 
 
@@ -241,6 +259,23 @@ class _FetchThreads:
                 await anyio.to_thread.run_sync(thread.join)
 
 
+class Remote(Protocol):
+    """Where a ``"process"`` plan's jobs are fetched and collated (a pool of worker processes).
+
+    ``serve`` runs beside the epoch's fetch workers until the epoch cancels it; an exception
+    from it ends the epoch with that error. ``stop`` is called (from any thread) when the epoch
+    is asked to stop, and ``close`` once the epoch has ended.
+    """
+
+    async def fetch(self, key: Any) -> Any: ...
+
+    async def serve(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(eq=False)
 class FetchPlan:
     """How one epoch turns a key into a batch: the fetch and collate half of the pipeline.
@@ -248,7 +283,8 @@ class FetchPlan:
     Attributes:
         dataset: the dataset.
         mode: "async" (awaitable fetches on the loop), "inline" (fast synchronous fetches on the
-            loop) or "thread" (blocking fetches in worker threads).
+            loop), "thread" (blocking fetches in worker threads) or "process" (the remote
+            fetches and collates whole jobs).
         auto_batch: whether keys are index batches (``__getitems__`` / per-item fetch then
             ``collate_fn``) or single indices (``collate_fn(dataset[index])``).
         collate_fn: turns fetched samples into a batch; plain or async.
@@ -257,6 +293,7 @@ class FetchPlan:
         window: jobs admitted and not yet collated.
         array_indices: the dataset takes numpy index arrays as well as lists.
         transform: applied to every finished batch (pin_memory), or None.
+        remote: the worker processes of a "process" plan.
     """
 
     dataset: Any
@@ -268,6 +305,7 @@ class FetchPlan:
     window: int
     array_indices: bool = False
     transform: Callable[[Any], Any] | None = None
+    remote: Remote | None = None
 
     def __post_init__(self) -> None:
         getitems = getattr(self.dataset, "__getitems__", None)
@@ -314,7 +352,9 @@ class FetchPlan:
 
     # The loop side.
     async def fetch(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
-        """The samples of one job, fetched in one call."""
+        """The samples of one job, fetched in one call (a collated batch from a remote)."""
+        if self.remote is not None:
+            return await self.remote.fetch(key)
         if self.mode == "thread":
             samples = await anyio.to_thread.run_sync(self.fetch_sync, key, limiter=limiter)
         else:
@@ -342,7 +382,12 @@ class FetchPlan:
     async def collate(self, samples: Any, limiter: anyio.CapacityLimiter) -> Any:
         if self.collate_in_thread:
             return await anyio.to_thread.run_sync(self.collate_sync, samples, limiter=limiter)
-        batch = await _resolve(self.collate_fn(samples))
+        if self.remote is not None:  # collated by the worker
+            batch = samples
+            if batch is SKIP:
+                return batch
+        else:
+            batch = await _resolve(self.collate_fn(samples))
         return batch if self.transform is None else self.transform(batch)
 
 
@@ -424,6 +469,8 @@ class Epoch:
     def stop(self) -> None:
         """Cancel every fetch; safe from any thread and from ``__del__``."""
         self._stop_requested = True
+        if self.plan.remote is not None:
+            self.plan.remote.stop()
         if self._call_soon is not None:
             self._call_soon(self._cancel)
 
@@ -433,19 +480,32 @@ class Epoch:
 
     async def _main(self) -> None:
         error: BaseException = RuntimeError("DataLoader iterator was closed")
+        remote = self.plan.remote
+        failure: list[BaseException] = []
         try:
             with anyio.CancelScope() as self._scope:
                 if self._stop_requested:
                     self._scope.cancel()
-                if self._source is not None:
-                    await self._run_iterable()
+                if remote is None:
+                    await self._run()
                 else:
-                    await self._run_map()
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(_serve, remote, tg.cancel_scope, failure)
+                        await self._run()
+                        tg.cancel_scope.cancel()
         except BaseException as exc:  # reported to the consumer, never lost in the background
             error = exc
         finally:
-            self.results.close(error)
+            self.results.close(failure[0] if failure else error)
+            if remote is not None:
+                remote.close()
             self.done.set()
+
+    async def _run(self) -> None:
+        if self._source is not None:
+            await self._run_iterable()
+        else:
+            await self._run_map()
 
     # Map-style datasets ------------------------------------------------------------------
     async def _run_map(self) -> None:
@@ -628,6 +688,15 @@ class Epoch:
             self.results.publish(seq, batch)
             seq += 1
         self.results.finish(seq)
+
+
+async def _serve(remote: Remote, scope: anyio.CancelScope, failure: list[BaseException]) -> None:
+    """Run the remote's service; its failure ends the epoch with its error."""
+    try:
+        await remote.serve()
+    except Exception as exc:
+        failure.append(exc)
+        scope.cancel()
 
 
 _NOTHING: Any = object()

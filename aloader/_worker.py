@@ -1,10 +1,47 @@
-"""Worker-process identity: ``get_worker_info()`` and the read-only ``WorkerInfo``."""
+"""Worker processes: ``get_worker_info()``, the read-only ``WorkerInfo``, and the worker's main.
+
+A worker serves one loader's pool (see :mod:`aloader._pool`) over a socket pair. Messages both
+ways go through :mod:`aloader._shm`, so arrays in batches cross in shared memory.
+
+Parent to worker: ``(TASK, job, epoch, index_batch, released)`` (map-style),
+``(NEXT, job, epoch, None, released)`` (iterable: the next batch of this worker's replica in
+epoch ``epoch``), or EOF: exit. ``released`` names the worker's segments the loader no longer
+maps, for the worker to write its next batches into.
+Worker to parent: ``(-1, READY, None)`` or ``(-1, FAILED, error)`` once set up, then
+``(job, OK, batch)``, ``(job, ERROR, error)`` or ``(job, END, None)`` (replica exhausted).
+
+The worker fetches with the same :class:`~aloader._pipeline.FetchPlan` the loader would use
+without workers. Plain map-style datasets are served by a loop that loads one batch per task;
+async datasets, ``max_concurrency`` and iterable datasets run the loader's own pipeline
+(:class:`~aloader._pipeline.Epoch`) on an event loop inside the worker, so each worker keeps
+``max_concurrency`` fetches in flight.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import os
+import pickle
+import random
+import signal
+import sys
+import threading
+import traceback
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import numpy as np
+
+from . import _shm
+
 __all__ = ("WorkerInfo", "get_worker_info")
+
+TASK, NEXT = 0, 1
+READY, FAILED, OK, ERROR, END = 0, 1, 2, 3, 4
 
 
 class WorkerInfo:
@@ -56,3 +93,314 @@ def get_worker_info() -> WorkerInfo | None:
 def _set_worker_info(info: WorkerInfo | None) -> None:
     global _worker_info
     _worker_info = info
+
+
+# Errors ------------------------------------------------------------------------------------------
+class _KeyErrorMessage(str):
+    """KeyError shows its argument with repr(); this keeps the traceback readable."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+@dataclass
+class RemoteError:
+    """An exception raised in a worker, carried to the loader as type, place and traceback.
+
+    Rebuilt like torch's ``ExceptionWrapper``: the same type, with the message
+    ``Caught {Type} in DataLoader worker process {id}.`` followed by the worker's traceback
+    (a RuntimeError when the type cannot be rebuilt from a message or imported here).
+    """
+
+    exc_type: type[BaseException] | None
+    type_name: str
+    where: str
+    text: str
+
+    @classmethod
+    def capture(cls, error: BaseException, where: str) -> RemoteError:
+        text = "".join(traceback.format_exception(error))
+        exc_type: type[BaseException] | None = type(error)
+        try:
+            pickle.dumps(exc_type)
+        except Exception:  # a local class: the parent could not import it
+            exc_type = None
+        return cls(exc_type, type(error).__name__, where, text)
+
+    def rebuild(self) -> BaseException:
+        message = f"Caught {self.type_name} {self.where}.\nOriginal {self.text}"
+        exc_type = self.exc_type
+        if exc_type is None:
+            return RuntimeError(message)
+        if exc_type is KeyError:
+            return KeyError(_KeyErrorMessage(message))
+        try:
+            if getattr(exc_type, "message", None):
+                return exc_type(message=message)  # type: ignore[call-arg]
+            return exc_type(message)
+        except Exception:  # the type takes other arguments
+            return RuntimeError(message)
+
+
+def _strip_pipeline_notes(error: BaseException) -> BaseException:
+    """Drop the worker-side pipeline's notes: they count batches per worker, not per epoch."""
+    notes = getattr(error, "__notes__", None)
+    if notes:
+        error.__notes__ = [note for note in notes if not note.startswith("raised while")]
+    return error
+
+
+# Setup -------------------------------------------------------------------------------------------
+@dataclass
+class WorkerSetup:
+    """What every worker of a pool receives once, at start.
+
+    Attributes:
+        plan: the fetch plan the loader would use without workers (no pin-memory transform).
+        iterable: whether the dataset is an iterable dataset.
+        batch_size: samples per batch of an iterable dataset (None: no batching).
+        drop_last: drop an iterable replica's last incomplete batch.
+        base_seed: the seed of the epoch that started the pool.
+        num_workers: workers in the pool.
+        worker_init_fn: called with the worker id once the worker is seeded.
+        prefetch: batches each worker may run ahead (the loader's prefetch_factor).
+        owner: pid of the loader's process.
+    """
+
+    plan: Any
+    iterable: bool
+    batch_size: int | None
+    drop_last: bool
+    base_seed: int
+    num_workers: int
+    worker_init_fn: Callable[[int], None] | None
+    prefetch: int
+    owner: int
+
+
+def seed_worker(base_seed: int, worker_id: int) -> int:
+    """Seed this process's global RNGs for worker ``worker_id``; returns its seed.
+
+    Python's ``random`` gets ``base_seed + worker_id``; numpy's global RNG gets the state
+    ``SeedSequence([worker_id, base_seed]).generate_state(4)``, the very state torch derives
+    with its ``_generate_state(base_seed, worker_id)``; torch is seeded with the seed too when
+    the worker has imported it.
+    """
+    seed = base_seed + worker_id
+    random.seed(seed)
+    np.random.seed(np.random.SeedSequence([worker_id, base_seed]).generate_state(4))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(seed)
+        torch.set_num_threads(1)  # as torch's workers: one intra-op thread each
+    return seed
+
+
+def _watch_parent(owner: int) -> None:
+    """Exit as soon as the loader's process dies, removing the segments left for it."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        _shm.WRITE_LOCK.acquire()  # for good: no segment may appear after the sweep
+        _shm.sweep(_shm.prefix(owner))
+        os._exit(1)
+
+    threading.Thread(target=watch, name="aloader-parent-watch", daemon=True).start()
+
+
+# The worker's main -------------------------------------------------------------------------------
+class _Worker:
+    def __init__(self, conn: Connection, worker_id: int, setup: WorkerSetup) -> None:
+        self.conn = conn
+        self.id = worker_id
+        self.setup = setup
+        self.where = f"in DataLoader worker process {worker_id}"
+        self.codec = _shm.Codec(setup.owner, os.getpid(), tensors=True,
+                                recycle=2 * max(1, setup.prefetch) + 2)
+
+    def send(self, job: int, status: int, value: Any) -> None:
+        try:
+            data = self.codec.encode((job, status, value))
+        except Exception as exc:  # an unpicklable batch reaches the consumer as its error
+            data = self.codec.encode((job, ERROR, RemoteError.capture(exc, self.where)))
+        self.conn.send_bytes(data)
+
+    def fail(self, job: int, error: BaseException) -> None:
+        self.send(job, ERROR, RemoteError.capture(_strip_pipeline_notes(error), self.where))
+
+    def receive(self) -> Any:
+        try:
+            message = _shm.decode(self.conn.recv_bytes())
+        except EOFError:  # the loader closed its end
+            return None
+        if message[4]:
+            self.codec.release(message[4])
+        return message
+
+    async def areceive(self) -> Any:
+        import anyio
+
+        await anyio.wait_readable(self.conn.fileno())
+        return self.receive()
+
+    # Plain map-style datasets: one batch per task, no event loop.
+    def serve_tasks(self) -> None:
+        plan = self.setup.plan
+        while (message := self.receive()) is not None:
+            job, key = message[1], message[3]
+            try:
+                batch = plan.load_sync(key)
+            except Exception as exc:
+                self.fail(job, exc)
+            else:
+                self.send(job, OK, batch)
+
+    # Async datasets and max_concurrency: the loader's pipeline over the keys received.
+    async def serve_tasks_async(self) -> None:
+        from ._pipeline import Epoch, Results
+
+        jobs: deque[int] = deque()
+
+        async def keys() -> AsyncIterator[Any]:
+            while (message := await self.areceive()) is not None:
+                jobs.append(message[1])
+                yield message[3]
+
+        epoch = Epoch(self.setup.plan, Results(self.setup.prefetch, True), keys=keys())
+        epoch.start()
+        try:
+            while True:
+                try:
+                    batch, error = await epoch.next()
+                except StopAsyncIteration:
+                    return
+                job = jobs.popleft()
+                if error is not None:
+                    self.fail(job, error)
+                else:
+                    self.send(job, OK, batch)
+        finally:
+            epoch.stop()
+
+    # Iterable datasets: one replica iterator per epoch, batched by the loader's pipeline.
+    async def serve_replica(self) -> None:
+        from ._loader import _aiter_of
+        from ._pipeline import Epoch, Results
+
+        setup = self.setup
+        dataset = setup.plan.dataset
+        current: int | None = None
+        epoch: Epoch | None = None
+        try:
+            while (message := await self.areceive()) is not None:
+                job, epoch_id = message[1], message[2]
+                if epoch_id != current:
+                    current = epoch_id
+                    if epoch is not None:
+                        epoch.stop()
+                        await epoch.done.wait()
+                        epoch = None
+                    try:
+                        aiter_ = _aiter_of(dataset)
+                        source = aiter_() if aiter_ is not None else iter(dataset)
+                    except Exception as exc:  # __iter__ failed: this replica is done
+                        self.fail(job, exc)
+                        continue
+                    epoch = Epoch(setup.plan, Results(1, True), source=source,
+                                  batch_size=setup.batch_size, drop_last=setup.drop_last)
+                    epoch.start()
+                if epoch is None:
+                    self.send(job, END, None)
+                    continue
+                try:
+                    batch, error = await epoch.next()
+                except StopAsyncIteration:
+                    self.send(job, END, None)
+                    continue
+                if error is not None:
+                    self.fail(job, error)
+                else:
+                    self.send(job, OK, batch)
+        finally:
+            if epoch is not None:
+                epoch.stop()
+
+    def needs_loop(self) -> bool:
+        plan = self.setup.plan
+        return (
+            self.setup.iterable
+            or plan.mode == "async"
+            or plan.granularity == "item"
+            or plan._async_collate
+        )
+
+
+def worker_main(
+    conn: Connection,
+    worker_id: int,
+    owner: int,
+    setup: WorkerSetup | None,
+    inherited_fds: list[int],
+) -> None:
+    """The worker process's target: set up, report, then serve tasks until told to stop.
+
+    Args:
+        conn: this worker's end of its socket pair with the loader.
+        worker_id: this worker's number.
+        owner: pid of the loader's process.
+        setup: the setup itself under the fork start method; None when it arrives as the
+            first message (spawn, forkserver).
+        inherited_fds: the loader's ends of its workers' socket pairs, inherited by a forked
+            worker; closed here so that the loader's death reads as EOF everywhere.
+    """
+    for fd in inherited_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    # Ctrl-C reaches the whole process group: the loader handles it and stops its workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _watch_parent(owner)
+    where = f"in DataLoader worker process {worker_id}"
+    try:
+        if setup is None:
+            try:
+                setup = _shm.decode(conn.recv_bytes(), unlink=False, private=True)
+            except Exception as exc:
+                exc.add_note(
+                    "raised while unpickling the dataset, collate_fn and worker_init_fn in the "
+                    "worker: define them in an importable module (a worker cannot see what an "
+                    "interactive session or `python -c` defines), or pass "
+                    "multiprocessing_context='fork'"
+                )
+                raise
+        assert setup is not None
+        seed = seed_worker(setup.base_seed, worker_id)
+        _set_worker_info(WorkerInfo(id=worker_id, num_workers=setup.num_workers, seed=seed,
+                                    dataset=setup.plan.dataset))
+        if setup.worker_init_fn is not None:
+            setup.worker_init_fn(worker_id)
+    except Exception as exc:
+        codec = _shm.Codec(owner, os.getpid())
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            conn.send_bytes(codec.encode((-1, FAILED, RemoteError.capture(exc, where))))
+        return
+    worker = _Worker(conn, worker_id, setup)
+    try:
+        conn.send_bytes(worker.codec.encode((-1, READY, None)))
+        if not worker.needs_loop():
+            worker.serve_tasks()
+        else:
+            import anyio
+
+            main = worker.serve_replica if setup.iterable else worker.serve_tasks_async
+            anyio.run(main)
+    except (BrokenPipeError, ConnectionResetError):  # the loader has gone
+        pass
+    finally:
+        # Answers still unread when the loader closed this worker's socket (or died) never
+        # will be: remove their segments, and all the loader's if it died.
+        parent = multiprocessing.parent_process()
+        dead = parent is not None and bool(wait([parent.sentinel], 0))
+        _shm.sweep(_shm.prefix(owner) if dead else _shm.prefix(owner, os.getpid()))

@@ -922,8 +922,3 @@ def test_pin_memory_with_torch_and_no_accelerator() -> None:
     with pytest.warns(UserWarning, match="no accelerator is found"):
         batches = list(loader)
     assert [b[0].tolist() for b in batches] == [[0, 1], [2, 3]]
-
-
-def test_worker_processes_not_yet_available() -> None:
-    with pytest.raises(NotImplementedError, match="num_workers=2"):
-        DataLoader(list(range(3)), num_workers=2)

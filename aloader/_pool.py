@@ -1,0 +1,614 @@
+"""A loader's worker processes, driven from its event loop without blocking it.
+
+:class:`WorkerPool` owns the processes and the loader's ends of their socket pairs; it holds no
+event-loop object, so persistent workers serve epochs run by different loops (the synchronous
+facade runs each epoch on a loop of its own). :class:`PoolEpoch` is one epoch's use of a pool:
+it is the ``remote`` of a ``"process"`` :class:`~aloader._pipeline.FetchPlan`, so the epoch's
+pipeline keeps doing what it does without workers (admitting at most ``window`` jobs, ordering
+results, bounding what waits for the consumer) while each job's fetch becomes "send the key to a
+worker and await the collated batch".
+
+Waiting costs no thread: one task per worker waits for its socket to become readable
+(``anyio.wait_readable``), reads whole frames and wakes the jobs they answer. A worker that dies
+closes its socket, so its reader sees EOF at once, waits for the exit status and fails the epoch
+with torch's message ("DataLoader worker (pid N) is killed by signal: Killed. "). Sends never
+block the loop either: the socket is non-blocking and what does not fit waits in an outbox.
+
+Start method: ``forkserver`` by default (``spawn`` where it is missing). ``fork`` is unsafe in a
+process that runs threads, and a loader always has some (the synchronous facade's loop thread,
+anyio's worker threads); the fork server is a single-threaded process started once, which
+imports numpy and aloader before forking, so a worker starts in milliseconds. The dataset,
+``collate_fn`` and ``worker_init_fn`` are pickled once per pool, their large arrays into one
+shared-memory segment that every worker maps copy-on-write.
+
+Shutdown: the loader closes its socket ends (a worker reading its next task exits at once),
+waits briefly, then terminates and kills what is left, and removes any shared-memory segment a
+worker left behind. It happens in a background thread after an epoch (non-persistent workers),
+when the loader is closed or garbage-collected (persistent workers), and synchronously at
+interpreter exit. Workers exit by themselves when the loader's process dies (they watch it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import multiprocessing
+import multiprocessing.context
+import os
+import signal
+import struct
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from functools import partial
+from multiprocessing.connection import Connection
+from typing import Any
+
+import anyio
+import anyio.from_thread
+
+from . import _shm
+from ._pipeline import SKIP
+from ._worker import END, ERROR, NEXT, READY, TASK, WorkerSetup, worker_main
+
+__all__ = ("PoolEpoch", "WorkerPool", "default_context", "exit_message", "resolve_context")
+
+# Seconds a worker may take to exit after its socket closes before it is terminated.
+_GRACE = 0.5
+_CHUNK = 1 << 18
+_FRAME = struct.Struct("!i")
+_pool_serial = itertools.count()
+# The loader's socket ends of every live pool: a forked worker closes them all.
+_LOADER_FDS: set[int] = set()
+
+
+def resolve_context(context: Any) -> multiprocessing.context.BaseContext:
+    """Validate a ``multiprocessing_context`` argument (torch's checks and messages).
+
+    Raises:
+        ValueError: a string that names no start method of this platform.
+        TypeError: neither a string nor a multiprocessing context.
+    """
+    if isinstance(context, str):
+        methods = multiprocessing.get_all_start_methods()
+        if context not in methods:
+            raise ValueError(
+                "multiprocessing_context option should specify a valid start method in "
+                f"{methods!r}, but got multiprocessing_context={context!r}"
+            )
+        context = multiprocessing.get_context(context)
+    if not isinstance(context, multiprocessing.context.BaseContext):
+        raise TypeError(
+            "multiprocessing_context option should be a valid context object or a string "
+            f"specifying the start method, but got multiprocessing_context={context}"
+        )
+    return context
+
+
+def default_context() -> multiprocessing.context.BaseContext:
+    """The fork server where the platform has one, else spawn: both safe with threads."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("forkserver")
+    return multiprocessing.get_context("spawn")
+
+
+def prepare_context(context: multiprocessing.context.BaseContext, *, warm: bool) -> None:
+    """Have the fork server preload numpy and aloader, and start it early when ``warm``.
+
+    Preloading only applies before the server starts; it adds to the modules already asked
+    for (``numpy.random`` too, which every worker seeds: importing it costs a worker 20 ms).
+    Warming starts the server (a process launch, not a wait) so that it is ready by the first
+    epoch; only the main process of a program does it, never a worker or the fork server
+    itself while it imports ``__main__``.
+    """
+    if context.get_start_method() != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    server: Any = getattr(forkserver, "_forkserver", None)
+    if server is None or getattr(server, "_forkserver_pid", None) is not None:
+        return
+    modules = list(getattr(server, "_preload_modules", None) or [])
+    wanted = [name for name in ("numpy", "numpy.random", "aloader") if name not in modules]
+    if wanted:
+        forkserver.set_forkserver_preload(modules + wanted)
+    if (
+        warm
+        and multiprocessing.parent_process() is None
+        and not getattr(multiprocessing.current_process(), "_inheriting", False)
+    ):
+        # Only a head start: if the server cannot start, the first epoch says why.
+        with contextlib.suppress(Exception):
+            forkserver.ensure_running()
+
+
+def exit_message(pid: int | None, exitcode: int | None) -> str:
+    """torch's message for a worker that exited without being asked to."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.strsignal(-exitcode) or f"signal {-exitcode}"
+        except ValueError:
+            name = f"Unknown signal: {-exitcode}"
+        message = f"DataLoader worker (pid {pid}) is killed by signal: {name}. "
+        if -exitcode == signal.SIGBUS:
+            message += ("It is possible that dataloader's workers are out of shared memory. "
+                        "Please try to raise your shared memory limit.")
+        return message
+    if exitcode:
+        return (f"DataLoader worker (pid {pid}) exited unexpectedly with exit code {exitcode}. "
+                "Details are lost due to multiprocessing. Rerunning with num_workers=0 may give "
+                "better error trace.")
+    return f"DataLoader worker (pid(s) {pid}) exited unexpectedly"
+
+
+@dataclass(eq=False)
+class _Worker:
+    """The loader's side of one worker process."""
+
+    id: int
+    process: Any
+    conn: Connection
+    fd: int
+    inbox: bytearray = field(default_factory=bytearray)
+    outbox: bytearray = field(default_factory=bytearray)
+    outstanding: int = 0  # tasks sent and not answered, across epochs
+    ready: bool = False  # set up and serving
+    # Segments of this worker's batches that no array views any more (appended from any
+    # thread), handed back with its next task.
+    released: deque[str] = field(default_factory=deque)
+
+    def frames(self, chunk: bytes) -> list[bytes]:
+        """Append what was read; return the frames now complete."""
+        inbox = self.inbox
+        inbox += chunk
+        out = []
+        start = 0
+        while len(inbox) - start >= 4:
+            size = _FRAME.unpack_from(inbox, start)[0]
+            end = start + 4 + size
+            if len(inbox) < end:
+                break
+            out.append(bytes(inbox[start + 4 : end]))
+            start = end
+        del inbox[:start]
+        return out
+
+
+class _Processes:
+    """The part of a pool that must outlive it: processes to stop and segments to sweep."""
+
+    def __init__(self, owner: int, tag: str) -> None:
+        self.owner = owner
+        self.tag = tag
+        self.workers: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._closing = False
+        self._reaper: threading.Thread | None = None
+
+    def add(self, worker: _Worker) -> None:
+        """Adopt a started worker; stop it at once if the pool was stopped meanwhile."""
+        with self._lock:
+            if not self._closing:
+                self.workers.append(worker)
+                _LOADER_FDS.add(worker.fd)
+                return
+        worker.conn.close()
+        worker.process.terminate()
+        worker.process.join()
+        raise RuntimeError("DataLoader workers were stopped while starting")
+
+    def stop(self, wait: bool = False) -> None:
+        """Close the sockets, then (in a thread unless ``wait``) reap the workers and sweep."""
+        if os.getpid() != self.owner:  # a forked copy of the loader's process owns nothing
+            return
+        with self._lock:
+            first = not self._closing
+            self._closing = True
+            if first:
+                for worker in self.workers:
+                    _LOADER_FDS.discard(worker.fd)
+                    with contextlib.suppress(OSError):
+                        worker.conn.close()
+                if not wait:
+                    self._reaper = threading.Thread(target=self._reap, name="aloader-reaper",
+                                                    daemon=True)
+                    self._reaper.start()
+            reaper = self._reaper
+        if wait:
+            if reaper is not None:
+                reaper.join()
+            else:
+                self._reap()
+
+    def _reap(self) -> None:
+        processes = [worker.process for worker in self.workers]
+        deadline = time.monotonic() + _GRACE
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in processes:
+            if process.exitcode is None:
+                process.terminate()
+                process.join(1.0)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+        _shm.sweep(_shm.prefix(self.owner, self.tag))
+        for process in processes:
+            _shm.sweep(_shm.prefix(self.owner, process.pid))
+        _LIVE.discard(self)
+
+
+_LIVE: set[_Processes] = set()
+_atexit_registered = False
+
+
+def _stop_all() -> None:
+    for processes in list(_LIVE):
+        processes.stop(wait=True)
+    _shm.sweep(_shm.prefix(os.getpid()))
+
+
+class WorkerPool:
+    """A loader's worker processes (see the module docstring).
+
+    Args:
+        setup: what every worker receives at start.
+        context: the multiprocessing context to start workers with.
+        persistent: whether the pool serves several epochs.
+    """
+
+    def __init__(self, setup: WorkerSetup, context: multiprocessing.context.BaseContext, *,
+                 persistent: bool) -> None:
+        self.setup = setup
+        self.context = context
+        self.persistent = persistent
+        self.num_workers = setup.num_workers
+        self.owner = os.getpid()
+        self.tag = f"p{next(_pool_serial)}"
+        self.codec = _shm.Codec(self.owner, self.tag)
+        self.workers: list[_Worker] = []
+        self.started = False
+        self.closed = False
+        # A worker failed: the pool serves no more epochs. A flag, not the error itself, which
+        # must not outlive its report (its traceback holds the consumer's frames).
+        self.broken = False
+        self.holder: PoolEpoch | None = None
+        self.jobs = itertools.count()
+        self.epochs = itertools.count()
+        self._ready = 0
+        self._message: bytes | None = None
+        self._setup_segment: str | None = None
+        self._processes = _Processes(self.owner, self.tag)
+        self._finalizer = weakref.finalize(self, self._processes.stop)
+        self._finalizer.atexit = False  # _stop_all reaps synchronously at exit
+
+    def start(self, on_started: Callable[[], None]) -> None:
+        """Start the workers one after the other (blocking: run it in a thread).
+
+        ``on_started`` is called as soon as each worker is up, so that it takes tasks while the
+        next one starts.
+        """
+        self.prepare()
+        for worker_id in range(self.num_workers):
+            self.start_worker(worker_id)
+            on_started()
+
+    def prepare(self) -> None:
+        """Pickle the setup for the workers (blocking: run it in a thread)."""
+        global _atexit_registered
+        if not _atexit_registered:
+            atexit.register(_stop_all)  # after multiprocessing's, so it runs before
+            _atexit_registered = True
+            _shm.sweep_stale()  # segments of loaders that were killed
+        _LIVE.add(self._processes)
+        self.started = True
+        if self.context.get_start_method() == "fork":
+            return  # a forked worker inherits the setup
+        try:
+            self._message = self.codec.encode(self.setup)
+        except Exception as exc:
+            exc.add_note(
+                "DataLoader workers receive the dataset, collate_fn and worker_init_fn "
+                f"pickled (start method {self.context.get_start_method()!r}): define them at "
+                "module level, or pass multiprocessing_context='fork' (unsafe when the process "
+                "runs threads)."
+            )
+            raise
+        self._setup_segment = self.codec.last_segment
+
+    def start_worker(self, worker_id: int) -> _Worker:
+        """Start worker ``worker_id`` (blocking: run it in a thread)."""
+        fork = self._message is None
+        mine, theirs = self.context.Pipe(duplex=True)
+        inherited = sorted(_LOADER_FDS | {mine.fileno()}) if fork else []
+        process = self.context.Process(  # type: ignore[attr-defined]
+            target=worker_main,
+            args=(theirs, worker_id, self.owner, self.setup if fork else None, inherited),
+            name=f"aloader-worker-{worker_id}",
+            daemon=True,
+        )
+        try:
+            process.start()
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        worker = _Worker(worker_id, process, mine, mine.fileno())
+        self._processes.add(worker)
+        if self._message is not None:
+            mine.send_bytes(self._message)
+        os.set_blocking(worker.fd, False)
+        self.workers.append(worker)
+        return worker
+
+    def note_ready(self) -> None:
+        self._ready += 1
+        if self._ready == self.num_workers:
+            self._unlink_setup()
+
+    def _unlink_setup(self) -> None:
+        name, self._setup_segment = self._setup_segment, None
+        if name is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(_shm.SHM_DIR, name))
+
+    def shutdown(self) -> None:
+        """Stop the workers without waiting for them (a background thread reaps them).
+
+        While an epoch still uses the pool, that epoch stops it when it ends, so that no
+        socket closes under a task waiting on it.
+        """
+        self.closed = True
+        self._unlink_setup()
+        if self.holder is None:
+            self._finalizer()
+
+
+@dataclass(eq=False)
+class _Pending:
+    event: anyio.Event
+    status: int = -1
+    value: Any = None
+
+
+class PoolEpoch:
+    """One epoch's use of a :class:`WorkerPool`: the remote of a ``"process"`` FetchPlan.
+
+    Map-style jobs go to the worker with the fewest unanswered tasks (ties in turn), and wait
+    while every worker already has ``prefetch_factor`` of them. Iterable jobs are requests for
+    the next batch of one worker's replica, made in turn over the workers not yet exhausted
+    (torch's order); a request answered "exhausted" yields
+    :data:`~aloader._pipeline.SKIP`, and the epoch ends once every replica is exhausted.
+    Workers start one after the other, each taking tasks as soon as it is up.
+    """
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+        self.epoch = next(pool.epochs)
+        self.stopping = False
+        self.released = False
+        self._previous = pool.holder
+        pool.holder = self
+        self._limit = max(1, pool.setup.prefetch)
+        self._pending: dict[int, _Pending] = {}
+        self._changed = anyio.Event()  # a worker started, answered, or the pool failed
+        self._waiters = 0
+        self._serving = False
+        self._tg: Any = None
+        self._failure: BaseException | None = None
+        self._turn = 0
+        self._exhausted: set[int] = set()
+
+    # The FetchPlan's remote protocol ---------------------------------------------------------
+    async def serve(self) -> None:
+        """Start the workers if needed, then read their answers until cancelled."""
+        pool = self.pool
+        previous = self._previous
+        while previous is not None and not previous.released:  # a stopped epoch letting go
+            await anyio.sleep(0.005)
+        self._previous = None
+        if pool.broken:
+            raise RuntimeError("DataLoader workers stopped after an earlier error")
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            for worker_id in range(pool.num_workers):
+                tg.start_soon(self._read, worker_id)
+            for worker in pool.workers:
+                if worker.outbox:
+                    tg.start_soon(self._flush, worker)
+            self._serving = True
+            self._notify()
+            try:
+                if not pool.started:
+                    await anyio.to_thread.run_sync(
+                        pool.start, partial(anyio.from_thread.run_sync, self._notify)
+                    )
+            except Exception as exc:
+                self._fail(exc)
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            pool.broken = True
+            raise failure
+
+    async def fetch(self, key: Any) -> Any:
+        """The collated batch of ``key`` (map-style), or the next batch of worker ``key``."""
+        if self.pool.setup.iterable:
+            while not self._serving or key >= len(self.pool.workers):
+                await self._wait()
+            status, value = await self._call(self.pool.workers[key], NEXT, None)
+            if status == END:
+                self._exhausted.add(key)
+                return SKIP
+        else:
+            while (worker := self._pick()) is None:
+                await self._wait()
+            status, value = await self._call(worker, TASK, key)
+        if status == ERROR:
+            raise value.rebuild()
+        return value
+
+    def stop(self) -> None:
+        """The epoch is stopping (any thread): a next epoch may wait for this one to let go."""
+        self.stopping = True
+
+    def close(self) -> None:
+        """The epoch has ended: hand the pool back, or shut it down."""
+        pool = self.pool
+        self.released = True
+        if pool.holder is self:
+            pool.holder = None
+        if not pool.persistent or pool.broken or pool.closed:
+            pool.shutdown()
+
+    def keys(self) -> AsyncIterator[int]:
+        """Iterable datasets: the worker asked for each next batch, in turn."""
+        return self
+
+    def __aiter__(self) -> PoolEpoch:
+        return self
+
+    async def __anext__(self) -> int:
+        count = self.pool.num_workers
+        for step in range(count):
+            worker = (self._turn + step) % count
+            if worker not in self._exhausted:
+                self._turn = worker + 1
+                return worker
+        raise StopAsyncIteration
+
+    # Sending and receiving -------------------------------------------------------------------
+    def _pick(self) -> _Worker | None:
+        """The least busy worker that can take a task now, or None."""
+        if not self._serving:
+            return None
+        workers = self.pool.workers
+        count = len(workers)
+        best: _Worker | None = None
+        for step in range(count):
+            worker = workers[(self._turn + step) % count]
+            if worker.outstanding < self._limit and (
+                best is None or worker.outstanding < best.outstanding
+            ):
+                best = worker
+        if best is not None:
+            self._turn = best.id + 1
+        return best
+
+    async def _wait(self) -> None:
+        self._waiters += 1
+        try:
+            await self._changed.wait()
+        finally:
+            self._waiters -= 1
+
+    def _notify(self) -> None:
+        if self._waiters:
+            self._changed.set()
+            self._changed = anyio.Event()
+
+    async def _call(self, worker: _Worker, kind: int, key: Any) -> tuple[int, Any]:
+        job = next(self.pool.jobs)
+        released = worker.released
+        names = [released.popleft() for _ in range(len(released))]
+        data = self.pool.codec.encode((kind, job, self.epoch, key, names))
+        pending = _Pending(anyio.Event())
+        self._pending[job] = pending
+        worker.outstanding += 1
+        try:
+            self._send(worker, data)
+            await pending.event.wait()
+        finally:
+            del self._pending[job]  # a late answer to a cancelled job is dropped
+        return pending.status, pending.value
+
+    def _send(self, worker: _Worker, data: bytes) -> None:
+        frame = _FRAME.pack(len(data)) + data
+        if worker.outbox:  # a flush is under way: keep the frames in order
+            worker.outbox += frame
+            return
+        try:
+            sent = os.write(worker.fd, frame)
+        except BlockingIOError:
+            sent = 0
+        except OSError:  # the worker is gone: its reader reports how
+            return
+        if sent < len(frame):
+            worker.outbox += frame[sent:]
+            self._tg.start_soon(self._flush, worker)
+
+    async def _flush(self, worker: _Worker) -> None:
+        while worker.outbox:
+            await anyio.wait_writable(worker.fd)
+            try:
+                sent = os.write(worker.fd, worker.outbox)
+            except BlockingIOError:
+                continue
+            except OSError:
+                worker.outbox.clear()
+                return
+            del worker.outbox[:sent]
+
+    async def _read(self, worker_id: int) -> None:
+        while worker_id >= len(self.pool.workers):  # not started yet
+            await self._wait()
+        worker = self.pool.workers[worker_id]
+        try:
+            while True:
+                await anyio.wait_readable(worker.fd)
+                try:
+                    chunk = os.read(worker.fd, _CHUNK)
+                except BlockingIOError:
+                    continue
+                except ConnectionResetError:
+                    chunk = b""
+                if not chunk:
+                    break
+                for frame in worker.frames(chunk):
+                    self._dispatch(worker, _shm.decode(frame, on_release=worker.released.append))
+                    if self._failure is not None:
+                        return
+        except Exception as exc:  # an answer that cannot be read here
+            self._fail(exc)
+            return
+        message = exit_message(worker.process.pid, await self._exitcode(worker))
+        if not worker.ready and self.pool.context.get_start_method() != "fork":
+            message += (
+                f" It exited before it was set up: workers started with "
+                f"{self.pool.context.get_start_method()!r} import the main module, so a script "
+                "must start loading under `if __name__ == '__main__':`."
+            )
+        self._fail(RuntimeError(message))
+
+    def _dispatch(self, worker: _Worker, message: tuple[int, int, Any]) -> None:
+        job, status, value = message
+        if job < 0:
+            if status == READY:
+                worker.ready = True
+                self.pool.note_ready()
+            else:  # setup or worker_init_fn failed
+                self._fail(value.rebuild())
+            return
+        worker.outstanding -= 1
+        self._notify()
+        pending = self._pending.get(job)
+        if pending is not None:
+            pending.status = status
+            pending.value = value
+            pending.event.set()
+
+    async def _exitcode(self, worker: _Worker) -> int | None:
+        # The socket closes as the process exits; its status follows within moments.
+        with anyio.move_on_after(5):
+            while worker.process.exitcode is None:
+                await anyio.sleep(0.005)
+        return worker.process.exitcode  # type: ignore[no-any-return]
+
+    def _fail(self, error: BaseException) -> None:
+        if self._failure is None:
+            self._failure = error
+            self._tg.cancel_scope.cancel()

@@ -1,0 +1,393 @@
+"""The shared-memory transport between the loader and its worker processes.
+
+A message is pickled with protocol 5. Every buffer of at least ``threshold`` bytes that the
+pickler hands out of band (numpy arrays do, and so do CPU torch tensors here) is written into
+one file under ``/dev/shm``, and so is the pickle stream itself when it is large; only a small
+header crosses the pipe. The receiver maps the file and unpickles arrays that view the mapping,
+so a batch is copied once (into the file, by the worker) and never pickled as bytes.
+
+Segments are named ``aloader-{ns}.{owner}-{creator}-{n}``: ``owner`` is the pid of the process
+that runs the DataLoader, ``ns`` names its pid namespace (containers may share ``/dev/shm``), and
+``creator`` tags who wrote the file (a worker's pid, or the loader's pool).
+There are two kinds:
+
+* one-shot segments, unlinked by the receiver as soon as it has opened them;
+* recycled segments (batches from workers): allocating and freeing tmpfs pages costs several
+  times the copy itself, so the receiver reports a segment once the last array viewing it is
+  gone (:func:`decode`'s ``on_release``), the loader hands the name back with the worker's next
+  task, and the worker writes its next batch into the same pages (:meth:`Codec.release`).
+
+A segment outlives its use only when a process dies; :func:`sweep` removes those by prefix (the
+loader's pool after a worker stops or dies, a worker whose loader died, the loader at interpreter
+exit), and :func:`sweep_stale` removes the segments of loaders that no longer exist. Mappings
+hold no file descriptor, however many batches the consumer keeps. These files are plain
+``os.open`` files, not :mod:`multiprocessing.shared_memory` blocks, so that no resource tracker
+unlinks or warns about segments that changed hands.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import io
+import itertools
+import mmap
+import os
+import pickle
+import struct
+import sys
+import tempfile
+import threading
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ("SHM_DIR", "Codec", "decode", "prefix", "sweep", "sweep_stale")
+
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _pid_namespace() -> str:
+    try:
+        return format(os.stat("/proc/self/ns/pid").st_ino, "x")
+    except OSError:
+        return "0"
+
+
+_NAME = f"aloader-{_pid_namespace()}."
+# Buffers at least this large travel through shared memory; smaller ones ride in the pickle.
+THRESHOLD = 64 * 1024
+# Pickle streams larger than this go to shared memory too, so pipe messages stay small.
+INLINE_LIMIT = 256 * 1024
+_ALIGN = 64
+
+_INLINE = 0  # flag byte: the pickle follows, no segment
+_ONE_SHOT = 1  # a segment the receiver unlinks once opened
+_RECYCLED = 2  # a segment the receiver reports back once released
+_HEAD = struct.Struct("!BHI")  # flag, length of the segment name, number of table entries
+
+_warned_full = False
+# Held while a segment is being written: a worker whose loader died takes it for good before
+# sweeping, so that no segment appears after the sweep.
+WRITE_LOCK = threading.Lock()
+
+
+def _new_lock() -> None:
+    global WRITE_LOCK
+    WRITE_LOCK = threading.Lock()  # another thread may have held it when this process forked
+
+
+os.register_at_fork(after_in_child=_new_lock)
+
+
+def prefix(owner: int, creator: int | str | None = None) -> str:
+    """The name prefix of the segments of ``owner``'s loader (written by ``creator``)."""
+    if creator is None:
+        return f"{_NAME}{owner}-"
+    return f"{_NAME}{owner}-{creator}-"
+
+
+def _unlink(name: str) -> None:
+    # Gone already (another process swept it first), or someone else's file.
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(SHM_DIR, name))
+
+
+def sweep(name_prefix: str) -> None:
+    """Unlink every segment whose name starts with ``name_prefix``."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(name_prefix):
+            _unlink(name)
+
+
+def sweep_stale() -> None:
+    """Unlink the segments of loaders whose process is gone (all of them were killed).
+
+    Only segments of this pid namespace: a pid means nothing in another one.
+    """
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    owners: dict[int, bool] = {}
+    for name in names:
+        if not name.startswith(_NAME):
+            continue
+        try:
+            owner = int(name[len(_NAME) :].split("-", 1)[0])
+        except ValueError:
+            continue
+        if owner not in owners:
+            try:
+                os.kill(owner, 0)
+                owners[owner] = True
+            except ProcessLookupError:
+                owners[owner] = False
+            except OSError:  # someone else's process: alive
+                owners[owner] = True
+        if not owners[owner]:
+            _unlink(name)
+
+
+def _tensor_from_numpy(array: Any) -> Any:
+    import torch
+
+    return torch.from_numpy(array)
+
+
+class _TorchPickler(pickle.Pickler):
+    """Sends contiguous CPU tensors as numpy arrays, so their data goes out of band too."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules["torch"]
+        if (
+            type(obj) is torch.Tensor
+            and obj.device.type == "cpu"
+            and obj.layout == torch.strided
+            and not obj.requires_grad
+            and obj.is_contiguous()
+        ):
+            try:
+                array = obj.numpy()
+            except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16...)
+                return NotImplemented
+            return _tensor_from_numpy, (array,)
+        return NotImplemented
+
+
+class Codec:
+    """Encodes messages for one writer: names its segments, and recycles them if asked to.
+
+    Args:
+        owner: pid of the process that runs the DataLoader.
+        creator: tag of the writer (a worker's pid, or the loader pool's tag).
+        threshold: buffers at least this large go to shared memory.
+        inline_limit: pickle streams larger than this go to shared memory.
+        tensors: send CPU torch tensors out of band (costs a call per pickled object).
+        recycle: how many released segments to keep for reuse (0: one-shot segments).
+    """
+
+    def __init__(
+        self,
+        owner: int,
+        creator: int | str,
+        *,
+        threshold: int = THRESHOLD,
+        inline_limit: int = INLINE_LIMIT,
+        tensors: bool = False,
+        recycle: int = 0,
+    ) -> None:
+        self.prefix = prefix(owner, creator)
+        self.threshold = threshold
+        self.inline_limit = inline_limit
+        self.tensors = tensors
+        self.recycle = recycle
+        self.last_segment: str | None = None  # name of the latest segment written
+        self._free: list[str] = []  # released segments, the most recent last
+        self._counter = itertools.count()
+
+    def release(self, names: list[str]) -> None:
+        """The receiver no longer maps these segments: reuse them, unlink the surplus."""
+        self._free += names
+        while len(self._free) > self.recycle:
+            _unlink(self._free.pop(0))
+
+    def encode(self, obj: Any) -> bytes:
+        """Pickle ``obj`` into a pipe message, its large buffers into a segment.
+
+        When shared memory is full the message falls back to an in-band pickle (and warns
+        once), so a small ``/dev/shm`` slows loading down rather than failing it.
+        """
+        out_of_band: list[pickle.PickleBuffer] = []
+        threshold = self.threshold
+
+        def take(buffer: pickle.PickleBuffer) -> bool:
+            with buffer.raw() as view:
+                if view.nbytes < threshold:
+                    return True  # in band
+            out_of_band.append(buffer)
+            return False
+
+        data = self._dumps(obj, take)
+        if not out_of_band and len(data) <= self.inline_limit:
+            return bytes((_INLINE,)) + data
+        try:
+            return self._write(data, out_of_band)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise
+            _warn_full(exc)
+            return bytes((_INLINE,)) + self._dumps(obj, None)
+
+    def _dumps(self, obj: Any, callback: Any) -> bytes:
+        if not (self.tensors and "torch" in sys.modules):
+            return pickle.dumps(obj, protocol=5, buffer_callback=callback)
+        stream = io.BytesIO()
+        _TorchPickler(stream, protocol=5, buffer_callback=callback).dump(obj)
+        return stream.getvalue()
+
+    def _write(self, data: bytes, buffers: list[pickle.PickleBuffer]) -> bytes:
+        inline = len(data) <= self.inline_limit
+        # raw(): each buffer as flat bytes, whatever its shape and (C or F) order.
+        views = [buffer.raw() for buffer in buffers] + ([] if inline else [memoryview(data)])
+        try:
+            table: list[int] = []
+            offset = 0
+            for view in views:
+                table += (offset, view.nbytes)
+                offset = -(-(offset + view.nbytes) // _ALIGN) * _ALIGN
+            with WRITE_LOCK:
+                fd, name = self._open(table[-2] + table[-1])
+                try:
+                    for view, position in zip(views, table[::2], strict=True):
+                        done = 0
+                        while done < view.nbytes:
+                            done += os.pwrite(fd, view[done:], position + done)
+                except BaseException:
+                    _unlink(name)
+                    raise
+                finally:
+                    os.close(fd)
+        finally:
+            for view in views:
+                view.release()
+        self.last_segment = name
+        # The last entry is the pickle's place in the segment, or (0, 0) when it follows.
+        if inline:
+            table += (0, 0)
+        encoded = name.encode()
+        flag = _RECYCLED if self.recycle else _ONE_SHOT
+        head = _HEAD.pack(flag, len(encoded), len(table) // 2)
+        entries = struct.pack(f"!{len(table)}Q", *table)
+        return head + encoded + entries + (data if inline else b"")
+
+    def _open(self, size: int) -> tuple[int, str]:
+        """A segment to write ``size`` bytes into: a released one when there is one."""
+        while self._free:
+            name = self._free.pop()
+            try:
+                fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+            except FileNotFoundError:  # swept meanwhile
+                continue
+            if os.fstat(fd).st_size > 2 * size:  # do not hold on to a much larger batch's pages
+                os.ftruncate(fd, size)
+            return fd, name
+        name = f"{self.prefix}{next(self._counter)}"
+        return os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), name
+
+
+def decode(
+    message: bytes | memoryview,
+    *,
+    unlink: bool = True,
+    private: bool = False,
+    on_release: Callable[[str], None] | None = None,
+) -> Any:
+    """Unpickle a message made by :meth:`Codec.encode`.
+
+    Args:
+        message: the pipe message.
+        unlink: remove a one-shot segment once opened (the readers of a setup message shared by
+            several workers pass False; the loader unlinks it once all have read it).
+        private: map the segment copy-on-write, so that writes to the arrays stay in this
+            process (a dataset shared by several workers); otherwise map it shared.
+        on_release: called with a recycled segment's name once no array views it any more
+            (from whichever thread drops the last one). Without it, recycled segments are
+            unlinked once opened, like one-shot ones.
+    """
+    view = memoryview(message)
+    flag = view[0]
+    if flag == _INLINE:
+        return pickle.loads(view[1:])
+    _, name_length, entries = _HEAD.unpack_from(view)
+    start = _HEAD.size
+    name = bytes(view[start : start + name_length]).decode()
+    start += name_length
+    table = struct.unpack_from(f"!{2 * entries}Q", view, start)
+    start += 16 * entries
+    size = max(table[i] + table[i + 1] for i in range(0, 2 * entries, 2))
+    recycled = flag == _RECYCLED and on_release is not None
+    mapped = _map(name, size, unlink=unlink and not recycled, private=private,
+                  on_release=on_release if recycled else None)
+    data_offset, data_size = table[-2], table[-1]
+    buffers = [mapped[table[i] : table[i] + table[i + 1]] for i in range(0, 2 * entries - 2, 2)]
+    if data_size == 0 and data_offset == 0:
+        return pickle.loads(view[start:], buffers=buffers)
+    return pickle.loads(mapped[data_offset : data_offset + data_size], buffers=buffers)
+
+
+def _map(
+    name: str, size: int, *, unlink: bool, private: bool, on_release: Callable[[str], None] | None
+) -> memoryview:
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDONLY if private else os.O_RDWR)
+    try:
+        if unlink:
+            os.unlink(path)
+        if private:
+            mapping: Any = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
+                                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        else:
+            mapping = _map_shared(fd, size)
+    finally:
+        os.close(fd)
+    if on_release is not None:
+        weakref.finalize(mapping, on_release, name).atexit = False
+    # The arrays unpickled from slices of this view keep the mapping alive; it is unmapped when
+    # the last of them is gone.
+    return memoryview(mapping).cast("B")
+
+
+class _Libc:
+    """libc's mmap and munmap: a mapping made here holds no file descriptor, unlike
+    :class:`mmap.mmap`, so a consumer may keep thousands of batches."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.mmap = libc.mmap
+        self.mmap.restype = ctypes.c_void_p
+        self.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]
+        self.munmap = libc.munmap
+        self.munmap.restype = ctypes.c_int
+        self.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+_libc: _Libc | None = None
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map_shared(fd: int, size: int) -> Any:
+    global _libc
+    if _libc is None:
+        try:
+            _libc = _Libc()
+        except (OSError, AttributeError):  # no libc to call: mmap.mmap keeps an fd each
+            return mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
+                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    block = (ctypes.c_char * size).from_address(address)
+    weakref.finalize(block, _libc.munmap, address, size).atexit = False
+    return block
+
+
+def _warn_full(exc: OSError) -> None:
+    global _warned_full
+    if not _warned_full:
+        _warned_full = True
+        warnings.warn(
+            f"aloader: shared memory in {SHM_DIR} is full ({exc.strerror}); batches now travel "
+            "through the pipe, which is slower. Raise the shared memory limit (docker: "
+            "--shm-size) to restore zero-copy transport.",
+            RuntimeWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,410 @@
+"""Worker processes (``num_workers=2``) against the 2-core limit and PyTorch, in one run.
+
+Run: ``python benchmarks/bench_workers.py [cpu] [ttfb] [mem] [rss] [--quick]`` (all sections by
+default; about a minute). PyTorch's rows need torch (``pip install torch==2.13.0`` takes the CPU
+build); without it they are skipped. Every figure is measured in this run, each contender
+interleaved with the others and given the best of several rounds, since other processes share
+the cores.
+
+- cpu: 1,000 items of ~0.7 ms GIL-holding Python work (``anchors_torch_spdl.py``'s
+  ``cpu_work``), batch 32, num_workers=2, each epoch starting its workers (as torch's anchor).
+  The limit is two cores at the single-item speed measured in this process (as the anchor
+  script does); two bare processes computing half the items each show what the cores deliver
+  in this run, loader aside.
+- ttfb: time to the first batch of the cpu dataset with 2 workers: the first loader of a fresh
+  process, a new loader later on, and the next epoch of persistent workers.
+- mem: the 200,000 x 128 float32 table, shuffled, batch 256, 2 workers; plus 4 MiB batches
+  (rows of 4,096 float32), which must cross in shared memory rather than pickled.
+- rss: peak memory of the 2 workers over one epoch of a 1 GiB float32 table (persistent
+  workers, so their high-water marks can be read before they stop): RSS, and the part that is
+  private to each worker (USS), which is what grows into extra copies of the dataset.
+
+This file is imported by the workers (as ``__mp_main__``): nothing heavy happens at import.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+CPU_ITERS = 20_000
+N_CPU = 1_000
+ROUNDS = 4
+
+
+def cpu_work(i: int) -> np.ndarray[Any, Any]:
+    s = 0
+    for k in range(CPU_ITERS):
+        s += (k * i) % 7
+    return np.full(16, s, dtype=np.float32)
+
+
+class CpuDataset:
+    """A map-style dataset for both loaders (torch takes anything with the two methods)."""
+
+    def __len__(self) -> int:
+        return N_CPU
+
+    def __getitem__(self, index: int) -> np.ndarray[Any, Any]:
+        return cpu_work(index)
+
+
+def _count(batches: Iterable[Any]) -> int:
+    n = 0
+    for batch in batches:
+        n += len(batch[0]) if isinstance(batch, (list, tuple)) else len(batch)
+    return n
+
+
+def _rate(make: Callable[[], Iterable[Any]]) -> float:
+    """Items per second of one epoch, workers' start included."""
+    start = time.perf_counter()
+    loader = make()
+    n = _count(loader)
+    return n / (time.perf_counter() - start)
+
+
+def _aloader(dataset: Any, **kwargs: Any) -> Any:
+    import aloader
+
+    return aloader.DataLoader(dataset, **kwargs)
+
+
+def _torch(dataset: Any, **kwargs: Any) -> Any:
+    from torch.utils.data import DataLoader
+
+    return DataLoader(dataset, **kwargs)
+
+
+def _has_torch() -> bool:
+    if "--no-torch" in sys.argv:
+        return False
+    try:
+        import torch.utils.data  # noqa: F401
+    except ImportError:
+        print("torch not installed: skipping its rows")
+        return False
+    return True
+
+
+def _best(contenders: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """Best of ``rounds`` for each contender, interleaved round by round."""
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, run in contenders.items():
+            best[name] = max(best.get(name, 0.0), run())
+    return best
+
+
+def _table(title: str, rows: list[tuple[str, str, str]]) -> None:
+    print(f"\n### {title}\n")
+    print("| row | figure | ratio |")
+    print("|---|---:|---:|")
+    for row in rows:
+        print(f"| {row[0]} | {row[1]} | {row[2]} |")
+
+
+# cpu ---------------------------------------------------------------------------------------------
+def _half(start: int) -> None:
+    for i in range(start, N_CPU, 2):
+        cpu_work(i)
+
+
+def _bare_processes() -> float:
+    """Items per second of two processes that each compute half the items, with no loader:
+    what the two cores deliver in this run, start included."""
+    from aloader._pool import default_context
+
+    context: Any = default_context()
+    begin = time.perf_counter()
+    processes = [context.Process(target=_half, args=(k,)) for k in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join()
+    return N_CPU / (time.perf_counter() - begin)
+
+
+def bench_cpu(rounds: int, torch: bool) -> None:
+    def limit() -> float:  # as anchors_torch_spdl.py measures it: 100 items in this process
+        start = time.perf_counter()
+        for i in range(100):
+            cpu_work(i)
+        return 2 / ((time.perf_counter() - start) / 100)
+
+    contenders: dict[str, Callable[[], float]] = {
+        "limit": limit,
+        "bare": _bare_processes,
+        "aloader": lambda: _rate(lambda: _aloader(CpuDataset(), batch_size=32, num_workers=2)),
+    }
+    if torch:
+        contenders["torch"] = lambda: _rate(
+            lambda: _torch(CpuDataset(), batch_size=32, num_workers=2))
+    _aloader(CpuDataset(), batch_size=32, num_workers=2)  # the fork server starts once
+    best = _best(contenders, rounds)
+    lim = best["limit"]
+    rows = [("limit: 2 cores x single-item speed", f"{lim:,.0f} items/s", "1.00"),
+            ("(2 bare processes, half the items each, no loader)", f"{best['bare']:,.0f} items/s",
+             f"{best['bare'] / lim:.2f}")]
+    rows.append(("aloader num_workers=2", f"{best['aloader']:,.0f} items/s",
+                 f"{best['aloader'] / lim:.2f}"))
+    if torch:
+        rows.append(("torch num_workers=2", f"{best['torch']:,.0f} items/s",
+                     f"{best['torch'] / lim:.2f}"))
+        rows.append(("aloader / torch", "", f"{best['aloader'] / best['torch']:.2f}"))
+    _table("cpu: 1,000 items x ~0.7 ms of Python, batch 32, 2 workers (ratio: of the limit)",
+           rows)
+
+
+# ttfb --------------------------------------------------------------------------------------------
+def _first_batch(make: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    iterator = iter(make())
+    next(iterator)
+    elapsed = time.perf_counter() - start
+    del iterator
+    return elapsed
+
+
+def _persistent_second(factory: Callable[..., Any]) -> float:
+    loader = factory(CpuDataset(), batch_size=32, num_workers=2, persistent_workers=True)
+    for _ in loader:
+        pass
+    elapsed = _first_batch(lambda: loader)
+    loader = None  # the workers stop
+    return elapsed
+
+
+def _cold(which: str, pause: float = 0.0) -> float:
+    out = subprocess.run([sys.executable, __file__, "--cold", str(pause), which],
+                         capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    return float(out.stdout.split()[-1])
+
+
+def bench_ttfb(rounds: int, torch: bool) -> None:
+    names = ["aloader"] + (["torch"] if torch else [])
+    factories = {"aloader": _aloader, "torch": _torch}
+    results: dict[str, dict[str, list[float]]] = {
+        n: {"cold": [], "cold_later": [], "fresh": [], "persistent": []} for n in names}
+    for _ in range(rounds):
+        for name in names:
+            factory = factories[name]
+            results[name]["cold"].append(_cold(name))
+            results[name]["cold_later"].append(_cold(name, 0.5))
+            results[name]["fresh"].append(_first_batch(
+                lambda f=factory: f(CpuDataset(), batch_size=32, num_workers=2)))  # type: ignore[misc]
+            results[name]["persistent"].append(_persistent_second(factory))
+    rows = []
+    labels = {"cold": "first loader of a fresh process, iterated at once",
+              "cold_later": "first loader of a fresh process, iterated 0.5 s after creation",
+              "fresh": "a new loader (workers start)",
+              "persistent": "next epoch, persistent workers"}
+    for case, label in labels.items():
+        ours = float(np.median(results["aloader"][case]))
+        if torch:
+            theirs = float(np.median(results["torch"][case]))
+            rows.append((label, f"{ours * 1e3:.1f} ms (torch {theirs * 1e3:.1f} ms)",
+                         f"{theirs / ours:.2f}"))
+        else:
+            rows.append((label, f"{ours * 1e3:.1f} ms", ""))
+    _table("time to first batch, cpu dataset, 2 workers, median (ratio: torch / aloader, "
+           ">1 is faster)", rows)
+
+
+# mem ---------------------------------------------------------------------------------------------
+def bench_mem(rounds: int, torch: bool) -> None:
+    import aloader
+
+    table = np.random.default_rng(0).standard_normal((200_000, 128), dtype=np.float32)
+    wide = np.random.default_rng(1).standard_normal((16_384, 4096), dtype=np.float32)
+    rows = []
+    for label, data in (("200,000 x 128 float32, batch 256 (128 KiB)", table),
+                        ("16,384 x 4,096 float32, batch 256 (4 MiB)", wide)):
+        contenders: dict[str, Callable[[], float]] = {
+            "aloader": lambda d=data: _rate(lambda: _aloader(  # type: ignore[misc]
+                aloader.ArrayDataset(d), batch_size=256, shuffle=True, num_workers=2)),
+        }
+        if torch:
+            import torch as torch_module
+            from torch.utils.data import TensorDataset
+
+            tensor = torch_module.from_numpy(data)
+            contenders["torch"] = lambda t=tensor: _rate(lambda: _torch(  # type: ignore[misc]
+                TensorDataset(t), batch_size=256, shuffle=True, num_workers=2))
+        best = _best(contenders, rounds)
+        if torch:
+            rows.append((label, f"{best['aloader']:,.0f} items/s (torch {best['torch']:,.0f})",
+                         f"{best['aloader'] / best['torch']:.2f}"))
+        else:
+            rows.append((label, f"{best['aloader']:,.0f} items/s", ""))
+    _table("mem: shuffled in-memory table, 2 workers, workers' start included "
+           "(ratio: aloader / torch)", rows)
+
+
+# rss ---------------------------------------------------------------------------------------------
+def _memory(pid: int) -> tuple[int, int, int]:
+    """(RSS high-water mark, PSS, private copies) of a process, in bytes.
+
+    Private copies are the pages only this process maps, outside shared-memory files (tmpfs
+    pages count as private and dirty when a single process maps them, yet they are not copies),
+    plus the copy-on-write copies made inside those files: the worker's own copies of the
+    dataset and of what it made, which is what grows with copy-on-read.
+    """
+    pss = private = 0
+    counted: tuple[str, ...] = ()
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            parts = line.split()
+            key = parts[0]
+            if not key.endswith(":"):  # a mapping's header: address range, perms, ..., path
+                path = parts[5] if len(parts) > 5 else ""
+                shm = path.startswith(("/dev/shm/", "/memfd:"))
+                counted = ("Anonymous:",) if shm else ("Private_Clean:", "Private_Dirty:")
+            elif key == "Pss:":
+                pss += int(parts[1]) * 1024
+            elif key in counted:
+                private += int(parts[1]) * 1024
+    with open(f"/proc/{pid}/status") as f:
+        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+    return hwm, pss, private
+
+
+class _Sampler:
+    """Samples the workers' memory while an epoch runs; keeps the peaks."""
+
+    def __init__(self) -> None:
+        self.pids: list[int] = []
+        self.peak: dict[int, list[int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.sample()
+
+    def sample(self) -> None:
+        for pid in list(self.pids):
+            try:
+                values = _memory(pid)
+            except (OSError, StopIteration, KeyError):
+                continue
+            peak = self.peak.setdefault(pid, [0, 0, 0])
+            for i, value in enumerate(values):
+                peak[i] = max(peak[i], value)
+
+    def stop(self) -> list[int]:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        return [max(p[i] for p in self.peak.values()) for i in range(3)]
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+def _rss_epoch(name: str, dataset: Any) -> tuple[list[int], float]:
+    """Peak memory of the most demanding worker over one epoch, and the epoch's seconds."""
+    sampler = _Sampler()
+    start = time.perf_counter()
+    kwargs: dict[str, Any] = {"batch_size": 256, "num_workers": 2, "persistent_workers": True}
+    if isinstance(dataset, list):
+        kwargs["collate_fn"] = _identity
+    if name == "aloader":
+        loader = _aloader(dataset, **kwargs)
+        iterator = iter(loader)
+        next(iterator)
+        sampler.pids = [w.process.pid for w in loader._pool.workers]
+    else:
+        loader = _torch(dataset, **kwargs)
+        iterator = iter(loader)
+        next(iterator)
+        sampler.pids = [w.pid for w in iterator._workers]
+    for _ in iterator:
+        pass
+    elapsed = time.perf_counter() - start
+    peaks = sampler.stop()
+    del iterator, loader
+    return peaks, elapsed
+
+
+def bench_rss(torch: bool) -> None:
+    import aloader
+
+    gib = 1 << 30
+    mib = 1 << 20
+    table = np.random.default_rng(2).standard_normal((gib // 4096, 1024), dtype=np.float32)
+    records = [os.urandom(4096) for _ in range(gib // 4096)]
+    cases: list[tuple[str, Callable[[str], Any]]] = [
+        ("1 GiB float32 table", lambda name: aloader.ArrayDataset(table) if name == "aloader"
+         else _torch_tensor_dataset(table)),
+        ("1 GiB list of 4 KiB bytes objects", lambda name: records),
+    ]
+    rows = []
+    for label, make in cases:
+        ours, ours_s = _rss_epoch("aloader", make("aloader"))
+        text = [f"{v / mib:,.0f}" for v in ours]
+        if torch:
+            theirs, theirs_s = _rss_epoch("torch", make("torch"))
+            text = [f"{a} (torch {b / mib:,.0f})" for a, b in zip(text, theirs, strict=True)]
+        rows.append((f"{label}: peak RSS / PSS / private copies, MiB", " / ".join(text),
+                     f"epoch {ours_s:.1f} s" + (f" (torch {theirs_s:.1f} s)" if torch else "")))
+    _table("worker memory over one epoch, 2 persistent workers, the larger of the two", rows)
+    print("\nThe table is one copy in shared memory that aloader's workers map copy-on-write "
+          "(torch's share the parent's pages through fork): neither copies it. A list of "
+          "Python objects is copied into each of aloader's workers at start; torch's workers "
+          "copy the pages they read (copy-on-read, pytorch/pytorch#13246).")
+
+
+def _torch_tensor_dataset(table: np.ndarray[Any, Any]) -> Any:
+    import torch
+    from torch.utils.data import TensorDataset
+
+    return TensorDataset(torch.from_numpy(table))
+
+
+def _cold_main(pause: float, which: str) -> None:
+    """Time to the first batch of the first loader in this process, iterated ``pause`` seconds
+    after its creation (aloader starts its fork server on creation)."""
+    factory = _aloader if which == "aloader" else _torch
+    if which == "torch":
+        import torch.utils.data  # noqa: F401  (imports are not the loader's start)
+    else:
+        import aloader  # noqa: F401
+    loader = factory(CpuDataset(), batch_size=32, num_workers=2)
+    time.sleep(pause)
+    print(_first_batch(lambda: loader))
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    quick = "--quick" in sys.argv
+    rounds = 2 if quick else ROUNDS
+    sections = args or ["cpu", "ttfb", "mem", "rss"]
+    torch = _has_torch()
+    started = time.perf_counter()
+    if "cpu" in sections:
+        bench_cpu(rounds, torch)
+    if "ttfb" in sections:
+        bench_ttfb(3 if not quick else 1, torch)
+    if "mem" in sections:
+        bench_mem(max(2, rounds - 2), torch)
+    if "rss" in sections:
+        bench_rss(torch)
+    print(f"\n({time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    if "--cold" in sys.argv:
+        _cold_main(float(sys.argv[-2]), sys.argv[-1])
+    else:
+        main()
