@@ -7,7 +7,7 @@ import os
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import anyio
 import numpy as np
@@ -16,7 +16,7 @@ from ._backend import current_backend
 from ._collate import default_collate, default_convert
 from ._dataset import IterableDataset, fetch_mode
 from ._exceptions import LoaderTimeoutError
-from ._pipeline import Epoch, FetchPlan, Remote, Results, window_for
+from ._pipeline import Epoch, FetchMode, FetchPlan, Remote, Results, window_for
 from ._pool import PoolEpoch, WorkerPool, default_context, prepare_context, resolve_context
 from ._random import as_generator, draw_seed
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler, epoch_batches, epoch_indices
@@ -218,7 +218,7 @@ class DataLoader(Generic[T_co]):
             else:
                 sampler = SequentialSampler(dataset)
         if batch_size is not None and batch_sampler is None and not self._iterable:
-            batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+            batch_sampler = BatchSampler(cast(Any, sampler), batch_size, drop_last)
 
         self.batch_size = batch_size
         self.drop_last = drop_last
@@ -384,7 +384,7 @@ class DataLoader(Generic[T_co]):
         dataset = self.dataset
         auto = self._auto_collation
         if self._iterable:
-            mode = "async" if _aiter_of(dataset) is not None else "thread"
+            mode: FetchMode = "async" if _aiter_of(dataset) is not None else "thread"
         else:
             mode = fetch_mode(dataset)
         if mode == "async":
@@ -460,18 +460,18 @@ class DataLoader(Generic[T_co]):
         else:
             indices = epoch_indices(sampler)
             if indices is not None:
-                return iter(indices.tolist())
+                return iter(cast(list[Any], indices.tolist()))
         # Async samplers (and batch samplers over them) are walked with async iteration.
         aiter_ = getattr(sampler, "__aiter__", None)
         if aiter_ is not None:
-            return aiter_()  # type: ignore[no-any-return]
-        return iter(sampler)
+            return cast(AsyncIterator[Any], aiter_())
+        return cast(Iterator[Any], iter(sampler))
 
     def _source(self) -> Iterator[Any] | AsyncIterator[Any]:
         aiter_ = _aiter_of(self.dataset)
         if aiter_ is not None:
-            return aiter_()  # type: ignore[no-any-return]
-        return iter(self.dataset)
+            return cast(AsyncIterator[Any], aiter_())
+        return cast(Iterator[Any], iter(self.dataset))
 
     def __repr__(self) -> str:
         return (
@@ -518,7 +518,7 @@ def _pin_memory_transform(loader: DataLoader[Any]) -> Callable[[Any], Any] | Non
         return None
     from torch.utils.data._utils.pin_memory import pin_memory
 
-    return pin_memory  # type: ignore[no-any-return]
+    return cast(Callable[[Any], Any], pin_memory)
 
 
 class _AsyncLoaderIter:
@@ -593,6 +593,11 @@ class _AsyncLoaderIter:
             self._shutdown()
             raise
         if error is not None:
+            if isinstance(error, (StopIteration, StopAsyncIteration)):
+                # Raised as is, it would end the epoch silently and lose the rest.
+                raise RuntimeError(
+                    f"the dataset raised {type(error).__name__} while loading a batch"
+                ) from error
             raise error
         self.num_yielded += 1
         self._warn_length()

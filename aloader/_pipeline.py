@@ -404,7 +404,7 @@ class Epoch:
         results: Results,
         *,
         keys: Iterator[Any] | AsyncIterator[Any] | None = None,
-        source: Iterator[Any] | AsyncIterator[Any] | Callable[[], Any] | None = None,
+        source: Iterator[Any] | AsyncIterator[Any] | None = None,
         batch_size: int | None = None,
         drop_last: bool = False,
     ) -> None:
@@ -493,7 +493,7 @@ class Epoch:
                         tg.start_soon(_serve, remote, tg.cancel_scope, failure)
                         await self._run()
                         tg.cancel_scope.cancel()
-        except BaseException as exc:  # reported to the consumer, never lost in the background
+        except Exception as exc:  # reported to the consumer, never lost in the background
             error = exc
         finally:
             self.results.close(failure[0] if failure else error)
@@ -652,9 +652,18 @@ class Epoch:
 
     # Iterable datasets ---------------------------------------------------------------------
     async def _run_iterable(self) -> None:
+        try:
+            await self._pull_batches()
+        finally:
+            # Close the stream now (files, connections), not whenever it is collected.
+            with anyio.CancelScope(shield=True):
+                await _close_source(self._source)
+
+    async def _pull_batches(self) -> None:
         plan = self.plan
         limiter = anyio.CapacityLimiter(1)
         source = self._source
+        assert source is not None
         size = self._batch_size
         seq = 0
         ended = False
@@ -688,6 +697,16 @@ class Epoch:
             self.results.publish(seq, batch)
             seq += 1
         self.results.finish(seq)
+
+
+async def _close_source(source: object) -> None:
+    aclose = getattr(source, "aclose", None)
+    if aclose is not None:
+        await aclose()
+        return
+    close = getattr(source, "close", None)
+    if close is not None:  # a sync generator: its cleanup may block, so not on the loop
+        await anyio.to_thread.run_sync(close)
 
 
 async def _serve(remote: Remote, scope: anyio.CancelScope, failure: list[BaseException]) -> None:

@@ -922,3 +922,35 @@ def test_pin_memory_with_torch_and_no_accelerator() -> None:
     with pytest.warns(UserWarning, match="no accelerator is found"):
         batches = list(loader)
     assert [b[0].tolist() for b in batches] == [[0, 1], [2, 3]]
+
+
+async def test_stop_iteration_from_the_dataset_is_not_a_silent_end(anyio_backend: str) -> None:
+    class Leaky(aloader.Dataset[int]):
+        def __len__(self) -> int:
+            return 6
+
+        async def __getitem__(self, index: int) -> int:
+            if index == 3:
+                raise StopIteration
+            return index
+
+    with pytest.raises(RuntimeError, match="raised StopIteration"):
+        await collect(DataLoader(Leaky(), batch_size=2))
+
+
+async def test_break_closes_an_async_source_at_once(anyio_backend: str) -> None:
+    closed = anyio.Event()
+
+    class Source(aloader.IterableDataset[int]):
+        async def __aiter__(self) -> AsyncIterator[int]:
+            try:
+                for i in range(10_000):
+                    await anyio.sleep(0)
+                    yield i
+            finally:
+                closed.set()
+
+    async with DataLoader(Source(), batch_size=4) as loader:
+        async for _ in loader:
+            break
+    assert closed.is_set()
