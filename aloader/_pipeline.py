@@ -739,7 +739,11 @@ async def _pull(source: AsyncIterator[Any], size: int | None) -> tuple[Any, bool
             return await source.__anext__(), False
         except StopAsyncIteration:
             return _NOTHING, True
-    samples: list[Any] = []
+    take = getattr(source, "_take", None)
+    if take is not None:  # a stream hands over whole slices of its read-ahead blocks
+        samples = await take(size)
+        return (samples if samples else _NOTHING), len(samples) < size
+    samples = []
     while len(samples) < size:
         try:
             samples.append(await source.__anext__())
