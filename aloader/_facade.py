@@ -9,8 +9,6 @@ closed, garbage-collected or still open at interpreter exit.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import queue
 import weakref
 from contextlib import AbstractContextManager
@@ -18,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from ._backend import threadsafe_caller
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -30,17 +30,34 @@ _END = object()
 
 
 class _Pump:
-    """Runs on the private loop: fetches batch k+1 while the consumer works on batch k."""
+    """Runs on the private loop: fetches ahead while the consumer works on its batch.
+
+    At most ``AHEAD`` batches wait in the hand-off queue. The consumer's thread counts what it
+    takes with a plain integer and wakes the loop only when the pump is actually waiting, so a
+    batch costs no cross-thread call while the pump keeps ahead.
+    """
+
+    AHEAD = 2
 
     def __init__(self, iterator: _AsyncLoaderIter) -> None:
         self.iterator = iterator
         self.out: queue.SimpleQueue[tuple[Any, BaseException | None]] = queue.SimpleQueue()
-        self.credits = anyio.Semaphore(1)
-        self.loop = asyncio.get_running_loop()
+        self.produced = 0
+        self.consumed = 0  # written by the consumer's thread only
+        self.waiting: anyio.Event | None = None
+        self.call_soon = threadsafe_caller()
 
     async def run(self) -> None:
         while True:
-            await self.credits.acquire()
+            while self.produced - self.consumed >= self.AHEAD:
+                waiting = self.waiting = anyio.Event()
+                # Checked again after publishing the event: the consumer may have taken a batch
+                # in between, and then it saw no event to set.
+                if self.produced - self.consumed < self.AHEAD:
+                    break
+                await waiting.wait()
+            self.waiting = None
+            self.produced += 1
             try:
                 value = await self.iterator.__anext__()
             except StopAsyncIteration:
@@ -54,10 +71,12 @@ class _Pump:
             else:
                 self.out.put((value, None))
 
-    def request(self) -> None:
-        """Let the pump fetch one more batch (from the consumer's thread)."""
-        with contextlib.suppress(RuntimeError):  # the loop has closed
-            self.loop.call_soon_threadsafe(self.credits.release)
+    def taken(self) -> None:
+        """The consumer took a batch (called from the consumer's thread)."""
+        self.consumed += 1
+        waiting = self.waiting
+        if waiting is not None:
+            self.call_soon(waiting.set)
 
 
 async def _open(loader: DataLoader[Any]) -> _Pump:
@@ -102,7 +121,7 @@ class SyncLoaderIter:
         if value is _END:
             self.close()
             raise StopIteration
-        self._pump.request()
+        self._pump.taken()
         if error is not None:
             raise error
         return value
