@@ -76,16 +76,10 @@ class Results:
         self._total: int | None = None
         self._closed: BaseException | None = None
         self._changed = anyio.Event()
-        self.max_waiting = 0  # high-water mark of published, untaken batches
 
     def _notify(self) -> None:
         self._changed.set()
         self._changed = anyio.Event()
-
-    @property
-    def waiting(self) -> int:
-        """Collated batches waiting for the consumer."""
-        return len(self._ready) if self._in_order else len(self._fifo)
 
     async def reserve(self, seq: int) -> None:
         """Wait until job ``seq`` may collate and publish without exceeding the capacity."""
@@ -102,7 +96,6 @@ class Results:
             self._ready[seq] = (value, error)
         else:
             self._fifo.append((value, error))
-        self.max_waiting = max(self.max_waiting, self.waiting)
         self._notify()
 
     def finish(self, total: int) -> None:
@@ -418,9 +411,6 @@ class Epoch:
         self._stop_requested = False
         self.done = anyio.Event()
         self._call_soon: Callable[[Callable[[], None]], None] | None = None
-        # Counters for tests and metrics: fetch calls running now, and the most at once.
-        self.in_flight = 0
-        self.max_in_flight = 0
 
     # Lifecycle -------------------------------------------------------------------------
     @property
@@ -583,14 +573,11 @@ class Epoch:
                 window.release()
                 continue
             if job.error is None:
-                self._enter()
                 try:
                     job.samples[position] = await self.plan.fetch_item(index, limiter)
                 except Exception as exc:
                     job.error = _note(exc, f"raised while fetching index {index!r} "
                                            f"of batch {job.seq}")
-                finally:
-                    self._exit()
             job.remaining -= 1
             if job.remaining == 0:
                 await self._complete(job, limiter)
@@ -605,17 +592,9 @@ class Epoch:
                 # One thread hop for fetch and collate, so take the output slot first.
                 await self.results.reserve(job.seq)
                 reserved = True
-                self._enter()
-                try:
-                    batch = await plan.load(job.key, limiter)
-                finally:
-                    self._exit()
+                batch = await plan.load(job.key, limiter)
             else:
-                self._enter()
-                try:
-                    samples = await plan.fetch(job.key, limiter)
-                finally:
-                    self._exit()
+                samples = await plan.fetch(job.key, limiter)
                 await self.results.reserve(job.seq)
                 reserved = True
                 batch = await plan.collate(samples, limiter)
@@ -643,13 +622,6 @@ class Epoch:
                 self.results.publish(job.seq, batch)
         job.samples = []
 
-    def _enter(self) -> None:
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
-
-    def _exit(self) -> None:
-        self.in_flight -= 1
-
     # Iterable datasets ---------------------------------------------------------------------
     async def _run_iterable(self) -> None:
         try:
@@ -669,7 +641,6 @@ class Epoch:
         ended = False
         while not ended:
             await self.results.reserve(seq)
-            self._enter()
             try:
                 if isinstance(source, AsyncIterator):
                     samples, ended = await _pull(source, size)
@@ -692,8 +663,6 @@ class Epoch:
                                                             "of the iterable dataset"))
                 seq += 1
                 break
-            finally:
-                self._exit()
             self.results.publish(seq, batch)
             seq += 1
         self.results.finish(seq)
