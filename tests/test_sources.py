@@ -129,6 +129,20 @@ async def test_jsonl_blank_lines_and_whitespace(tmp_path: Path, anyio_backend: s
                                                             "five", 7]
 
 
+@pytest.mark.parametrize(("body", "bad_line"), [
+    (b'1,2\n3\n', 1),          # two values on a line, though the chunk parses as an array
+    (b'1\n{"a":\n2}\n', 2),     # a value spread over two lines
+    (b'[1,\n2]\n3\n', 1),
+])
+async def test_jsonl_lines_must_hold_one_value(
+    tmp_path: Path, anyio_backend: str, body: bytes, bad_line: int
+) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(body)
+    with pytest.raises(RecordError, match=f"line {bad_line}"):
+        await collect(JsonLines(path))
+
+
 async def test_jsonl_custom_loads(tmp_path: Path, anyio_backend: str) -> None:
     path = tmp_path / "c.jsonl"
     path.write_text('{"a": 1}\n{"a": 2}\n')
