@@ -12,6 +12,7 @@ import copy
 import numbers
 import sys
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
+from operator import itemgetter
 from typing import Any, overload
 
 import numpy as np
@@ -144,7 +145,8 @@ def collate(batch: Any, *, collate_fn_map: CollateFnMap | None = None) -> Any:
 
     if isinstance(elem, Mapping):
         values = {
-            key: collate([d[key] for d in batch], collate_fn_map=collate_fn_map) for key in elem
+            key: collate(list(map(itemgetter(key), batch)), collate_fn_map=collate_fn_map)
+            for key in elem
         }
         return _rebuild_mapping(elem, values)
     if isinstance(elem, tuple) and hasattr(elem, "_fields"):  # namedtuple
@@ -155,9 +157,7 @@ def collate(batch: Any, *, collate_fn_map: CollateFnMap | None = None) -> Any:
             )
         )
     if isinstance(elem, Sequence):
-        it = iter(batch)
-        elem_size = len(next(it))
-        if not all(len(other) == elem_size for other in it):
+        if len(set(map(len, batch))) != 1:
             raise RuntimeError("each element in list of batch should be of equal size")
         collated = [
             collate(samples, collate_fn_map=collate_fn_map) for samples in zip(*batch, strict=False)
