@@ -14,7 +14,9 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-__all__ = ("current_backend", "spawn_background", "threadsafe_caller")
+import anyio
+
+__all__ = ("Detached", "current_backend", "spawn_background", "threadsafe_caller")
 
 # asyncio only keeps weak references to tasks: hold them until they finish.
 _ASYNCIO_TASKS: set[asyncio.Task[Any]] = set()
@@ -85,3 +87,39 @@ def spawn_background(fn: Callable[[], Awaitable[None]]) -> Callable[[Callable[[]
         _ASYNCIO_TASKS.add(task)
         task.add_done_callback(_ASYNCIO_TASKS.discard)
     return call_soon
+
+
+class Detached:
+    """A detached background task whose work anyone may cancel.
+
+    ``__del__`` of an iterator, another thread, or a call that comes before the task has even
+    started: :meth:`cancel` covers them all. The task runs its work inside :meth:`scope`.
+    """
+
+    __slots__ = ("_call_soon", "_cancel_requested", "_scope")
+
+    def __init__(self) -> None:
+        self._scope: anyio.CancelScope | None = None
+        self._cancel_requested = False
+        self._call_soon: Callable[[Callable[[], None]], None] | None = None
+
+    def spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Start ``fn()`` with :func:`spawn_background`."""
+        self._call_soon = spawn_background(fn)
+
+    def scope(self) -> anyio.CancelScope:
+        """The cancel scope for the task's work (already cancelled if cancel came first)."""
+        scope = self._scope = anyio.CancelScope()
+        if self._cancel_requested:
+            scope.cancel()
+        return scope
+
+    def cancel(self) -> None:
+        """Cancel the task's work; safe from any thread and from ``__del__``."""
+        self._cancel_requested = True
+        if self._call_soon is not None:
+            self._call_soon(self._cancel_now)
+
+    def _cancel_now(self) -> None:
+        if self._scope is not None:
+            self._scope.cancel()

@@ -34,7 +34,7 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 
-from ._backend import spawn_background, threadsafe_caller
+from ._backend import Detached, threadsafe_caller
 
 __all__ = ("SKIP", "Epoch", "FetchPlan", "Remote", "Results")
 
@@ -407,10 +407,8 @@ class Epoch:
         self._source = source
         self._batch_size = batch_size
         self._drop_last = drop_last
-        self._scope: anyio.CancelScope | None = None
-        self._stop_requested = False
+        self._task = Detached()
         self.done = anyio.Event()
-        self._call_soon: Callable[[Callable[[], None]], None] | None = None
 
     # Lifecycle -------------------------------------------------------------------------
     @property
@@ -429,7 +427,7 @@ class Epoch:
             self._last_yield = time.monotonic()
             self.done.set()
         else:
-            self._call_soon = spawn_background(self._main)
+            self._task.spawn(self._main)
 
     async def next(self) -> tuple[Any, BaseException | None]:
         """The next batch (value, error); StopAsyncIteration at the end of the epoch."""
@@ -458,24 +456,16 @@ class Epoch:
 
     def stop(self) -> None:
         """Cancel every fetch; safe from any thread and from ``__del__``."""
-        self._stop_requested = True
         if self.plan.remote is not None:
             self.plan.remote.stop()
-        if self._call_soon is not None:
-            self._call_soon(self._cancel)
-
-    def _cancel(self) -> None:
-        if self._scope is not None:
-            self._scope.cancel()
+        self._task.cancel()
 
     async def _main(self) -> None:
         error: BaseException = RuntimeError("DataLoader iterator was closed")
         remote = self.plan.remote
         failure: list[BaseException] = []
         try:
-            with anyio.CancelScope() as self._scope:
-                if self._stop_requested:
-                    self._scope.cancel()
+            with self._task.scope():
                 if remote is None:
                     await self._run()
                 else:

@@ -28,7 +28,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
 
-from ._backend import spawn_background
+from ._backend import Detached
 from ._dataset import IterableDataset
 from ._exceptions import AloaderError
 from ._random import GeneratorLike, as_generator, draw_seed, permutation
@@ -222,30 +222,19 @@ class _Driver:
         self.epoch = epoch
         self.channel: _Channel[list[Any]] = _Channel(capacity)
         self.done = anyio.Event()
-        self._scope: anyio.CancelScope | None = None
-        self._stop_requested = False
-        self._call_soon: Callable[[Callable[[], None]], None] | None = None
+        self._task = Detached()
 
     def start(self) -> None:
-        self._call_soon = spawn_background(self._main)
+        self._task.spawn(self._main)
 
     def stop(self) -> None:
         """Cancel the background task; safe from ``__del__`` and from other threads."""
-        self._stop_requested = True
-        if self._call_soon is not None:
-            self._call_soon(self._cancel)
-
-    def _cancel(self) -> None:
-        if self._scope is not None:
-            self._scope.cancel()
+        self._task.cancel()
 
     async def _main(self) -> None:
         error: BaseException | None = None
         try:
-            with anyio.CancelScope() as scope:
-                self._scope = scope
-                if self._stop_requested:
-                    scope.cancel()
+            with self._task.scope() as scope:
                 worker_id, num_workers = worker_slot()
                 async with anyio.create_task_group() as group:
                     ctx = _Context(self.epoch, worker_id, num_workers, group)
