@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import Any
 
 import anyio
 import numpy as np
@@ -15,6 +15,7 @@ import numpy.typing as npt
 from . import _demo_http
 from ._dataset import Dataset
 from ._loader import DataLoader
+from ._progress import Progress
 
 __all__ = ("RemoteDataset", "main")
 
@@ -48,47 +49,6 @@ class RemoteDataset(Dataset[npt.NDArray[np.float32]]):
         return np.full(16, index, dtype=np.float32)
 
 
-class _Progress:
-    """One line rewritten in place on a terminal; plain periodic lines otherwise."""
-
-    def __init__(self, out: TextIO, total_items: int, total_batches: int) -> None:
-        self.out = out
-        self.tty = out.isatty()
-        self.every = 0.05 if self.tty else 1.0
-        self.total_items = total_items
-        self.total_batches = total_batches
-        self.start = time.perf_counter()
-        self.last = self.start
-        self.width = 0
-
-    def _line(self, batches: int, items: int, now: float) -> str:
-        rate = items / max(now - self.start, 1e-9)
-        return (f"  batches {batches:>{len(str(self.total_batches))}}/{self.total_batches}  "
-                f"items {items:>{len(str(self.total_items))}}/{self.total_items}  "
-                f"{rate:>10,.0f} items/s")
-
-    def update(self, batches: int, items: int) -> None:
-        now = time.perf_counter()
-        if now - self.last < self.every:
-            return
-        self.last = now
-        self._write(self._line(batches, items, now), final=False)
-
-    def finish(self, batches: int, items: int) -> float:
-        now = time.perf_counter()
-        self._write(self._line(batches, items, now), final=True)
-        return now - self.start
-
-    def _write(self, line: str, final: bool) -> None:
-        if self.tty:
-            pad = " " * max(0, self.width - len(line))
-            self.width = len(line)
-            self.out.write("\r" + line + pad + ("\n" if final else ""))
-        else:
-            self.out.write(line + "\n")
-        self.out.flush()
-
-
 async def _demo(args: argparse.Namespace) -> int:
     out = sys.stdout
     latency = args.latency_ms / 1e3
@@ -104,7 +64,7 @@ async def _demo(args: argparse.Namespace) -> int:
         f"through aloader.DataLoader(batch_size={args.batch_size}, shuffle=True, "
         f"max_concurrency={args.concurrency}):\n"
     )
-    progress = _Progress(out, args.items, batches_total)
+    progress = Progress(out, args.items, batches_total)
     seen = np.zeros(args.items, dtype=np.int64)
     batches = items = 0
     async for batch in loader:

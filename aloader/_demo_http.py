@@ -270,39 +270,9 @@ class ShardServer:
 # --------------------------------------------------------------------------- the demo
 
 
-class _Progress:
-    """One line rewritten in place on a terminal; a line per second otherwise."""
-
-    def __init__(self, out: TextIO, label: str, total: int) -> None:
-        self.out = out
-        self.tty = out.isatty()
-        self.every = 0.1 if self.tty else 1.0
-        self.label = label
-        self.total = total
-        self.start = time.perf_counter()
-        self.last = self.start
-
-    def line(self, items: int, batches: int) -> str:
-        elapsed = max(time.perf_counter() - self.start, 1e-9)
-        return (f"  {self.label}  batches {batches:>6,}  items {items:>{len(f'{self.total:,}')},}"
-                f"/{self.total:,}  {items / elapsed:>10,.0f} items/s")
-
-    def update(self, items: int, batches: int) -> None:
-        now = time.perf_counter()
-        if now - self.last >= self.every:
-            self.last = now
-            self.write(self.line(items, batches), final=False)
-
-    def write(self, text: str, final: bool) -> None:
-        if self.tty:
-            self.out.write("\r" + text + ("\n" if final else ""))
-        elif final or text:
-            self.out.write(text + "\n")
-        self.out.flush()
-
-
 async def _stream(args: argparse.Namespace, urls: Sequence[str], out: TextIO) -> int:
     from ._loader import DataLoader
+    from ._progress import Progress
     from ._sources import JsonLines
 
     source = JsonLines(urls, shuffle_shards=True, seed=args.seed,
@@ -311,7 +281,7 @@ async def _stream(args: argparse.Namespace, urls: Sequence[str], out: TextIO) ->
     total = args.shards * args.records
     first_ids: list[int] = []
     for epoch in range(args.epochs):
-        progress = _Progress(out, f"epoch {epoch + 1}/{args.epochs}", total)
+        progress = Progress(out, total, label=f"epoch {epoch + 1}/{args.epochs}")
         seen = bytearray(total)
         items = batches = 0
         async for batch in loader:
@@ -322,9 +292,8 @@ async def _stream(args: argparse.Namespace, urls: Sequence[str], out: TextIO) ->
                 first_ids.extend(ids[: 8 - len(first_ids)].tolist())
             items += len(ids)
             batches += 1
-            progress.update(items, batches)
-        elapsed = time.perf_counter() - progress.start
-        progress.write(progress.line(items, batches), final=True)
+            progress.update(batches, items)
+        elapsed = progress.finish(batches, items)
         if items != total or seen.count(1) != total:
             out.write(f"  ERROR: expected each of {total:,} records exactly once, got {items:,} "
                       f"items, {seen.count(0):,} missing\n")
