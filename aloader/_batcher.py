@@ -205,6 +205,13 @@ def _is_async_callable(fn: Callable[..., Any]) -> bool:
     return call is not None and inspect.iscoroutinefunction(call)
 
 
+def _leaf(exc: BaseException | None) -> BaseException | None:
+    """The first exception inside task-group wrappers (the one the dispatcher raised)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
 def _summary(samples: deque[float]) -> LatencySummary:
     if not samples:
         return {"count": 0, "p50": None, "p99": None, "max": None}
@@ -219,22 +226,38 @@ def _summary(samples: deque[float]) -> LatencySummary:
 
 
 def _check_positive_int(name: str, value: object) -> int:
+    """``value`` as a count, refused when it is no int, not positive, or no container could
+    hold that many (above ``sys.maxsize``: a count the batcher could never reach)."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} should be a positive integer value, but got {name}={value!r}")
+    if value > sys.maxsize:
+        raise ValueError(
+            f"{name} should be at most sys.maxsize={sys.maxsize}, but got {name}={value!r}"
+        )
     return value
 
 
 def _check_seconds(name: str, value: object, *, allow_none: bool, allow_zero: bool) -> float | None:
+    """``value`` as seconds. ``inf`` means "never" and is refused where ``None`` is."""
     if value is None:
         if allow_none:
             return None
         raise ValueError(f"{name} should be a number of seconds, but got {name}=None")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    seconds = math.nan
+    if not isinstance(value, bool) and isinstance(value, (int, float)):
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int beyond any float: as far away as inf
+            seconds = math.inf if value > 0 else -math.inf
+    if math.isnan(seconds):
         raise ValueError(f"{name} should be a number of seconds, but got {name}={value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
+    if seconds < 0 or (seconds == 0 and not allow_zero):
         bound = "non-negative" if allow_zero else "positive"
         raise ValueError(f"{name} should be {bound}, but got {name}={value!r}")
-    return float(value)
+    if seconds == math.inf and not allow_none:
+        # max_wait=inf would keep a lone request waiting forever for its batch to fill.
+        raise ValueError(f"{name} should be finite, but got {name}={value!r}")
+    return seconds
 
 
 class Batcher(Generic[T, R]):
@@ -354,14 +377,22 @@ class Batcher(Generic[T, R]):
         window = _check_positive_int("metrics_window", metrics_window)
         preferred: tuple[int, ...] = ()
         if preferred_batch_sizes is not None:
-            for size in preferred_batch_sizes:
+            if isinstance(preferred_batch_sizes, (str, bytes)) or not hasattr(
+                preferred_batch_sizes, "__iter__"
+            ):
+                raise TypeError(
+                    "preferred_batch_sizes should be a sequence of batch sizes or None, but got "
+                    f"preferred_batch_sizes={preferred_batch_sizes!r}"
+                )
+            sizes = tuple(preferred_batch_sizes)  # once: an iterator gives its items only once
+            for size in sizes:
                 _check_positive_int("preferred_batch_sizes item", size)
                 if size > max_batch_size:
                     raise ValueError(
                         f"preferred_batch_sizes item {size} is larger than "
                         f"max_batch_size={max_batch_size}"
                     )
-            preferred = tuple(sorted(set(preferred_batch_sizes)))
+            preferred = tuple(sorted(set(sizes)))
             if not preferred:
                 raise ValueError("preferred_batch_sizes should not be empty (use None instead)")
         self._preferred = preferred
@@ -628,11 +659,22 @@ class Batcher(Generic[T, R]):
                 self._scope = scope
                 async with anyio.create_task_group() as task_group:
                     await self._dispatch(task_group)
+        except anyio.get_cancelled_exc_class():
+            self._stop()
+            raise
+        except BaseException as exc:
+            # Only a BaseException that no caller of its batch received gets here.
+            self._stop(exc)
+            raise
+        else:
+            self._stop()
         finally:
-            self._scope = None
-            self._alive = False
-            self._fail_queued()
             stopped.set()
+
+    def _stop(self, cause: BaseException | None = None) -> None:
+        self._scope = None
+        self._alive = False
+        self._fail_queued(_leaf(cause))
 
     def _wake_dispatcher(self) -> None:
         wake = self._wake
@@ -690,6 +732,16 @@ class Batcher(Generic[T, R]):
         return [popitem(last=False)[0] for _ in range(size)]
 
     async def _run_batch(self, batch: list[_Request]) -> None:
+        """Run one batch and answer every caller still waiting for it.
+
+        Invariant: whatever the batch function does or returns, each request of ``batch``
+        that is still running leaves this method answered (a result or an error), and no
+        exception escapes except a real cancellation of the dispatcher or a BaseException
+        that no caller is left to receive. All user code (the batch function and its collate,
+        awaiting what it returned, ``len`` and indexing of the results) runs inside the
+        ``try`` and before any caller is answered, so a broken batch fails all of its callers
+        and never a part of them.
+        """
         start = self._now()
         waits = self._queue_waits
         for request in batch:
@@ -700,20 +752,7 @@ class Batcher(Generic[T, R]):
         self._size_hist[n] = self._size_hist.get(n, 0) + 1
         try:
             try:
-                results = await self._call_fn([request.item for request in batch])
-                try:
-                    count = len(results)
-                except TypeError:
-                    raise BatchResultError(
-                        f"batch function {self._name!r} returned a "
-                        f"{type(results).__name__} object, which has no len(); it must return "
-                        "a sequence (list, tuple or array) with one result per item"
-                    ) from None
-                if count != n:
-                    raise BatchResultError(
-                        f"batch function {self._name!r} returned {count} results for a batch "
-                        f"of {n} items; it must return exactly one result per item"
-                    )
+                results = self._unpack(await self._call_fn([r.item for r in batch]), n)
             except anyio.get_cancelled_exc_class() as exc:
                 if self._cancel_is_ours():
                     self._fail_batch(
@@ -735,8 +774,13 @@ class Batcher(Generic[T, R]):
             except Exception as exc:
                 self._fail_batch(batch, exc, exc.__traceback__)
             except BaseException as exc:
-                self._fail_batch(batch, exc, exc.__traceback__)
-                raise
+                # KeyboardInterrupt, SystemExit...: a request to stop, not a bad batch. Each
+                # caller re-raises it in its own task, which ends the program as it would had
+                # the caller raised it, and the dispatcher goes on serving meanwhile. Only when
+                # no caller is left to receive it does the dispatcher raise it, never
+                # swallowing it.
+                if not self._fail_batch(batch, exc, exc.__traceback__):
+                    raise
             else:
                 self._deliver(batch, results)
         finally:
@@ -759,29 +803,83 @@ class Batcher(Generic[T, R]):
     async def _call_fn(self, items: list[Any]) -> Any:
         collate = self._collate
         fn = self._fn
-        if self._is_async:
-            result = await fn(items if collate is None else collate(items))
-        elif self._to_thread:
-            if collate is None:
-                result = await anyio.to_thread.run_sync(fn, items, abandon_on_cancel=True)
-            else:
-                result = await anyio.to_thread.run_sync(
-                    lambda: fn(collate(items)), abandon_on_cancel=True
-                )
-        else:
+        if self._is_async or not self._to_thread:
             result = fn(items if collate is None else collate(items))
+        elif collate is None:
+            result = await anyio.to_thread.run_sync(fn, items, abandon_on_cancel=True)
+        else:
+            result = await anyio.to_thread.run_sync(
+                lambda: fn(collate(items)), abandon_on_cancel=True
+            )
+        # Await whatever is awaitable rather than trusting how the function looks: a plain
+        # function may return a coroutine (a lambda around one), and a callable that looks
+        # async (an instance whose __call__ attribute is a coroutine function) may not.
         if inspect.isawaitable(result):
-            # A plain function that returned an awaitable (e.g. a lambda around a coroutine).
             result = await result
         return result
 
-    def _deliver(self, batch: list[_Request], results: _Results[Any]) -> None:
+    def _unpack(self, results: Any, n: int) -> Sequence[Any]:
+        """The ``n`` results in a list (or the list or tuple itself), or a BatchResultError.
+
+        This is where the results object's own code (``__len__``, ``__getitem__``) runs.
+        """
+        if type(results) is list or type(results) is tuple:
+            if len(results) == n:
+                return cast("Sequence[Any]", results)
+            raise self._count_error(len(results), n)
+        what = f"batch function {self._name!r} returned "
+        must = "; it must return a sequence (list, tuple or array) with one result per item"
+        if results is None:
+            raise BatchResultError(what + "None" + must)
+        kind = type(results).__name__
+        if isinstance(results, (str, bytes, bytearray)):
+            # Indexing would hand each caller one character: a silent wrong result.
+            raise BatchResultError(f"{what}a {kind}{must}")
+        if inspect.isawaitable(results):
+            if inspect.iscoroutine(results):
+                results.close()  # never awaited: no "never awaited" warning at collection
+            raise BatchResultError(f"{what}a {kind} once awaited (an `await` is missing?){must}")
+        if not hasattr(type(results), "__len__"):
+            raise BatchResultError(f"{what}a {kind}, which has no len(){must}")
+        try:
+            count = len(results)
+        except Exception as exc:
+            raise BatchResultError(
+                f"{what}a {kind} whose len() raised {type(exc).__name__}: {exc}{must}"
+            ) from exc
+        if count != n:
+            raise self._count_error(count, n)
+        if not hasattr(type(results), "__getitem__"):
+            raise BatchResultError(
+                f"{what}a {kind} of length {count} that cannot be indexed; results[i] must "
+                "be the result for item i"
+            )
+        unpacked = []
+        index = 0
+        try:
+            for index in range(n):
+                unpacked.append(results[index])
+        except Exception as exc:
+            raise BatchResultError(
+                f"{what}a {kind} of length {count} whose results[{index}] raised "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        return unpacked
+
+    def _count_error(self, count: int, n: int) -> BatchResultError:
+        return BatchResultError(
+            f"batch function {self._name!r} returned {count} results for a batch "
+            f"of {n} items; it must return exactly one result per item"
+        )
+
+    def _deliver(self, batch: list[_Request], results: Sequence[Any]) -> None:
+        """Answer the waiting callers from checked results (no user code runs here)."""
         completed = failed = 0
-        for index, request in enumerate(batch):
+        for request, result in zip(batch, results, strict=True):
             if request.state != _RUNNING:
                 continue  # its caller gave up: never resolve it
-            result = results[index]
-            if isinstance(result, Exception):
+            # type(), not isinstance(): an object faking __class__ could not be raised.
+            if issubclass(type(result), Exception):
                 request.error = result
                 request.tb = result.__traceback__
                 failed += 1
@@ -795,20 +893,31 @@ class Batcher(Generic[T, R]):
 
     def _fail_batch(
         self, batch: list[_Request], error: BaseException, tb: TracebackType | None
-    ) -> None:
+    ) -> int:
+        """Fail the callers of ``batch`` still waiting with ``error``; return how many."""
+        failed = 0
         for request in batch:
             if request.state == _RUNNING:
                 request.error = error
                 request.tb = tb
                 request.state = _DONE
                 request.event.set()
-                self._n_failed += 1
+                failed += 1
+        self._n_failed += failed
+        return failed
 
-    def _fail_queued(self) -> None:
+    def _fail_queued(self, cause: BaseException | None = None) -> None:
         queue = self._queue
         if not queue:
             return
-        error = BatcherClosedError(f"batcher {self._name!r} closed before serving the request")
+        if cause is None:
+            error = BatcherClosedError(f"batcher {self._name!r} closed before serving the request")
+        else:
+            error = BatcherClosedError(
+                f"batcher {self._name!r} stopped before serving the request: its dispatcher "
+                f"ended with {type(cause).__name__}: {cause}"
+            )
+            error.__cause__ = cause
         while queue:
             request = queue.popitem(last=False)[0]
             request.error = error
