@@ -18,8 +18,16 @@ The design answers the problems users report with Ray Serve's ``@serve.batch``:
   (``max_concurrent_batches``) is free, so requests that arrive while the model is busy join the
   next batch instead of being frozen into small batches that then wait for a slot.
 * **Errors.** An exception from the batch function reaches every caller of that batch; a result
-  slot holding an exception is raised for that caller alone; a wrong number of results is a
-  :class:`BatchResultError`. The dispatcher survives every error.
+  slot holding an exception is raised for that caller alone; a result that is not one indexable
+  result per item (wrong length, ``None``, a generator, a string, a ``len()`` or indexing that
+  raises) is a :class:`BatchResultError` for every caller of that batch, never a part of it.
+  The dispatcher survives every error and goes on serving the later batches.
+* **KeyboardInterrupt, SystemExit** (any non-cancellation ``BaseException``) from the batch
+  function reach the callers of that batch as themselves: each caller re-raises it in its own
+  task, which stops the program as it would had the caller raised it, while the dispatcher goes
+  on serving the other callers meanwhile (none is left waiting). When every caller of that
+  batch has already left, the dispatcher raises it itself rather than swallowing it, and the
+  queued requests fail with :class:`BatcherClosedError` chained to it.
 * **Shutdown.** ``async with`` / :meth:`Batcher.aclose` stop admitting, drain running and queued
   requests within a timeout and fail what remains with :class:`BatcherClosedError`. No task is
   left behind.
@@ -205,6 +213,12 @@ def _is_async_callable(fn: Callable[..., Any]) -> bool:
     return call is not None and inspect.iscoroutinefunction(call)
 
 
+# The C-level getter: a subclass may override __traceback__ with a property that raises.
+_traceback_of: Callable[[BaseException], TracebackType | None] = vars(BaseException)[
+    "__traceback__"
+].__get__
+
+
 def _leaf(exc: BaseException | None) -> BaseException | None:
     """The first exception inside task-group wrappers (the one the dispatcher raised)."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
@@ -266,9 +280,11 @@ class Batcher(Generic[T, R]):
     ``await batcher(item)`` queues ``item`` and returns its result once a batch containing it
     has run. The batch function receives the list of queued items (or ``collate_fn`` of that
     list) and must return a sequence of the same length (a list, tuple or ndarray); result ``i``
-    answers item ``i``. A result that is an :class:`Exception` instance is raised for that
-    caller alone; an exception raised by the batch function is raised for every caller of the
-    batch.
+    answers item ``i`` (``results[i]``). Anything else fails the whole batch with
+    :class:`BatchResultError`. A result that is an :class:`Exception` instance is raised for
+    that caller alone; an exception raised by the batch function is raised for every caller of
+    the batch. The function's return value is awaited whenever it is awaitable, whatever the
+    function looks like.
 
     The batcher needs a dispatcher task. Either use ``async with Batcher(...) as b:`` (the
     dispatcher lives in a task group for the block, and the exit drains and closes it), or just
@@ -279,16 +295,19 @@ class Batcher(Generic[T, R]):
     Args:
         fn: The batch function, ``async def fn(items)`` or a plain ``def fn(items)``; plain
             functions run in a worker thread (see ``to_thread``).
-        max_batch_size: The most items in one batch.
+        max_batch_size: The most items in one batch. This and the other counts
+            (``max_concurrent_batches``, ``max_queue``, ``metrics_window``) are ints from 1 to
+            ``sys.maxsize``; nothing is allocated in proportion to them.
         max_wait: Seconds the oldest queued request may wait for its batch to fill before the
-            batch goes out anyway. ``0`` takes whatever is queued when an execution slot is
-            free (no timer: lowest latency, and batches still fill while the model is busy).
+            batch goes out anyway (finite). ``0`` takes whatever is queued when an execution
+            slot is free (no timer: lowest latency, and batches still fill while the model is
+            busy).
         max_concurrent_batches: How many batches may run at once.
         max_queue: The most requests waiting in the queue; a request beyond it raises
             :class:`QueueFullError` at once.
         timeout: Default per-request timeout in seconds (queueing and execution together);
-            ``None`` waits forever. A late request raises :class:`BatcherTimeoutError`, which
-            is a :class:`TimeoutError`.
+            ``None`` (or ``inf``) waits forever. A late request raises
+            :class:`BatcherTimeoutError`, which is a :class:`TimeoutError`.
         collate_fn: Turns the list of items into the batch function's argument, e.g.
             :func:`aloader.default_collate` to stack arrays, or a function that pads.
             ``None`` (default) passes the list as is.
@@ -300,12 +319,15 @@ class Batcher(Generic[T, R]):
             functions that take microseconds. Ignored for async batch functions.
         close_timeout: Seconds the exit of ``async with`` waits for queued and running
             requests to finish before failing them (``None``: wait as long as it takes).
-        metrics_window: How many recent samples the latency percentiles are taken over.
+        metrics_window: How many recent samples the latency percentiles are taken over (the
+            samples are kept as they come: memory grows with the work, up to this bound).
         name: Name used in error messages and ``repr`` (default: the function's name).
 
     Raises:
-        ValueError: If an argument is out of range.
-        TypeError: If ``fn`` or ``collate_fn`` is not callable.
+        ValueError: If an argument is out of range or of the wrong type (bool, float or NaN
+            for a count, NaN for seconds, ``inf`` for ``max_wait``); the message names it.
+        TypeError: If ``fn`` or ``collate_fn`` is not callable, or ``preferred_batch_sizes``
+            is not an iterable.
     """
 
     @overload
@@ -482,9 +504,11 @@ class Batcher(Generic[T, R]):
             BatcherClosedError: If the batcher is closed, or closed before serving the item.
             BatcherTimeoutError: If the timeout expired (the request leaves the queue; a
                 running batch goes on for the others).
-            BatchResultError: If the batch function returned the wrong number of results.
-            Exception: Whatever the batch function (or ``collate_fn``) raised for the batch,
-                or the exception instance it returned in this item's result slot.
+            BatchResultError: If the batch function did not return one indexable result per
+                item (the message names what it returned and what failed).
+            BaseException: Whatever the batch function (or ``collate_fn``) raised for the
+                batch, ``KeyboardInterrupt`` and ``SystemExit`` included, or the exception
+                instance it returned in this item's result slot.
         """
         if self._closing:
             raise BatcherClosedError(f"batcher {self._name!r} is closed and admits no request")
@@ -881,7 +905,7 @@ class Batcher(Generic[T, R]):
             # type(), not isinstance(): an object faking __class__ could not be raised.
             if issubclass(type(result), Exception):
                 request.error = result
-                request.tb = result.__traceback__
+                request.tb = _traceback_of(result)
                 failed += 1
             else:
                 request.result = result

@@ -378,3 +378,66 @@ async def _until(predicate: Callable[[], bool]) -> None:
             return
         await anyio.sleep(0)
     raise AssertionError("condition never became true")
+
+
+class HostileError(Exception):
+    """A real exception whose __traceback__ attribute raises when read."""
+
+    @property
+    def __traceback__(self) -> Any:  # type: ignore[override]
+        raise RuntimeError("no traceback for you")
+
+
+@pytest.mark.anyio
+async def test_a_hostile_exception_in_a_slot_fails_only_its_caller(anyio_backend: str) -> None:
+    def model(items: list[int]) -> list[Any]:
+        return [HostileError(x) if x == 1 else x for x in items]
+
+    outcomes: dict[int, Any] = {}
+
+    async def call(i: int) -> None:
+        try:
+            outcomes[i] = await b(i)
+        except Exception as exc:
+            outcomes[i] = exc
+
+    b = Batcher(model, max_batch_size=3, max_wait=60.0, to_thread=False)
+    async with b:
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(call, i)
+        assert outcomes[0] == 0 and outcomes[2] == 2
+        assert isinstance(outcomes[1], HostileError)
+        async with anyio.create_task_group() as tg:
+            for i in range(4, 7):
+                tg.start_soon(call, i)
+        assert [outcomes[i] for i in range(4, 7)] == [4, 5, 6]  # the dispatcher survived
+
+
+@pytest.mark.anyio
+async def test_forced_close_fails_every_running_batch(anyio_backend: str) -> None:
+    never = anyio.Event()
+    running = 0
+
+    async def stuck(items: list[int]) -> list[int]:
+        nonlocal running
+        running += 1
+        await never.wait()
+        return items
+
+    errors: list[BaseException] = []
+
+    async def call(i: int) -> None:
+        try:
+            await b(i)
+        except BatcherClosedError as exc:
+            errors.append(exc)
+
+    b = Batcher(stuck, max_batch_size=1, max_concurrent_batches=2)
+    async with anyio.create_task_group() as tg:
+        for i in range(3):
+            tg.start_soon(call, i)
+        await _until(lambda: running == 2)
+        await b.aclose(timeout=0)
+    assert len(errors) == 3
+    assert sum("running" in str(e) for e in errors) == 2
