@@ -59,6 +59,7 @@ REASONS = {
     400: "Bad Request",
     404: "Not Found",
     413: "Payload Too Large",
+    500: "Internal Server Error",
     503: "Service Unavailable",
     504: "Gateway Timeout",
 }
@@ -139,6 +140,10 @@ class InferenceServer:
             return http_response(503, {"error": "shutting down"})
         except TimeoutError:
             return http_response(504, {"error": "deadline exceeded"})
+        except Exception as exc:
+            # The model failed this request's batch (or returned a bad result): answer 500 and
+            # keep serving. KeyboardInterrupt and SystemExit are no Exception: they stop us.
+            return http_response(500, {"error": f"{type(exc).__name__}: {exc}"})
         return http_response(200, {"y": y.tolist()})
 
 

@@ -441,3 +441,40 @@ async def test_forced_close_fails_every_running_batch(anyio_backend: str) -> Non
         await b.aclose(timeout=0)
     assert len(errors) == 3
     assert sum("running" in str(e) for e in errors) == 2
+
+
+# -- the example server --------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the example is an asyncio server
+async def test_example_server_answers_500_when_the_model_returns_a_bad_result(
+    anyio_backend: str,
+) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "inference_server.py"
+    spec = importlib.util.spec_from_file_location("aloader_example_server_faults", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = example  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(example)
+        body = ('{"x": %s}' % ([0.5] * example.IN_FEATURES)).encode()
+        calls = 0
+
+        def model(xs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            return LenOnly(len(xs)) if calls == 1 else [x * 2 for x in xs]
+
+        async with Batcher(model) as batcher:
+            server = example.InferenceServer(batcher)
+            failed = await server.respond("POST", "/predict", body)
+            served = await server.respond("POST", "/predict", body)
+    finally:
+        del sys.modules[spec.name]
+    assert failed.startswith(b"HTTP/1.1 500 ")
+    assert b"BatchResultError" in failed and b"cannot be indexed" in failed
+    assert served.startswith(b"HTTP/1.1 200 ")
