@@ -244,6 +244,19 @@ async def test_a_base_exception_reaches_the_callers_of_its_batch_as_itself(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])
+async def test_a_lazily_started_dispatcher_survives_a_base_exception(
+    anyio_backend: str, exc_type: type[BaseException]
+) -> None:
+    fn, options = _raiser(exc_type, "async")
+    b = Batcher(fn, **options)  # no `async with`: the first call starts the dispatcher
+    with pytest.raises(exc_type):
+        await b(1)
+    assert await b(2) == 2  # not BatcherClosedError: nothing closed the batcher
+    await b.aclose()
+
+
+@pytest.mark.anyio
 async def test_a_base_exception_with_no_caller_left_is_not_swallowed(anyio_backend: str) -> None:
     gate = anyio.Event()
     started = anyio.Event()
