@@ -683,12 +683,11 @@ class Batcher(Generic[T, R]):
                 self._scope = scope
                 async with anyio.create_task_group() as task_group:
                     await self._dispatch(task_group)
-        except anyio.get_cancelled_exc_class():
-            self._stop()
-            raise
         except BaseException as exc:
-            # Only a BaseException that no caller of its batch received gets here.
-            self._stop(exc)
+            # A cancellation (maybe inside a task-group wrapper), or a BaseException that no
+            # caller of its batch received.
+            cause = _leaf(exc)
+            self._stop(None if isinstance(cause, anyio.get_cancelled_exc_class()) else cause)
             raise
         else:
             self._stop()
@@ -698,7 +697,7 @@ class Batcher(Generic[T, R]):
     def _stop(self, cause: BaseException | None = None) -> None:
         self._scope = None
         self._alive = False
-        self._fail_queued(_leaf(cause))
+        self._fail_queued(cause)
 
     def _wake_dispatcher(self) -> None:
         wake = self._wake
