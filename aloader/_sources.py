@@ -313,9 +313,9 @@ class ShardedSource(Stream[T_co]):
         stats = self.stats
         decoder = self._decoder(name, BadRecords(self.skip_errors, stats))
         if client is not None and is_url(name):
-            chunks = http_chunks(client, name, self.http, stats)
+            chunks = http_chunks(client, name, self.http, stats, decoder.set_size)
         else:
-            chunks = file_chunks(name, self.chunk_size)
+            chunks = file_chunks(name, self.chunk_size, decoder.set_size)
         async with _Closing(chunks) as pieces:
             async for chunk in pieces:
                 stats.bytes += len(chunk)
@@ -325,8 +325,7 @@ class ShardedSource(Stream[T_co]):
                     yield records
                 if decoder.pending is not None:
                     raise decoder.pending
-        records = decoder.finish()
-        if records:
+        while records := decoder.finish():
             stats.records += len(records)
             yield records
         if decoder.pending is not None:
