@@ -505,8 +505,8 @@ class NpyDecoder(Decoder[Any]):
                 shape, fortran, dtype = np.lib.format.read_array_header_1_0(handle)
             else:
                 shape, fortran, dtype = np.lib.format.read_array_header_2_0(handle)
-        except ValueError as exc:
-            self._fail(f"bad .npy header: {exc}", 8)
+        except Exception as exc:  # numpy raises ValueError, SyntaxError, TokenError, ...
+            self._fail(f"bad .npy header: {type(exc).__name__}: {exc}", 8)
             return False
         if dtype.hasobject:
             raise SourceError(f"{self.name}: arrays of Python objects (pickled) cannot be "

@@ -51,6 +51,8 @@ __all__ = ("HttpOptions", "http_chunks", "make_client")
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 # Statuses worth retrying: server errors, request timeout, too many requests.
 _TRANSIENT = frozenset({408, 429})
+# The most bytes a decoder hands on at once (before they are split to chunk_size).
+_MAX_PIECE = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -364,7 +366,7 @@ async def http_chunks(
                 etag = etag or tag
                 try:
                     decoders = _decoders(url, response.headers.get("Content-Encoding"),
-                                         options.chunk_size)
+                                         min(options.chunk_size, _MAX_PIECE))
                 except FetchError as exc:
                     exc.offset, exc.status_code = offset, status
                     raise
