@@ -459,7 +459,10 @@ class Stream(IterableDataset[T_co]):
         one at a time on the event loop (a plain function should be quick). With
         ``concurrency=n > 1``, up to ``n`` calls run at once: async functions on the event
         loop, plain functions in worker threads (for blocking I/O or code that releases the
-        GIL). The stage then holds at most ``2 * n`` items (running or finished and waiting).
+        GIL). The stage then holds at most ``2 * n`` items (running or finished and waiting),
+        and starts its helper tasks as items arrive, so a huge ``n`` costs nothing more than
+        the calls actually in flight. A failing call raises its error once the results before
+        it are delivered, whatever the concurrency.
 
         Args:
             fn: the function.

@@ -472,3 +472,15 @@ def test_no_shards_is_an_error(source_type: Any) -> None:
     for empty in ([], ()):
         with pytest.raises(ValueError, match="no shards given"):
             source_type(empty)
+
+
+async def test_redirect_followed_and_resumed(server: Scripted, anyio_backend: str) -> None:
+    body = jsonl(500)
+    target = server.route("real.jsonl", lambda h, n: (
+        reply(h, 200, body, send=900) if n == 0 else
+        reply(h, 206, body[900:], headers={
+            "Content-Range": f"bytes 900-{len(body) - 1}/{len(body)}"})))
+    url = server.route("moved.jsonl", lambda h, n: reply(h, 302, headers={"Location": target}))
+    assert ids(await collect(JsonLines(url, **FAST))) == list(range(500))
+    assert server.requests == [("moved.jsonl", None), ("real.jsonl", None),
+                               ("moved.jsonl", "bytes=900-"), ("real.jsonl", "bytes=900-")]
