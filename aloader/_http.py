@@ -138,8 +138,10 @@ class _Inflate:
         self.limit = limit
         self._inflate: Any = zlib.decompressobj(zlib.MAX_WBITS | 16) if self.gzip else None
         self._head = b""  # deflate: bytes kept until the wrapper can be recognised
+        self._fed = False
 
     def decode(self, data: bytes) -> Iterator[bytes]:
+        self._fed = self._fed or bool(data)
         if self._inflate is None:
             data = self._head + data
             if len(data) < 2:
@@ -169,7 +171,7 @@ class _Inflate:
 
     def end(self) -> None:
         """Check that the stream is complete (an empty body counts, as httpx has it)."""
-        if self._head or (self._inflate is not None and not self._inflate.eof):
+        if self._fed and (self._inflate is None or not self._inflate.eof):
             raise _Transient(f"the {self.coding} body ended before the end of its stream")
 
 

@@ -159,6 +159,13 @@ async def test_coded_bodies_decoded(server: Scripted, anyio_backend: str, coding
     assert source.stats.skipped == 0 and source.stats.bytes == len(body)
 
 
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+async def test_empty_coded_body(server: Scripted, anyio_backend: str, coding: str) -> None:
+    url = server.route("e.txt", lambda h, n: reply(h, 200, b"",
+                                                   headers={"Content-Encoding": coding}))
+    assert await collect(TextLines(url, **FAST)) == []
+
+
 async def test_gzip_bomb_piece_handed_on_in_chunks(server: Scripted, anyio_backend: str) -> None:
     body = b"\n".join([b"x" * 999] * 4000) + b"\n"  # 4 MB that gzip shrinks ~1000 times
     coded = gzip.compress(body)
