@@ -96,13 +96,21 @@ class Decoder(Generic[T]):
         self.max_record_bytes = max_record_bytes
         #: The error to raise once the records before it are delivered (errors not skipped).
         self.pending: RecordError | None = None
+        #: The shard's length in bytes, when its file or response tells it (else None).
+        self.size: int | None = None
+
+    def set_size(self, size: int) -> None:
+        """The shard holds ``size`` bytes in all: formats whose headers promise a length check
+        it against this, before reading on."""
+        self.size = size
 
     def feed(self, data: bytes) -> list[T]:
         """The records completed by ``data``, the next chunk of the shard."""
         raise NotImplementedError
 
     def finish(self) -> list[T]:
-        """The last records at the end of the shard; reports a truncated one."""
+        """The last records at the end of the shard, a block per call (call until it returns
+        none); reports a truncated record."""
         return []
 
     def _error(self, where: str, what: str, *, offset: int, line: int | None = None) -> bool:
@@ -119,11 +127,17 @@ class Decoder(Generic[T]):
 
 
 class _LineDecoder(Decoder[T]):
-    """Splits chunks into lines (``\\n``-terminated, ``\\r\\n`` allowed) for a line format."""
+    """Splits chunks into lines (``\\n``-terminated, ``\\r\\n`` allowed) for a line format.
+
+    An unfinished line is kept as the list of its pieces and joined once, when its newline
+    arrives: each byte is copied a bounded number of times, so a line spanning many chunks
+    costs time linear in its length.
+    """
 
     def __init__(self, name: str, bad: BadRecords, max_record_bytes: int) -> None:
         super().__init__(name, bad, max_record_bytes)
-        self._carry = b""
+        self._carry: list[bytes] = []  # pieces of the unfinished line, none with a newline
+        self._carried = 0  # their total length
         self._offset = 0  # byte offset of the first unparsed byte
         self._line = 0  # lines parsed so far
         self._discarding = False  # skipping the rest of an oversized line
@@ -153,6 +167,15 @@ class _LineDecoder(Decoder[T]):
         self._offset += len(body) + 1
         return records
 
+    def _join(self, tail: bytes) -> bytes:
+        """The carried pieces followed by ``tail``, as one string; the carry is emptied."""
+        if self._carry:
+            self._carry.append(tail)
+            tail = b"".join(self._carry)
+            self._carry = []
+            self._carried = 0
+        return tail
+
     def feed(self, data: bytes) -> list[T]:
         if self.pending is not None:
             return []
@@ -165,16 +188,16 @@ class _LineDecoder(Decoder[T]):
             self._line += 1
             self._discarding = False
             data = data[newline + 1 :]
-        if self._carry:
-            data = self._carry + data
+        # Only the new bytes are searched: the carried ones hold no newline.
         cut = data.rfind(b"\n")
-        if cut < 0:
-            self._carry = data
-            records: list[T] = []
-        else:
-            self._carry = data[cut + 1 :]
-            records = self._take(data[:cut])
-        if len(self._carry) > self.max_record_bytes and self.pending is None:
+        records: list[T] = []
+        if cut >= 0:
+            records = self._take(self._join(data[:cut]))
+            data = data[cut + 1 :]
+        if data:
+            self._carry.append(data)
+            self._carried += len(data)
+        if self._carried > self.max_record_bytes and self.pending is None:
             self._too_long()
         return records
 
@@ -184,15 +207,15 @@ class _LineDecoder(Decoder[T]):
                     f"line longer than max_record_bytes ({self.max_record_bytes} bytes)",
                     offset=offset, line=line)
         # Skipping: drop the line up to its newline.
-        self._offset += len(self._carry)
-        self._carry = b""
+        self._offset += self._carried
+        self._carry = []
+        self._carried = 0
         self._discarding = True
 
     def finish(self) -> list[T]:
         if self._discarding or not self._carry or self.pending is not None:
             return []
-        body, self._carry = self._carry, b""
-        records = self._take(body)
+        records = self._take(self._join(b""))
         self._offset -= 1  # the last line had no newline
         return records
 
@@ -371,6 +394,7 @@ class BinaryDecoder(Decoder[bytes]):
         pos = 0
         available = len(buffer)
         bad_length: int | None = None
+        truncated: int | None = None  # offset of a record that cannot fit in the shard
         with memoryview(buffer) as view:
             while available - pos >= size:
                 (length,) = unpack(buffer, pos)
@@ -379,6 +403,8 @@ class BinaryDecoder(Decoder[bytes]):
                     break
                 end = pos + size + length
                 if end > available:
+                    if self.size is not None and self._offset + end > self.size:
+                        truncated = self._offset + pos
                     break
                 records.append(bytes(view[pos + size : end]))
                 pos = end
@@ -394,21 +420,33 @@ class BinaryDecoder(Decoder[bytes]):
             return records
         del buffer[:pos]
         self._offset += pos
+        if truncated is not None:
+            self._truncated()
         return records
+
+    def _truncated(self) -> None:
+        """The record at the buffer's start runs past the end of the shard."""
+        offset = self._offset
+        end = self.size if self.size is not None else offset + len(self._buffer)
+        what = f"truncated record: the shard ends {end - offset} bytes into it"
+        if len(self._buffer) >= self._header.size:
+            (length,) = self._header.unpack_from(self._buffer)
+            what += f" (its header promises {self._header.size} + {length} bytes)"
+        self._dead = True
+        self._buffer.clear()
+        self._error(f"record {self._count} at byte offset {offset}", what, offset=offset)
 
     def finish(self) -> list[bytes]:
         if self._buffer and not self._dead:
-            offset = self._offset
-            left = len(self._buffer)
-            self._buffer.clear()
-            self._error(f"record {self._count} at byte offset {offset}",
-                        f"truncated record: the shard ends {left} bytes into it", offset=offset)
+            self._truncated()
         return []
 
 
 # --------------------------------------------------------------------------- npy
 
 _NPY_MAGIC = b"\x93NUMPY"
+# Rows per block for arrays whose rows hold no bytes (shape (n, 0, ...)).
+_EMPTY_ROWS_BLOCK = 1 << 12
 
 
 class NpyDecoder(Decoder[Any]):
@@ -452,6 +490,10 @@ class NpyDecoder(Decoder[Any]):
         else:
             self._fail(f"unsupported .npy format version {major}.{buffer[7]}", 6)
             return False
+        if self.size is not None and total > self.size:
+            self._fail(f"truncated .npy header: it says {total} bytes, but the shard holds "
+                       f"{self.size}", 8)
+            return False
         if len(buffer) < total:
             if total > self.max_record_bytes:
                 self._fail(f"header of {total} bytes exceeds max_record_bytes", 8)
@@ -463,12 +505,15 @@ class NpyDecoder(Decoder[Any]):
                 shape, fortran, dtype = np.lib.format.read_array_header_1_0(handle)
             else:
                 shape, fortran, dtype = np.lib.format.read_array_header_2_0(handle)
-        except ValueError as exc:
-            self._fail(f"bad .npy header: {exc}", 8)
+        except Exception as exc:  # numpy raises ValueError, SyntaxError, TokenError, ...
+            self._fail(f"bad .npy header: {type(exc).__name__}: {exc}", 8)
             return False
         if dtype.hasobject:
             raise SourceError(f"{self.name}: arrays of Python objects (pickled) cannot be "
                               "streamed; save them with a plain dtype", source=self.name)
+        if any(d < 0 for d in shape):
+            self._fail(f"bad .npy header: negative dimension in shape {shape}", 8)
+            return False
         if len(shape) == 0:
             raise SourceError(f"{self.name}: a 0-dimensional array has no rows to stream",
                               source=self.name)
@@ -484,7 +529,35 @@ class NpyDecoder(Decoder[Any]):
                               f"max_record_bytes ({self.max_record_bytes})", source=self.name)
         del buffer[:total]
         self._offset = total
-        return True
+        return self._check_size()
+
+    def _check_size(self) -> bool:
+        """Whether the header's promise fits the shard's known size (else the error is set).
+
+        A header is untrusted input: a count of rows far beyond the data must fail at once,
+        not after reading the shard to its end (or after allocating for what it promises).
+        """
+        if self.size is None or self._rows_total < 0:
+            return True
+        data = self.size - self._offset
+        promised = self._rows_total * self._row_bytes
+        if promised == data:
+            return True
+        rows = data // self._row_bytes if self._row_bytes else 0
+        promise = (f"the header promises {self._rows_total} rows of {self._row_bytes} bytes, "
+                   f"{promised} bytes after its {self._offset}, but the shard holds {data}")
+        if promised > data:
+            self._fail(f"truncated array: the shard ends after {rows} of {self._rows_total} "
+                       f"rows ({promise})", self._offset + rows * self._row_bytes)
+        else:
+            self._fail(f"unexpected bytes after the last row ({promise})",
+                       self._offset + promised)
+        return False
+
+    def set_size(self, size: int) -> None:
+        super().set_size(size)
+        if not self._dead:
+            self._check_size()
 
     def _rows(self, count: int) -> list[Any]:
         size = count * self._row_bytes
@@ -501,10 +574,13 @@ class NpyDecoder(Decoder[Any]):
         self._buffer += data
         if self._rows_total < 0 and not self._parse_header():
             return []
-        left = self._rows_total - self._rows_done
         if self._row_bytes == 0:
-            self._rows_done = self._rows_total
-            return [np.empty(self._row_shape, self._dtype) for _ in range(left)]
+            if self._buffer:
+                self._fail(f"unexpected bytes after the header of an array of empty rows "
+                           f"({self._rows_total} rows of shape {self._row_shape})",
+                           self._offset)
+            return []  # the rows go out at the end, from finish()
+        left = self._rows_total - self._rows_done
         count = min(len(self._buffer) // self._row_bytes, left)
         records = self._rows(count) if count else []
         if self._rows_done == self._rows_total and self._buffer:
@@ -512,9 +588,20 @@ class NpyDecoder(Decoder[Any]):
                        self._offset)
         return records
 
+    def _empty_rows(self) -> list[Any]:
+        """The next block of rows of an array whose rows hold no bytes: the header alone
+        decides their number, so they go out a bounded block at a time."""
+        count = min(self._rows_total - self._rows_done, _EMPTY_ROWS_BLOCK)
+        self._rows_done += count
+        return [np.empty(self._row_shape, self._dtype) for _ in range(count)]
+
     def finish(self) -> list[Any]:
+        """The end of the shard; for arrays of empty rows, call until it returns no rows."""
         if self._dead:
             return []
+        if self._rows_total >= 0 and self._row_bytes == 0 \
+                and self._rows_done < self._rows_total:
+            return self._empty_rows()
         if self._rows_total < 0:
             self._fail(f"truncated .npy header ({len(self._buffer)} bytes)", 0)
         elif self._rows_done < self._rows_total:

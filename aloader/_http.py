@@ -4,16 +4,37 @@ A body is read as a sequence of chunks. When the connection fails (refused, rese
 middle of the body, timed out) or the server answers a transient status (5xx, 408, 429), the
 request is retried after an exponential backoff, asking for the rest of the body only
 (``Range: bytes=N-``, where N counts the bytes already delivered). A server that ignores ranges
-answers 200 with the whole body: the first N bytes are then skipped. A client error such as 404
-fails at once. httpx is imported on first use, so ``import aloader`` stays light.
+answers 200 with the whole body: the first N bytes are then skipped. A body that ends before
+the length its response announced (a ``Content-Range`` shorter than asked) is resumed the same
+way. A client error such as 404 fails at once, and so does a redirect to a URL that is not
+http(s) (``data:``, ``file:``, ...). httpx is imported on first use, so ``import aloader``
+stays light.
+
+Content codings. Requests ask for ``Accept-Encoding: identity``; a server may still send a
+coded body (``Content-Encoding: gzip``, as object stores do for files uploaded that way). Such
+a body is decoded as it streams: gzip and deflate with zlib, ``br`` with the brotli (or
+brotlicffi) package and ``zstd`` with zstandard (or Python 3.14's ``compression.zstd``) when
+installed; any other coding, or one whose decoder is missing, is a :class:`FetchError` naming
+the URL and the coding, never bytes parsed as if they were plain. A Range request on a coded
+body would count bytes of the coded representation, not the decoded ones N counts, and a
+decoder cannot start in the middle of its stream: so a coded body is resumed by reading it
+again from its start (without Range) and skipping the N decoded bytes already delivered. A
+coded stream that stops before its end marker is retried like a connection cut; one that does
+not decode fails at once.
+
+Limits: a plain body with neither ``Content-Length`` nor chunked framing, cut by the server,
+cannot be told from a complete one (HTTP has no way); the record formats then report a
+truncated last record where they can.
 """
 
 from __future__ import annotations
 
+import importlib
 import random
 import re
 import ssl
-from collections.abc import AsyncGenerator, Callable, Mapping
+import zlib
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +51,8 @@ __all__ = ("HttpOptions", "http_chunks", "make_client")
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 # Statuses worth retrying: server errors, request timeout, too many requests.
 _TRANSIENT = frozenset({408, 429})
+# The most bytes a decoder hands on at once (before they are split to chunk_size).
+_MAX_PIECE = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -87,12 +110,182 @@ def make_client(options: HttpOptions, connections: int) -> httpx.AsyncClient:
 
 
 class _Transient(Exception):
-    """A retryable status."""
+    """A failed attempt worth retrying: a retryable status, or a body that ended early."""
 
-    def __init__(self, status: int, reason: str, retry_after: float | None) -> None:
-        super().__init__(f"HTTP {status} {reason}".rstrip())
-        self.status = status
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
         self.retry_after = retry_after
+
+
+# --------------------------------------------------------------------------- content codings
+
+
+class _CodingError(Exception):
+    """A coded body that does not decode (not retried: the server would send it again)."""
+
+
+class _Inflate:
+    """gzip (a member or several, as ``gzip`` writes them) or deflate, with zlib.
+
+    HTTP's deflate is zlib-wrapped, but some servers send a raw deflate stream: the first two
+    bytes tell which. Output comes in pieces of at most ``limit`` bytes, so a small coded
+    piece that inflates to gigabytes is handed on a piece at a time, never held whole.
+    """
+
+    def __init__(self, coding: str, limit: int) -> None:
+        self.coding = coding
+        self.gzip = coding != "deflate"
+        self.limit = limit
+        self._inflate: Any = zlib.decompressobj(zlib.MAX_WBITS | 16) if self.gzip else None
+        self._head = b""  # deflate: bytes kept until the wrapper can be recognised
+        self._fed = False
+
+    def decode(self, data: bytes) -> Iterator[bytes]:
+        self._fed = self._fed or bool(data)
+        if self._inflate is None:
+            data = self._head + data
+            if len(data) < 2:
+                self._head = data
+                return
+            wrapped = data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
+            self._inflate = zlib.decompressobj(zlib.MAX_WBITS if wrapped else -zlib.MAX_WBITS)
+        while True:
+            try:
+                out = self._inflate.decompress(data, self.limit)
+            except zlib.error as exc:
+                raise _CodingError(f"the {self.coding} body does not decode: {exc}") from None
+            if out:
+                yield out
+            if self._inflate.eof:
+                data = self._inflate.unused_data
+                if not data:
+                    return
+                if not self.gzip:
+                    raise _CodingError(f"{len(data)} bytes follow the end of the deflate stream")
+                self._inflate = zlib.decompressobj(zlib.MAX_WBITS | 16)  # the next member
+                continue
+            data = self._inflate.unconsumed_tail
+            # A full output piece may leave more output inside zlib, even with no input left.
+            if not data and len(out) < self.limit:
+                return
+
+    def end(self) -> None:
+        """Check that the stream is complete (an empty body counts, as httpx has it)."""
+        if self._fed and (self._inflate is None or not self._inflate.eof):
+            raise _Transient(f"the {self.coding} body ended before the end of its stream")
+
+
+class _Stepwise:
+    """A decompressor of an optional package, one call per coded piece (brotli, zstd)."""
+
+    def __init__(self, coding: str, step: Callable[[bytes], bytes],
+                 finished: Callable[[], bool] | None) -> None:
+        self.coding = coding
+        self._step = step
+        self._finished = finished
+        self._fed = False
+
+    def decode(self, data: bytes) -> Iterator[bytes]:
+        self._fed = True
+        try:
+            out = self._step(data)
+        except Exception as exc:
+            raise _CodingError(f"the {self.coding} body does not decode: "
+                               f"{type(exc).__name__}: {exc}") from None
+        if out:
+            yield out
+
+    def end(self) -> None:
+        if self._fed and self._finished is not None and not self._finished():
+            raise _Transient(f"the {self.coding} body ended before the end of its stream")
+
+
+_BodyDecoder = _Inflate | _Stepwise
+
+# Packages that decode the optional codings, tried in order: (module, the package to install).
+_OPTIONAL = {
+    "br": (("brotli", "brotli"), ("brotlicffi", "brotlicffi")),
+    "zstd": (("compression.zstd", "zstandard"), ("zstandard", "zstandard")),
+}
+
+
+def _optional_decoder(coding: str) -> _Stepwise | None:
+    """A decoder for ``br`` or ``zstd`` from whichever package is installed, else None."""
+    for module_name, _ in _OPTIONAL[coding]:
+        try:
+            module: Any = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if coding == "br":
+            obj = module.Decompressor()
+            step = getattr(obj, "process", None) or obj.decompress
+            return _Stepwise(coding, step, getattr(obj, "is_finished", None))
+        if module_name == "zstandard":
+            obj = module.ZstdDecompressor().decompressobj()
+        else:
+            obj = module.ZstdDecompressor()
+        eof = (lambda obj=obj: bool(obj.eof)) if hasattr(obj, "eof") else None
+        return _Stepwise(coding, obj.decompress, eof)
+    return None
+
+
+def _codings(value: str | None) -> list[str]:
+    """The content codings of a ``Content-Encoding`` header, in the order they were applied."""
+    if not value:
+        return []
+    names = [name.strip().lower() for name in value.split(",")]
+    return [name for name in names if name and name != "identity"]
+
+
+def _decoders(url: str, value: str | None, limit: int) -> list[_BodyDecoder]:
+    """Decoders undoing ``Content-Encoding: value``, the last applied first.
+
+    Raises:
+        FetchError: a coding that is unknown, or whose optional package is not installed.
+    """
+    decoders: list[_BodyDecoder] = []
+    for coding in reversed(_codings(value)):
+        if coding in ("gzip", "x-gzip", "deflate"):
+            decoders.append(_Inflate(coding, limit))
+            continue
+        optional = _optional_decoder(coding) if coding in _OPTIONAL else None
+        if optional is not None:
+            decoders.append(optional)
+        elif coding in _OPTIONAL:
+            packages = " or ".join(sorted({package for _, package in _OPTIONAL[coding]}))
+            raise FetchError(f"{url}: the server sent the body with Content-Encoding "
+                             f"{coding!r}, which needs the {packages} package to decode "
+                             f"(pip install {_OPTIONAL[coding][0][1]}); it is not installed",
+                             source=url)
+        else:
+            raise FetchError(f"{url}: the server sent the body with Content-Encoding "
+                             f"{coding!r}, which aloader cannot decode (gzip, deflate, br and "
+                             "zstd can be)", source=url)
+    return decoders
+
+
+async def _decoded(raw: AsyncGenerator[bytes, None],
+                   decoders: list[_BodyDecoder]) -> AsyncGenerator[bytes, None]:
+    """The pieces of ``raw`` (a body as sent), with each content coding undone in turn.
+
+    Raises:
+        _CodingError: the body does not decode.
+        _Transient: the body ended before the end of a coded stream.
+    """
+
+    def through(level: int, piece: bytes) -> Iterator[bytes]:
+        if level == len(decoders):
+            yield piece
+            return
+        for out in decoders[level].decode(piece):
+            yield from through(level + 1, out)
+
+    async with _Closing(raw) as pieces:
+        async for piece in pieces:
+            for out in through(0, piece):
+                yield out
+    for decoder in decoders:
+        decoder.end()
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -113,28 +306,41 @@ async def http_chunks(
     url: str,
     options: HttpOptions,
     stats: SourceStats,
+    on_size: Callable[[int], None] | None = None,
 ) -> AsyncGenerator[bytes, None]:
-    """The body of ``url``, chunk by chunk, retried and resumed as the module describes.
+    """The body of ``url``, chunk by chunk (decoded), retried and resumed as the module
+    describes.
 
     Args:
         client: the epoch's client.
         url: the URL.
         options: timeouts, retries and backoff.
         stats: counts the retries.
+        on_size: called with the body's length when a response tells it (a plain body's
+            ``Content-Length`` or ``Content-Range``), before the chunks it announces.
 
     Raises:
-        FetchError: an error status that is not transient (at once), a response that does not
+        FetchError: an error status that is not transient (at once), a redirect to a URL that
+            is not http(s), a content coding that cannot be decoded, a response that does not
             fit the resumption (wrong range, changed ETag), or retries exhausted.
     """
     import httpx
 
-    offset = 0  # bytes delivered so far
-    failures = 0  # failed attempts since the last byte received
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise FetchError(f"{url}: not a valid URL: {exc}", source=url) from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise FetchError(f"{url}: not a valid http(s) URL", source=url)
+
+    offset = 0  # decoded bytes delivered so far
+    failures = 0  # failed attempts since the last new byte delivered
     etag: str | None = None
-    total: int | None = None
+    total: int | None = None  # the plain body's length, once a response told it
+    coded = False  # the server sends the body with a content coding: resume from its start
     while True:
         headers = {"Accept-Encoding": "identity"}
-        if offset:
+        if offset and not coded:
             headers["Range"] = f"bytes={offset}-"
         retry_after: float | None = None
         status: int | None = None
@@ -145,7 +351,7 @@ async def http_chunks(
                 if status == 416 and total is not None and offset >= total:
                     return
                 if status >= 500 or status in _TRANSIENT:
-                    raise _Transient(status, reason,
+                    raise _Transient(f"HTTP {status} {reason}".rstrip(),
                                      _retry_after(response.headers.get("Retry-After")))
                 if status not in (200, 206):
                     raise FetchError(
@@ -160,8 +366,27 @@ async def http_chunks(
                         source=url, offset=offset, status_code=status,
                     )
                 etag = etag or tag
+                try:
+                    decoders = _decoders(url, response.headers.get("Content-Encoding"),
+                                         min(options.chunk_size, _MAX_PIECE))
+                except FetchError as exc:
+                    exc.offset, exc.status_code = offset, status
+                    raise
                 skip = 0
-                if status == 206:
+                if decoders:
+                    if status == 206:
+                        if "Range" not in headers:
+                            raise FetchError(f"{url}: HTTP 206 to a request for the whole "
+                                             "body", source=url, offset=offset,
+                                             status_code=status)
+                        # A range of the coded bytes, which offset does not count: read the
+                        # body again from its start (not a failure, and only once: the next
+                        # request asks for no range).
+                        coded = True
+                        continue
+                    coded = True
+                    skip = offset
+                elif status == 206:
                     match = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
                     if match is None or int(match.group(1)) != offset:
                         raise FetchError(
@@ -176,10 +401,13 @@ async def http_chunks(
                     length = response.headers.get("Content-Length")
                     if length is not None and length.isdigit():
                         total = int(length)
+                if total is not None and not decoders and on_size is not None:
+                    on_size(total)
                 size = options.chunk_size
                 # Network reads as they come (no rechunking buffer that a failure would lose),
                 # split to at most chunk_size bytes.
-                async with _Closing(response.aiter_raw()) as pieces:  # type: ignore[arg-type]
+                body = _decoded(response.aiter_raw(), decoders)  # type: ignore[arg-type]
+                async with _Closing(body) as pieces:
                     async for piece in pieces:
                         if skip:
                             if len(piece) <= skip:
@@ -197,15 +425,23 @@ async def http_chunks(
                         f"{url}: the body is now shorter than the {offset} bytes already read",
                         source=url, offset=offset, status_code=status,
                     )
+                if total is not None and not decoders and offset < total:
+                    # A range shorter than asked, or a length the body did not keep to.
+                    raise _Transient(f"the body ended at byte {offset} of {total}")
             return
         except _Transient as exc:
             error: str = str(exc)
             retry_after = exc.retry_after
+        except _CodingError as exc:
+            raise FetchError(f"{url}: {exc}{_where(offset)} (decoded bytes)",
+                             source=url, offset=offset, status_code=status) from None
         except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as exc:
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        except httpx.HTTPError as exc:
-            raise FetchError(f"{url}: {type(exc).__name__}: {exc}{_where(offset)}",
-                             source=url, offset=offset) from exc
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            # The URL itself was checked above: an unsupported or invalid one comes from a
+            # redirect (to data:, file:, ...), which httpx follows without asking.
+            raise FetchError(f"{url}: {type(exc).__name__}: {exc}{_redirected(exc, url)}"
+                             f"{_where(offset)}", source=url, offset=offset) from exc
         failures += 1
         if failures > options.retries:
             raise FetchError(
@@ -214,8 +450,22 @@ async def http_chunks(
                 source=url, offset=offset, status_code=status,
             )
         stats.retries += 1
-        delay = min(options.max_backoff, options.backoff * 2 ** (failures - 1))
+        # The exponent is capped: a float overflows past 2 ** 1023.
+        delay = min(options.max_backoff, options.backoff * 2 ** min(failures - 1, 64))
         if retry_after is not None:
             delay = max(delay, min(retry_after, options.max_backoff))
         # Jitter spreads the retries of many workers hitting the same server.
         await anyio.sleep(delay * (0.5 + 0.5 * random.random()))
+
+
+def _redirected(exc: Exception, url: str) -> str:
+    """`` (redirected to ...)`` when ``exc`` concerns another URL than ``url``."""
+    import httpx
+
+    if isinstance(exc, httpx.InvalidURL):
+        return " (the server redirected to a URL that is not a valid http(s) URL)"
+    try:
+        target = str(exc.request.url)  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):  # httpx raises RuntimeError when it has no request
+        return ""
+    return f" (the server redirected to {target})" if target != url else ""

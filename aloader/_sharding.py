@@ -97,6 +97,9 @@ def expand_shards(shards: ShardsLike) -> list[str]:
         if not isinstance(spec, (str, os.PathLike)):
             raise TypeError(f"a shard should be a path or a URL, but got {spec!r}")
         out.extend(_expand_one(os.fspath(spec)))
+    if not out:
+        # An epoch of nothing would look like a finished one: refuse it where it is made.
+        raise ValueError("no shards given: shards should name at least one file or URL")
     return out
 
 

@@ -195,6 +195,10 @@ class ShardedSource(Stream[T_co]):
         client_factory: called at each epoch to make the ``httpx.AsyncClient`` (closed at the
             end of the epoch), for custom transports, proxies or authentication.
 
+    HTTP bodies sent with a ``Content-Encoding`` (gzip, deflate; br and zstd when their
+    package is installed) are decoded; any other coding is a :class:`FetchError` (see
+    :mod:`aloader._http`).
+
     Attributes:
         shards: the expanded list of shards.
         rank: this process's rank.
@@ -313,9 +317,9 @@ class ShardedSource(Stream[T_co]):
         stats = self.stats
         decoder = self._decoder(name, BadRecords(self.skip_errors, stats))
         if client is not None and is_url(name):
-            chunks = http_chunks(client, name, self.http, stats)
+            chunks = http_chunks(client, name, self.http, stats, decoder.set_size)
         else:
-            chunks = file_chunks(name, self.chunk_size)
+            chunks = file_chunks(name, self.chunk_size, decoder.set_size)
         async with _Closing(chunks) as pieces:
             async for chunk in pieces:
                 stats.bytes += len(chunk)
@@ -325,8 +329,7 @@ class ShardedSource(Stream[T_co]):
                     yield records
                 if decoder.pending is not None:
                     raise decoder.pending
-        records = decoder.finish()
-        if records:
+        while records := decoder.finish():
             stats.records += len(records)
             yield records
         if decoder.pending is not None:
@@ -417,7 +420,9 @@ class NpyRows(ShardedSource[Any]):
 
     Each row is a writable numpy array of shape ``array.shape[1:]`` (a numpy scalar for 1-D
     arrays). Arrays of Python objects and Fortran-ordered arrays cannot be streamed by rows
-    (:class:`SourceError`); a truncated file is a malformed record.
+    (:class:`SourceError`); a truncated file, or a header whose shape does not match the
+    shard's size (a file's, or a response's ``Content-Length``), is a malformed record,
+    reported before any row is read.
 
     Args:
         shards: ``.npy`` paths, directories, glob patterns or URLs.

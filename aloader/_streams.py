@@ -459,7 +459,10 @@ class Stream(IterableDataset[T_co]):
         one at a time on the event loop (a plain function should be quick). With
         ``concurrency=n > 1``, up to ``n`` calls run at once: async functions on the event
         loop, plain functions in worker threads (for blocking I/O or code that releases the
-        GIL). The stage then holds at most ``2 * n`` items (running or finished and waiting).
+        GIL). The stage then holds at most ``2 * n`` items (running or finished and waiting),
+        and starts its helper tasks as items arrive, so a huge ``n`` costs nothing more than
+        the calls actually in flight. A failing call raises its error once the results before
+        it are delivered, whatever the concurrency.
 
         Args:
             fn: the function.
@@ -530,7 +533,12 @@ class _Shuffled(Stream[T_co]):
 
 
 class _Pool(Generic[T, U]):
-    """``map`` with concurrency: workers pull items, results go back in order (or not)."""
+    """``map`` with concurrency: workers pull items, results go back in order (or not).
+
+    Workers start as work arrives, not all at once: one runs from the start, and a worker
+    that has pulled an item starts another when no worker is left free to pull the next, so
+    at most ``min(concurrency, calls in flight + 1)`` exist whatever ``concurrency`` says.
+    """
 
     def __init__(
         self,
@@ -555,8 +563,11 @@ class _Pool(Generic[T, U]):
         self.done_fifo: deque[tuple[bool, Any]] = deque()
         self.changed = anyio.Event()
         self.scope = anyio.CancelScope()
-        self.running = 0
+        self.group: anyio.abc.TaskGroup | None = None
+        self.workers = 0  # started and not returned
+        self.running = 0  # of them, inside a call
         self.max_running = 0
+        self.max_workers = 0
 
     def notify(self) -> None:
         self.changed.set()
@@ -606,6 +617,8 @@ class _Pool(Generic[T, U]):
             seq, item = got
             self.running += 1
             self.max_running = max(self.max_running, self.running)
+            if self.running == self.workers and self.workers < self.concurrency:
+                self.spawn()  # nobody is left to pull the next item
             try:
                 value = await self.call(item)
             except Exception as exc:
@@ -615,12 +628,24 @@ class _Pool(Generic[T, U]):
             finally:
                 self.running -= 1
 
+    def spawn(self) -> None:
+        assert self.group is not None
+        self.workers += 1
+        self.max_workers = max(self.max_workers, self.workers)
+        self.group.start_soon(self._worker_task)
+
+    async def _worker_task(self) -> None:
+        try:
+            await self.worker()
+        finally:
+            self.workers -= 1
+
     async def run(self) -> None:
         try:
             with self.scope:
                 async with anyio.create_task_group() as group:
-                    for _ in range(self.concurrency):
-                        group.start_soon(self.worker)
+                    self.group = group
+                    self.spawn()
         finally:
             with anyio.CancelScope(shield=True):
                 await self.upstream.aclose()
@@ -664,11 +689,25 @@ class _Mapped(Stream[U]):
         if self.concurrency == 1:
             async with _Closing(upstream) as blocks:
                 async for block in blocks:
-                    if self.is_async:
-                        self.max_running = 1
-                        yield [await fn(item) for item in block]
-                    else:
-                        yield [fn(item) for item in block]
+                    # The results before a failing item are delivered before its error, as
+                    # with concurrency: a block is not all or nothing.
+                    done: list[U] = []
+                    append = done.append
+                    error: Exception | None = None
+                    try:
+                        if self.is_async:
+                            self.max_running = 1
+                            for item in block:
+                                append(await fn(item))
+                        else:
+                            for item in block:
+                                append(fn(item))
+                    except Exception as exc:
+                        error = exc
+                    if done:
+                        yield done
+                    if error is not None:
+                        raise error
             return
 
         call: Callable[[Any], Awaitable[U]]

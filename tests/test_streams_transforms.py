@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
@@ -147,6 +148,58 @@ async def test_map_error_keeps_order(anyio_backend: str) -> None:
         async for x in as_stream(range(20)).map(fail_at_7, concurrency=5):
             seen.append(x)
     assert seen == list(range(7))
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+@pytest.mark.parametrize("is_async", [False, True])
+async def test_map_delivers_every_item_before_a_failing_one(
+        anyio_backend: str, concurrency: int, is_async: bool) -> None:
+    def check(x: int) -> int:
+        if x == 7:
+            raise KeyError("seven")
+        return x * 10
+
+    async def check_async(x: int) -> int:
+        await anyio.lowlevel.checkpoint()
+        return check(x)
+
+    fn: Any = check_async if is_async else check
+    for stream in (as_stream(range(20)), Counted(20, block=20)):
+        seen = []
+        with pytest.raises(KeyError, match="seven"):
+            async for x in stream.map(fn, concurrency=concurrency):
+                seen.append(x)
+        # The items before the failing one in its block are not lost with it.
+        assert seen == [x * 10 for x in range(7)]
+
+
+def tasks_alive(backend: str) -> int:
+    if backend == "trio":
+        import trio
+
+        return int(trio.lowlevel.current_statistics().tasks_living)
+    import asyncio
+
+    return len(asyncio.all_tasks())
+
+
+async def test_map_huge_concurrency_starts_tasks_as_work_arrives(anyio_backend: str) -> None:
+    before = tasks_alive(anyio_backend)
+    peak = 0
+
+    async def work(x: int) -> int:
+        nonlocal peak
+        peak = max(peak, tasks_alive(anyio_backend))
+        await anyio.sleep(0.001)
+        return -x
+
+    # A task per unit of concurrency would be a million of them before the first item.
+    mapped = as_stream(range(10)).map(work, concurrency=10**6)
+    assert await collect(mapped) == [-x for x in range(10)]
+    assert peak - before <= 30
+
+    threads = as_stream(range(10)).map(lambda x: -x, concurrency=10**6, ordered=False)
+    assert sorted(await collect(threads)) == [-x for x in range(9, -1, -1)]
 
 
 async def test_filter(anyio_backend: str) -> None:

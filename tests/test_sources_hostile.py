@@ -1,0 +1,493 @@
+"""Hostile inputs to the sources: coded or truncated HTTP bodies, redirects out of http(s),
+headers promising more than the shard holds, huge lines. Each must be decoded, resumed or
+refused with an error naming the shard: never a hang, unbounded memory, or records silently
+lost."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import struct
+import sys
+import threading
+import types
+import zlib
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aloader import BinaryRecords, FetchError, JsonLines, NpyRows, RecordError, TextLines
+
+pytestmark = pytest.mark.anyio
+
+FAST = {"backoff": 0.01, "max_backoff": 0.02, "timeout": 10.0}
+
+Route = Callable[["_Handler", int], None]
+
+
+# --------------------------------------------------------------------------- a scripted server
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        app = self.server.app
+        path = self.path.lstrip("/")
+        with app.lock:
+            count = app.counts.get(path, 0)
+            app.counts[path] = count + 1
+            app.requests.append((path, self.headers.get("Range")))
+        route = app.routes.get(path)
+        if route is None:
+            reply(self, 404)
+        else:
+            route(self, count)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+    app: Scripted
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # clients hang up on purpose in these tests
+
+
+class Scripted:
+    """A server on 127.0.0.1 whose answer to ``GET /path`` is a function of the request's
+    number for that path."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, Route] = {}
+        self.counts: dict[str, int] = {}
+        self.requests: list[tuple[str, str | None]] = []
+        self.lock = threading.Lock()
+        self._server = _Server(("127.0.0.1", 0), _Handler)
+        self._server.app = self
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        kwargs={"poll_interval": 0.02}, daemon=True)
+        self._thread.start()
+
+    def route(self, path: str, fn: Route) -> str:
+        self.routes[path] = fn
+        return f"http://127.0.0.1:{self._server.server_address[1]}/{path}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._thread.join()
+        self._server.server_close()
+
+
+def reply(handler: _Handler, status: int, body: bytes = b"", *,
+          headers: dict[str, str] | None = None, length: int | None = -1,
+          send: int | None = None) -> None:
+    """Answer with ``body``; ``length``: the Content-Length sent (-1: the body's, None: none,
+    the body then ends when the connection closes); ``send``: bytes sent before hanging up."""
+    handler.send_response(status)
+    for key, value in (headers or {}).items():
+        handler.send_header(key, value)
+    if length is not None:
+        handler.send_header("Content-Length", str(len(body) if length == -1 else length))
+    else:
+        handler.send_header("Connection", "close")
+    handler.end_headers()
+    handler.wfile.write(body if send is None else body[:send])
+    handler.wfile.flush()
+    if send is not None or length is None:
+        handler.close_connection = True
+
+
+@pytest.fixture
+def server() -> Iterator[Scripted]:
+    scripted = Scripted()
+    yield scripted
+    scripted.close()
+
+
+def jsonl(count: int) -> bytes:
+    return b"".join(json.dumps({"i": i, "pad": "x" * 20}).encode() + b"\n"
+                    for i in range(count))
+
+
+async def collect(source: Any) -> list[Any]:
+    return [item async for item in source]
+
+
+def ids(records: list[Any]) -> list[int]:
+    return [record["i"] for record in records]
+
+
+# --------------------------------------------------------------------------- content codings
+
+
+def raw_deflate(data: bytes) -> bytes:
+    compressor = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    return compressor.compress(data) + compressor.flush()
+
+
+CODED = {
+    "gzip": gzip.compress,
+    "x-gzip": gzip.compress,
+    "deflate": zlib.compress,
+    "raw-deflate": raw_deflate,
+    "gzip-members": lambda data: gzip.compress(data[:1000]) + gzip.compress(data[1000:]),
+    "gzip-twice": lambda data: gzip.compress(gzip.compress(data)),
+}
+HEADER = {"raw-deflate": "deflate", "gzip-members": "gzip", "gzip-twice": "gzip, gzip"}
+
+
+@pytest.mark.parametrize("coding", sorted(CODED))
+async def test_coded_bodies_decoded(server: Scripted, anyio_backend: str, coding: str) -> None:
+    body = jsonl(2000)
+    coded = CODED[coding](body)
+    url = server.route("c.jsonl", lambda h, n: reply(
+        h, 200, coded, headers={"Content-Encoding": HEADER.get(coding, coding)}))
+    # skip_errors=True: raw coded bytes used to be parsed as lines and skipped, silently.
+    source = JsonLines(url, skip_errors=True, chunk_size=1000, **FAST)
+    assert ids(await collect(source)) == list(range(2000))
+    assert source.stats.skipped == 0 and source.stats.bytes == len(body)
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+async def test_empty_coded_body(server: Scripted, anyio_backend: str, coding: str) -> None:
+    url = server.route("e.txt", lambda h, n: reply(h, 200, b"",
+                                                   headers={"Content-Encoding": coding}))
+    assert await collect(TextLines(url, **FAST)) == []
+
+
+async def test_gzip_bomb_piece_handed_on_in_chunks(server: Scripted, anyio_backend: str) -> None:
+    body = b"\n".join([b"x" * 999] * 4000) + b"\n"  # 4 MB that gzip shrinks ~1000 times
+    coded = gzip.compress(body)
+    url = server.route("z.txt", lambda h, n: reply(h, 200, coded,
+                                                   headers={"Content-Encoding": "gzip"}))
+    source = TextLines(url, chunk_size=1 << 14, **FAST)
+    iterator = source.__aiter__()
+    assert await iterator.__anext__() == "x" * 999
+    # One small coded read inflates to megabytes: only a few chunks of it are decoded ahead.
+    assert source.stats.bytes <= 64 * (1 << 14)
+    await iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def test_coded_body_cut_is_read_again_from_its_start(server: Scripted,
+                                                           anyio_backend: str) -> None:
+    body = jsonl(2000)
+    coded = gzip.compress(body)
+
+    def route(handler: _Handler, n: int) -> None:
+        # The first answer stops halfway; a Range, if asked, would count coded bytes.
+        reply(handler, 200, coded, headers={"Content-Encoding": "gzip"},
+              send=len(coded) // 2 if n == 0 else None)
+
+    url = server.route("cut.jsonl", route)
+    source = JsonLines(url, chunk_size=1000, **FAST)
+    assert ids(await collect(source)) == list(range(2000))
+    assert server.requests == [("cut.jsonl", None), ("cut.jsonl", None)]
+    assert source.stats.retries == 1 and source.stats.bytes == len(body)
+
+
+async def test_plain_then_coded_resumption(server: Scripted, anyio_backend: str) -> None:
+    body = jsonl(1000)
+    coded = gzip.compress(body)
+
+    def route(handler: _Handler, n: int) -> None:
+        if n == 0:  # plain, cut
+            reply(handler, 200, body, send=len(body) // 3)
+        elif n == 1:  # a coded range: of no use for the plain offset
+            reply(handler, 206, coded[100:], headers={
+                "Content-Encoding": "gzip",
+                "Content-Range": f"bytes 100-{len(coded) - 1}/{len(coded)}"})
+        else:
+            reply(handler, 200, coded, headers={"Content-Encoding": "gzip"})
+
+    url = server.route("mix.jsonl", route)
+    source = JsonLines(url, chunk_size=500, **FAST)
+    assert ids(await collect(source)) == list(range(1000))
+    assert server.requests[1][1] == f"bytes={len(body) // 3}-"
+    assert server.requests[2][1] is None
+
+
+async def test_coded_stream_that_never_ends_fails(server: Scripted, anyio_backend: str) -> None:
+    coded = gzip.compress(jsonl(500))[:-30]  # complete over HTTP, incomplete as gzip
+    url = server.route("t.jsonl", lambda h, n: reply(h, 200, coded,
+                                                     headers={"Content-Encoding": "gzip"}))
+    with pytest.raises(FetchError, match=r"t\.jsonl: giving up after 3 failed attempts.*"
+                                         r"gzip body ended before the end of its stream"):
+        await collect(JsonLines(url, retries=2, **FAST))
+    assert len(server.requests) == 3
+
+
+async def test_corrupt_coded_body_fails_at_once(server: Scripted, anyio_backend: str) -> None:
+    coded = bytearray(gzip.compress(jsonl(500)))
+    coded[30:40] = b"\xff" * 10
+    url = server.route("bad.jsonl", lambda h, n: reply(h, 200, bytes(coded),
+                                                       headers={"Content-Encoding": "gzip"}))
+    with pytest.raises(FetchError, match=r"bad\.jsonl: the gzip body does not decode") as info:
+        await collect(JsonLines(url, skip_errors=True, **FAST))
+    assert info.value.source == url
+    assert len(server.requests) == 1
+
+
+@pytest.mark.parametrize("coding", ["br", "zstd", "compress", "gzip, aes128gcm"])
+async def test_undecodable_coding_refused(server: Scripted, anyio_backend: str,
+                                          coding: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in ("brotli", "brotlicffi", "zstandard", "compression.zstd"):
+        monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    url = server.route("u.jsonl", lambda h, n: reply(h, 200, b"\x00\x01garbage\n" * 100,
+                                                     headers={"Content-Encoding": coding}))
+    source = JsonLines(url, skip_errors=True, **FAST)
+    name = coding.split(", ")[-1]
+    with pytest.raises(FetchError, match=rf"u\.jsonl: the server sent the body with "
+                                         rf"Content-Encoding '{name}'") as info:
+        await collect(source)
+    assert info.value.source == url and info.value.status_code == 200
+    if coding == "br":
+        assert "pip install brotli" in str(info.value)
+    assert source.stats.records == 0 and source.stats.skipped == 0
+    assert len(server.requests) == 1
+
+
+async def test_br_decoded_when_a_decoder_is_installed(server: Scripted, anyio_backend: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    class Decompressor:  # brotli's interface, with deflate standing in for the codec
+        def __init__(self) -> None:
+            self._inflate = zlib.decompressobj()
+
+        def process(self, data: bytes) -> bytes:
+            return self._inflate.decompress(data)
+
+        def is_finished(self) -> bool:
+            return bool(self._inflate.eof)
+
+    monkeypatch.setitem(sys.modules, "brotli",
+                        types.SimpleNamespace(Decompressor=Decompressor))
+    body = jsonl(300)
+    url = server.route("b.jsonl", lambda h, n: reply(h, 200, zlib.compress(body),
+                                                     headers={"Content-Encoding": "br"}))
+    assert ids(await collect(JsonLines(url, **FAST))) == list(range(300))
+
+
+# --------------------------------------------------------------------------- redirects
+
+
+@pytest.mark.parametrize("target", ["data:text/plain,hello", "data:,{}",
+                                    "file:///etc/passwd", "ftp://127.0.0.1/x.jsonl"])
+async def test_redirect_out_of_http_is_a_located_fetch_error(
+        server: Scripted, anyio_backend: str, target: str) -> None:
+    url = server.route("r.jsonl", lambda h, n: reply(h, 302, headers={"Location": target}))
+    with pytest.raises(FetchError) as info:
+        await collect(JsonLines(url, **FAST))
+    assert info.value.source == url
+    assert str(info.value).startswith(f"{url}: ") and "redirected" in str(info.value)
+    assert len(server.requests) == 1  # not retried
+
+
+async def test_url_that_is_not_http(anyio_backend: str) -> None:
+    with pytest.raises(FetchError, match="not a valid http"):
+        await collect(JsonLines("http:///no-host", **FAST))
+
+
+# --------------------------------------------------------------------------- truncated bodies
+
+
+async def test_body_shorter_than_its_length_resumed(server: Scripted,
+                                                    anyio_backend: str) -> None:
+    body = jsonl(1000)
+
+    def route(handler: _Handler, n: int) -> None:
+        if n == 0:  # Content-Length of the whole body, then the connection closes
+            reply(handler, 200, body, send=777)
+        else:
+            start = int(handler.headers["Range"][6:-1])
+            reply(handler, 206, body[start:], headers={
+                "Content-Range": f"bytes {start}-{len(body) - 1}/{len(body)}"})
+
+    url = server.route("s.jsonl", route)
+    assert ids(await collect(JsonLines(url, **FAST))) == list(range(1000))
+    assert server.requests[1] == ("s.jsonl", "bytes=777-")
+
+
+async def test_body_always_cut_fails(server: Scripted, anyio_backend: str) -> None:
+    body = jsonl(100)
+    url = server.route("a.jsonl", lambda h, n: reply(h, 200, body, send=50, length=len(body)))
+    with pytest.raises(FetchError, match="giving up after 3 failed attempts"):
+        await collect(JsonLines(url, retries=2, **FAST))
+
+
+async def test_short_ranges_are_resumed(server: Scripted, anyio_backend: str) -> None:
+    body = jsonl(400)
+    piece = 1500
+
+    def route(handler: _Handler, n: int) -> None:
+        if n == 0:
+            reply(handler, 200, body, send=piece)
+            return
+        # A server (or a proxy) that answers an open range with a part of it only.
+        start = int(handler.headers["Range"][6:-1])
+        end = min(start + piece, len(body))
+        reply(handler, 206, body[start:end],
+              headers={"Content-Range": f"bytes {start}-{end - 1}/{len(body)}"})
+
+    url = server.route("p.jsonl", route)
+    source = JsonLines(url, retries=1, **FAST)
+    assert ids(await collect(source)) == list(range(400))  # not only the first ranges
+    assert source.stats.bytes == len(body)
+
+
+async def test_npy_header_checked_against_content_length(server: Scripted,
+                                                         anyio_backend: str) -> None:
+    data = npy_with_rows(10**12, np.zeros((1000, 3)))
+    url = server.route("h.npy", lambda h, n: reply(h, 200, data))
+    source = NpyRows(url, chunk_size=1024, **FAST)
+    with pytest.raises(RecordError, match=r"h\.npy: .*truncated array: the shard ends after "
+                                          r"1000 of 1000000000000 rows") as info:
+        await collect(source)
+    assert info.value.source == url
+    assert source.stats.records == 0
+
+
+# --------------------------------------------------------------------------- npy headers
+
+
+def npy_with_rows(rows: int, array: np.ndarray[Any, Any]) -> bytes:
+    """``.npy`` bytes of ``array`` whose header claims ``rows`` rows."""
+    buffer = io.BytesIO()
+    header = np.lib.format.header_data_from_array_1_0(array)
+    header["shape"] = (rows, *array.shape[1:])
+    np.lib.format.write_array_header_1_0(buffer, header)
+    return buffer.getvalue() + array.tobytes()
+
+
+async def test_npy_promising_huge_rows_fails_at_once(tmp_path: Path, anyio_backend: str) -> None:
+    path = tmp_path / "huge.npy"
+    path.write_bytes(npy_with_rows(10**12, np.zeros((20_000, 4))))
+    source = NpyRows(path, chunk_size=4096)
+    with pytest.raises(RecordError, match=r"huge\.npy: byte offset \d+: truncated array: the "
+                                          r"shard ends after 20000 of 1000000000000 rows "
+                                          r"\(the header promises") as info:
+        await collect(source)
+    assert info.value.source == str(path)
+    # At once: from the first chunk, not after reading the shard to its end.
+    assert source.stats.records == 0 and source.stats.bytes <= 4096
+
+    skipping = NpyRows(path, skip_errors=True)
+    assert await collect(skipping) == [] and skipping.stats.skipped == 1
+
+
+async def test_npy_extra_data_fails_at_once(tmp_path: Path, anyio_backend: str) -> None:
+    path = tmp_path / "extra.npy"
+    path.write_bytes(npy_with_rows(5, np.zeros((50, 2))))
+    source = NpyRows(path, chunk_size=256)
+    with pytest.raises(RecordError, match="unexpected bytes after the last row"):
+        await collect(source)
+    assert source.stats.records == 0
+
+
+async def test_npy_empty_rows_in_bounded_blocks(tmp_path: Path, anyio_backend: str) -> None:
+    path = tmp_path / "empty.npy"
+    path.write_bytes(npy_with_rows(10**12, np.zeros((0, 0))))
+    source = NpyRows(path)
+    iterator = source.__aiter__()
+    row = await iterator.__anext__()
+    assert row.shape == (0,)
+    # Not 10**12 rows built at once: the header alone decides how many there are.
+    assert source.stats.records <= 10**5
+    await iterator.aclose()  # type: ignore[attr-defined]
+
+    path.write_bytes(npy_with_rows(5, np.zeros((0, 0))))
+    assert len(await collect(NpyRows(path))) == 5
+
+
+@pytest.mark.parametrize("shape", [(-5,), (3, -1)])
+async def test_npy_negative_dimension(tmp_path: Path, anyio_backend: str,
+                                      shape: tuple[int, ...]) -> None:
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buffer, {"descr": "<f8", "fortran_order": False, "shape": shape})
+    path = tmp_path / "neg.npy"
+    path.write_bytes(buffer.getvalue() + bytes(64))
+    with pytest.raises(RecordError, match=r"neg\.npy: byte offset 8: bad \.npy header: "
+                                          r"negative dimension"):
+        await collect(NpyRows(path))
+
+
+async def test_npy_header_longer_than_the_shard(tmp_path: Path, anyio_backend: str) -> None:
+    path = tmp_path / "long.npy"
+    path.write_bytes(b"\x93NUMPY\x02\x00" + struct.pack("<I", 1 << 30) + b"{" * 100)
+    source = NpyRows(path, chunk_size=16)
+    with pytest.raises(RecordError, match=r"truncated \.npy header: it says"):
+        await collect(source)
+    assert source.stats.bytes <= 16
+
+
+async def test_npy_malformed_header(tmp_path: Path, anyio_backend: str) -> None:
+    for text in (b"{'descr': '<f8', 'shape': (3,)}", b"not a dict at all", b"{" * 50):
+        header = text.ljust(118) + b"\n"
+        path = tmp_path / "m.npy"
+        path.write_bytes(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header)
+        with pytest.raises(RecordError, match=r"m\.npy: byte offset 8: bad \.npy header"):
+            await collect(NpyRows(path))
+
+
+# --------------------------------------------------------------------------- binary, lines
+
+
+async def test_binary_length_beyond_the_shard_fails_at_once(tmp_path: Path,
+                                                            anyio_backend: str) -> None:
+    path = tmp_path / "b.bin"
+    path.write_bytes(struct.pack("<I", 3) + b"abc" + struct.pack("<I", 50 << 20)
+                     + b"x" * (1 << 20))
+    source = BinaryRecords(path, chunk_size=4096)
+    with pytest.raises(RecordError, match=r"b\.bin: record 1 at byte offset 7: truncated "
+                                          r"record: the shard ends 1048580 bytes into it "
+                                          r"\(its header promises 4 \+ 52428800 bytes\)"):
+        await collect(source)
+    assert source.stats.records == 1 and source.stats.bytes <= 4096
+
+
+@pytest.mark.parametrize("source_type", [TextLines, JsonLines])
+async def test_one_huge_line(tmp_path: Path, anyio_backend: str, source_type: Any) -> None:
+    path = tmp_path / "huge.jsonl"
+    big = "y" * (16 << 20)
+    path.write_bytes(b'"a"\n' + json.dumps(big).encode() + b'\n"z"')
+    records = await collect(source_type(path, max_record_bytes=1 << 26))
+    if source_type is TextLines:
+        assert records == ['"a"', json.dumps(big), '"z"']
+    else:
+        assert records == ["a", big, "z"]
+
+
+async def test_chunk_size_beyond_the_file(tmp_path: Path, anyio_backend: str) -> None:
+    path = tmp_path / "small.txt"
+    path.write_bytes(b"one\ntwo\n")
+    # A read of chunk_size bytes would allocate a terabyte before reading eight.
+    assert await collect(TextLines(path, chunk_size=1 << 40)) == ["one", "two"]
+
+
+@pytest.mark.parametrize("source_type", [TextLines, JsonLines, BinaryRecords, NpyRows])
+def test_no_shards_is_an_error(source_type: Any) -> None:
+    for empty in ([], ()):
+        with pytest.raises(ValueError, match="no shards given"):
+            source_type(empty)
+
+
+async def test_redirect_followed_and_resumed(server: Scripted, anyio_backend: str) -> None:
+    body = jsonl(500)
+    target = server.route("real.jsonl", lambda h, n: (
+        reply(h, 200, body, send=900) if n == 0 else
+        reply(h, 206, body[900:], headers={
+            "Content-Range": f"bytes 900-{len(body) - 1}/{len(body)}"})))
+    url = server.route("moved.jsonl", lambda h, n: reply(h, 302, headers={"Location": target}))
+    assert ids(await collect(JsonLines(url, **FAST))) == list(range(500))
+    assert server.requests == [("moved.jsonl", None), ("real.jsonl", None),
+                               ("moved.jsonl", "bytes=900-"), ("real.jsonl", "bytes=900-")]
