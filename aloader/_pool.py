@@ -475,6 +475,8 @@ class PoolEpoch:
             and workers[worker_id].outstanding < self._limit
         ) and worker_id not in self._exhausted:
             await self._wait()
+        status: int
+        value: Any
         if worker_id in self._exhausted:  # its replica has ended: no need to ask
             status, value = END, None
         else:
