@@ -46,7 +46,9 @@ class SourceStats:
 
     With loader workers, each worker counts in its copy of the source and sends what it
     counted with each batch; the loader adds it to the source it holds, so the loader's
-    process sees the totals of all workers (see :func:`aloader._sources.source_stats`).
+    process sees the totals of all workers: the sources of the stream the loader was given
+    and of the streams it reads from (see :func:`aloader._sources.source_stats`), not those a
+    dataset of your own holds.
 
     Attributes:
         shards: shards read to their end.

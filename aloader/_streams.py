@@ -372,8 +372,10 @@ class Stream(IterableDataset[T_co]):
 
     With loader worker processes, the loader's copy of the stream claims each epoch's number
     as an iteration would (``set_epoch``'s value, else its counter, which advances), and the
-    workers' copies iterate that epoch, persistent or not: so the epochs' orders are those of
-    ``num_workers=0`` except for the split of shards across workers. Another stream iterated
+    workers' copies iterate that epoch, persistent or not. So every epoch has a new order, the
+    same sequence of orders per seed: with one worker exactly that of ``num_workers=0``; with
+    more, each epoch's shard order is that of ``num_workers=0``, split across the workers, and
+    each worker's shuffles are seeded by (seed, epoch, worker). Another stream iterated
     inside a worker (held by a dataset of your own) uses its own ``set_epoch`` value if it has
     one, else the loader's epoch (:attr:`aloader.WorkerInfo.epoch`).
 
