@@ -42,7 +42,13 @@ _KEEP_ERRORS = 100
 
 @dataclass
 class SourceStats:
-    """Counters of a source, cumulative over its epochs (in this process).
+    """Counters of a source, cumulative over its epochs.
+
+    With loader workers, each worker counts in its copy of the source and sends what it
+    counted with each batch; the loader adds it to the source it holds, so the loader's
+    process sees the totals of all workers: the sources of the stream the loader was given
+    and of the streams it reads from (see :func:`aloader._sources.source_stats`), not those a
+    dataset of your own holds.
 
     Attributes:
         shards: shards read to their end.
@@ -61,6 +67,35 @@ class SourceStats:
     skipped_errors: deque[RecordError] = field(
         default_factory=lambda: deque(maxlen=_KEEP_ERRORS)
     )
+
+    def counts(self) -> tuple[int, int, int, int, int]:
+        """The counters (shards, records, bytes, skipped, retries), to diff against later."""
+        return (self.shards, self.records, self.bytes, self.skipped, self.retries)
+
+    def since(self, before: tuple[int, int, int, int, int]) -> tuple[Any, ...] | None:
+        """What was counted since ``counts()`` returned ``before``, or None if nothing.
+
+        Returns:
+            ``(shards, records, bytes, skipped, retries, errors)``: the increments and the
+            errors of the records skipped since (the last ``_KEEP_ERRORS`` of them).
+        """
+        now = self.counts()
+        if now == before:
+            return None
+        increments = tuple(a - b for a, b in zip(now, before, strict=True))
+        new = min(increments[3], len(self.skipped_errors))
+        errors = list(self.skipped_errors)[len(self.skipped_errors) - new :] if new else []
+        return (*increments, errors)
+
+    def add(self, delta: tuple[Any, ...]) -> None:
+        """Count what :meth:`since` returned (a worker's counts, in the loader's process)."""
+        shards, records, size, skipped, retries, errors = delta
+        self.shards += shards
+        self.records += records
+        self.bytes += size
+        self.skipped += skipped
+        self.retries += retries
+        self.skipped_errors.extend(errors)
 
 
 class BadRecords:

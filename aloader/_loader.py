@@ -20,6 +20,7 @@ from ._pipeline import Epoch, FetchMode, FetchPlan, Remote, Results, window_for
 from ._pool import PoolEpoch, WorkerPool, default_context, prepare_context, resolve_context
 from ._random import as_generator, draw_seed
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler, epoch_batches, epoch_indices
+from ._streams import Stream
 from ._worker import WorkerSetup
 
 __all__ = ("DataLoader",)
@@ -53,12 +54,18 @@ class DataLoader(Generic[T_co]):
     With ``num_workers > 0``, worker processes fetch and collate whole batches, each with the
     same concurrency as above (async datasets keep ``max_concurrency`` fetches in flight per
     worker); arrays in batches come back through shared memory, not through pickling. Map-style
-    index batches go to the least busy worker and are delivered in sampler order (or as they
-    finish with ``in_order=False``); with an iterable dataset, every worker iterates its own
-    replica (shard it with :func:`get_worker_info`), batches come from the workers in turn, and
-    the epoch ends when all are exhausted. Each epoch draws ``base_seed`` from ``generator``;
-    worker ``i`` seeds Python's ``random`` with ``base_seed + i`` and numpy's global RNG (and
-    torch's, if it imported torch) as torch's workers do, then calls ``worker_init_fn(i)``.
+    index batch ``k`` goes to worker ``k % num_workers`` (each worker receives its batches in
+    order, at most ``prefetch_factor`` ahead), as torch's do, so what workers draw from their
+    seeded RNGs is reproducible; batches are delivered in sampler order (or as they finish
+    with ``in_order=False``). With an iterable dataset, every worker iterates its own replica
+    (shard it with :func:`get_worker_info`), batches come from the workers in turn, and the
+    epoch ends when all are exhausted. A :class:`Stream` dataset iterated by workers uses the
+    epoch its copy here claims (its ``set_epoch`` value, else its counter, advanced as if
+    iterated here), so shard orders and shuffles change every epoch as without workers; its
+    sources' ``stats`` here add up what every worker counted. Each epoch draws ``base_seed``
+    from ``generator``; worker ``i`` seeds Python's ``random`` with ``base_seed + i`` and
+    numpy's global RNG (and torch's, if it imported torch) as torch's workers do, then calls
+    ``worker_init_fn(i)``.
     A worker's exception reaches the consumer with its type, the worker id and its traceback;
     a worker that dies raises torch's "DataLoader worker (pid N) exited unexpectedly" / "is
     killed by signal" error at once. Workers stop when the epoch ends or is abandoned
@@ -237,6 +244,7 @@ class DataLoader(Generic[T_co]):
         self._iterators: weakref.WeakSet[_AsyncLoaderIter] = weakref.WeakSet()
         self._epochs: set[Epoch] = set()  # started and maybe not yet wound down
         self._pool: WorkerPool | None = None
+        self._epochs_started = 0  # numbers the epochs of datasets other than streams
         if num_workers > 0:
             prepare_context(self._context(), warm=True)
         self.__initialized = True
@@ -421,14 +429,26 @@ class DataLoader(Generic[T_co]):
             transform=transform,
         )
 
-    def _remote(self, base_seed: int) -> PoolEpoch:
+    def _claim_epoch(self) -> int:
+        """This epoch's number, as the workers see it (:attr:`WorkerInfo.epoch`).
+
+        A stream claims it from its own copy as iterating it here would (so its counter
+        advances, and ``set_epoch`` holds); other datasets get the loader's epoch count.
+        """
+        count = self._epochs_started
+        self._epochs_started = count + 1
+        if isinstance(self.dataset, Stream):
+            return self.dataset._claim_epoch()
+        return count
+
+    def _remote(self, base_seed: int, epoch: int) -> PoolEpoch:
         """This epoch's use of the worker processes: the persistent pool when it is free."""
         pool = self._pool
         if pool is not None and (pool.closed or pool.broken):
             pool.shutdown()
             pool = self._pool = None
         if pool is not None and (pool.holder is None or pool.holder.stopping):
-            return PoolEpoch(pool)
+            return PoolEpoch(pool, epoch)
         setup = WorkerSetup(
             plan=self._local_plan(None),
             iterable=self._iterable,
@@ -448,7 +468,7 @@ class DataLoader(Generic[T_co]):
         if persistent:
             self._pool = pool
             weakref.finalize(self, pool.shutdown)
-        return PoolEpoch(pool)
+        return PoolEpoch(pool, epoch)
 
     def _keys(self) -> Iterator[Any] | AsyncIterator[Any]:
         """This epoch's keys: index batches, or indices without auto-batching."""
@@ -548,7 +568,7 @@ class _AsyncLoaderIter:
         loader = self._loader
         results = Results(loader.prefetch_factor, loader.in_order)
         if loader.num_workers > 0:
-            remote = loader._remote(self.base_seed)
+            remote = loader._remote(self.base_seed, loader._claim_epoch())
             keys = remote.keys() if loader._iterable else loader._keys()
             epoch = Epoch(loader._plan(remote), results, keys=keys)
         elif loader._iterable:

@@ -257,10 +257,12 @@ class Remote(Protocol):
 
     ``serve`` runs beside the epoch's fetch workers until the epoch cancels it; an exception
     from it ends the epoch with that error. ``stop`` is called (from any thread) when the epoch
-    is asked to stop, and ``close`` once the epoch has ended.
+    is asked to stop, and ``close`` once the epoch has ended. ``fetch`` gets the job's
+    sequence number in the epoch with its key, so that where and when the job runs may depend
+    on its place in the epoch rather than on the order its task wakes up in.
     """
 
-    async def fetch(self, key: Any) -> Any: ...
+    async def fetch(self, key: Any, seq: int) -> Any: ...
 
     async def serve(self) -> None: ...
 
@@ -344,10 +346,10 @@ class FetchPlan:
         return self.mode == "thread" and not self._async_collate
 
     # The loop side.
-    async def fetch(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
-        """The samples of one job, fetched in one call (a collated batch from a remote)."""
+    async def fetch(self, key: Any, limiter: anyio.CapacityLimiter, seq: int = 0) -> Any:
+        """The samples of job ``seq``, fetched in one call (a collated batch from a remote)."""
         if self.remote is not None:
-            return await self.remote.fetch(key)
+            return await self.remote.fetch(key, seq)
         if self.mode == "thread":
             samples = await anyio.to_thread.run_sync(self.fetch_sync, key, limiter=limiter)
         else:
@@ -584,7 +586,7 @@ class Epoch:
                 reserved = True
                 batch = await plan.load(job.key, limiter)
             else:
-                samples = await plan.fetch(job.key, limiter)
+                samples = await plan.fetch(job.key, limiter, job.seq)
                 await self.results.reserve(job.seq)
                 reserved = True
                 batch = await plan.collate(samples, limiter)

@@ -53,6 +53,7 @@ import anyio.from_thread
 
 from . import _shm
 from ._pipeline import SKIP
+from ._sources import merge_stats, source_stats
 from ._worker import END, ERROR, NEXT, READY, TASK, WorkerSetup, worker_main
 
 __all__ = ("PoolEpoch", "WorkerPool", "default_context", "exit_message", "resolve_context")
@@ -379,17 +380,29 @@ class _Pending:
 class PoolEpoch:
     """One epoch's use of a :class:`WorkerPool`: the remote of a ``"process"`` FetchPlan.
 
-    Map-style jobs go to the worker with the fewest unanswered tasks (ties in turn), and wait
-    while every worker already has ``prefetch_factor`` of them. Iterable jobs are requests for
-    the next batch of one worker's replica, made in turn over the workers not yet exhausted
-    (torch's order); a request answered "exhausted" yields
-    :data:`~aloader._pipeline.SKIP`, and the epoch ends once every replica is exhausted.
-    Workers start one after the other, each taking tasks as soon as it is up.
+    Which worker makes a batch, and in what order each worker receives its tasks, depend only
+    on the batch's sequence number, never on timing, so that what a worker draws from its
+    seeded RNGs is the same run after run (torch's order):
+
+    * map-style job ``k`` goes to worker ``k % num_workers`` as its task ``k // num_workers``;
+    * iterable jobs are requests for the next batch of one worker's replica, assigned in turn
+      over the workers not yet known to be exhausted; a request answered "exhausted" yields
+      :data:`~aloader._pipeline.SKIP` (so does one assigned to a worker since found
+      exhausted), and the epoch ends once every replica is exhausted. Timing only decides how
+      many requests an exhausted worker is sent; the batches that remain interleave the live
+      workers in turn whatever it is.
+
+    Invariant: a worker receives its tasks in ticket order (ticket ``t`` is sent only after
+    ticket ``t - 1``), and has at most ``prefetch_factor`` of them unanswered; a job waits,
+    whatever the order its task wakes up in, until both hold. Workers start one after the
+    other, each taking tasks as soon as it is up. Every answer carries the worker's source
+    statistics since its last answer, merged into the loader's dataset here.
     """
 
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: WorkerPool, loader_epoch: int = 0) -> None:
         self.pool = pool
-        self.epoch = next(pool.epochs)
+        self.epoch = next(pool.epochs)  # tells this epoch's tasks from the pool's earlier ones
+        self.loader_epoch = loader_epoch  # the epoch a stream in a worker iterates
         self.stopping = False
         self.released = False
         self._previous = pool.holder
@@ -403,6 +416,12 @@ class PoolEpoch:
         self._failure: BaseException | None = None
         self._turn = 0
         self._exhausted: set[int] = set()
+        count = pool.num_workers
+        self._sent = [0] * count  # each worker's next ticket to send
+        self._assigned = [0] * count  # iterable: requests assigned to each worker
+        self._requests = 0  # iterable: requests assigned in all
+        self._tickets: dict[int, int] = {}  # iterable: job sequence number -> ticket
+        self._stats: list[Any] | None = None  # the loader's sources, found at the first report
 
     # The FetchPlan's remote protocol ---------------------------------------------------------
     async def serve(self) -> None:
@@ -435,19 +454,39 @@ class PoolEpoch:
             pool.broken = True
             raise failure
 
-    async def fetch(self, key: Any) -> Any:
-        """The collated batch of ``key`` (map-style), or the next batch of worker ``key``."""
+    async def fetch(self, key: Any, seq: int) -> Any:
+        """The collated batch of ``key`` (map-style), or the next batch of worker ``key``.
+
+        ``seq`` is the job's sequence number in the epoch: it decides the worker (map-style)
+        and the place of the task among that worker's (see the class docstring).
+        """
+        count = self.pool.num_workers
         if self.pool.setup.iterable:
-            while not self._serving or key >= len(self.pool.workers):
-                await self._wait()
-            status, value = await self._call(self.pool.workers[key], NEXT, None)
-            if status == END:
-                self._exhausted.add(key)
-                return SKIP
+            worker_id, ticket = key, self._tickets.pop(seq)
+            kind, payload = NEXT, None
         else:
-            while (worker := self._pick()) is None:
-                await self._wait()
-            status, value = await self._call(worker, TASK, key)
+            worker_id, ticket = seq % count, seq // count
+            kind, payload = TASK, key
+        workers = self.pool.workers
+        while not (
+            self._serving
+            and worker_id < len(workers)
+            and self._sent[worker_id] == ticket
+            and workers[worker_id].outstanding < self._limit
+        ) and worker_id not in self._exhausted:
+            await self._wait()
+        status: int
+        value: Any
+        if worker_id in self._exhausted:  # its replica has ended: no need to ask
+            status, value = END, None
+        else:
+            self._sent[worker_id] += 1
+            self._notify()  # the worker's next ticket may go once this one is sent
+            status, value = await self._call(workers[worker_id], kind, payload)
+        if status == END:
+            self._exhausted.add(worker_id)
+            self._notify()  # its later requests need not wait for their turn
+            return SKIP
         if status == ERROR:
             raise value.rebuild()
         return value
@@ -473,32 +512,19 @@ class PoolEpoch:
         return self
 
     async def __anext__(self) -> int:
+        # Called once per job, in sequence order: request number n is job n.
         count = self.pool.num_workers
         for step in range(count):
             worker = (self._turn + step) % count
             if worker not in self._exhausted:
                 self._turn = worker + 1
+                self._tickets[self._requests] = self._assigned[worker]
+                self._assigned[worker] += 1
+                self._requests += 1
                 return worker
         raise StopAsyncIteration
 
     # Sending and receiving -------------------------------------------------------------------
-    def _pick(self) -> _Worker | None:
-        """The least busy worker that can take a task now, or None."""
-        if not self._serving:
-            return None
-        workers = self.pool.workers
-        count = len(workers)
-        best: _Worker | None = None
-        for step in range(count):
-            worker = workers[(self._turn + step) % count]
-            if worker.outstanding < self._limit and (
-                best is None or worker.outstanding < best.outstanding
-            ):
-                best = worker
-        if best is not None:
-            self._turn = best.id + 1
-        return best
-
     async def _wait(self) -> None:
         self._waiters += 1
         try:
@@ -515,7 +541,7 @@ class PoolEpoch:
         job = next(self.pool.jobs)
         released = worker.released
         names = [released.popleft() for _ in range(len(released))]
-        data = self.pool.codec.encode((kind, job, self.epoch, key, names))
+        data = self.pool.codec.encode((kind, job, self.epoch, key, names, self.loader_epoch))
         pending = _Pending(anyio.Event())
         self._pending[job] = pending
         worker.outstanding += 1
@@ -584,8 +610,12 @@ class PoolEpoch:
             )
         self._fail(RuntimeError(message))
 
-    def _dispatch(self, worker: _Worker, message: tuple[int, int, Any]) -> None:
-        job, status, value = message
+    def _dispatch(self, worker: _Worker, message: tuple[Any, ...]) -> None:
+        job, status, value = message[:3]
+        if len(message) > 3 and message[3] is not None:
+            if self._stats is None:
+                self._stats = source_stats(self.pool.setup.plan.dataset)
+            merge_stats(self._stats, message[3])
         if job < 0:
             if status == READY:
                 worker.ready = True

@@ -33,6 +33,7 @@ from ._dataset import IterableDataset
 from ._exceptions import AloaderError
 from ._random import GeneratorLike, as_generator, draw_seed, permutation
 from ._sharding import worker_slot
+from ._worker import get_worker_info, served_epoch
 
 __all__ = (
     "FetchError",
@@ -367,9 +368,16 @@ class Stream(IterableDataset[T_co]):
     Every ``async for`` over a stream is one epoch. Without :meth:`set_epoch`, each new
     iteration advances the epoch counter (0, 1, 2, ...), which seeds shard orders and shuffles
     together with their seeds, like ``DistributedSampler``'s ``seed + epoch``. After
-    ``set_epoch(e)`` every iteration uses epoch ``e`` until the next call: do call it before
-    each epoch when the loader runs worker processes, whose copies of the stream do not see
-    each other's counters.
+    ``set_epoch(e)`` every iteration uses epoch ``e`` until the next call.
+
+    With loader worker processes, the loader's copy of the stream claims each epoch's number
+    as an iteration would (``set_epoch``'s value, else its counter, which advances), and the
+    workers' copies iterate that epoch, persistent or not. So every epoch has a new order, the
+    same sequence of orders per seed: with one worker exactly that of ``num_workers=0``; with
+    more, each epoch's shard order is that of ``num_workers=0``, split across the workers, and
+    each worker's shuffles are seeded by (seed, epoch, worker). Another stream iterated
+    inside a worker (held by a dataset of your own) uses its own ``set_epoch`` value if it has
+    one, else the loader's epoch (:attr:`aloader.WorkerInfo.epoch`).
 
     Streams compose: ``source.shuffle(1000, seed=0).map(parse, concurrency=16).filter(ok)``,
     and :func:`interleave` mixes several. Memory stays bounded: an epoch reads at most a couple
@@ -407,12 +415,26 @@ class Stream(IterableDataset[T_co]):
     def __aiter__(self) -> AsyncIterator[T_co]:
         """Start one epoch: items one by one, read in the background at most a few blocks
         ahead of the consumer."""
+        return _StreamIterator(self, self._claim_epoch(), self._prefetch_blocks)
+
+    def _claim_epoch(self) -> int:
+        """The epoch of an iteration starting now; advances the counter as iterating does.
+
+        The loader calls it on its copy when its workers iterate the stream instead.
+        """
+        served = served_epoch()
+        if served is not None:  # in a loader worker
+            info = get_worker_info()
+            if info is not None and info.dataset is self:
+                return served  # what the loader's copy claimed, set_epoch included
+            if self._fixed_epoch is None:
+                self._next_epoch = served + 1
+                return served
         if self._fixed_epoch is not None:
-            epoch = self._fixed_epoch
-        else:
-            epoch = self._next_epoch
-            self._next_epoch = epoch + 1
-        return _StreamIterator(self, epoch, self._prefetch_blocks)
+            return self._fixed_epoch
+        epoch = self._next_epoch
+        self._next_epoch = epoch + 1
+        return epoch
 
     # Transforms --------------------------------------------------------------------------
     def shuffle(self, buffer_size: int, seed: GeneratorLike = None) -> Stream[T_co]:

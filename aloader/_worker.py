@@ -3,12 +3,16 @@
 A worker serves one loader's pool (see :mod:`aloader._pool`) over a socket pair. Messages both
 ways go through :mod:`aloader._shm`, so arrays in batches cross in shared memory.
 
-Parent to worker: ``(TASK, job, epoch, index_batch, released)`` (map-style),
-``(NEXT, job, epoch, None, released)`` (iterable: the next batch of this worker's replica in
-epoch ``epoch``), or EOF: exit. ``released`` names the worker's segments the loader no longer
-maps, for the worker to write its next batches into.
+Parent to worker: ``(TASK, job, epoch, index_batch, released, loader_epoch)`` (map-style),
+``(NEXT, job, epoch, None, released, loader_epoch)`` (iterable: the next batch of this worker's
+replica in epoch ``epoch``), or EOF: exit. ``epoch`` tells the pool's epochs apart;
+``loader_epoch`` is the loader's epoch number, which a stream iterated in the worker uses (see
+:attr:`WorkerInfo.epoch`). ``released`` names the worker's segments the loader no longer maps,
+for the worker to write its next batches into.
 Worker to parent: ``(-1, READY, None)`` or ``(-1, FAILED, error)`` once set up, then
-``(job, OK, batch)``, ``(job, ERROR, error)`` or ``(job, END, None)`` (replica exhausted).
+``(job, OK, batch, stats)``, ``(job, ERROR, error, stats)`` or ``(job, END, None, stats)``
+(replica exhausted), where ``stats`` is what the worker's sources counted since its previous
+answer (:class:`~aloader._sources.StatsReporter`), or None.
 
 The worker fetches with the same :class:`~aloader._pipeline.FetchPlan` the loader would use
 without workers. Plain map-style datasets are served by a loop that loads one batch per task;
@@ -52,6 +56,8 @@ class WorkerInfo:
         num_workers: how many workers the loader runs.
         seed: this worker's seed (``base_seed + id``).
         dataset: this worker's own copy of the dataset.
+        epoch: the loader's epoch this worker is serving (not in torch; see
+            :attr:`epoch`).
     """
 
     id: int
@@ -75,8 +81,27 @@ class WorkerInfo:
         items = ", ".join(f"{k}={getattr(self, k)}" for k in self.__keys)
         return f"{self.__class__.__name__}({items})"
 
+    @property
+    def epoch(self) -> int:
+        """The loader's epoch this worker is serving (0 before its first task).
+
+        For a :class:`~aloader.Stream` dataset it is the epoch the loader's own copy of the
+        stream claimed for this epoch (its ``set_epoch`` value, else its counter, which the
+        loader advances as if it had iterated the stream); for other datasets it counts the
+        loader's epochs from 0. A stream iterated in a worker without ``set_epoch`` uses it,
+        so that shard orders and shuffles change every epoch, with persistent workers or not.
+        """
+        return _served_epoch if _served_epoch is not None else 0
+
 
 _worker_info: WorkerInfo | None = None
+# The loader epoch of this worker's latest task; None outside workers.
+_served_epoch: int | None = None
+
+
+def served_epoch() -> int | None:
+    """The loader epoch this worker process is serving, or None outside workers."""
+    return _served_epoch
 
 
 def get_worker_info() -> WorkerInfo | None:
@@ -220,12 +245,16 @@ class _Worker:
         self.where = f"in DataLoader worker process {worker_id}"
         self.codec = _shm.Codec(setup.owner, os.getpid(), tensors=True,
                                 recycle=2 * max(1, setup.prefetch) + 2)
+        from ._sources import StatsReporter
+
+        self.stats = StatsReporter(setup.plan.dataset)
 
     def send(self, job: int, status: int, value: Any) -> None:
+        stats = self.stats.report()
         try:
-            data = self.codec.encode((job, status, value))
+            data = self.codec.encode((job, status, value, stats))
         except Exception as exc:  # an unpicklable batch reaches the consumer as its error
-            data = self.codec.encode((job, ERROR, RemoteError.capture(exc, self.where)))
+            data = self.codec.encode((job, ERROR, RemoteError.capture(exc, self.where), None))
         self.conn.send_bytes(data)
 
     def fail(self, job: int, error: BaseException) -> None:
@@ -238,6 +267,8 @@ class _Worker:
             return None
         if message[4]:
             self.codec.release(message[4])
+        global _served_epoch
+        _served_epoch = message[5]
         return message
 
     async def areceive(self) -> Any:
