@@ -901,12 +901,14 @@ def random_split(
 
     Fractions that sum to 1 give ``floor(len(dataset) * fraction)`` samples each, and the
     remainder is handed out one by one, round-robin from the first split. The splits are
-    consecutive slices of one random permutation of ``range(len(dataset))``.
+    consecutive slices of one random permutation of ``range(len(dataset))``; with a
+    ``torch.Generator`` that permutation is ``torch.randperm(len(dataset), generator=g)``, so the
+    splits equal torch's.
 
     Args:
         dataset: the dataset to split (async datasets work too).
         lengths: lengths of the splits, or fractions of ``len(dataset)`` summing to 1.
-        generator: ``None``, an int seed or a ``numpy.random.Generator``.
+        generator: ``None``, an int seed, a ``numpy.random.Generator`` or a ``torch.Generator``.
 
     Returns:
         One :class:`Subset` per length, its ``indices`` a list of ints.
