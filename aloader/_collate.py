@@ -1,14 +1,21 @@
-"""Collate: turn a list of samples into one batch (numpy in, numpy out).
+"""Collate: turn a list of samples into one batch (numpy in, numpy out; torch in, torch out).
 
 This is ``torch.utils.data._utils.collate`` for numpy: the same lookup order, the same
 container rebuilding and the same error messages, but leaves become numpy arrays instead of
-tensors. torch is never imported here; torch tensors found in the data are stacked with
-``torch.stack``, reached through ``sys.modules`` (they exist only if torch is imported already).
+tensors. torch is never imported here; torch is reached through ``sys.modules`` (tensors exist
+only if torch is imported already).
+
+Invariant: the mode is decided once per batch, from the first sample. A batch whose first
+sample holds a torch tensor anywhere in its structure is collated in *torch mode*, with
+torch's own leaf functions (every number and numpy array becomes a tensor), so the batch is
+exactly what ``torch.utils.data.default_collate`` gives; any other batch is collated in *numpy
+mode*, where leaves become numpy arrays with the dtypes torch would give its tensors.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 import numbers
 import sys
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
@@ -79,7 +86,6 @@ default_collate_err_msg_format = (
 _STR_OBJ_KINDS = frozenset("SUO")
 # Kinds whose rows are numpy scalars that default_collate turns back into the same array.
 _NUMERIC_KINDS = frozenset("biufc")
-_PYTHON_NUMBERS = (bool, int, float, complex)
 
 
 class _TorchTensorMeta(type):
@@ -123,14 +129,16 @@ def collate(batch: Any, *, collate_fn_map: CollateFnMap | None = None) -> Any:
         TypeError: when no entry of ``collate_fn_map`` nor the container rules match.
         RuntimeError: when sequences in the batch differ in length.
     """
-    if (
-        isinstance(batch, ColumnBatch)
-        and collate_fn_map is not None
-        and collate_fn_map == _DEFAULT_ENTRIES
-    ):
-        columns = _collate_columns(batch, collate_fn_map)
-        if columns is not None:
-            return columns
+    if isinstance(batch, ColumnBatch) and collate_fn_map is not None:
+        # Only under the untouched default rules (numpy's or torch's) may columns pass as is.
+        tensor = None
+        if collate_fn_map == _DEFAULT_ENTRIES or (
+            (tensor := _tensor_type()) is not None
+            and collate_fn_map == _torch_map(_DEFAULT_ENTRIES)
+        ):
+            columns = _collate_columns(batch, collate_fn_map, tensor)
+            if columns is not None:
+                return columns
 
     elem = batch[0]
     elem_type = type(elem)
@@ -168,17 +176,40 @@ def collate(batch: Any, *, collate_fn_map: CollateFnMap | None = None) -> Any:
 
 
 def default_collate(batch: Any) -> Any:
-    """Stack a batch of samples into numpy arrays, keeping the samples' structure.
+    """Stack a batch of samples into numpy arrays (or tensors), keeping the samples' structure.
 
-    numpy's counterpart of ``torch.utils.data.default_collate``:
+    **Torch mode**: when the first sample holds a torch tensor anywhere in its structure, the
+    whole batch is collated as ``torch.utils.data.default_collate`` collates it, with torch's
+    own leaf functions: tensors are stacked, numpy arrays and scalars become tensors, ``int`` an
+    int64 tensor, ``float`` a float64 tensor, ``bool`` a bool tensor, in every nested mapping,
+    namedtuple and sequence. So ``(tensor, int)`` samples give ``[tensor, int64 tensor]``, as
+    torch's losses expect. (Entries a user added to or replaced in
+    :data:`default_collate_fn_map` are kept in both modes.)
+
+    **Numpy mode** (any other batch; torch is not needed): numpy's counterpart of torch's
+    function, giving numpy arrays of the dtypes torch gives its tensors:
 
     * ndarray -> ``np.stack`` of the batch (dtype kept; string, bytes and object dtypes refused);
     * numpy scalar -> array of that dtype; ``float`` -> float64, ``int`` -> int64 and ``bool``
-      -> bool arrays (a mix of python ints and floats gives float32, as ``torch.tensor`` does);
+      -> bool arrays;
+    * a batch mixing number types (python and numpy scalars) is promoted as ``torch.tensor``
+      promotes it: left to right, python ``bool``/``int``/``float``/``complex`` counting as
+      bool/int64/float32/complex64 (torch's default dtypes); a higher kind wins (bool < integer
+      < floating < complex) and keeps its own precision (int64 with float32 gives float32, a
+      python float with ``np.float16`` float32, ``[True, np.uint8(200)]`` uint8), equal kinds
+      promote as numpy does (``uint8`` with ``int8`` gives int16); mixing uint16/32/64 with
+      another integer or complex type raises torch's RuntimeError. When the first element is
+      a python float the batch is float64, as in torch;
     * ``str`` / ``bytes`` -> the batch unchanged;
     * mapping -> mapping of collated values; namedtuple -> namedtuple of collated fields;
-      other sequences -> collated positions (a list for tuples);
-    * torch tensor (torch already imported) -> ``torch.stack``.
+      other sequences -> collated positions (a list for tuples).
+
+    Differences from torch in numpy mode, besides giving numpy arrays: python floats count as
+    float32 even if ``torch.set_default_dtype`` changed torch's default; ``np.bool_`` mixed with
+    integers gives integers (torch raises TypeError); a numpy complex after a python float is a
+    TypeError (torch drops its imaginary part); uint64 and longdouble scalars and arrays are
+    collated (torch refuses them); no shared memory is used in workers. The mode is decided
+    by the first sample alone: a tensor first appearing in a later sample is not seen.
 
     Extend it by adding entries to :data:`default_collate_fn_map`.
 
@@ -192,15 +223,17 @@ def default_collate(batch: Any) -> Any:
         TypeError: for an unsupported element type or a string/object array.
         RuntimeError: for arrays of different shapes or sequences of different lengths.
     """
-    return collate(batch, collate_fn_map=default_collate_fn_map)
+    return collate(batch, collate_fn_map=_map_for(batch))
 
 
 def default_convert(data: Any) -> Any:
-    """Convert one sample the way ``torch.utils.data.default_convert`` does, minus the tensors.
+    """Convert one sample the way ``torch.utils.data.default_convert`` does.
 
-    numpy arrays and scalars stay as they are (torch would turn them into tensors); mappings,
-    namedtuples and sequences are rebuilt with their items converted (tuples become lists),
-    anything else is returned unchanged. Used when automatic batching is off.
+    When the sample holds a torch tensor anywhere, it is torch's ``default_convert`` itself:
+    numpy arrays and scalars become tensors too. Otherwise numpy arrays and scalars stay as
+    they are (torch would turn them into tensors); mappings, namedtuples and sequences are
+    rebuilt with their items converted (tuples become lists), anything else is returned
+    unchanged. Used when automatic batching is off.
 
     Args:
         data: a single sample.
@@ -208,15 +241,66 @@ def default_convert(data: Any) -> Any:
     Returns:
         The converted sample.
     """
+    tensor = _tensor_type()
+    if tensor is not None and _holds(data, tensor):
+        return importlib.import_module("torch.utils.data").default_convert(data)
+    return _convert(data)
+
+
+def _convert(data: Any) -> Any:
     if isinstance(data, (np.ndarray, np.generic)):
         return data
     if isinstance(data, Mapping):
-        return _rebuild_mapping(data, {key: default_convert(data[key]) for key in data})
+        return _rebuild_mapping(data, {key: _convert(data[key]) for key in data})
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(default_convert(d) for d in data))
+        return type(data)(*(_convert(d) for d in data))
     if isinstance(data, Sequence) and not isinstance(data, (str, bytes)):
-        return _rebuild_sequence(data, [default_convert(d) for d in data])
+        return _rebuild_sequence(data, [_convert(d) for d in data])
     return data
+
+
+def _tensor_type() -> type | None:
+    """``torch.Tensor`` if torch is imported, else None (then no data can hold a tensor)."""
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+    return tensor if isinstance(tensor, type) else None
+
+
+def _holds(data: Any, tensor: type) -> bool:
+    """Whether ``data`` is, or its mappings and sequences contain, an instance of ``tensor``."""
+    if isinstance(data, tensor):
+        return True
+    if isinstance(data, (str, bytes, np.ndarray, np.generic, numbers.Number)):
+        return False
+    if isinstance(data, Mapping):
+        return any(_holds(value, tensor) for value in data.values())
+    if isinstance(data, Sequence):
+        return any(_holds(item, tensor) for item in data)
+    return False
+
+
+def _map_for(batch: Any) -> CollateFnMap:
+    """The map for ``batch``: torch's leaves if its first sample holds a tensor, else numpy's."""
+    tensor = _tensor_type()
+    if tensor is None or not _holds(batch[0], tensor):
+        return default_collate_fn_map
+    return _torch_map(default_collate_fn_map)
+
+
+# torch's leaf functions for the keys whose default aloader replaces with a numpy one.
+_TORCH_LEAVES: dict[Any, str] = {}
+_torch_leaf_fns: dict[Any, Callable[..., Any]] | None = None
+
+
+def _torch_map(entries: CollateFnMap) -> CollateFnMap:
+    """``entries`` with each of aloader's numpy leaf functions replaced by torch's own."""
+    global _torch_leaf_fns
+    if _torch_leaf_fns is None:
+        module = importlib.import_module("torch.utils.data._utils.collate")
+        _torch_leaf_fns = {key: getattr(module, name) for key, name in _TORCH_LEAVES.items()}
+    return {
+        key: _torch_leaf_fns.get(key, fn) if _DEFAULT_ENTRIES.get(key) is fn else fn
+        for key, fn in entries.items()
+    }
 
 
 def _rebuild_mapping(elem: Mapping[Any, Any], values: dict[Any, Any]) -> Any:
@@ -249,19 +333,35 @@ def _rebuild_sequence(elem: Sequence[Any], values: list[Any]) -> Any:
         return values
 
 
-def _collate_columns(batch: ColumnBatch, collate_fn_map: CollateFnMap) -> list[Any] | None:
-    """The columns of ``batch`` as default_collate would give them; None for the row-wise path."""
+def _collate_columns(
+    batch: ColumnBatch, collate_fn_map: CollateFnMap, tensor: type | None
+) -> list[Any] | None:
+    """The columns of ``batch`` as default_collate would give them; None for the row-wise path.
+
+    Under numpy's rules (``tensor`` None) numeric ndarray columns are already their stacked
+    rows; under torch's (``tensor`` is ``torch.Tensor``) dense tensor columns are.
+    """
     n = len(batch)
     columns = batch.columns
     if n == 0 or any(len(column) != n for column in columns):
         return None  # let the row-wise path raise its own error
     return [
         column
-        if type(column) is np.ndarray and column.dtype.kind in _NUMERIC_KINDS
+        if _is_stacked(column, tensor)
         # The row-wise path hands each column over as the tuple zip() makes.
         else collate(tuple(column), collate_fn_map=collate_fn_map)
         for column in columns
     ]
+
+
+def _is_stacked(column: Any, tensor: type | None) -> bool:
+    """Whether ``column`` equals the stack of its rows under numpy's or torch's rules."""
+    if tensor is None:
+        return type(column) is np.ndarray and column.dtype.kind in _NUMERIC_KINDS
+    if not isinstance(column, tensor):
+        return False
+    dense: Any = column  # a torch.Tensor, typed without torch
+    return not dense.is_nested and dense.layout is sys.modules["torch"].strided
 
 
 def collate_tensor_fn(batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None) -> Any:
@@ -337,18 +437,25 @@ def collate_numpy_array_fn(
 def collate_numpy_scalar_fn(
     batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None
 ) -> np.ndarray[Any, Any]:
-    """Gather numpy scalars into a 1-D array of their dtype.
+    """Gather numpy scalars into a 1-D array of their dtype (``torch.as_tensor(batch)``).
+
+    Scalars of several types (numpy's or python's) are promoted as torch promotes them; see
+    :func:`default_collate`.
 
     Args:
-        batch: numpy scalars (bool, number or object).
+        batch: numpy scalars (bool, number or object), possibly mixed with python numbers.
         collate_fn_map: unused; part of the collate-function signature.
 
     Returns:
         The array of the scalars.
 
     Raises:
-        TypeError: when a later element turns the batch into strings or objects.
+        TypeError: when an element is not a number.
+        RuntimeError: for a promotion torch refuses (uint16/32/64 with another integer type).
+        ValueError: for a python int outside the int64 range in an integer batch.
     """
+    if len(set(map(type, batch))) > 1:
+        return _gather_numbers(batch)
     out = np.array(batch)
     if out.dtype.kind in _STR_OBJ_KINDS:
         raise TypeError(default_collate_err_msg_format.format(_first_non_number(batch)))
@@ -384,33 +491,100 @@ def collate_int_fn(
 ) -> np.ndarray[Any, Any]:
     """Gather python ints into an int64 array (bools into a bool array), like ``torch.tensor``.
 
-    A mix of python ints and floats gives float32, the dtype ``torch.tensor`` infers for it.
+    A batch mixing number types is promoted as ``torch.tensor`` promotes it (python ints and
+    floats give float32); see :func:`default_collate`.
 
     Args:
         batch: numbers, the first a python int or bool.
         collate_fn_map: unused; part of the collate-function signature.
 
     Returns:
-        An int64, bool or (mixed with floats) floating array.
+        An int64, bool or (mixed with other numbers) promoted array.
 
     Raises:
         ValueError: for an int outside the int64 range (torch's message).
         TypeError: for an element that is not a number.
+        RuntimeError: for a promotion torch refuses (uint16/32/64 with another integer type).
     """
+    if not set(map(type, batch)) <= _INT_TYPES:
+        return _gather_numbers(batch)
     out = np.array(batch)
     kind = out.dtype.kind
     if kind == "i":
         return out.astype(np.int64, copy=False)
     if kind == "b":
         return out
-    if kind in "fc":
-        if all(type(b) in _PYTHON_NUMBERS for b in batch):
-            return out.astype(np.float32 if kind == "f" else np.complex64)
-        return out
-    bad = _first_non_number(batch)
-    if bad is not None:
-        raise TypeError(default_collate_err_msg_format.format(bad))
     raise ValueError("Overflow when unpacking long long")
+
+
+# What torch.tensor infers for python numbers: its default dtypes.
+_PYTHON_DTYPES: dict[type, np.dtype[Any]] = {
+    bool: np.dtype(np.bool_),
+    int: np.dtype(np.int64),
+    float: np.dtype(np.float32),
+    complex: np.dtype(np.complex64),
+}
+_INT_TYPES = frozenset((int, bool))
+# bool < integer < floating < complex: the higher kind wins a promotion.
+_KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
+# The unsigned types torch promotes only to floating types.
+_BAREBONES_UNSIGNED = frozenset(np.dtype(d) for d in (np.uint16, np.uint32, np.uint64))
+_TORCH_NAMES = {
+    np.dtype(d): name
+    for d, name in (
+        (np.bool_, "Bool"), (np.uint8, "Byte"), (np.int8, "Char"), (np.int16, "Short"),
+        (np.int32, "Int"), (np.int64, "Long"), (np.uint16, "UInt16"), (np.uint32, "UInt32"),
+        (np.uint64, "UInt64"), (np.float16, "Half"), (np.float32, "Float"),
+        (np.float64, "Double"), (np.complex64, "ComplexFloat"), (np.complex128, "ComplexDouble"),
+    )
+}
+
+
+def _number_dtype(value: Any) -> np.dtype[Any] | None:
+    """The dtype torch infers for one number, or None for anything else."""
+    dtype = _PYTHON_DTYPES.get(type(value))
+    if dtype is not None:
+        return dtype
+    if isinstance(value, np.generic):
+        return value.dtype if value.dtype.kind in _NUMERIC_KINDS else None
+    for kind, dtype in _PYTHON_DTYPES.items():  # subclasses (IntEnum...), most specific first
+        if isinstance(value, kind):
+            return dtype
+    return None
+
+
+def _promote(a: np.dtype[Any], b: np.dtype[Any]) -> np.dtype[Any]:
+    """torch's ``promoteTypes(a, b)`` on numpy dtypes."""
+    if a == b:
+        return a
+    if a in _BAREBONES_UNSIGNED or b in _BAREBONES_UNSIGNED:
+        if a.kind == "f":
+            return a
+        if b.kind == "f":
+            return b
+        raise RuntimeError(
+            "Promotion for uint16, uint32, uint64 types is not supported, attempted to promote "
+            f"{_TORCH_NAMES.get(a, a)} and {_TORCH_NAMES.get(b, b)}"
+        )
+    rank_a, rank_b = _KIND_RANK[a.kind], _KIND_RANK[b.kind]
+    # A higher kind keeps its precision, except that complex takes a float's.
+    if rank_a != rank_b and not (min(rank_a, rank_b) == 2 and max(rank_a, rank_b) == 3):
+        return a if rank_a > rank_b else b
+    return np.promote_types(a, b)
+
+
+def _gather_numbers(batch: Sequence[Any]) -> np.ndarray[Any, Any]:
+    """A batch of mixed python and numpy numbers as one array of torch's promoted dtype."""
+    result: np.dtype[Any] | None = None
+    for value in batch:
+        dtype = _number_dtype(value)
+        if dtype is None:
+            raise TypeError(default_collate_err_msg_format.format(type(value)))
+        result = dtype if result is None else _promote(result, dtype)
+    try:
+        return np.array(batch, dtype=result)
+    except OverflowError:  # a python int beyond the integer dtype
+        raise ValueError("Overflow when unpacking long long") from None
 
 
 def collate_str_fn(batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None) -> Any:
@@ -472,3 +646,11 @@ default_collate_fn_map: CollateFnMap = {
 }
 # The untouched default map: a ColumnBatch takes the column fast path only under these rules.
 _DEFAULT_ENTRIES: CollateFnMap = dict(default_collate_fn_map)
+_TORCH_LEAVES.update(
+    {
+        np.ndarray: "collate_numpy_array_fn",
+        (np.bool_, np.number, np.object_): "collate_numpy_scalar_fn",
+        float: "collate_float_fn",
+        int: "collate_int_fn",
+    }
+)

@@ -322,6 +322,9 @@ class ArrayDataset(Dataset[tuple[Any, ...]]):
         self.arrays = arrays
         self._length = sizes[0]
         self._all_numpy = all(isinstance(array, np.ndarray) for array in arrays)
+        self._arrays_only = all(
+            isinstance(array, np.ndarray) or _is_torch_tensor(array) for array in arrays
+        )
         # Memory maps, HDF5 or zarr arrays read from disk: keep those off the event loop.
         self._in_memory = all(
             (type(array) is np.ndarray)
@@ -352,9 +355,10 @@ class ArrayDataset(Dataset[tuple[Any, ...]]):
     def __getitems__(self, indices: IndicesLike) -> Sequence[tuple[Any, ...]]:
         """Return the samples at ``indices`` (a list of ints or a 1-D integer array).
 
-        Over numpy arrays: a :class:`~aloader._collate.ColumnBatch` of ``array[indices]``
-        columns. Otherwise a list of per-sample tuples (torch tensors are still indexed once per
-        batch).
+        Over numpy arrays and torch tensors: a :class:`~aloader._collate.ColumnBatch` of
+        ``array[indices]`` columns (default_collate returns a tensor column as the batch, as
+        torch's stack of its rows would be). Otherwise a list of per-sample tuples (arrays and
+        tensors are still indexed once per batch).
         """
         if self._all_numpy:
             idx = _as_index_array(indices)
@@ -373,6 +377,8 @@ class ArrayDataset(Dataset[tuple[Any, ...]]):
                     columns.append(array[torch.from_numpy(idx_array)])
             else:
                 columns.append([array[index] for index in indices])
+        if self._arrays_only:
+            return ColumnBatch(columns)
         return list(zip(*columns, strict=True))
 
     def __len__(self) -> int:
@@ -901,12 +907,14 @@ def random_split(
 
     Fractions that sum to 1 give ``floor(len(dataset) * fraction)`` samples each, and the
     remainder is handed out one by one, round-robin from the first split. The splits are
-    consecutive slices of one random permutation of ``range(len(dataset))``.
+    consecutive slices of one random permutation of ``range(len(dataset))``; with a
+    ``torch.Generator`` that permutation is ``torch.randperm(len(dataset), generator=g)``, so the
+    splits equal torch's.
 
     Args:
         dataset: the dataset to split (async datasets work too).
         lengths: lengths of the splits, or fractions of ``len(dataset)`` summing to 1.
-        generator: ``None``, an int seed or a ``numpy.random.Generator``.
+        generator: ``None``, an int seed, a ``numpy.random.Generator`` or a ``torch.Generator``.
 
     Returns:
         One :class:`Subset` per length, its ``indices`` a list of ints.

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sized
 import numpy as np
 
 from ._random import IndexArray, permutation
-from ._sampler import Sampler, _iter_ints
+from ._sampler import _EPOCH_MAX, Sampler, _blocks, _concat, _iter_chunks
 
 __all__ = ("DistributedSampler",)
 
@@ -39,6 +39,10 @@ class DistributedSampler(Sampler[int]):
 
     Call :meth:`set_epoch` before each epoch to get a new order; otherwise every epoch repeats
     the same one. The dataset is assumed to keep its size.
+
+    Index ``j`` of the shard is ``order[(rank + j * num_replicas) % N]``, computed a block at a
+    time: without shuffling, a shard of a huge dataset starts at once in bounded memory (with
+    shuffling the permutation of ``N`` is built first, as torch builds it).
 
     Args:
         dataset: the dataset to sample from (only its ``len()`` is used).
@@ -96,39 +100,44 @@ class DistributedSampler(Sampler[int]):
         self.shuffle = shuffle
         self.seed = seed
 
-    def _epoch_indices(self) -> IndexArray:
+    def _epoch_chunks(self) -> Iterator[IndexArray]:
+        """This epoch's shard as consecutive int64 arrays; the order is drawn now."""
         n = len(self.dataset)
+        total = self.total_size
+        # The length torch's truncated (or cyclically padded) list reaches; torch asserts that
+        # it is total_size.
+        padded = min(n, total) if self.drop_last else total if 0 < n <= total else n
+        if padded != total:
+            raise AssertionError(
+                f"Number of indices ({padded}) does not match total_size ({total})"
+            )
+        order: IndexArray | None = None
         if self.shuffle:
             seed = int(self.seed) + int(self.epoch)
             # Like torch.manual_seed, a negative seed wraps around to an unsigned one.
             rng = np.random.default_rng(seed % _UINT64 if seed < 0 else seed)
-            indices = permutation(rng, n)
-        else:
-            indices = np.arange(n, dtype=np.int64)
+            order = permutation(rng, n)
+        return self._shard(order, n)
 
-        if not self.drop_last:
-            # Pad by repeating the order cyclically (whole copies first if padding exceeds N).
-            if 0 < n <= self.total_size:
-                indices = np.resize(indices, self.total_size)
-        else:
-            indices = indices[: self.total_size]
-        if len(indices) != self.total_size:
-            raise AssertionError(
-                f"Number of indices ({len(indices)}) does not match total_size ({self.total_size})"
-            )
+    def _shard(self, order: IndexArray | None, n: int) -> Iterator[IndexArray]:
+        for start, size in _blocks(self.num_samples):
+            positions = np.arange(start, start + size, dtype=np.int64)
+            positions *= self.num_replicas
+            positions += self.rank
+            if self.total_size > n:  # padded: positions past N wrap to the start
+                positions %= n
+            yield positions if order is None else order[positions]
 
-        shard = np.ascontiguousarray(indices[self.rank : self.total_size : self.num_replicas])
-        if len(shard) != self.num_samples:
-            raise AssertionError(
-                f"Number of subsampled indices ({len(shard)}) does not match "
-                f"num_samples ({self.num_samples})"
-            )
-        return shard
+    def _epoch_indices(self) -> IndexArray | None:
+        if self.num_samples > _EPOCH_MAX:
+            return None
+        return _concat(self._epoch_chunks())
 
     def __iter__(self) -> Iterator[int]:
         """Iterate over this rank's indices for the current epoch."""
-        # Built eagerly, as torch does: a set_epoch() after iter() does not affect this epoch.
-        return _iter_ints(self._epoch_indices())
+        # The order is drawn now, as torch does: a set_epoch() after iter() does not affect
+        # this epoch. Only the arithmetic on it is lazy.
+        return _iter_chunks(self._epoch_chunks())
 
     def __len__(self) -> int:
         """``num_samples``: the number of indices this rank gets per epoch."""

@@ -1,14 +1,23 @@
 """Random number plumbing shared by samplers, splits and the loader.
 
-Every public ``generator=`` argument accepts ``None`` (fresh OS entropy), an ``int`` seed or a
-:class:`numpy.random.Generator`. It is turned into one :class:`numpy.random.Generator` at
-construction, and every epoch draws from that same stream: the same seed gives the same sequence
-of epoch orders, and each epoch differs from the last.
+Every public ``generator=`` argument accepts ``None`` (fresh OS entropy), an ``int`` seed, a
+:class:`numpy.random.Generator` or a ``torch.Generator``. It is turned into one
+:class:`numpy.random.Generator` at construction, and every epoch draws from that same stream: the
+same seed gives the same sequence of epoch orders, and each epoch differs from the last.
+
+A ``torch.Generator`` becomes a :class:`TorchBacked` numpy Generator that keeps it: the draws that
+torch's samplers, ``random_split`` and ``DataLoader`` make (:func:`permutation`,
+:func:`integers`, :func:`draw_seed`) are made by torch with that generator, so a drop-in script
+passing ``generator=torch.Generator().manual_seed(s)`` gets torch's exact orders and base seeds.
+Its numpy side is seeded from the torch generator's state without advancing it (a draw would
+shift every later torch draw off torch's sequence), for the rare numpy-only draw.
 """
 
 from __future__ import annotations
 
-from typing import TypeAlias
+import hashlib
+import sys
+from typing import Any, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -18,9 +27,19 @@ try:
 except ImportError:  # built without a C compiler: the numpy path below does the same job
     _cperm = None  # type: ignore[assignment]
 
-__all__ = ("GeneratorLike", "IndexArray", "as_generator", "draw_seed", "permutation")
+__all__ = (
+    "GeneratorLike",
+    "IndexArray",
+    "TorchBacked",
+    "as_generator",
+    "draw_seed",
+    "integers",
+    "permutation",
+    "torch_generator",
+)
 
-GeneratorLike: TypeAlias = "int | np.random.Generator | None"
+# Any: a torch.Generator, typed without importing torch.
+GeneratorLike: TypeAlias = "int | np.random.Generator | Any | None"
 IndexArray: TypeAlias = "npt.NDArray[np.int64]"
 
 # Below this size numpy's own permutation is in cache and hard to beat.
@@ -28,12 +47,57 @@ _BUCKET_MIN = 1 << 17
 _BUCKETS = 256
 
 
+class TorchBacked(np.random.Generator):
+    """A numpy Generator standing for a ``torch.Generator``, whose draws go through torch.
+
+    Invariant: every draw aloader makes to order data (:func:`permutation`, :func:`integers`,
+    :func:`draw_seed`, weighted sampling) goes to :attr:`torch_generator` with the torch call
+    torch itself makes, so orders equal torch's for the same generator state. The numpy side
+    (this object's own methods) is seeded from a hash of the torch state and never advances it.
+
+    Args:
+        torch_generator: the ``torch.Generator`` to draw from (shared, not copied).
+    """
+
+    torch_generator: Any
+
+    def __init__(self, torch_generator: Any) -> None:
+        # A digest of the whole state (5 KB for the CPU generator) seeds numpy in microseconds.
+        digest = hashlib.blake2b(torch_generator.get_state().numpy().tobytes(), digest_size=32)
+        seed = int.from_bytes(digest.digest(), "little")
+        super().__init__(np.random.PCG64(np.random.SeedSequence(seed)))
+        self.torch_generator = torch_generator
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # numpy's own reduce would rebuild a plain Generator, silently dropping torch.
+        return (_rebuild_torch_backed, (self.torch_generator, self.bit_generator.state))
+
+    def __repr__(self) -> str:
+        return f"TorchBacked({self.torch_generator!r})"
+
+
+def _rebuild_torch_backed(torch_generator: Any, state: dict[str, Any]) -> TorchBacked:
+    rng = TorchBacked(torch_generator)
+    rng.bit_generator.state = state
+    return rng
+
+
+def _torch() -> Any:
+    return sys.modules["torch"]  # present: a torch.Generator exists
+
+
+def torch_generator(rng: np.random.Generator) -> Any | None:
+    """The ``torch.Generator`` behind ``rng``, or None for a plain numpy Generator."""
+    return rng.torch_generator if isinstance(rng, TorchBacked) else None
+
+
 def as_generator(generator: GeneratorLike) -> np.random.Generator:
     """Normalise a ``generator=`` argument into a :class:`numpy.random.Generator`.
 
     Args:
-        generator: ``None`` for fresh entropy, an int seed, or a Generator used as is (shared,
-            so it advances as the caller draws from it).
+        generator: ``None`` for fresh entropy, an int seed, a Generator used as is (shared,
+            so it advances as the caller draws from it), or a ``torch.Generator`` (shared too,
+            wrapped in a :class:`TorchBacked`).
 
     Raises:
         TypeError: for anything else (a bool or a float is not a seed).
@@ -42,6 +106,9 @@ def as_generator(generator: GeneratorLike) -> np.random.Generator:
         return np.random.default_rng()
     if isinstance(generator, np.random.Generator):
         return generator
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(generator, getattr(torch, "Generator", ())):
+        return TorchBacked(generator)
     if isinstance(generator, (int, np.integer)) and not isinstance(generator, bool):
         if int(generator) < 0:
             raise ValueError(
@@ -49,14 +116,37 @@ def as_generator(generator: GeneratorLike) -> np.random.Generator:
             )
         return np.random.default_rng(int(generator))
     raise TypeError(
-        "generator should be None, an int seed or a numpy.random.Generator, "
+        "generator should be None, an int seed, a numpy.random.Generator or a torch.Generator, "
         f"but got {type(generator).__name__}"
     )
 
 
 def draw_seed(rng: np.random.Generator) -> int:
-    """Draw a non-negative int64 seed from ``rng`` (torch's ``base_seed``)."""
+    """Draw a non-negative int64 seed from ``rng`` (torch's ``base_seed``).
+
+    From a :class:`TorchBacked` generator the draw is torch's own,
+    ``torch.empty((), dtype=torch.int64).random_(generator=g)``, so it equals torch's base seed.
+    """
+    tg = torch_generator(rng)
+    if tg is not None:
+        torch = _torch()
+        return int(torch.empty((), dtype=torch.int64).random_(generator=tg).item())
     return int(rng.integers(0, np.iinfo(np.int64).max, dtype=np.int64))
+
+
+def integers(rng: np.random.Generator, high: int, size: int) -> IndexArray:
+    """``size`` independent uniform draws from ``range(high)`` as an int64 array.
+
+    From a :class:`TorchBacked` generator: ``torch.randint(high=high, size=(size,))``, which
+    fills its output serially, so consecutive calls give the same stream as one call of the
+    total size (torch's RandomSampler draws 32 at a time).
+    """
+    tg = torch_generator(rng)
+    if tg is not None:
+        torch = _torch()
+        out = torch.randint(high=high, size=(size,), dtype=torch.int64, generator=tg)
+        return np.asarray(out.numpy(), dtype=np.int64)
+    return rng.integers(0, high, size=size, dtype=np.int64)
 
 
 def permutation(rng: np.random.Generator, n: int) -> IndexArray:
@@ -69,8 +159,12 @@ def permutation(rng: np.random.Generator, n: int) -> IndexArray:
     memory. The compiled fast path (``aloader._cperm``, built at install when a C compiler is
     there) does this in one pass with its own xoshiro256** stream seeded from ``rng``; the
     numpy fallback does the same with ``argsort`` and ``Generator.shuffle``. Both consume
-    ``rng`` and are reproducible from its state, but they give different orders.
+    ``rng`` and are reproducible from its state, but they give different orders. From a
+    :class:`TorchBacked` generator it is ``torch.randperm(n, generator=g)``, torch's order.
     """
+    tg = torch_generator(rng)
+    if tg is not None:
+        return np.asarray(_torch().randperm(n, generator=tg).numpy(), dtype=np.int64)
     if _cperm is not None and n >= _BUCKET_MIN:
         out: IndexArray = np.empty(n, dtype=np.int64)
         _cperm.permutation(out, int(rng.integers(0, 1 << 64, dtype=np.uint64)))

@@ -1,34 +1,52 @@
 """Samplers: the order in which a map-style dataset is read, with torch.utils.data's semantics.
 
-Every sampler whose epoch is a finite sequence of int indices draws that epoch as one int64
-array (``_epoch_indices``); ``__iter__`` only converts it to Python ints chunk by chunk. The
-DataLoader reads the arrays directly through :func:`epoch_indices` and :func:`epoch_batches`, so
-a shuffled epoch of millions of indices, cut into batches, never becomes a per-index Python loop.
+Every sampler whose epoch is a finite sequence of int indices draws that epoch as int64 arrays;
+``__iter__`` only converts them to Python ints chunk by chunk. The DataLoader reads the arrays
+directly through :func:`epoch_indices` and :func:`epoch_batches`, so a shuffled epoch of millions
+of indices, cut into batches, never becomes a per-index Python loop.
+
+Invariant: an epoch is the concatenation of its chunks, whichever path reads it. An epoch of at
+most ``_EPOCH_MAX`` indices is one chunk, drawn at once; a longer one
+(``RandomSampler(num_samples=10**12)``) is drawn chunk by chunk as it is consumed, so the first
+index comes at once and memory stays bounded by a chunk, not by the epoch.
 
 Private protocol (relied on by the DataLoader):
 
-* ``sampler._epoch_indices() -> IndexArray``: one epoch's order as a 1-D int64 array. Calling it
-  draws the next epoch exactly as one ``__iter__`` would (the RNG advances identically).
-  :class:`SubsetRandomSampler` returns ``None`` without drawing when its indices are not ints.
+* ``sampler._epoch_indices() -> IndexArray | None``: one epoch's order as a 1-D int64 array.
+  Calling it draws the next epoch exactly as one ``__iter__`` would (the RNG advances
+  identically). It returns ``None`` without drawing when there is no array form
+  (:class:`SubsetRandomSampler` over indices that are not ints) or when the epoch is longer than
+  ``_EPOCH_MAX``.
+* ``sampler._epoch_chunks() -> Iterator[IndexArray] | None``: the epoch as consecutive int64
+  arrays (long epochs drawn lazily), or ``None`` without drawing when there is no array form.
 * ``batch_sampler._epoch_batches() -> Iterator[IndexArray] | None``: one epoch's batches as int64
-  array views, or ``None`` when the inner sampler has no array form.
+  arrays (views of the chunks where a batch lies in one), or ``None`` when the inner sampler has
+  no array form.
 """
 
 from __future__ import annotations
 
 import itertools
 import numbers
+import sys
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence, Sized
 from typing import Generic, TypeGuard, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from ._random import GeneratorLike, IndexArray, as_generator, permutation
+from ._random import (
+    GeneratorLike,
+    IndexArray,
+    as_generator,
+    integers,
+    permutation,
+    torch_generator,
+)
 
 __all__ = (
     "BatchSampler", "RandomSampler", "Sampler", "SequentialSampler", "SubsetRandomSampler",
-    "WeightedRandomSampler", "epoch_batches", "epoch_indices",
+    "WeightedRandomSampler", "epoch_batches", "epoch_chunks", "epoch_indices",
 )
 
 T_co = TypeVar("T_co", covariant=True)
@@ -37,13 +55,54 @@ T_co = TypeVar("T_co", covariant=True)
 # small enough that a 10M epoch never holds 10M Python ints at once.
 _CHUNK = 1 << 16
 
+# The longest epoch drawn as one array (128 MiB of int64); longer ones are drawn _BLOCK indices
+# at a time as they are consumed.
+_EPOCH_MAX = 1 << 24
+_BLOCK = 1 << 20
+
 _EMPTY: IndexArray = np.empty(0, dtype=np.int64)
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 def _iter_ints(indices: IndexArray) -> Iterator[int]:
     """Yield the entries of ``indices`` as Python ints, converted chunk-wise."""
     for start in range(0, len(indices), _CHUNK):
         yield from indices[start : start + _CHUNK].tolist()
+
+
+def _iter_chunks(chunks: Iterable[IndexArray]) -> Iterator[int]:
+    """Yield the entries of consecutive index arrays as Python ints."""
+    for chunk in chunks:
+        yield from _iter_ints(chunk)
+
+
+def _blocks(total: int) -> Iterator[tuple[int, int]]:
+    """``(start, size)`` of the draws an epoch of ``total`` indices is made of: one when it is
+    at most ``_EPOCH_MAX``, else consecutive ``_BLOCK``-sized ones."""
+    if total <= _EPOCH_MAX:
+        if total:
+            yield 0, total
+        return
+    for start in range(0, total, _BLOCK):
+        yield start, min(_BLOCK, total - start)
+
+
+def _concat(chunks: Iterable[IndexArray]) -> IndexArray:
+    """The concatenation of ``chunks`` (the chunk itself when there is one)."""
+    parts = [chunk for chunk in chunks if len(chunk)]
+    if not parts:
+        return _EMPTY
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _range_chunks(r: range) -> Iterator[IndexArray] | None:
+    """``r`` as consecutive int64 arrays, or None when its values do not fit in int64."""
+    if len(r) and (min(r[0], r[-1]) < -_INT64_MAX - 1 or max(r[0], r[-1]) > _INT64_MAX):
+        return None
+    return (
+        np.arange(r[start], r[start] + size * r.step, r.step, dtype=np.int64)
+        for start, size in _blocks(len(r))
+    )
 
 
 def _as_index_array(obj: object) -> IndexArray | None:
@@ -103,9 +162,33 @@ def epoch_indices(sampler: object) -> IndexArray | None:
     if _fast_path_matches_iter(sampler, "_epoch_indices"):
         result = sampler._epoch_indices()  # type: ignore[attr-defined]
         return cast("IndexArray | None", result)
-    if isinstance(sampler, (range, list, tuple, np.ndarray)):
+    if isinstance(sampler, range):
+        chunks = _range_chunks(sampler) if len(sampler) <= _EPOCH_MAX else None
+        return None if chunks is None else _concat(chunks)
+    if isinstance(sampler, (list, tuple, np.ndarray)):
         return _as_index_array(sampler)
     return None
+
+
+def epoch_chunks(sampler: object) -> Iterator[IndexArray] | None:
+    """Draw one epoch of ``sampler`` as consecutive int64 arrays, or ``None`` without array form.
+
+    Like :func:`epoch_indices`, but an epoch longer than ``_EPOCH_MAX`` (and a long ``range``)
+    comes as a lazy iterator of bounded arrays instead of ``None``.
+
+    Args:
+        sampler: any sampler or iterable of indices.
+
+    Returns:
+        An iterator over the epoch's chunks, or ``None``.
+    """
+    if _fast_path_matches_iter(sampler, "_epoch_chunks"):
+        result = sampler._epoch_chunks()  # type: ignore[attr-defined]
+        return cast("Iterator[IndexArray] | None", result)
+    if isinstance(sampler, range):
+        return _range_chunks(sampler)
+    indices = epoch_indices(sampler)
+    return None if indices is None else iter((indices,))
 
 
 def epoch_batches(batch_sampler: object) -> Iterator[IndexArray] | None:
@@ -152,7 +235,41 @@ class Sampler(Generic[T_co]):
     # missing, and len() raises TypeError.
 
 
-class SequentialSampler(Sampler[int]):
+class _ArraySampler(Sampler[int]):
+    """A sampler whose epochs subclasses draw as int64 chunks with ``_draw()``.
+
+    Subclasses define ``_epoch_size()`` (the indices in the next epoch) and ``_draw()`` (a
+    generator of the epoch's consecutive chunks, each at most ``_BLOCK`` long when the epoch is
+    longer than ``_EPOCH_MAX``). This class turns that into the module's protocol; a subclass
+    overriding ``_epoch_indices`` alone changes every path consistently.
+    """
+
+    def _epoch_size(self) -> int:
+        raise NotImplementedError
+
+    def _draw(self) -> Iterator[IndexArray]:
+        raise NotImplementedError
+
+    def _epoch_indices(self) -> IndexArray | None:
+        if self._epoch_size() > _EPOCH_MAX:
+            return None
+        return _concat(self._draw())
+
+    def _epoch_chunks(self) -> Iterator[IndexArray] | None:
+        if self._epoch_size() > _EPOCH_MAX:
+            return self._draw()
+        indices = self._epoch_indices()
+        return None if indices is None else iter((indices,))
+
+    def __iter__(self) -> Iterator[int]:
+        """Iterate over one freshly drawn epoch."""
+        # A generator: nothing is drawn before the first index is asked for, as in torch.
+        chunks = self._epoch_chunks()
+        if chunks is not None:
+            yield from _iter_chunks(chunks)
+
+
+class SequentialSampler(_ArraySampler):
     """Samples elements sequentially, always in the same order.
 
     Args:
@@ -164,30 +281,39 @@ class SequentialSampler(Sampler[int]):
     def __init__(self, data_source: Sized) -> None:
         self.data_source = data_source
 
-    def _epoch_indices(self) -> IndexArray:
-        return np.arange(len(self.data_source), dtype=np.int64)
+    def _epoch_size(self) -> int:
+        return len(self.data_source)
 
-    def __iter__(self) -> Iterator[int]:
-        """Iterate over ``range(len(data_source))``."""
-        return _iter_ints(self._epoch_indices())
+    def _draw(self) -> Iterator[IndexArray]:
+        chunks = _range_chunks(range(len(self.data_source)))
+        assert chunks is not None  # a len() fits in int64
+        return chunks
 
     def __len__(self) -> int:
         """``len(data_source)``."""
         return len(self.data_source)
 
 
-class RandomSampler(Sampler[int]):
+class RandomSampler(_ArraySampler):
     """Samples elements randomly; without replacement it samples from a shuffled dataset.
 
     Without replacement and ``num_samples > len(data_source)``, an epoch is
     ``num_samples // n`` full permutations followed by a prefix of one more (torch's rule).
+    An epoch longer than ``2**24`` indices is drawn lazily, a block at a time, so
+    ``num_samples=10**12`` starts at once.
+
+    With a ``torch.Generator`` the epochs are torch's own: ``torch.randperm`` and
+    ``torch.randint`` with that generator, drawn as torch's RandomSampler draws them (including
+    the permutation torch draws for an empty tail), so the same generator state gives the same
+    orders as ``torch.utils.data.RandomSampler`` epoch after epoch. Other generators give numpy
+    orders, which differ from torch's.
 
     Args:
         data_source: the dataset to sample from; its ``len()`` is read at each epoch.
         replacement: draw indices independently (with replacement) if True.
         num_samples: indices per epoch; defaults to ``len(data_source)``.
-        generator: None, an int seed or a :class:`numpy.random.Generator`; converted once,
-            and every epoch draws from it.
+        generator: None, an int seed, a :class:`numpy.random.Generator` or a
+            ``torch.Generator``; converted once, and every epoch draws from it.
 
     Raises:
         TypeError: if ``replacement`` is not a bool.
@@ -228,7 +354,10 @@ class RandomSampler(Sampler[int]):
             return len(self.data_source)
         return self._num_samples
 
-    def _epoch_indices(self) -> IndexArray:
+    def _epoch_size(self) -> int:
+        return self.num_samples
+
+    def _draw(self) -> Iterator[IndexArray]:
         n = len(self.data_source)
         num_samples = self.num_samples
         if n == 0:
@@ -238,18 +367,17 @@ class RandomSampler(Sampler[int]):
             )
         rng = self.generator
         if self.replacement:
-            return rng.integers(0, n, size=num_samples, dtype=np.int64)
-        if num_samples == n:
-            return permutation(rng, n)
+            for _, size in _blocks(num_samples):
+                yield integers(rng, n, size)
+            return
         full, rest = divmod(num_samples, n)
-        parts = [permutation(rng, n) for _ in range(full)]
-        if rest:
-            parts.append(permutation(rng, n)[:rest])
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-    def __iter__(self) -> Iterator[int]:
-        """Iterate over one freshly drawn epoch."""
-        yield from _iter_ints(self._epoch_indices())
+        # Whole permutations, grouped so that a chunk of a long epoch holds about _BLOCK.
+        group = max(1, full if num_samples <= _EPOCH_MAX else _BLOCK // n)
+        for start in range(0, full, group):
+            yield _concat([permutation(rng, n) for _ in range(min(group, full - start))])
+        if rest or torch_generator(rng) is not None:
+            # torch draws the tail's permutation even when the tail is empty.
+            yield permutation(rng, n)[:rest]
 
     def __len__(self) -> int:
         """``num_samples``."""
@@ -259,9 +387,13 @@ class RandomSampler(Sampler[int]):
 class SubsetRandomSampler(Sampler[int]):
     """Samples elements randomly from a given sequence of indices, without replacement.
 
+    With a ``torch.Generator`` each epoch is ``torch.randperm(len(indices), generator=g)``,
+    torch's order.
+
     Args:
         indices: the indices to sample from (read at each epoch).
-        generator: None, an int seed or a :class:`numpy.random.Generator`.
+        generator: None, an int seed, a :class:`numpy.random.Generator` or a
+            ``torch.Generator``.
     """
 
     indices: Sequence[int]
@@ -294,18 +426,24 @@ class SubsetRandomSampler(Sampler[int]):
         return len(self.indices)
 
 
-class WeightedRandomSampler(Sampler[int]):
+class WeightedRandomSampler(_ArraySampler):
     """Samples ``[0, len(weights))`` with the given (unnormalised) probabilities.
 
     With replacement, draws are independent. Without replacement no index is drawn twice: the
     order is that of successive weighted draws from the remaining indices (indices of weight 0
     come last, in random order, as they only fill up when the positive weights run out).
 
+    With a ``torch.Generator`` the draws are torch's, ``torch.multinomial(weights, num_samples,
+    replacement, generator=g)``, so the orders equal torch's; except that an epoch longer than
+    ``2**24`` is drawn lazily, one multinomial call per block (torch's single call would
+    allocate the whole epoch).
+
     Args:
         weights: a 1-D sequence of non-negative weights, not necessarily summing to one.
         num_samples: indices per epoch.
         replacement: draw with replacement if True.
-        generator: None, an int seed or a :class:`numpy.random.Generator`.
+        generator: None, an int seed, a :class:`numpy.random.Generator` or a
+            ``torch.Generator``.
 
     Raises:
         ValueError: if ``num_samples`` is not a positive integer, ``replacement`` not a bool or
@@ -369,16 +507,31 @@ class WeightedRandomSampler(Sampler[int]):
             raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
         return w
 
-    def _epoch_indices(self) -> IndexArray:
+    def _epoch_size(self) -> int:
+        return self.num_samples
+
+    def _draw(self) -> Iterator[IndexArray]:
         w = self._check_weights()
         rng = self.generator
+        tg = torch_generator(rng)
+        if tg is not None:
+            torch = sys.modules["torch"]  # present: the generator is torch's
+            weights = torch.from_numpy(w)
+            k = self.num_samples
+            sizes = [size for _, size in _blocks(k)] if self.replacement else [k]
+            for size in sizes:
+                drawn = torch.multinomial(weights, size, self.replacement, generator=tg)
+                yield np.asarray(drawn.numpy(), dtype=np.int64)
+            return
         if self.replacement:
             # Inverse-CDF sampling; scaling by the max first keeps huge weights from overflowing.
             cdf = np.cumsum(w / w.max())
             cdf /= cdf[-1]
-            # u < 1 == cdf[-1], and "right" never lands on a zero-weight index.
-            u = rng.random(self.num_samples)
-            return np.searchsorted(cdf, u, side="right").astype(np.int64, copy=False)
+            for _, size in _blocks(self.num_samples):
+                # u < 1 == cdf[-1], and "right" never lands on a zero-weight index.
+                u = rng.random(size)
+                yield np.searchsorted(cdf, u, side="right").astype(np.int64, copy=False)
+            return
         # Exponential race (as torch): the k largest w / E_i, in decreasing order, are k
         # successive weighted draws without replacement. Zero weights rank below every positive
         # one, in random order.
@@ -392,22 +545,32 @@ class WeightedRandomSampler(Sampler[int]):
             order = top[np.argsort(neg[top], kind="stable")]
         else:
             order = np.argsort(neg, kind="stable")
-        return order.astype(np.int64, copy=False)
-
-    def __iter__(self) -> Iterator[int]:
-        """Iterate over one freshly drawn epoch of ``num_samples`` indices."""
-        yield from _iter_ints(self._epoch_indices())
+        yield order.astype(np.int64, copy=False)
 
     def __len__(self) -> int:
         """``num_samples``."""
         return self.num_samples
 
 
-def _slices(indices: IndexArray, batch_size: int, drop_last: bool) -> Iterator[IndexArray]:
-    n = len(indices)
-    stop = n - n % batch_size if drop_last else n
-    for start in range(0, stop, batch_size):
-        yield indices[start : start + batch_size]
+def _slices(
+    chunks: Iterable[IndexArray], batch_size: int, drop_last: bool
+) -> Iterator[IndexArray]:
+    """Cut consecutive index chunks into batches: views of a chunk, or joined across two."""
+    carry = _EMPTY
+    for chunk in chunks:
+        if len(carry):
+            need = batch_size - len(carry)
+            if len(chunk) < need:
+                carry = np.concatenate([carry, chunk])
+                continue
+            yield np.concatenate([carry, chunk[:need]])
+            chunk = chunk[need:]
+        stop = len(chunk) - len(chunk) % batch_size
+        for start in range(0, stop, batch_size):
+            yield chunk[start : start + batch_size]
+        carry = chunk[stop:]
+    if len(carry) and not drop_last:
+        yield carry
 
 
 class BatchSampler(Sampler[list[int]]):
@@ -454,10 +617,10 @@ class BatchSampler(Sampler[list[int]]):
         self.drop_last = drop_last
 
     def _epoch_batches(self) -> Iterator[IndexArray] | None:
-        indices = epoch_indices(self.sampler)
-        if indices is None:
+        chunks = epoch_chunks(self.sampler)
+        if chunks is None:
             return None
-        return _slices(indices, self.batch_size, self.drop_last)
+        return _slices(chunks, self.batch_size, self.drop_last)
 
     def __iter__(self) -> Iterator[list[int]]:
         """Iterate over one epoch of batches, each a list of ints.

@@ -6,6 +6,7 @@ import collections
 import re
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -782,12 +783,11 @@ def test_torch_tensors_are_stacked_as_tensors() -> None:
     assert isinstance(out, torch.Tensor)
     assert torch.equal(out, torch.stack(tensors))
 
+    # A tensor anywhere in the sample: the whole batch is torch's, numpy arrays and ints too.
     batch = [{"t": torch.ones(2) * i, "a": np.full(2, i), "n": i} for i in range(3)]
     out = default_collate(batch)
-    assert isinstance(out["t"], torch.Tensor) and isinstance(out["a"], np.ndarray)
-    expected = torch.utils.data.default_collate(batch)
-    assert torch.equal(out["t"], expected["t"])
-    np.testing.assert_array_equal(out["a"], expected["a"].numpy())
+    assert all(isinstance(out[key], torch.Tensor) for key in "tan")
+    assert_equals_torch(out, torch.utils.data.default_collate(batch))
 
     params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)]  # a Tensor subclass
     assert torch.equal(default_collate(params), torch.zeros(2, 2))
@@ -881,3 +881,300 @@ def test_default_convert_structures_match_torch(schema: Any, data: st.DataObject
     torch = pytest.importorskip("torch")
     sample = draw_sample(data, schema)
     assert_matches_torch(default_convert(sample), torch.utils.data.default_convert(sample))
+
+
+# ---------------------------------------------------------------------------------------------
+# numpy mode: mixed number types promote as torch promotes them
+
+
+MIXED_NUMBER_CASES: list[list[Any]] = [
+    [np.int64(1), 2.5],
+    [np.float32(1), 2.5],
+    [np.int64(1), np.float32(2)],
+    [True, np.uint8(200)],
+    [np.uint8(200), True],
+    [np.int8(1), 300],
+    [np.int32(1), 2],
+    [np.float16(1), 2.5],
+    [2.5, np.float32(1)],
+    [1, np.float32(2.5)],
+    [1, np.int8(2)],
+    [1, np.uint8(2)],
+    [1.5, np.int64(2)],
+    [True, 2.5],
+    [1, np.complex64(1j)],
+    [np.complex64(1j), 2.5],
+    [np.uint8(1), np.int8(2)],
+    [np.float32(1), np.float64(2)],
+    [np.float16(1), np.int64(2)],
+    [np.uint16(1), 2.5, 2],
+    [np.uint16(1), np.float32(2)],
+    [np.uint64(2**63), 1.5],
+    [2.5, np.uint64(3)],
+    [np.int8(1), 1j],
+    [np.float64(1), 1j],
+    [np.bool_(True), 1.5],
+    [np.float32(1), True],
+    [np.float32(1), 2**70],
+    [1, 2**70, 1.5],
+    [np.float16(1), 2.5, np.int64(1)],
+    [np.int64(1), True],
+    [np.uint8(1), 1000],
+    [np.uint32(5), np.uint32(6)],
+]
+
+
+@pytest.mark.parametrize("batch", MIXED_NUMBER_CASES, ids=repr)
+def test_mixed_numbers_match_torch(batch: list[Any]) -> None:
+    torch_collate = _torch_collate()
+    assert_matches_torch(default_collate(batch), torch_collate(batch))
+    assert "torch" in sys.modules  # (the test imports it; numpy mode does not need it)
+
+
+MIXED_NUMBER_ERRORS: list[list[Any]] = [
+    [np.uint16(1), np.int8(2)],
+    [np.uint16(1), 2],
+    [np.int64(1), np.uint64(2)],
+    [np.uint32(1), np.uint16(2)],
+    [np.uint16(1), True],
+    [1, np.uint32(3)],
+    [np.uint16(1), 2, 2.5],  # left to right: uint16 meets int64 before the float
+    [np.uint16(1), np.complex64(1j)],
+    [np.uint8(1), np.int8(1), np.uint16(3)],
+    [np.int64(1), 2**63],
+    [1, 2**70],
+    [np.float32(1), "a"],
+    [1, "a"],
+]
+
+
+@pytest.mark.parametrize("batch", MIXED_NUMBER_ERRORS, ids=repr)
+def test_mixed_number_errors_match_torch(batch: list[Any]) -> None:
+    torch_collate = _torch_collate()
+    with pytest.raises(Exception) as theirs:
+        torch_collate(batch)
+    with pytest.raises(Exception) as ours:
+        default_collate(batch)
+    assert type(ours.value) is type(theirs.value)
+    if not isinstance(theirs.value, TypeError):  # torch's conversion messages differ
+        assert str(ours.value) == str(theirs.value)
+
+
+def test_documented_differences_from_torch_in_numpy_mode() -> None:
+    # np.bool_ with integers: the integers (torch raises TypeError).
+    assert_same(default_collate([np.bool_(True), 1]), np.array([1, 1], dtype=np.int64))
+    assert_same(default_collate([np.bool_(True), np.int8(3)]), np.array([1, 3], dtype=np.int8))
+    # A numpy complex after a python float is refused (torch drops its imaginary part).
+    with pytest.raises(TypeError):
+        default_collate([1.5, np.complex64(1j)])
+    # uint64 and longdouble scalars are collated (torch refuses them).
+    assert_same(default_collate([np.uint64(2**63), np.uint64(1)]),
+                np.array([2**63, 1], dtype=np.uint64))
+    assert default_collate([np.longdouble(1), 1]).dtype == np.longdouble
+
+
+def test_mixed_numbers_fail_before_this_fix() -> None:
+    # Regression: numpy's promotion used to give float64 here, and an overflow error for the
+    # bool/uint8 mix.
+    assert_same(default_collate([np.int64(1), 2.5]), np.array([1, 2.5], dtype=np.float32))
+    assert_same(default_collate([True, np.uint8(200)]), np.array([1, 200], dtype=np.uint8))
+    assert_same(default_collate([1, np.complex64(1j)]), np.array([1, 1j], dtype=np.complex64))
+
+
+_SCALAR_DTYPES = [np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64, np.uint16,
+                  np.uint32, np.float16, np.float32, np.float64, np.complex64, np.complex128]
+numbers_strategy = st.one_of(
+    st.booleans(),
+    st.integers(-100, 100),
+    st.floats(-100, 100),
+    st.complex_numbers(max_magnitude=100),
+    st.tuples(st.sampled_from(_SCALAR_DTYPES), st.integers(0, 100)).map(lambda p: p[0](p[1])),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(numbers_strategy, min_size=1, max_size=5))
+def test_mixed_number_batches_match_torch(batch: list[Any]) -> None:
+    torch_collate = _torch_collate()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            theirs = torch_collate(batch)
+    except TypeError:
+        # torch cannot turn np.bool_ into an integer, nor collate complex after a float; the
+        # first is a documented difference, the second raises here too.
+        if any(type(b) is np.bool_ for b in batch):
+            return
+        with pytest.raises(TypeError):
+            default_collate(batch)
+        return
+    except RuntimeError as exc:
+        with pytest.raises(RuntimeError) as ours:
+            default_collate(batch)
+        assert str(ours.value) == str(exc)
+        return
+    if any(issubclass(w.category, np.exceptions.ComplexWarning) for w in caught):
+        # torch drops the imaginary part of a numpy complex after a python float; we refuse.
+        with pytest.raises(TypeError):
+            default_collate(batch)
+        return
+    assert_matches_torch(default_collate(batch), theirs)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch mode: a tensor anywhere in the first sample makes the whole batch torch's
+
+
+def assert_equals_torch(ours: Any, theirs: Any) -> None:
+    """The same structure and container types, and tensors of the same dtype, shape, values."""
+    torch = sys.modules["torch"]
+    assert type(ours) is type(theirs), (type(ours), type(theirs))
+    if isinstance(theirs, torch.Tensor):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True)
+        assert ours.dtype == theirs.dtype
+    elif isinstance(theirs, Mapping):
+        assert list(ours) == list(theirs)
+        for key in theirs:
+            assert_equals_torch(ours[key], theirs[key])
+    elif isinstance(theirs, Sequence | collections.deque) and not isinstance(theirs, str | bytes):
+        assert len(ours) == len(theirs)
+        for a, b in zip(ours, theirs, strict=True):
+            assert_equals_torch(a, b)
+    elif isinstance(theirs, np.ndarray):  # string arrays that default_convert leaves alone
+        assert_same(ours, theirs)
+    else:
+        assert ours == theirs
+
+
+def _torch_mode_cases() -> list[tuple[str, list[Any]]]:
+    torch = pytest.importorskip("torch")
+    t = [torch.arange(3, dtype=torch.float32) + i for i in range(3)]
+    return [
+        ("tensor, int", [(t[i], i) for i in range(3)]),
+        ("tensor, float", [(t[i], i * 0.5) for i in range(3)]),
+        ("tensor, bool", [(t[i], i % 2 == 0) for i in range(3)]),
+        ("int, tensor", [(i, t[i]) for i in range(3)]),
+        ("tensor, ndarray", [(t[i], np.full((2, 2), i, np.float32)) for i in range(3)]),
+        ("tensor, 0-d ndarray", [(t[i], np.array(i, np.int16)) for i in range(3)]),
+        ("tensor, uint8 ndarray", [(t[i], np.full(2, i, np.uint8)) for i in range(3)]),
+        ("tensor, np.float32", [(t[i], np.float32(i)) for i in range(3)]),
+        ("tensor, np.int16", [(t[i], np.int16(i)) for i in range(3)]),
+        ("tensor, np.bool_", [(t[i], np.bool_(i)) for i in range(3)]),
+        ("tensor, str", [(t[i], f"s{i}") for i in range(3)]),
+        ("tensor, bytes", [(t[i], b"b") for i in range(3)]),
+        ("tensor, int list", [[t[i], [i, i + 1]] for i in range(3)]),
+        ("tensor, np.int64 then float", [(t[0], np.int64(1)), (t[1], 2.5), (t[2], 3)]),
+        ("tensor, np.float32 then float", [(t[0], np.float32(1)), (t[1], 2.5)]),
+        ("tensor, int64 + float32 scalars", [(t[0], np.int64(1)), (t[1], np.float32(2))]),
+        ("tensor, True then np.uint8", [(t[0], True), (t[1], np.uint8(200))]),
+        ("tensor, int then float", [(t[0], 1), (t[1], 2.5)]),
+        ("tensor, float then int", [(t[0], 1.5), (t[1], 2)]),
+        ("dict", [{"x": t[i], "y": i, "z": "s", "w": {"a": np.zeros(2), "b": i * 1.5}}
+                  for i in range(3)]),
+        ("OrderedDict", [collections.OrderedDict(t=t[i], n=i) for i in range(2)]),
+        ("defaultdict", [collections.defaultdict(int, t=t[i], n=np.int8(i)) for i in range(2)]),
+        ("namedtuple", [Point(t[i], i) for i in range(3)]),
+        ("NamedTuple", [Pair(t[i], (i, np.float64(i))) for i in range(3)]),
+        ("deep tensor", [({"a": [np.zeros(2), (i, t[i])]}, i) for i in range(3)]),
+        ("TaggedList", [TaggedList([t[i], i]) for i in range(2)]),
+        ("tensors only", t),
+        ("int64 tensors", [torch.tensor(i) for i in range(3)]),
+        ("Parameter", [(torch.nn.Parameter(torch.zeros(2)), 1)] * 2),
+    ]
+
+
+def _torch_mode_case_ids() -> list[str]:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return ["no torch"]
+    return [name for name, _ in _torch_mode_cases()]
+
+
+@pytest.mark.parametrize("index", range(len(_torch_mode_case_ids())), ids=_torch_mode_case_ids())
+def test_torch_mode_matches_torch_exactly(index: int) -> None:
+    torch = pytest.importorskip("torch")
+    _, batch = _torch_mode_cases()[index]
+    theirs = torch.utils.data.default_collate(batch)
+    ours = default_collate(batch)
+    assert_equals_torch(ours, theirs)
+
+
+def test_tensor_with_int_label_gives_an_int64_tensor() -> None:
+    torch = pytest.importorskip("torch")
+    batch = [(torch.randn(3), 1), (torch.randn(3), 0)]
+    _, y = default_collate(batch)
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.int64
+    # What the drop-in user does next: torch's losses take it.
+    torch.nn.functional.cross_entropy(torch.randn(2, 4), y)
+
+
+def test_torch_mode_keeps_user_entries_of_the_map(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+
+    def ints_as_lists(batch: Any, *, collate_fn_map: Any = None) -> Any:
+        return list(batch)
+
+    monkeypatch.setitem(default_collate_fn_map, int, ints_as_lists)
+    _, y = default_collate([(torch.zeros(1), 1), (torch.zeros(1), 2)])
+    assert y == [1, 2]  # the user's function, not torch's
+    assert isinstance(default_collate([(torch.zeros(1), 1.5)] * 2)[1], torch.Tensor)
+
+
+TORCH_MODE_ERRORS: list[tuple[str, Any]] = [
+    ("string array", lambda t: [(t, np.array(["a"]))] * 2),
+    ("list lengths", lambda t: [(t, [1, 2]), (t, [1])]),
+    ("array shapes", lambda t: [(t, np.zeros(2)), (t, np.zeros(3))]),
+    ("int overflow", lambda t: [(t, 2**63)] * 2),
+    ("None", lambda t: [(t, None)] * 2),
+    ("complex", lambda t: [(t, 1j)] * 2),
+]
+
+
+@pytest.mark.parametrize("make", [m for _, m in TORCH_MODE_ERRORS],
+                         ids=[n for n, _ in TORCH_MODE_ERRORS])
+def test_torch_mode_errors_match_torch(make: Any) -> None:
+    torch = pytest.importorskip("torch")
+    batch = make(torch.zeros(2))
+    with pytest.raises(Exception) as theirs:
+        torch.utils.data.default_collate(batch)
+    with pytest.raises(Exception) as ours:
+        default_collate(batch)
+    assert type(ours.value) is type(theirs.value)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_column_batch_of_tensors_matches_torch() -> None:
+    torch = pytest.importorskip("torch")
+    x = torch.randn(5, 3)
+    y = torch.arange(5)
+    columns = ColumnBatch([x, y, np.arange(5, dtype=np.int16), [0.5] * 5, ["a"] * 5])
+    theirs = torch.utils.data.default_collate(list(columns))
+    ours = default_collate(columns)
+    assert_equals_torch(ours, theirs)
+    assert ours[0] is x  # a dense tensor column is its stacked rows already
+
+
+TORCH_CONVERT_CASES: list[Any] = [
+    ("tensor, ndarray, int", lambda t: (t, np.zeros(2), 3)),
+    ("dict", lambda t: {"t": t, "a": np.arange(3), "s": np.float32(1.5), "n": "x"}),
+    ("namedtuple", lambda t: Point(t, np.int8(1))),
+    ("string array", lambda t: [t, np.array(["a"])]),
+    ("tensor", lambda t: t),
+]
+
+
+@pytest.mark.parametrize("make", [m for _, m in TORCH_CONVERT_CASES],
+                         ids=[n for n, _ in TORCH_CONVERT_CASES])
+def test_default_convert_with_tensors_matches_torch(make: Any) -> None:
+    torch = pytest.importorskip("torch")
+    sample = make(torch.ones(2))
+    assert_equals_torch(default_convert(sample), torch.utils.data.default_convert(sample))
+
+
+def test_numpy_data_stays_numpy_with_torch_imported() -> None:
+    pytest.importorskip("torch")
+    out = default_collate([(np.zeros(2), 1, {"a": 1.5})] * 2)
+    assert isinstance(out[0], np.ndarray) and isinstance(out[1], np.ndarray)
+    assert isinstance(out[2]["a"], np.ndarray)
+    assert isinstance(default_convert((np.zeros(2), 1))[0], np.ndarray)

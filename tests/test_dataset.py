@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import aloader
 from aloader import (
     ArrayDataset,
     ChainDataset,
@@ -248,7 +249,9 @@ def test_array_dataset_torch_tensors() -> None:
     x = np.arange(6)
     ds = ArrayDataset(t, x)
     got = ds.__getitems__(np.asarray([5, 0, 2]))
-    assert isinstance(got, list) and len(got) == 3
+    # Column-wise, as over numpy arrays: the tensor column is indexed once.
+    assert isinstance(got, ColumnBatch) and len(got) == 3
+    assert torch.equal(got.columns[0], t[[5, 0, 2]])
     for sample, i in zip(got, [5, 0, 2], strict=True):
         assert isinstance(sample[0], torch.Tensor)
         assert torch.equal(sample[0], t[i])
@@ -990,3 +993,56 @@ def test_wrappers_declare_array_indices() -> None:
     assert ConcatDataset([inline, Plain(2)])._array_indices
     assert StackDataset(inline, Plain(4))._array_indices
     assert not StackDataset(inline, Batched(4))._array_indices
+
+
+# ------------------------------------------------------- TensorDataset over torch tensors
+
+
+def _tensor_dataset_cases() -> list[Any]:
+    return [
+        lambda torch: (torch.randn(10, 3), torch.arange(10)),
+        lambda torch: (torch.randn(10, 3), np.arange(10)),
+        lambda torch: (torch.randn(10, 3), np.arange(10, dtype=np.int16)),
+        lambda torch: (torch.randn(10, 3), list(range(10))),
+        lambda torch: (torch.randn(10, 3), [i * 0.5 for i in range(10)]),
+        lambda torch: (torch.randn(10, 3), [f"s{i}" for i in range(10)]),
+        lambda torch: (np.zeros((10, 2), np.float32), torch.arange(10)),
+        lambda torch: (torch.randn(10, 2, 2).double(), torch.arange(10) % 2 == 0),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_tensor_dataset_cases())))
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_tensor_dataset_batches_are_torchs(index: int, batch_size: int) -> None:
+    torch = pytest.importorskip("torch")
+    arrays = _tensor_dataset_cases()[index](torch)
+    ours = aloader.DataLoader(
+        aloader.TensorDataset(*arrays), batch_size=batch_size, shuffle=True,
+        generator=torch.Generator().manual_seed(1),
+    )
+    # torch's reference: its DataLoader over the same samples.
+    theirs = torch.utils.data.DataLoader(
+        list(zip(*arrays, strict=True)), batch_size=batch_size, shuffle=True,
+        generator=torch.Generator().manual_seed(1),
+    )
+    for _ in range(2):
+        got, expected = list(ours), list(theirs)
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected, strict=True):
+            assert type(a) is type(b) is list and len(a) == len(b)
+            for x, y in zip(a, b, strict=True):
+                assert type(x) is type(y)
+                if isinstance(y, torch.Tensor):
+                    assert x.dtype == y.dtype and torch.equal(x, y)
+                else:
+                    assert x == y
+
+
+def test_tensor_dataset_of_tensors_matches_torchs_tensor_dataset() -> None:
+    torch = pytest.importorskip("torch")
+    x, y = torch.randn(10, 3), torch.arange(10)
+    ours = next(iter(aloader.DataLoader(aloader.TensorDataset(x, y), batch_size=4)))
+    theirs = next(iter(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
+                                                   batch_size=4)))
+    assert [t.dtype for t in ours] == [t.dtype for t in theirs] == [torch.float32, torch.int64]
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))

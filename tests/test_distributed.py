@@ -269,3 +269,79 @@ def test_shuffled_lengths_and_coverage_match_torch(n: int, replicas: int, drop_l
     ours_counts = Counter(i for shard in ours for i in shard)
     theirs_counts = Counter(i for shard in theirs for i in shard)
     assert sorted(ours_counts.values()) == sorted(theirs_counts.values())
+
+
+# ------------------------------------------------------------------ a dataset too long for memory
+
+
+class _Huge:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_huge_dataset_without_shuffle_starts_at_once(drop_last: bool) -> None:
+    import itertools
+    import tracemalloc
+
+    n = 10**12 + 1
+    tracemalloc.start()
+    try:
+        sampler = DistributedSampler(_Huge(n), 3, 1, shuffle=False, drop_last=drop_last)
+        first = list(itertools.islice(iter(sampler), 4))
+        batches = epoch_batches(BatchSampler(sampler, 2, False))
+        assert batches is not None
+        two = [b.tolist() for b in itertools.islice(batches, 2)]
+        indices = epoch_indices(sampler)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert first == [1, 4, 7, 10]
+    assert two == [[1, 4], [7, 10]]
+    assert indices is None
+    assert peak < 200 * 2**20, peak
+    assert len(sampler) == (n // 3 if drop_last else -(-n // 3))
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make a shard of more than 5 indices "huge", computed 3 at a time."""
+    import aloader._distributed
+    import aloader._sampler
+
+    monkeypatch.setattr(aloader._sampler, "_EPOCH_MAX", 5)
+    monkeypatch.setattr(aloader._sampler, "_BLOCK", 3)
+    monkeypatch.setattr(aloader._distributed, "_EPOCH_MAX", 5)
+
+
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 10, 17, 33])
+@pytest.mark.parametrize("replicas", [1, 2, 3, 5])
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_block_by_block_shard_is_the_shard(
+    n: int, replicas: int, drop_last: bool, shuffle: bool
+) -> None:
+    for rank in range(replicas):
+        sampler = DistributedSampler(range(n), replicas, rank, shuffle=shuffle, seed=3,
+                                     drop_last=drop_last)
+        sampler.set_epoch(2)
+        base = permutation(np.random.default_rng(5), n).tolist() if shuffle else list(range(n))
+        expected = _expected_global_order(n, replicas, drop_last, base)[rank::replicas]
+        assert list(sampler) == expected
+        batches = epoch_batches(BatchSampler(sampler, 2, False))
+        assert batches is not None
+        assert [i for b in batches for i in b.tolist()] == expected
+        if len(sampler) > 5:
+            assert epoch_indices(sampler) is None
+
+
+def test_a_dataset_that_changed_size_fails_like_torch() -> None:
+    data = list(range(10))
+    sampler = DistributedSampler(data, 3, 0, shuffle=False, drop_last=True)
+    del data[5:]
+    with pytest.raises(AssertionError, match=r"Number of indices \(5\) does not match total_size"):
+        list(sampler)

@@ -19,8 +19,8 @@ def test_as_generator_accepts_none_int_and_generator() -> None:
 
 @pytest.mark.parametrize("bad", [1.5, "3", True, [1]])
 def test_as_generator_rejects_other_types(bad: object) -> None:
-    with pytest.raises(TypeError, match="generator should be None, an int seed or a "
-                                        "numpy.random.Generator"):
+    with pytest.raises(TypeError, match="generator should be None, an int seed, a "
+                                        "numpy.random.Generator or a torch.Generator"):
         as_generator(bad)  # type: ignore[arg-type]
 
 

@@ -21,6 +21,7 @@ from aloader import (
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
+from aloader import Dataset as aloader_Dataset
 from aloader._random import permutation
 from aloader._sampler import _CHUNK, epoch_batches, epoch_indices
 
@@ -867,3 +868,137 @@ def test_batch_sampler_sync_iteration_over_async_only_sampler_is_a_clear_error()
 def test_batch_sampler_sync_iteration_over_non_iterable() -> None:
     with pytest.raises(TypeError):
         list(BatchSampler(5, 2, False))  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------- epochs too long for one array
+
+HUGE = 10**12
+
+
+class _Huge:
+    """A dataset-like object of HUGE items, of which only len() is read."""
+
+    def __len__(self) -> int:
+        return HUGE
+
+
+def _first_batches(sampler: Any, k: int) -> list[list[int]]:
+    batches = epoch_batches(sampler)
+    assert batches is not None
+    return [b.tolist() for b in itertools.islice(batches, k)]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: RandomSampler(range(10), replacement=True, num_samples=HUGE, generator=0),
+        lambda: RandomSampler(range(10), num_samples=HUGE + 3, generator=0),
+        lambda: WeightedRandomSampler([1.0, 2.0, 0.0, 3.0], HUGE, generator=0),
+        lambda: SequentialSampler(_Huge()),
+        lambda: SequentialSampler(range(HUGE)),
+        lambda: range(HUGE),
+    ],
+    ids=["replacement", "without-replacement", "weighted", "sequential", "sequential-range",
+         "range"],
+)
+def test_huge_epochs_start_at_once_in_bounded_memory(make: Any) -> None:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        sampler = make()
+        first = list(itertools.islice(iter(sampler), 5))
+        batches = _first_batches(BatchSampler(make(), 4, False), 3)
+        indices = epoch_indices(make())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(first) == 5 and all(isinstance(i, int) for i in first)
+    assert [len(b) for b in batches] == [4, 4, 4]
+    # The array path and iteration give the same epoch.
+    assert [i for b in batches for i in b][:5] == first
+    assert indices is None  # no one-array form: the loader iterates instead
+    assert peak < 200 * 2**20, peak  # blocks of 2**20 indices, not 8 TB
+    assert len(sampler) == len(make()) >= HUGE
+    assert len(BatchSampler(make(), 4, True)) == len(sampler) // 4
+
+
+def test_huge_epoch_through_the_dataloader() -> None:
+    from aloader import DataLoader
+
+    class Items(aloader_Dataset):  # type: ignore[misc,valid-type]
+        def __len__(self) -> int:
+            return HUGE
+
+        def __getitem__(self, index: int) -> int:
+            return index
+
+    loader = DataLoader(Items(), batch_size=4)
+    assert len(loader) == HUGE // 4
+    assert next(iter(loader)).tolist() == [0, 1, 2, 3]
+    shuffled = DataLoader(
+        Items(), batch_size=4,
+        sampler=RandomSampler(Items(), replacement=True, num_samples=HUGE, generator=1),
+    )
+    batch = next(iter(shuffled))
+    assert batch.shape == (4,) and batch.min() >= 0 and batch.max() < HUGE
+    unbatched = DataLoader(Items(), batch_size=None)
+    assert next(iter(unbatched)) == 0
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make an epoch of more than 40 indices "huge", drawn 16 at a time."""
+    import aloader._distributed
+    import aloader._sampler
+
+    monkeypatch.setattr(aloader._sampler, "_EPOCH_MAX", 40)
+    monkeypatch.setattr(aloader._sampler, "_BLOCK", 16)
+    monkeypatch.setattr(aloader._distributed, "_EPOCH_MAX", 40)
+
+
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("n", [1, 3, 7, 16, 50])
+@pytest.mark.parametrize("num_samples", [41, 97, 160])
+@pytest.mark.parametrize("batch_size", [1, 5, 16, 33])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_chunked_epoch_equals_the_one_array_epoch(
+    n: int, num_samples: int, batch_size: int, drop_last: bool
+) -> None:
+    # Without replacement, the chunks are the same permutations the one-array path draws.
+    lazy = RandomSampler(range(n), num_samples=num_samples, generator=5)
+    assert epoch_indices(lazy) is None
+    a = BatchSampler(RandomSampler(range(n), num_samples=num_samples, generator=5),
+                     batch_size, drop_last)
+    b = BatchSampler(RandomSampler(range(n), num_samples=num_samples, generator=5),
+                     batch_size, drop_last)
+    rng = np.random.default_rng(5)
+    for _ in range(2):
+        full, rest = divmod(num_samples, n)
+        parts = [permutation(rng, n) for _ in range(full)]
+        if rest:
+            parts.append(permutation(rng, n)[:rest])
+        expected = np.concatenate(parts).tolist()
+        batches = _first_batches(a, 10**9)
+        assert [i for batch in batches for i in batch] == (
+            expected[: len(expected) - len(expected) % batch_size] if drop_last else expected
+        )
+        assert all(len(batch) == batch_size for batch in batches[:-1])
+        assert list(b) == batches
+        assert len(a) == len(batches)
+
+
+@pytest.mark.usefixtures("small_blocks")
+def test_chunked_replacement_and_weighted_epochs() -> None:
+    for make in (
+        lambda: RandomSampler(range(9), replacement=True, num_samples=100, generator=2),
+        lambda: WeightedRandomSampler([0.5, 0.0, 2.0, 1.0], 100, generator=2),
+        lambda: SequentialSampler(range(100)),
+    ):
+        it = list(make())
+        assert len(it) == 100
+        assert [i for b in _first_batches(BatchSampler(make(), 7, False), 10**9) for i in b] == it
+        assert list(make()) == it  # reproducible
+    weighted = list(WeightedRandomSampler([0.5, 0.0, 2.0, 1.0], 100, generator=2))
+    assert 1 not in weighted
+    assert list(SequentialSampler(range(100))) == list(range(100))
