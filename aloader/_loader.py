@@ -221,7 +221,10 @@ class DataLoader(Generic[T_co]):
         self._rng = as_generator(generator)
         if sampler is None and not self._iterable:
             if shuffle:
-                sampler = RandomSampler(dataset, generator=self._rng)
+                # Without a generator, torch's sampler reseeds from the global RNG per epoch.
+                sampler = RandomSampler(
+                    dataset, generator=self._rng if generator is not None else None
+                )
             else:
                 sampler = SequentialSampler(dataset)
         if batch_size is not None and batch_sampler is None and not self._iterable:

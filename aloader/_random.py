@@ -1,6 +1,7 @@
 """Random number plumbing shared by samplers, splits and the loader.
 
-Every public ``generator=`` argument accepts ``None`` (fresh OS entropy), an ``int`` seed, a
+Every public ``generator=`` argument accepts ``None`` (fresh OS entropy; torch's global RNG when
+the program has imported torch, as in torch), an ``int`` seed, a
 :class:`numpy.random.Generator` or a ``torch.Generator``. It is turned into one
 :class:`numpy.random.Generator` at construction, and every epoch draws from that same stream: the
 same seed gives the same sequence of epoch orders, and each epoch differs from the last.
@@ -35,6 +36,7 @@ __all__ = (
     "draw_seed",
     "integers",
     "permutation",
+    "reseeded",
     "torch_generator",
 )
 
@@ -86,6 +88,20 @@ def _torch() -> Any:
     return sys.modules["torch"]  # present: a torch.Generator exists
 
 
+def reseeded(rng: np.random.Generator) -> np.random.Generator:
+    """A new generator seeded by one draw from ``rng``: torch's RandomSampler without a generator.
+
+    torch's sampler draws a seed from the global RNG at each epoch and permutes with a fresh
+    ``torch.Generator`` seeded with it; aloader does the same when torch is imported, so its
+    orders are torch's. A numpy generator (no torch) is returned as is.
+    """
+    if torch_generator(rng) is None:
+        return rng
+    own = _torch().Generator()
+    own.manual_seed(draw_seed(rng))
+    return TorchBacked(own)
+
+
 def torch_generator(rng: np.random.Generator) -> Any | None:
     """The ``torch.Generator`` behind ``rng``, or None for a plain numpy Generator."""
     return rng.torch_generator if isinstance(rng, TorchBacked) else None
@@ -95,14 +111,20 @@ def as_generator(generator: GeneratorLike) -> np.random.Generator:
     """Normalise a ``generator=`` argument into a :class:`numpy.random.Generator`.
 
     Args:
-        generator: ``None`` for fresh entropy, an int seed, a Generator used as is (shared,
-            so it advances as the caller draws from it), or a ``torch.Generator`` (shared too,
-            wrapped in a :class:`TorchBacked`).
+        generator: ``None`` for fresh entropy (torch's global RNG, as torch's own
+            components use it, when the program has imported torch), an int seed, a
+            Generator used as is (shared, so it advances as the caller draws from it), or a
+            ``torch.Generator`` (shared too, wrapped in a :class:`TorchBacked`).
 
     Raises:
         TypeError: for anything else (a bool or a float is not a seed).
     """
     if generator is None:
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            # torch's samplers and loader draw from its global RNG when given no generator:
+            # a script that calls torch.manual_seed gets the same orders run after run.
+            return TorchBacked(torch.default_generator)
         return np.random.default_rng()
     if isinstance(generator, np.random.Generator):
         return generator

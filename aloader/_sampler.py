@@ -41,6 +41,7 @@ from ._random import (
     as_generator,
     integers,
     permutation,
+    reseeded,
     torch_generator,
 )
 
@@ -345,6 +346,8 @@ class RandomSampler(_ArraySampler):
                 f"but got num_samples={self.num_samples}"
             )
         self.generator = as_generator(generator)
+        # torch's RandomSampler without a generator reseeds from the global RNG every epoch.
+        self._reseed = generator is None
 
     @property
     def num_samples(self) -> int:
@@ -365,7 +368,7 @@ class RandomSampler(_ArraySampler):
                 f"RandomSampler cannot draw num_samples={num_samples} samples "
                 "from an empty data_source"
             )
-        rng = self.generator
+        rng = reseeded(self.generator) if self._reseed else self.generator
         if self.replacement:
             for _, size in _blocks(num_samples):
                 yield integers(rng, n, size)

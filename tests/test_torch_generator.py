@@ -185,3 +185,45 @@ def test_same_torch_seed_gives_the_same_aloader_sequence() -> None:
 def test_public_names_accept_a_torch_generator() -> None:
     g = torch.Generator().manual_seed(0)
     assert isinstance(aloader.RandomSampler(range(3), generator=g).generator, TorchBacked)
+
+
+# generator=None with torch imported: torch's global RNG, as torch's own components use it ----
+def _global(make: Any, epochs: int = EPOCHS) -> list[Any]:
+    torch.manual_seed(123)
+    thing = make()
+    return [_plain(thing) for _ in range(epochs)]
+
+
+def _plain(thing: Any) -> Any:
+    if isinstance(thing, (list, tuple)):  # random_split's subsets
+        return [list(s.indices) for s in thing]
+    return [b.tolist() if hasattr(b, "tolist") else b for b in thing]
+
+
+@pytest.mark.parametrize("replacement", [False, True])
+def test_random_sampler_without_generator_follows_torch_manual_seed(replacement: bool) -> None:
+    ours = _global(lambda: RandomSampler(range(20), replacement=replacement))
+    theirs = _global(lambda: tud.RandomSampler(range(20), replacement=replacement))
+    assert ours == theirs
+    assert ours == _global(lambda: RandomSampler(range(20), replacement=replacement))
+
+
+def test_other_components_without_generator_follow_torch_manual_seed() -> None:
+    assert _global(lambda: SubsetRandomSampler([3, 5, 7, 9, 11])) == _global(
+        lambda: tud.SubsetRandomSampler([3, 5, 7, 9, 11]))
+    weights = [0.1, 0.5, 0.2, 0.9, 0.3]
+    assert _global(lambda: WeightedRandomSampler(weights, 8)) == _global(
+        lambda: tud.WeightedRandomSampler(weights, 8))
+    assert _global(lambda: random_split(range(10), [0.3, 0.7]), 1) == _global(
+        lambda: tud.random_split(range(10), [0.3, 0.7]), 1)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_dataloader_without_generator_follows_torch_manual_seed(workers: int) -> None:
+    def make(module: Any) -> Any:
+        return lambda: module.DataLoader(TorchDraws(), batch_size=5, shuffle=True,
+                                         num_workers=workers)
+
+    ours = [[[t.tolist() for t in b] for b in e] for e in _global(make(aloader), 2)]
+    theirs = [[[t.tolist() for t in b] for b in e] for e in _global(make(tud), 2)]
+    assert ours == theirs
