@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import queue
 import threading
 import weakref
@@ -51,6 +52,7 @@ class PrivateLoop:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()
         ready: concurrent.futures.Future[tuple[asyncio.AbstractEventLoop, asyncio.Event]]
         ready = concurrent.futures.Future()
         self._thread = threading.Thread(
@@ -73,7 +75,8 @@ class PrivateLoop:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        """Closed, or inherited by a forked child (which has the object but not the thread)."""
+        return self._closed or self._pid != os.getpid()
 
     def submit(self, fn: Callable[[], Awaitable[T]]) -> concurrent.futures.Future[T]:
         """Run ``fn()`` on the loop. Cancelling the future cancels the task; the future is
@@ -99,7 +102,7 @@ class PrivateLoop:
             future.add_done_callback(lambda f: self._cancel_soon(task) if f.cancelled() else None)
 
         with self._lock:
-            if self._closed:
+            if self.closed:
                 future.cancel()
                 return future
             self._loop.call_soon_threadsafe(start)
@@ -124,7 +127,7 @@ class PrivateLoop:
         asks the loop to stop.
         """
         with self._lock:
-            if self._closed:
+            if self.closed:
                 return
             self._closed = True
             try:
@@ -223,13 +226,15 @@ class SyncLoaderIter:
         pump = loop.call(open_)
         task = loop.submit(pump.run)
         self._pump = pump
+        self._loop = loop
         self._close = weakref.finalize(self, _shutdown, loop, pump, task)
 
     def __iter__(self) -> SyncLoaderIter:
         return self
 
     def __next__(self) -> Any:
-        if not self._close.alive:
+        if not self._close.alive or self._loop._closed:  # closed, or the loader was
+            self.close()
             raise StopIteration
         value, error = self._pump.out.get()
         if value is _END:

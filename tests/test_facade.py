@@ -237,3 +237,28 @@ def test_for_batches_match_async_for() -> None:
 async def _aiter(loader: DataLoader[Any]) -> Any:
     async for batch in loader:
         yield batch
+
+
+def _epoch_in_child(loader: DataLoader[Any], out: Any) -> None:
+    out.put([b.tolist() for b in loader])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork start method")
+def test_a_forked_child_gets_a_loop_of_its_own() -> None:
+    import multiprocessing
+
+    loader = DataLoader(LoopBound(4), batch_size=2)
+    assert len(list(loader)) == 2  # the parent's loop is running
+    loader.dataset.lock = None  # bound to the parent's loop
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    child = context.Process(target=_epoch_in_child, args=(loader, out))
+    child.start()
+    try:
+        assert out.get(timeout=60) == [[0, 1], [2, 3]]
+    finally:
+        child.join(60)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+    loader.close()
