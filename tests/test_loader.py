@@ -170,7 +170,6 @@ LATE_ARG_ERRORS: list[dict[str, Any]] = [
     {"num_workers": 1.5},
     {"num_workers": 2.0},
     {"num_workers": np.float64(1)},
-    {"num_workers": 1, "prefetch_factor": 1.5},
 ]
 
 
@@ -183,6 +182,15 @@ def test_non_integer_counts_fail_at_construction_as_in_torch(kwargs: dict[str, A
         DataLoader(list(range(10)), **kwargs)
     assert str(ours.value) == str(theirs.value)
     assert "object cannot be interpreted as an integer" in str(ours.value)
+
+
+def test_non_integer_prefetch_factor_fails_at_construction() -> None:
+    # torch fails in range(prefetch_factor * num_workers), once its workers have started.
+    with pytest.raises(TypeError) as theirs:
+        range(1.5)  # type: ignore[call-overload]
+    with pytest.raises(TypeError) as ours:
+        DataLoader(list(range(10)), prefetch_factor=1.5)
+    assert str(ours.value) == str(theirs.value)
 
 
 def test_integer_like_counts_are_accepted_as_in_torch() -> None:

@@ -257,6 +257,7 @@ def test_ctrl_c_while_for_waits_still_interrupts() -> None:
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signals reach the main thread only")
     waiting = threading.Event()
+    armed = threading.Event()
 
     class Never(aloader.Dataset[int]):
         def __len__(self) -> int:
@@ -272,11 +273,13 @@ def test_ctrl_c_while_for_waits_still_interrupts() -> None:
 
     def interrupt() -> None:
         waiting.wait(GUARD)
+        armed.wait(GUARD)  # the main thread is inside pytest.raises
         signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
 
     sender = threading.Thread(target=interrupt, daemon=True)
     sender.start()
     with pytest.raises(KeyboardInterrupt):
+        armed.set()
         next(iterator)  # blocks: only the signal ends it
     sender.join(GUARD)
     _returns(iterator.close)
