@@ -313,6 +313,8 @@ class _FetchThreads:
         """
         self._stopping = True
         threads = self._threads
+        if not threads:
+            return
         for _ in threads:
             self._work.put(None)
 
