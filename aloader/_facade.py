@@ -1,32 +1,158 @@
 """``for batch in loader``: the async pipeline driven from plain synchronous code.
 
-The epoch runs on a private asyncio event loop in a background thread (an anyio blocking
-portal). A pump task there moves batches into a thread-safe queue one step ahead of the
+Every ``for`` epoch of a loader runs on one private asyncio event loop in a background thread
+(:class:`PrivateLoop`, named ``aloader-loop``), started by the first ``for`` and kept for as
+long as the loader lives, so that what the dataset binds to the running loop (an
+``httpx.AsyncClient``, an ``aiohttp`` session, a lock) stays usable from one epoch to the next.
+The loop is closed by :meth:`aloader.DataLoader.close`, when the loader is garbage-collected,
+and at interpreter exit; nothing on the loop holds the loader between epochs, so the loop
+never keeps it alive.
+
+A pump task on that loop moves batches into a thread-safe queue one step ahead of the
 consumer, so a ``next()`` that finds its batch ready costs one queue read rather than a round
-trip through the loop. The loop is shut down when the epoch ends, and when the iterator is
-closed, garbage-collected or still open at interpreter exit.
+trip through the loop. An epoch is stopped when it ends, and when its iterator is closed,
+garbage-collected or still open when the loop closes.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
+import os
 import queue
+import threading
 import weakref
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
-from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from ._backend import threadsafe_caller
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future
-
     from ._loader import DataLoader, _AsyncLoaderIter
 
-__all__ = ("SyncLoaderIter",)
+__all__ = ("PrivateLoop", "SyncLoaderIter", "loop_of")
+
+T = TypeVar("T")
 
 _END = object()
+
+
+class PrivateLoop:
+    """An asyncio event loop running in a daemon thread, for one loader's ``for`` epochs.
+
+    Invariant: once :meth:`close` has begun, nothing more is submitted, and everything
+    submitted before has run (or been cancelled) by the time the thread exits, so no caller
+    waits for a coroutine that will never run. A BaseException raised by a submitted
+    coroutine (KeyboardInterrupt, SystemExit) goes to its caller, never into the loop.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pid = os.getpid()
+        ready: concurrent.futures.Future[tuple[asyncio.AbstractEventLoop, asyncio.Event]]
+        ready = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(ready,), name="aloader-loop", daemon=True
+        )
+        self._thread.start()
+        self._loop, self._stop = ready.result()
+
+    @staticmethod
+    def _run(
+        ready: concurrent.futures.Future[tuple[asyncio.AbstractEventLoop, asyncio.Event]],
+    ) -> None:
+        async def main() -> None:
+            stop = asyncio.Event()
+            ready.set_result((asyncio.get_running_loop(), stop))
+            await stop.wait()
+
+        # asyncio.run cancels what is left and waits for it: every epoch winds down first.
+        asyncio.run(main())
+
+    @property
+    def closed(self) -> bool:
+        """Closed, or inherited by a forked child (which has the object but not the thread)."""
+        return self._closed or self._pid != os.getpid()
+
+    def submit(self, fn: Callable[[], Awaitable[T]]) -> concurrent.futures.Future[T]:
+        """Run ``fn()`` on the loop. Cancelling the future cancels the task; the future is
+        cancelled too if the loop closes before the task has run."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        async def run() -> None:
+            try:
+                result = await fn()
+            except BaseException as exc:  # the caller's, never the loop's
+                _settle(future.set_exception, exc)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+            else:
+                _settle(future.set_result, result)
+
+        def start() -> None:
+            if future.cancelled():
+                return
+            task = self._loop.create_task(run())
+            # A task cancelled before its first step never runs its body to settle the future.
+            task.add_done_callback(lambda _: future.cancel())
+            future.add_done_callback(lambda f: self._cancel_soon(task) if f.cancelled() else None)
+
+        with self._lock:
+            if self.closed:
+                future.cancel()
+                return future
+            self._loop.call_soon_threadsafe(start)
+        return future
+
+    def _cancel_soon(self, task: asyncio.Task[None]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has closed: the task is long done
+            self._loop.call_soon_threadsafe(task.cancel)
+
+    def call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run ``fn()`` on the loop and wait for its result (from another thread)."""
+        return self.submit(fn).result()
+
+    @property
+    def in_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def close(self) -> None:
+        """Stop the loop, cancelling what still runs there, and wait until its thread exits.
+
+        From the loop's own thread (a finalizer run by the garbage collector there) it only
+        asks the loop to stop.
+        """
+        with self._lock:
+            if self.closed:
+                return
+            self._closed = True
+            try:
+                self._loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:  # the loop is already gone (interpreter shutdown)
+                return
+        if not self.in_loop_thread:
+            self._thread.join()
+
+
+def _settle(setter: Callable[[Any], None], value: Any) -> None:
+    # The future stays pending while its task runs (so that cancel() works): it may have been
+    # cancelled meanwhile.
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        setter(value)
+
+
+def loop_of(loader: DataLoader[Any]) -> PrivateLoop:
+    """The loader's private loop, started on first use (again after :meth:`close`)."""
+    loop: PrivateLoop | None = loader._sync_loop
+    if loop is None or loop.closed:
+        loop = loader._sync_loop = PrivateLoop()
+        # The finalizer holds the loop, not the loader: collecting the loader closes it.
+        loader._sync_loop_close = weakref.finalize(loader, loop.close)
+    return loop
 
 
 class _Pump:
@@ -63,11 +189,11 @@ class _Pump:
             except StopAsyncIteration:
                 self.out.put((_END, None))
                 return
-            except Exception as exc:
-                self.out.put((None, exc))
-            except BaseException as exc:  # cancelled: the consumer is closing this epoch
-                self.out.put((None, exc))
+            except asyncio.CancelledError:  # the iterator or the loop is closing: no more
+                self.out.put((_END, None))
                 raise
+            except BaseException as exc:  # KeyboardInterrupt too: the consumer's to handle
+                self.out.put((None, exc))
             else:
                 self.out.put((value, None))
 
@@ -79,43 +205,36 @@ class _Pump:
             self.call_soon(waiting.set)
 
 
-async def _open(loader: DataLoader[Any]) -> _Pump:
-    return _Pump(loader.__aiter__())
-
-
-def _shutdown(
-    manager: AbstractContextManager[BlockingPortal],
-    portal: BlockingPortal,
-    pump: _Pump,
-    task: Future[None],
-) -> None:
-    try:
-        task.cancel()
-        portal.call(pump.iterator.aclose)
-    finally:
-        manager.__exit__(None, None, None)
+def _shutdown(loop: PrivateLoop, pump: _Pump, task: concurrent.futures.Future[None]) -> None:
+    task.cancel()
+    future = loop.submit(pump.iterator.aclose)
+    if not loop.in_loop_thread:  # the loop's own thread cannot wait for it
+        # Cancelled: the loop closed first, and nothing is left to stop.
+        with contextlib.suppress(concurrent.futures.CancelledError, asyncio.CancelledError):
+            future.result()
 
 
 class SyncLoaderIter:
     """One epoch for synchronous code; see :meth:`aloader.DataLoader.__iter__`."""
 
     def __init__(self, loader: DataLoader[Any]) -> None:
-        manager = start_blocking_portal("asyncio", name="aloader-loop")
-        portal = manager.__enter__()
-        try:
-            pump = portal.call(_open, loader)
-            task = portal.start_task_soon(pump.run)
-        except BaseException:
-            manager.__exit__(None, None, None)
-            raise
+        loop = loop_of(loader)
+
+        async def open_() -> _Pump:
+            return _Pump(loader.__aiter__())
+
+        pump = loop.call(open_)
+        task = loop.submit(pump.run)
         self._pump = pump
-        self._close = weakref.finalize(self, _shutdown, manager, portal, pump, task)
+        self._loop = loop
+        self._close = weakref.finalize(self, _shutdown, loop, pump, task)
 
     def __iter__(self) -> SyncLoaderIter:
         return self
 
     def __next__(self) -> Any:
-        if not self._close.alive:
+        if not self._close.alive or self._loop._closed:  # closed, or the loader was
+            self.close()
             raise StopIteration
         value, error = self._pump.out.get()
         if value is _END:
@@ -127,7 +246,11 @@ class SyncLoaderIter:
         return value
 
     def close(self) -> None:
-        """Stop the epoch and its event loop; waits until every fetch has ended."""
+        """Stop the epoch; waits until its fetches have ended.
+
+        As :meth:`aloader.DataLoader.aclose` says, a fetch stuck in a thread after a
+        ``timeout`` fired is abandoned: left running, its result discarded.
+        """
         self._close()
 
     @property

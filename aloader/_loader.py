@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import operator
 import os
+import threading
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from typing import Any, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 import anyio
 import numpy as np
@@ -22,6 +24,9 @@ from ._random import as_generator, draw_seed
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler, epoch_batches, epoch_indices
 from ._streams import Stream
 from ._worker import WorkerSetup
+
+if TYPE_CHECKING:
+    from ._facade import PrivateLoop
 
 __all__ = ("DataLoader",)
 
@@ -121,6 +126,9 @@ class DataLoader(Generic[T_co]):
     batch_sampler: Any
     persistent_workers: bool
     __initialized = False
+    # The event loop of `for` epochs (see aloader._facade), and the finalizer that closes it.
+    _sync_loop: PrivateLoop | None = None
+    _sync_loop_close: weakref.finalize[[], Any] | None = None
 
     def __init__(
         self,
@@ -149,6 +157,8 @@ class DataLoader(Generic[T_co]):
                 "num_workers option should be non-negative; "
                 "use num_workers=0 to disable multiprocessing."
             )
+        # torch raises these (its range() calls) at the first iteration; here, at once.
+        operator.index(num_workers)
         if timeout < 0:
             raise ValueError("timeout option should be non-negative")
         # Unlike torch, prefetch_factor means something without workers (the loop prefetches).
@@ -156,6 +166,8 @@ class DataLoader(Generic[T_co]):
             prefetch_factor = DEFAULT_PREFETCH_FACTOR
         elif prefetch_factor < 0:
             raise ValueError("prefetch_factor option should be non-negative")
+        else:
+            operator.index(prefetch_factor)
         if persistent_workers and num_workers == 0:
             raise ValueError("persistent_workers option needs num_workers > 0")
         if max_concurrency is not None and (
@@ -352,15 +364,41 @@ class DataLoader(Generic[T_co]):
         """Stop every epoch in progress and wait until their fetches have ended; stop workers.
 
         This includes epochs whose iterator was already dropped (``break``), which stop on
-        their own but may still be winding down.
+        their own but may still be winding down. After a ``timeout`` fired in an epoch, a fetch
+        of it still stuck in a thread is abandoned rather than awaited: the thread is left
+        running and its result discarded. The event loop of ``for`` epochs is closed too (see
+        :meth:`close`).
         """
         for iterator in list(self._iterators):
             iterator._shutdown()
         while self._epochs:
             epoch = self._epochs.pop()
             epoch.stop()
+            if epoch.loop_thread != threading.get_ident():
+                continue  # a `for` epoch, on the private loop: closing that loop waits for it
             with anyio.CancelScope(shield=True):
                 await epoch.done.wait()
+        self._close_rest()
+
+    def close(self) -> None:
+        """Stop every epoch and the workers, and close the event loop of ``for`` epochs.
+
+        The synchronous counterpart of :meth:`aclose`: it waits until the ``for`` epochs' fetches
+        have ended (abandoning, after a ``timeout`` fired, a fetch stuck in a thread: the
+        thread is left running and its result discarded). Epochs consumed with ``async for``
+        on another event loop are told to stop, not awaited: use :meth:`aclose` there. A later
+        epoch starts afresh (a new event loop for ``for``, new persistent workers).
+        """
+        for iterator in list(self._iterators):
+            iterator._shutdown()
+        for epoch in self._epochs:
+            epoch.stop()
+        self._close_rest()
+        self._epochs = {e for e in self._epochs if not e.done.is_set()}
+
+    def _close_rest(self) -> None:
+        if self._sync_loop_close is not None:
+            self._sync_loop_close()  # waits for the `for` epochs, which are cancelled
         if self._pool is not None:  # persistent workers
             self._pool.shutdown()
             self._pool = None
@@ -601,6 +639,8 @@ class _AsyncLoaderIter:
                     with anyio.fail_after(self._timeout):
                         value, error = await epoch.next()
                 except TimeoutError:
+                    # A fetch stuck in a thread must not make closing the epoch hang too.
+                    epoch.abandon_threads()
                     raise LoaderTimeoutError(
                         f"DataLoader timed out after {self._timeout} seconds"
                     ) from None
@@ -642,7 +682,11 @@ class _AsyncLoaderIter:
             self._epoch.stop()
 
     async def aclose(self) -> None:
-        """Stop this epoch and wait until every fetch has ended."""
+        """Stop this epoch and wait until every fetch has ended.
+
+        After a ``timeout`` fired, a fetch stuck in a thread is abandoned rather than awaited:
+        the thread is left running and its result discarded.
+        """
         self._shutdown()
         if self._epoch is not None:
             with anyio.CancelScope(shield=True):

@@ -5,8 +5,10 @@ one index when auto-batching is off, or up to ``batch_size`` items of an iterabl
 pipeline runs in a background task (see :mod:`aloader._backend`) and has three parts:
 
 * a producer that walks the sampler and admits jobs, at most ``window`` at a time;
-* a fixed pool of fetch workers that pull work (whole jobs, or single items of jobs when item
-  fetches overlap) and collate a job once its last item is in;
+* fetch workers that pull work (whole jobs, or single items of jobs when item fetches
+  overlap) and collate a job once its last item is in; a worker starts only when work arrives
+  that no idle worker can take, so there are never more workers than the work in the window,
+  whatever the concurrency allowed;
 * :class:`Results`, which hands finished batches to the consumer in sampler order (or in
   completion order) and lets at most ``capacity`` collated batches wait for it.
 
@@ -16,6 +18,12 @@ to a worker and awaits the batch the worker collated (see :mod:`aloader._pool`),
 
 Memory is bounded whatever the consumer does: a job holds a window slot from admission until its
 batch is collated, and a batch is collated only once it has an output slot.
+
+An ``Exception`` from the dataset, the sampler or ``collate_fn`` is that batch's error; any
+other ``BaseException`` (``KeyboardInterrupt``, ``SystemExit``...) ends the epoch and reaches
+the consumer as itself (see :meth:`Epoch._guard`), never the event loop. Stopping an epoch
+waits for the fetches in threads to return, unless the epoch has abandoned its threads (after a
+``timeout`` fired): a thread stuck in the dataset is then left running, its result discarded.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -142,20 +150,33 @@ class _WorkQueue:
     Lighter than a memory object stream (the producer never waits on it: the window bounds
     what it holds), and it wakes one idle worker per new piece of work rather than all of them,
     which matters with hundreds of workers at tens of thousands of items per second.
+
+    Workers start on demand: work that no idle worker is woken for starts a new one, up to
+    ``limit``, so workers never outnumber the work the window let in.
     """
 
-    __slots__ = ("_closed", "_idle", "_items")
+    __slots__ = ("_closed", "_idle", "_items", "_limit", "_spawned", "spawn")
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int, spawn: Callable[[], None] = lambda: None) -> None:
         self._items: deque[tuple[_Job, int, Any]] = deque()
         self._idle: deque[anyio.Event] = deque()
         self._closed = False
+        self._limit = limit
+        self._spawned = 0
+        self.spawn = spawn  # starts one more worker
 
     def put_many(self, items: Iterable[tuple[_Job, int, Any]]) -> None:
         before = len(self._items)
         self._items.extend(items)
-        for _ in range(min(len(self._items) - before, len(self._idle))):
+        new = len(self._items) - before
+        woken = min(new, len(self._idle))
+        for _ in range(woken):
             self._idle.popleft().set()
+        more = min(new - woken, self._limit - self._spawned)
+        if more > 0:
+            self._spawned += more
+            for _ in range(more):
+                self.spawn()
 
     def close(self) -> None:
         self._closed = True
@@ -199,57 +220,109 @@ async def _resolve(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
+class _Abandon:
+    """Waits for threads, until the epoch gives up on them (after a ``timeout`` fired).
+
+    A wait is shielded from cancellation, so that a stopping epoch still waits for the fetches
+    in its threads (the next fetch must not overlap one that holds the dataset), yet
+    :meth:`give_up` ends every wait at once, now and later.
+    """
+
+    def __init__(self) -> None:
+        self.given_up = False
+        self._waits: set[anyio.CancelScope] = set()
+
+    async def wait(self, blocking: Callable[[], object]) -> None:
+        """Return once ``blocking()`` returns in a thread, or once the epoch gives up."""
+        if self.given_up:
+            return
+        with anyio.CancelScope(shield=True) as scope:
+            self._waits.add(scope)
+            try:
+                await anyio.to_thread.run_sync(blocking, abandon_on_cancel=True)
+            finally:
+                self._waits.discard(scope)
+
+    def give_up(self) -> None:
+        self.given_up = True
+        for scope in self._waits:
+            scope.cancel()
+
+    def __getstate__(self) -> dict[str, Any]:  # travels with a plan to worker processes
+        return {"given_up": False, "_waits": set()}
+
+
 class _FetchThreads:
     """OS threads fetching single items of jobs, for blocking synchronous datasets.
 
     Per item they cost a queue read and no event-loop round trip: the loop hears only of
     finished jobs, which keeps it (and the GIL) free at thousands of blocking fetches a second.
+    A thread starts only when there are more unfinished items than threads, up to ``count``.
     """
 
-    def __init__(self, dataset: Any, count: int) -> None:
+    def __init__(self, dataset: Any, count: int, abandon: _Abandon) -> None:
         self._dataset = dataset
+        self._count = count
+        self._abandon = abandon
         self._work: queue.SimpleQueue[tuple[_Job, int, Any] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._call_soon = threadsafe_caller()
         self._stopping = False
-        self._threads = [
-            threading.Thread(target=self._run, name="aloader-fetch", daemon=True)
-            for _ in range(count)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._unfinished = 0  # items submitted and not yet done (under the lock)
+        self._threads: list[threading.Thread] = []
 
     def submit(self, job: _Job, items: list[Any]) -> None:
         job.fetched = anyio.Event()
+        with self._lock:
+            self._unfinished += len(items)
+            wanted = min(self._count, self._unfinished)
         for position, index in enumerate(items):
             self._work.put((job, position, index))
+        while len(self._threads) < wanted:
+            thread = threading.Thread(target=self._run, name="aloader-fetch", daemon=True)
+            self._threads.append(thread)
+            thread.start()
 
     def _run(self) -> None:
         while (work := self._work.get()) is not None:
             job, position, index = work
+            error: BaseException | None = None
             if job.error is None and not self._stopping:
                 try:
                     job.samples[position] = self._dataset[index]
                 except Exception as exc:
-                    with self._lock:
-                        if job.error is None:
-                            job.error = _note(exc, f"raised while fetching index {index!r} "
-                                                   f"of batch {job.seq}")
+                    error = _note(exc, f"raised while fetching index {index!r} "
+                                       f"of batch {job.seq}")
+                except BaseException as exc:  # ends the epoch: see Epoch._worker
+                    error = exc
             with self._lock:
+                if error is not None and job.error is None:
+                    job.error = error
                 job.remaining -= 1
+                self._unfinished -= 1
                 done = job.remaining == 0
             if done:
                 assert job.fetched is not None
                 self._call_soon(job.fetched.set)
 
     async def close(self) -> None:
-        """Let the threads finish the fetch in hand, skip the rest, and wait until they exit."""
+        """Let the threads finish the fetch in hand, skip the rest, and wait until they exit.
+
+        Once the epoch has given up on its threads, a thread stuck in the dataset is left
+        running (a daemon thread that exits when its fetch returns) and not waited for.
+        """
         self._stopping = True
-        for _ in self._threads:
+        threads = self._threads
+        if not threads:
+            return
+        for _ in threads:
             self._work.put(None)
-        with anyio.CancelScope(shield=True):
-            for thread in self._threads:
-                await anyio.to_thread.run_sync(thread.join)
+
+        def join() -> None:
+            for thread in threads:
+                thread.join()
+
+        await self._abandon.wait(join)
 
 
 class Remote(Protocol):
@@ -306,6 +379,32 @@ class FetchPlan:
         getitems = getattr(self.dataset, "__getitems__", None)
         self._getitems: Callable[[Any], Any] | None = getitems if getitems else None
         self._async_collate = inspect.iscoroutinefunction(self.collate_fn)
+        self.abandon = _Abandon()
+
+    async def in_thread(
+        self, fn: Callable[..., Any], *args: Any, limiter: anyio.CapacityLimiter
+    ) -> Any:
+        """``fn(*args)`` in a worker thread; cancelled, it waits for the call to return.
+
+        Unless the epoch gives up on its threads (:class:`_Abandon`): then a call still running
+        is left to finish on its own and its result is discarded.
+        """
+        claim = threading.Lock()  # held while the call runs; taken first, the call is skipped
+
+        def call() -> Any:
+            if not claim.acquire(blocking=False):
+                return None  # cancelled before it started
+            try:
+                return fn(*args)
+            finally:
+                claim.release()
+
+        try:
+            return await anyio.to_thread.run_sync(call, abandon_on_cancel=True, limiter=limiter)
+        except anyio.get_cancelled_exc_class():
+            if not claim.acquire(blocking=False):
+                await self.abandon.wait(claim.acquire)
+            raise
 
     def indices(self, key: Any) -> Any:
         """The index batch as the dataset receives it."""
@@ -351,7 +450,7 @@ class FetchPlan:
         if self.remote is not None:
             return await self.remote.fetch(key, seq)
         if self.mode == "thread":
-            samples = await anyio.to_thread.run_sync(self.fetch_sync, key, limiter=limiter)
+            samples = await self.in_thread(self.fetch_sync, key, limiter=limiter)
         else:
             samples = self.fetch_sync(key)
         samples = await _resolve(samples)
@@ -363,20 +462,19 @@ class FetchPlan:
 
     async def fetch_item(self, index: Any, limiter: anyio.CapacityLimiter) -> Any:
         if self.mode == "thread":
-            value = await anyio.to_thread.run_sync(self.dataset.__getitem__, index,
-                                                   limiter=limiter)
+            value = await self.in_thread(self.dataset.__getitem__, index, limiter=limiter)
         else:
             value = self.dataset[index]
         return await _resolve(value)
 
     async def load(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
         """Fetch and collate one job in a single thread call (``collate_in_thread`` plans)."""
-        batch = await anyio.to_thread.run_sync(self.load_sync, key, limiter=limiter)
+        batch = await self.in_thread(self.load_sync, key, limiter=limiter)
         return await _resolve(batch)
 
     async def collate(self, samples: Any, limiter: anyio.CapacityLimiter) -> Any:
         if self.collate_in_thread:
-            return await anyio.to_thread.run_sync(self.collate_sync, samples, limiter=limiter)
+            return await self.in_thread(self.collate_sync, samples, limiter=limiter)
         if self.remote is not None:  # collated by the worker
             batch = samples
             if batch is SKIP:
@@ -410,7 +508,10 @@ class Epoch:
         self._batch_size = batch_size
         self._drop_last = drop_last
         self._task = Detached()
+        self._fatal: BaseException | None = None  # a BaseException that ended the epoch
         self.done = anyio.Event()
+        # The thread whose event loop runs the epoch: only that loop can wait for ``done``.
+        self.loop_thread = threading.get_ident()
 
     # Lifecycle -------------------------------------------------------------------------
     @property
@@ -462,6 +563,32 @@ class Epoch:
             self.plan.remote.stop()
         self._task.cancel()
 
+    def abandon_threads(self) -> None:
+        """From now on, stopping does not wait for fetches in threads (a ``timeout`` fired)."""
+        self.plan.abandon.give_up()
+
+    async def _guard(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Run one part of the epoch, turning a BaseException into the end of the epoch.
+
+        ``KeyboardInterrupt``, ``SystemExit`` or any other ``BaseException`` that is not a
+        cancellation must not escape a background task (asyncio re-raises the first two out
+        of the event loop, trio calls any a crash): it stops the epoch and the consumer gets
+        it, the same object, once the batches before it are taken.
+        """
+        try:
+            await fn(*args)
+        except Exception:
+            raise
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException as exc:
+            self._abort(exc)
+
+    def _abort(self, error: BaseException) -> None:
+        if self._fatal is None:
+            self._fatal = error
+        self.stop()
+
     async def _main(self) -> None:
         error: BaseException = RuntimeError("DataLoader iterator was closed")
         remote = self.plan.remote
@@ -472,13 +599,19 @@ class Epoch:
                     await self._run()
                 else:
                     async with anyio.create_task_group() as tg:
-                        tg.start_soon(_serve, remote, tg.cancel_scope, failure)
+                        tg.start_soon(self._guard, _serve, remote, tg.cancel_scope, failure)
                         await self._run()
                         tg.cancel_scope.cancel()
         except Exception as exc:  # reported to the consumer, never lost in the background
             error = exc
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException as exc:  # as in _guard, for what runs outside its parts
+            self._abort(exc)
         finally:
-            self.results.close(failure[0] if failure else error)
+            self.results.close(
+                self._fatal if self._fatal is not None else failure[0] if failure else error
+            )
             if remote is not None:
                 remote.close()
             self.done.set()
@@ -494,19 +627,21 @@ class Epoch:
         plan = self.plan
         window = anyio.Semaphore(plan.window)
         limiter = anyio.CapacityLimiter(plan.concurrency)
-        queue = _WorkQueue()
         threads = None
         if plan.granularity == "item" and plan.mode == "thread":
-            threads = _FetchThreads(plan.dataset, plan.concurrency)
+            threads = _FetchThreads(plan.dataset, plan.concurrency, plan.abandon)
         workers = plan.concurrency if plan.granularity == "item" and threads is None else (
             plan.window
         )
+        queue = _WorkQueue(workers)
         try:
             async with anyio.create_task_group() as tg:
-                for _ in range(workers):
-                    tg.start_soon(self._worker, queue, limiter, window)
+                def spawn() -> None:
+                    tg.start_soon(self._guard, self._worker, queue, limiter, window)
+
+                queue.spawn = spawn
                 try:
-                    await self._produce(queue, window, threads)
+                    await self._guard(self._produce, queue, window, threads)
                 finally:
                     queue.close()
         finally:
@@ -561,6 +696,8 @@ class Epoch:
             if position == _AWAIT_THREADS:
                 assert job.fetched is not None
                 await job.fetched.wait()
+                if job.error is not None and not isinstance(job.error, Exception):
+                    raise job.error  # a KeyboardInterrupt in a fetch thread: see _guard
                 await self._complete(job, limiter)
                 window.release()
                 continue
@@ -617,11 +754,13 @@ class Epoch:
     # Iterable datasets ---------------------------------------------------------------------
     async def _run_iterable(self) -> None:
         try:
-            await self._pull_batches()
+            await self._guard(self._pull_batches)
         finally:
-            # Close the stream now (files, connections), not whenever it is collected.
-            with anyio.CancelScope(shield=True):
-                await _close_source(self._source)
+            # Close the stream now (files, connections), not whenever it is collected; but not
+            # under a pull abandoned in its thread, which may still be running it.
+            if not self.plan.abandon.given_up:
+                with anyio.CancelScope(shield=True):
+                    await _close_source(self._source)
 
     async def _pull_batches(self) -> None:
         plan = self.plan
@@ -641,7 +780,7 @@ class Epoch:
                         break
                     batch = await plan.collate(samples, limiter)
                 elif plan.mode == "thread":
-                    batch, ended = await anyio.to_thread.run_sync(
+                    batch, ended = await plan.in_thread(
                         plan.pull_sync, source, size, self._drop_last, limiter=limiter
                     )
                     batch = await _resolve(batch)

@@ -132,6 +132,14 @@ ARG_ERRORS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"multiprocessing_context": "spawn"}, ValueError,
      "multiprocessing_context can only be used with multi-process loading (num_workers > 0), "
      "but got num_workers=0"),
+    ({"num_workers": "2"}, TypeError, "'<' not supported between instances of 'str' and 'int'"),
+    ({"prefetch_factor": "2"}, TypeError,
+     "'<' not supported between instances of 'str' and 'int'"),
+    ({"timeout": "x"}, TypeError, "'<' not supported between instances of 'str' and 'int'"),
+    ({"timeout": None}, TypeError,
+     "'<' not supported between instances of 'NoneType' and 'int'"),
+    ({"batch_size": 1.5}, ValueError,
+     "batch_size should be a positive integer value, but got batch_size=1.5"),
     ({"max_concurrency": 0}, ValueError, "max_concurrency should be a positive integer"),
 ]
 
@@ -155,6 +163,42 @@ def test_argument_errors_match_torch(
     with pytest.raises(exc) as ours:
         DataLoader(list(range(10)), **kwargs)
     assert str(ours.value) == str(theirs.value)
+
+
+# torch raises these at the first iteration (its range() calls); aloader at construction.
+LATE_ARG_ERRORS: list[dict[str, Any]] = [
+    {"num_workers": 1.5},
+    {"num_workers": 2.0},
+    {"num_workers": np.float64(1)},
+]
+
+
+@pytest.mark.parametrize("kwargs", LATE_ARG_ERRORS)
+def test_non_integer_counts_fail_at_construction_as_in_torch(kwargs: dict[str, Any]) -> None:
+    torch_data = pytest.importorskip("torch.utils.data")
+    with pytest.raises(TypeError) as theirs:
+        next(iter(torch_data.DataLoader(list(range(10)), **kwargs)))
+    with pytest.raises(TypeError) as ours:
+        DataLoader(list(range(10)), **kwargs)
+    assert str(ours.value) == str(theirs.value)
+    assert "object cannot be interpreted as an integer" in str(ours.value)
+
+
+def test_non_integer_prefetch_factor_fails_at_construction() -> None:
+    # torch fails in range(prefetch_factor * num_workers), once its workers have started.
+    with pytest.raises(TypeError) as theirs:
+        range(1.5)  # type: ignore[call-overload]
+    with pytest.raises(TypeError) as ours:
+        DataLoader(list(range(10)), prefetch_factor=1.5)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_integer_like_counts_are_accepted_as_in_torch() -> None:
+    # torch takes bools and numpy integers where it takes ints (range() does).
+    assert DataLoader(list(range(4)), num_workers=False).num_workers == 0
+    loader = DataLoader(list(range(4)), num_workers=np.int64(0), prefetch_factor=np.int64(3))
+    assert [b.tolist() for b in loader] == [[0], [1], [2], [3]]
+    assert DataLoader(list(range(4)), num_workers=True).num_workers == 1
 
 
 class Stream(aloader.IterableDataset[int]):

@@ -1,0 +1,264 @@
+"""The sync facade's event loop: one per loader, for every ``for`` epoch, closed with the loader.
+
+No test asserts a duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import http.server
+import subprocess
+import sys
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import aloader
+from aloader import DataLoader
+
+
+def _loop_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "aloader-loop"]
+
+
+class LoopBound(aloader.Dataset[int]):
+    """Creates once, and keeps, what binds to the running loop, as an HTTP client does.
+
+    An ``asyncio.Lock`` under contention creates futures of the loop it first waited on; a
+    later loop using it raises, as a pooled connection of a closed loop does.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.loops: set[int] = set()
+        self.lock: asyncio.Lock | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    async def __getitem__(self, index: int) -> int:
+        loop = asyncio.get_running_loop()
+        if self.lock is None:
+            self.lock = asyncio.Lock()
+            self.loop = loop
+        self.loops.add(id(loop))
+        async with self.lock:
+            await asyncio.sleep(0)  # the others queue up on the lock: futures of this loop
+        return index
+
+
+def test_every_for_epoch_runs_on_one_loop() -> None:
+    dataset = LoopBound(12)
+    loader = DataLoader(dataset, batch_size=3, max_concurrency=4)
+    for _ in range(3):
+        assert [b.tolist() for b in loader] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    assert len(dataset.loops) == 1
+    assert len(_loop_threads()) == 1
+    # A broken-off epoch and a new iterator keep the same loop.
+    for _ in loader:
+        break
+    next(iter(loader))
+    gc.collect()
+    assert len(dataset.loops) == 1
+    assert dataset.loop is not None and not dataset.loop.is_closed()
+    loader.close()
+    assert dataset.loop.is_closed()
+    assert _loop_threads() == []
+
+
+def test_close_then_for_again_starts_a_new_loop() -> None:
+    dataset = LoopBound(4)
+    loader = DataLoader(dataset, batch_size=2)
+    assert len(list(loader)) == 2
+    loader.close()
+    loader.close()  # idempotent
+    assert _loop_threads() == []
+    dataset.lock = None  # the old loop's objects are gone with it
+    assert len(list(loader)) == 2
+    assert len(dataset.loops) == 2
+    loader.close()
+    assert _loop_threads() == []
+
+
+def test_close_ends_an_open_iterator() -> None:
+    loader = DataLoader(LoopBound(20), batch_size=2)
+    iterator = iter(loader)
+    next(iterator)
+    loader.close()
+    assert _loop_threads() == []
+    with pytest.raises(StopIteration):
+        next(iterator)
+    iterator.close()  # nothing left to stop
+
+
+def test_garbage_collecting_the_loader_closes_its_loop() -> None:
+    dataset = LoopBound(8)
+    loader = DataLoader(dataset, batch_size=2)
+    assert len(list(loader)) == 4
+    iterator = iter(loader)
+    next(iterator)
+    assert len(_loop_threads()) == 1
+    ref = weakref.ref(loader)
+    del loader, iterator
+    gc.collect()
+    assert ref() is None  # the loop's thread does not keep the loader alive
+    assert _loop_threads() == []
+    assert dataset.loop is not None and dataset.loop.is_closed()
+
+
+def test_no_loop_thread_leak_over_many_loaders() -> None:
+    for _ in range(5):
+        loader = DataLoader(LoopBound(4), batch_size=2)
+        list(loader)
+        list(loader)
+        assert len(_loop_threads()) == 1
+        loader.close()
+    assert _loop_threads() == []
+    for _ in range(3):
+        list(DataLoader(LoopBound(4), batch_size=2))
+    gc.collect()
+    assert _loop_threads() == []
+
+
+async def test_async_for_runs_on_the_callers_loop(anyio_backend: str) -> None:
+    class Where(aloader.Dataset[int]):
+        def __len__(self) -> int:
+            return 4
+
+        async def __getitem__(self, index: int) -> int:
+            return threading.get_ident()
+
+    loader = DataLoader(Where(), batch_size=2)
+    threads = {int(t) for b in [b async for b in loader] for t in b}
+    assert threads == {threading.get_ident()}
+    assert _loop_threads() == []
+
+
+class _Numbers(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: the client pools connections of its loop
+
+    def do_GET(self) -> None:
+        body = self.path.strip("/").encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Numbers)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_an_httpx_client_kept_by_the_dataset_lives_across_for_epochs(server: str) -> None:
+    httpx = pytest.importorskip("httpx")
+
+    class Remote(aloader.Dataset[int]):
+        client: Any = None
+
+        def __len__(self) -> int:
+            return 6
+
+        async def __getitem__(self, index: int) -> int:
+            if self.client is None:
+                self.client = httpx.AsyncClient(base_url=server)
+            response = await self.client.get(f"/{index}")
+            return int(response.text)
+
+    dataset = Remote()
+    loader = DataLoader(dataset, batch_size=3, max_concurrency=3)
+    for _ in range(3):  # epoch 2 used to fail with "Event loop is closed"
+        assert [b.tolist() for b in loader] == [[0, 1, 2], [3, 4, 5]]
+    loader.close()
+
+
+def test_a_loop_left_open_at_exit_is_closed() -> None:
+    script = """
+import asyncio, aloader
+from aloader import DataLoader
+
+class D(aloader.Dataset):
+    def __len__(self): return 100
+    async def __getitem__(self, i):
+        await asyncio.sleep(0)
+        return i
+
+loader = DataLoader(D(), batch_size=2)
+list(loader)
+iterator = iter(loader)
+next(iterator)
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=str(_root()))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+    assert done.stderr == ""
+
+
+def _root() -> Any:
+    import pathlib
+
+    return pathlib.Path(aloader.__file__).parent.parent
+
+
+def test_for_batches_match_async_for() -> None:
+    def make() -> DataLoader[Any]:
+        return DataLoader(LoopBound(10), batch_size=4, shuffle=True, generator=3)
+
+    loader = make()
+    sync = [np.asarray(b).tolist() for epoch in range(2) for b in loader]
+    loader.close()
+
+    async def run() -> list[list[int]]:
+        loader = make()
+        return [np.asarray(b).tolist() for epoch in range(2) async for b in _aiter(loader)]
+
+    assert sync == anyio.run(run)
+
+
+async def _aiter(loader: DataLoader[Any]) -> Any:
+    async for batch in loader:
+        yield batch
+
+
+def _epoch_in_child(loader: DataLoader[Any], out: Any) -> None:
+    out.put([b.tolist() for b in loader])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork start method")
+def test_a_forked_child_gets_a_loop_of_its_own() -> None:
+    import multiprocessing
+
+    loader = DataLoader(LoopBound(4), batch_size=2)
+    assert len(list(loader)) == 2  # the parent's loop is running
+    loader.dataset.lock = None  # bound to the parent's loop
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    child = context.Process(target=_epoch_in_child, args=(loader, out))
+    child.start()
+    try:
+        assert out.get(timeout=60) == [[0, 1], [2, 3]]
+    finally:
+        child.join(60)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+    loader.close()
