@@ -558,7 +558,8 @@ def _promote(a: np.dtype[Any], b: np.dtype[Any]) -> np.dtype[Any]:
     if a == b:
         return a
     if a in _BAREBONES_UNSIGNED or b in _BAREBONES_UNSIGNED:
-        if a.kind == "f":
+        # torch's scalar inference keeps a complex128 it already holds (order-dependent).
+        if a.kind == "f" or a == np.complex128:
             return a
         if b.kind == "f":
             return b
