@@ -481,7 +481,8 @@ async def test_fetch_threads_end_with_the_epoch(anyio_backend: str) -> None:
     assert _fetch_threads() == []
     async with DataLoader(SyncRange(1000), batch_size=5, max_concurrency=8) as loader:
         async for _ in loader:
-            assert len(_fetch_threads()) == 8
+            # Threads start as work arrives, never more than max_concurrency.
+            assert 0 < len(_fetch_threads()) <= 8
             break
     assert _fetch_threads() == []
 
