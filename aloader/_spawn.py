@@ -37,7 +37,7 @@ import stat
 import sys
 import threading
 import traceback
-from multiprocessing import connection, forkserver, popen_forkserver, spawn, util
+from multiprocessing import connection, forkserver, popen_forkserver, resource_tracker, spawn, util
 from typing import Any, NoReturn
 
 __all__ = ("CONTEXT", "Context", "prepare", "reruns_main")
@@ -107,6 +107,39 @@ class _Server(forkserver.ForkServer):
     def ensure_running(self) -> None:
         """Called by each worker launch (from a thread): the exec'd server if none runs."""
         self.start(fork=False, exec_server=True)
+
+    def connect_to_new_process(self, fds: Any) -> tuple[int, int]:
+        """The standard request for a new worker, without starting a resource tracker for
+        the template's workers: launching one is an interpreter start competing with the
+        first batch, and aloader's segments need none. The worker gets a placeholder instead,
+        and starts its own tracker if user code ever needs one (:func:`forget_placeholder`),
+        as a worker forked by torch would."""
+        self.ensure_running()
+        if len(fds) + 4 >= forkserver.MAXFDS_TO_SEND:
+            raise ValueError("too many fds")
+        tracker: Any = resource_tracker._resource_tracker
+        placeholder = None
+        if self.template and tracker._fd is None:
+            placeholder = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(self._forkserver_address)
+            parent_r, child_w = os.pipe()
+            child_r, parent_w = os.pipe()
+            allfds = [child_r, child_w, self._forkserver_alive_fd,
+                      placeholder if placeholder is not None else resource_tracker.getfd()]
+            allfds += fds
+            try:
+                multiprocessing.context.reduction.sendfds(client, allfds)  # type: ignore[attr-defined]
+                return parent_r, parent_w
+            except BaseException:
+                os.close(parent_r)
+                os.close(parent_w)
+                raise
+            finally:
+                os.close(child_r)
+                os.close(child_w)
+                if placeholder is not None:
+                    os.close(placeholder)
 
     def _fork_template(self) -> None:
         import cloudpickle  # noqa: F401  (every setup unpickles with it: import it once, here)
@@ -245,6 +278,23 @@ def prepare(*, warm: bool) -> None:
     """Fork the template if this process may fork now and none runs; when ``warm`` and it may
     not, start the exec'd server instead (a head start for the first epoch)."""
     SERVER.start(fork=True, exec_server=warm)
+
+
+def forget_placeholder() -> None:
+    """In a worker: drop the placeholder given for a resource tracker (see
+    :meth:`_Server.connect_to_new_process`), so that one starts if it is ever needed."""
+    tracker: Any = resource_tracker._resource_tracker
+    fd = tracker._fd
+    if fd is None:
+        return
+    try:
+        placeholder = os.path.samestat(os.fstat(fd), os.stat(os.devnull))
+    except OSError:
+        return
+    if placeholder:
+        os.close(fd)
+        tracker._fd = None
+        tracker._pid = None
 
 
 def reruns_main(context: multiprocessing.context.BaseContext) -> bool:

@@ -366,6 +366,9 @@ def worker_main(
     for fd in inherited_fds:
         with contextlib.suppress(OSError):
             os.close(fd)
+    from ._spawn import forget_placeholder
+
+    forget_placeholder()
     # Ctrl-C reaches the whole process group: the loader handles it and stops its workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent(owner)
