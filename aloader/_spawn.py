@@ -46,9 +46,14 @@ __all__ = ("CONTEXT", "Context", "prepare", "reruns_main")
 _MAIN_KEYS = ("init_main_from_path", "init_main_from_name")
 
 
+# Linux only: elsewhere (macOS) system frameworks are not safe to use after a fork.
+_TEMPLATES = sys.platform.startswith("linux")
+
+
 def may_fork() -> bool:
-    """Whether this process may fork now: only its main thread runs Python."""
-    return threading.current_thread() is threading.main_thread() and threading.active_count() == 1
+    """Whether this process may fork its template now: only its main thread runs Python."""
+    return (_TEMPLATES and threading.current_thread() is threading.main_thread()
+            and threading.active_count() == 1)
 
 
 class _Server(forkserver.ForkServer):
@@ -61,7 +66,7 @@ class _Server(forkserver.ForkServer):
     def __init__(self) -> None:
         super().__init__()
         # Only for the exec'd server: never "__main__", which would run the user's script.
-        self._preload_modules = ["numpy", "numpy.random", "aloader"]
+        self._preload_modules = ["numpy", "numpy.random", "cloudpickle", "aloader"]
         self.template = False  # whether the running server is the template
         os.register_at_fork(after_in_child=self._forget)
 
@@ -102,6 +107,9 @@ class _Server(forkserver.ForkServer):
                 self._fork_template()
                 return
         if exec_server:
+            if "torch" in sys.modules and "torch" not in self._preload_modules:
+                # Imported once by the server rather than by every worker (seconds each).
+                self._preload_modules = [*self._preload_modules, "torch"]
             super().ensure_running()
 
     def ensure_running(self) -> None:

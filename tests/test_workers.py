@@ -11,7 +11,6 @@ import errno
 import gc
 import multiprocessing
 import os
-import pickle
 import random
 import signal
 import subprocess
