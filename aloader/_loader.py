@@ -77,12 +77,19 @@ class DataLoader(Generic[T_co]):
     (``break``, cancellation, garbage collection) or, with ``persistent_workers``, when the
     loader is closed or collected, and in any case when the loader's process dies.
 
-    Workers start with the ``forkserver`` method by default, which is safe in a process that
-    runs threads (``fork`` is not); the dataset is pickled once per start, its large arrays
-    into shared memory that the workers map. As with ``spawn``, what workers unpickle must be
-    importable (not defined in a notebook or ``python -c``) and a script must start loading
-    under ``if __name__ == "__main__":``; ``multiprocessing_context="fork"`` lifts both, at the
-    usual risk of forking a process that runs threads.
+    By default (``multiprocessing_context=None``) workers are forks of a template of this
+    process, forked once, when the first loader with workers is built while only the main
+    thread runs: a worker starts with every module imported by then (torch too) without
+    importing anything, never re-runs the main module, and is safe in a process that runs
+    threads, which ``fork`` is not. So a script needs no ``if __name__ == "__main__":`` guard,
+    and the dataset, ``collate_fn`` and ``worker_init_fn`` may be lambdas, local functions or
+    classes defined in ``__main__``, a notebook or ``python -c``: they are pickled once per
+    start with cloudpickle, by value where they are not importable by name, their large arrays
+    into shared memory that the workers map. (If threads already run when the first loader is
+    built, workers come from an exec'd fork server instead, with the same guarantees; only the
+    modules are imported again.) ``"fork"``, ``"spawn"`` and ``"forkserver"`` keep the standard
+    library's semantics: ``spawn`` and ``forkserver`` import the main module in each worker, so
+    a script needs the guard there.
 
     The arguments, defaults, checks and error messages are those of
     ``torch.utils.data.DataLoader``, with two differences: ``generator`` also takes an int seed
@@ -105,7 +112,8 @@ class DataLoader(Generic[T_co]):
         timeout: seconds to wait for one batch before raising (0 waits forever).
         worker_init_fn: called with the worker id in each worker process.
         multiprocessing_context: start method (a string) or multiprocessing context for the
-            workers; None means ``"forkserver"`` (``"spawn"`` where it is missing).
+            workers; None means forks of the template described above (``"spawn"`` where
+            the platform has no fork server).
         generator: None, an int seed or a numpy Generator; it seeds the random sampler and each
             epoch's ``base_seed``. The same seed gives the same sequence of epochs.
         prefetch_factor: collated batches allowed to wait for the consumer (default 2); with
@@ -499,7 +507,6 @@ class DataLoader(Generic[T_co]):
             num_workers=self.num_workers,
             worker_init_fn=self.worker_init_fn,
             prefetch=self.prefetch_factor,
-            owner=os.getpid(),
         )
         context = self._context()
         prepare_context(context, warm=False)

@@ -14,12 +14,16 @@ closes its socket, so its reader sees EOF at once, waits for the exit status and
 with torch's message ("DataLoader worker (pid N) is killed by signal: Killed. "). Sends never
 block the loop either: the socket is non-blocking and what does not fit waits in an outbox.
 
-Start method: ``forkserver`` by default (``spawn`` where it is missing). ``fork`` is unsafe in a
-process that runs threads, and a loader always has some (the synchronous facade's loop thread,
-anyio's worker threads); the fork server is a single-threaded process started once, which
-imports numpy and aloader before forking, so a worker starts in milliseconds. The dataset,
-``collate_fn`` and ``worker_init_fn`` are pickled once per pool, their large arrays into one
-shared-memory segment that every worker maps copy-on-write.
+Start method: by default workers are forks of a template of the loader's process, forked when
+the first loader with workers is built (see :mod:`aloader._spawn`; ``spawn`` where there is no
+fork server). ``fork`` itself is unsafe in a process that runs threads, and a loader always has
+some once it iterates (the synchronous facade's loop thread, anyio's worker threads); the
+template is single-threaded, already has every module the user's process had imported, and
+never runs the user's main module, so a worker starts in milliseconds and a script needs no
+``__main__`` guard. The dataset, ``collate_fn`` and ``worker_init_fn`` are pickled once per
+pool with cloudpickle (by value where they are not importable by name: lambdas, local
+functions, classes of ``__main__``), their large arrays into one shared-memory segment that
+every worker maps copy-on-write.
 
 Shutdown: the loader closes its socket ends (a worker reading its next task exits at once),
 waits briefly, then terminates and kills what is left, and removes any shared-memory segment a
@@ -51,7 +55,7 @@ from typing import Any
 import anyio
 import anyio.from_thread
 
-from . import _shm
+from . import _shm, _spawn
 from ._pipeline import SKIP
 from ._sources import merge_stats, source_stats
 from ._worker import END, ERROR, NEXT, READY, TASK, WorkerSetup, worker_main
@@ -91,21 +95,32 @@ def resolve_context(context: Any) -> multiprocessing.context.BaseContext:
 
 
 def default_context() -> multiprocessing.context.BaseContext:
-    """The fork server where the platform has one, else spawn: both safe with threads."""
+    """Forks of the template (:mod:`aloader._spawn`) where the platform has a fork server,
+    else spawn: both safe with threads."""
     if "forkserver" in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("forkserver")
+        return _spawn.CONTEXT
     return multiprocessing.get_context("spawn")
 
 
 def prepare_context(context: multiprocessing.context.BaseContext, *, warm: bool) -> None:
-    """Have the fork server preload numpy and aloader, and start it early when ``warm``.
+    """Get the server of ``context`` ready for the first epoch.
 
-    Preloading only applies before the server starts; it adds to the modules already asked
-    for (``numpy.random`` too, which every worker seeds: importing it costs a worker 20 ms).
-    Warming starts the server (a process launch, not a wait) so that it is ready by the first
-    epoch; only the main process of a program does it, never a worker or the fork server
-    itself while it imports ``__main__``.
+    The default context forks its template now if this process may fork (only its main thread
+    runs: a loader being built, an epoch starting); when ``warm`` and it may not, it starts the
+    exec'd fork server instead. An explicit ``forkserver`` context gets numpy and aloader added
+    to its preloaded modules (``numpy.random`` too, which every worker seeds: importing it
+    costs a worker 20 ms), which only applies before the server starts, and is started when
+    ``warm``. Starting is a head start (a fork, or a process launch, not a wait); it is never
+    done while this process imports ``__main__`` for ``spawn``, and only warms in a program's
+    main process.
     """
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        return
+    if isinstance(context, _spawn.Context):
+        # Only a head start: if no server can start, the first epoch says why.
+        with contextlib.suppress(Exception):
+            _spawn.prepare(warm=warm and multiprocessing.parent_process() is None)
+        return
     if context.get_start_method() != "forkserver":
         return
     from multiprocessing import forkserver
@@ -117,11 +132,7 @@ def prepare_context(context: multiprocessing.context.BaseContext, *, warm: bool)
     wanted = [name for name in ("numpy", "numpy.random", "aloader") if name not in modules]
     if wanted:
         forkserver.set_forkserver_preload(modules + wanted)
-    if (
-        warm
-        and multiprocessing.parent_process() is None
-        and not getattr(multiprocessing.current_process(), "_inheriting", False)
-    ):
+    if warm and multiprocessing.parent_process() is None:
         # Only a head start: if the server cannot start, the first epoch says why.
         with contextlib.suppress(Exception):
             forkserver.ensure_running()
@@ -182,8 +193,9 @@ class _Worker:
 class _Processes:
     """The part of a pool that must outlive it: processes to stop and segments to sweep."""
 
-    def __init__(self, owner: int, tag: str) -> None:
+    def __init__(self, owner: int, shm_owner: str, tag: str) -> None:
         self.owner = owner
+        self.shm_owner = shm_owner
         self.tag = tag
         self.workers: list[_Worker] = []
         self._lock = threading.Lock()
@@ -237,9 +249,9 @@ class _Processes:
             if process.exitcode is None:
                 process.kill()
                 process.join()
-        _shm.sweep(_shm.prefix(self.owner, self.tag))
+        _shm.sweep(_shm.prefix(self.shm_owner, self.tag))
         for process in processes:
-            _shm.sweep(_shm.prefix(self.owner, process.pid))
+            _shm.sweep(_shm.prefix(self.shm_owner, process.pid))
         _LIVE.discard(self)
 
 
@@ -250,7 +262,7 @@ _atexit_registered = False
 def _stop_all() -> None:
     for processes in list(_LIVE):
         processes.stop(wait=True)
-    _shm.sweep(_shm.prefix(os.getpid()))
+    _shm.sweep(_shm.prefix(_shm.owner()))
 
 
 class WorkerPool:
@@ -269,8 +281,9 @@ class WorkerPool:
         self.persistent = persistent
         self.num_workers = setup.num_workers
         self.owner = os.getpid()
+        self.shm_owner = setup.owner
         self.tag = f"p{next(_pool_serial)}"
-        self.codec = _shm.Codec(self.owner, self.tag)
+        self.codec = _shm.Codec(self.shm_owner, self.tag)
         self.workers: list[_Worker] = []
         self.started = False
         self.closed = False
@@ -283,7 +296,7 @@ class WorkerPool:
         self._ready = 0
         self._message: bytes | None = None
         self._setup_segment: str | None = None
-        self._processes = _Processes(self.owner, self.tag)
+        self._processes = _Processes(self.owner, self.shm_owner, self.tag)
         self._finalizer = weakref.finalize(self, self._processes.stop)
         self._finalizer.atexit = False  # _stop_all reaps synchronously at exit
 
@@ -310,13 +323,14 @@ class WorkerPool:
         if self.context.get_start_method() == "fork":
             return  # a forked worker inherits the setup
         try:
-            self._message = self.codec.encode(self.setup)
+            self._message = self.codec.encode(self.setup, by_value="always")
         except Exception as exc:
             exc.add_note(
                 "DataLoader workers receive the dataset, collate_fn and worker_init_fn "
-                f"pickled (start method {self.context.get_start_method()!r}): define them at "
-                "module level, or pass multiprocessing_context='fork' (unsafe when the process "
-                "runs threads)."
+                "pickled with cloudpickle (by value where they are not importable): what "
+                "cannot be pickled at all (an open file, a lock, a generator, a client "
+                "connection) must be made in the worker (lazily, or in worker_init_fn), or "
+                "pass multiprocessing_context='fork' (unsafe when the process runs threads)."
             )
             raise
         self._setup_segment = self.codec.last_segment
@@ -328,7 +342,7 @@ class WorkerPool:
         inherited = sorted(_LOADER_FDS | {mine.fileno()}) if fork else []
         process = self.context.Process(  # type: ignore[attr-defined]
             target=worker_main,
-            args=(theirs, worker_id, self.owner, self.setup if fork else None, inherited),
+            args=(theirs, worker_id, self.shm_owner, self.setup if fork else None, inherited),
             name=f"aloader-worker-{worker_id}",
             daemon=True,
         )
@@ -602,7 +616,7 @@ class PoolEpoch:
             self._fail(exc)
             return
         message = exit_message(worker.process.pid, await self._exitcode(worker))
-        if not worker.ready and self.pool.context.get_start_method() != "fork":
+        if not worker.ready and _spawn.reruns_main(self.pool.context):
             message += (
                 f" It exited before it was set up: workers started with "
                 f"{self.pool.context.get_start_method()!r} import the main module, so a script "

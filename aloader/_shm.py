@@ -6,9 +6,12 @@ one file under ``/dev/shm``, and so is the pickle stream itself when it is large
 header crosses the pipe. The receiver maps the file and unpickles arrays that view the mapping,
 so a batch is copied once (into the file, by the worker) and never pickled as bytes.
 
-Segments are named ``aloader-{ns}.{owner}-{creator}-{n}``: ``owner`` is the pid of the process
-that runs the DataLoader, ``ns`` names its pid namespace (containers may share ``/dev/shm``), and
-``creator`` tags who wrote the file (a worker's pid, or the loader's pool).
+Segments are named ``aloader-{ns}.{pid}.{token}-{creator}-{random}``. The first part is the
+owner's tag (:func:`owner`): ``pid`` runs the DataLoader, ``ns`` names its pid namespace
+(containers may share ``/dev/shm``) and ``token`` is drawn at random once per process, so no
+other process, even one that had the same pid, shares the prefix. ``creator`` tags who wrote the
+file (a worker's pid, or the loader's pool) and ``random`` is drawn for each segment: names are
+unpredictable, and one that exists already (``O_EXCL`` fails) is retried with another.
 There are two kinds:
 
 * one-shot segments, unlinked by the receiver as soon as it has opened them;
@@ -17,9 +20,10 @@ There are two kinds:
   gone (:func:`decode`'s ``on_release``), the loader hands the name back with the worker's next
   task, and the worker writes its next batch into the same pages (:meth:`Codec.release`).
 
-A segment outlives its use only when a process dies; :func:`sweep` removes those by prefix (the
-loader's pool after a worker stops or dies, a worker whose loader died, the loader at interpreter
-exit), and :func:`sweep_stale` removes the segments of loaders that no longer exist. Mappings
+A segment outlives its use only when a process dies; :func:`sweep` removes those by the owner's
+prefix (the loader's pool after a worker stops or dies, a worker whose loader died, the loader at
+interpreter exit), which only this owner's processes write, and :func:`sweep_stale` removes the
+segments of owners proven gone: same pid namespace, no such process, the file ours. Mappings
 hold no file descriptor, however many batches the consumer keeps. These files are plain
 ``os.open`` files, not :mod:`multiprocessing.shared_memory` blocks, so that no resource tracker
 unlinks or warns about segments that changed hands.
@@ -31,10 +35,11 @@ import contextlib
 import ctypes
 import errno
 import io
-import itertools
 import mmap
 import os
 import pickle
+import secrets
+import stat
 import struct
 import sys
 import tempfile
@@ -42,9 +47,10 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ("SHM_DIR", "Codec", "decode", "prefix", "sweep", "sweep_stale")
+__all__ = ("SHM_DIR", "Codec", "decode", "owner", "prefix", "process_prefix", "sweep",
+           "sweep_stale")
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
@@ -57,6 +63,8 @@ def _pid_namespace() -> str:
 
 
 _NAME = f"aloader-{_pid_namespace()}."
+# Tries at a fresh name when the one drawn exists (a collision, or a file planted there).
+_NAME_TRIES = 16
 # Buffers at least this large travel through shared memory; smaller ones ride in the pickle.
 THRESHOLD = 64 * 1024
 # Pickle streams larger than this go to shared memory too, so pipe messages stay small.
@@ -74,19 +82,41 @@ _warned_full = False
 WRITE_LOCK = threading.Lock()
 
 
-def _new_lock() -> None:
-    global WRITE_LOCK
+_owner: str | None = None
+
+
+def _after_fork() -> None:
+    global WRITE_LOCK, _owner
     WRITE_LOCK = threading.Lock()  # another thread may have held it when this process forked
+    _owner = None  # a forked child is another owner
 
 
-os.register_at_fork(after_in_child=_new_lock)
+os.register_at_fork(after_in_child=_after_fork)
 
 
-def prefix(owner: int, creator: int | str | None = None) -> str:
-    """The name prefix of the segments of ``owner``'s loader (written by ``creator``)."""
+def _token() -> str:
+    return secrets.token_hex(8)
+
+
+def owner() -> str:
+    """This process's owner tag, ``{ns}.{pid}.{token}``: the names of the segments of its
+    loaders start with it, and no other process's do."""
+    global _owner
+    if _owner is None:
+        _owner = f"{_NAME[len('aloader-'):]}{os.getpid()}.{_token()}"
+    return _owner
+
+
+def prefix(owner: str, creator: int | str | None = None) -> str:
+    """The name prefix of the segments of ``owner``'s loaders (written by ``creator``)."""
     if creator is None:
-        return f"{_NAME}{owner}-"
-    return f"{_NAME}{owner}-{creator}-"
+        return f"aloader-{owner}-"
+    return f"aloader-{owner}-{creator}-"
+
+
+def process_prefix(pid: int) -> str:
+    """The name prefix of the segments of the loaders of process ``pid`` (this namespace)."""
+    return f"{_NAME}{pid}."
 
 
 def _unlink(name: str) -> None:
@@ -109,29 +139,38 @@ def sweep(name_prefix: str) -> None:
 def sweep_stale() -> None:
     """Unlink the segments of loaders whose process is gone (all of them were killed).
 
-    Only segments of this pid namespace: a pid means nothing in another one.
+    A segment goes only when that is proven: its name has this pid namespace (a pid means
+    nothing in another one), no process has that pid (one that does may have reused it: the
+    segment stays), and the file is a regular file of this user (never another's, never a link).
     """
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return
-    owners: dict[int, bool] = {}
+    alive: dict[int, bool] = {}
+    uid = os.getuid()
     for name in names:
         if not name.startswith(_NAME):
             continue
-        try:
-            owner = int(name[len(_NAME) :].split("-", 1)[0])
-        except ValueError:
+        pid_text, dot, _ = name[len(_NAME) :].partition(".")
+        if not (dot and pid_text.isdigit()):
             continue
-        if owner not in owners:
+        pid = int(pid_text)
+        if pid not in alive:
             try:
-                os.kill(owner, 0)
-                owners[owner] = True
+                os.kill(pid, 0)
+                alive[pid] = True
             except ProcessLookupError:
-                owners[owner] = False
+                alive[pid] = False
             except OSError:  # someone else's process: alive
-                owners[owner] = True
-        if not owners[owner]:
+                alive[pid] = True
+        if alive[pid]:
+            continue
+        try:
+            info = os.lstat(os.path.join(SHM_DIR, name))
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode) and info.st_uid == uid:
             _unlink(name)
 
 
@@ -141,24 +180,58 @@ def _tensor_from_numpy(array: Any) -> Any:
     return torch.from_numpy(array)
 
 
+def _reduce_tensor(obj: Any) -> Any:
+    """A contiguous CPU tensor as a numpy array, so that its data goes out of band too."""
+    torch = sys.modules["torch"]
+    if (
+        type(obj) is torch.Tensor
+        and obj.device.type == "cpu"
+        and obj.layout == torch.strided
+        and not obj.requires_grad
+        and obj.is_contiguous()
+    ):
+        try:
+            array = obj.numpy()
+        except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16...)
+            return NotImplemented
+        return _tensor_from_numpy, (array,)
+    return NotImplemented
+
+
 class _TorchPickler(pickle.Pickler):
-    """Sends contiguous CPU tensors as numpy arrays, so their data goes out of band too."""
+    """Sends contiguous CPU tensors as numpy arrays."""
 
     def reducer_override(self, obj: Any) -> Any:
-        torch = sys.modules["torch"]
-        if (
-            type(obj) is torch.Tensor
-            and obj.device.type == "cpu"
-            and obj.layout == torch.strided
-            and not obj.requires_grad
-            and obj.is_contiguous()
-        ):
-            try:
-                array = obj.numpy()
-            except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16...)
-                return NotImplemented
-            return _tensor_from_numpy, (array,)
-        return NotImplemented
+        return _reduce_tensor(obj)
+
+
+_by_value_picklers: dict[bool, type[pickle.Pickler]] = {}
+
+
+def _by_value_pickler(tensors: bool) -> type[pickle.Pickler]:
+    """cloudpickle's pickler (tensors as numpy arrays too): what is not importable by name,
+    such as a lambda, a local function or anything defined in ``__main__``, goes by value."""
+    pickler = _by_value_picklers.get(tensors)
+    if pickler is None:
+        import cloudpickle
+
+        if tensors:
+
+            class _TorchCloudPickler(cloudpickle.CloudPickler):  # type: ignore[misc]
+                def reducer_override(self, obj: Any) -> Any:
+                    reduced = _reduce_tensor(obj)
+                    if reduced is NotImplemented:
+                        return super().reducer_override(obj)
+                    return reduced
+
+            pickler = _TorchCloudPickler
+        else:
+            pickler = cloudpickle.CloudPickler
+        _by_value_picklers[tensors] = pickler
+    return pickler
+
+
+ByValue = Literal["never", "fallback", "always"]
 
 
 class Codec:
@@ -175,7 +248,7 @@ class Codec:
 
     def __init__(
         self,
-        owner: int,
+        owner: str,
         creator: int | str,
         *,
         threshold: int = THRESHOLD,
@@ -190,7 +263,6 @@ class Codec:
         self.recycle = recycle
         self.last_segment: str | None = None  # name of the latest segment written
         self._free: list[str] = []  # released segments, the most recent last
-        self._counter = itertools.count()
 
     def release(self, names: list[str]) -> None:
         """The receiver no longer maps these segments: reuse them, unlink the surplus."""
@@ -198,23 +270,24 @@ class Codec:
         while len(self._free) > self.recycle:
             _unlink(self._free.pop(0))
 
-    def encode(self, obj: Any) -> bytes:
+    def encode(self, obj: Any, *, by_value: ByValue = "never") -> bytes:
         """Pickle ``obj`` into a pipe message, its large buffers into a segment.
+
+        ``by_value`` says when cloudpickle pickles what is not importable by name by value:
+        ``"never"``, ``"always"``, or ``"fallback"`` when the plain pickle fails (so that
+        what is importable resolves, on the other side, to that side's own object).
 
         When shared memory is full the message falls back to an in-band pickle (and warns
         once), so a small ``/dev/shm`` slows loading down rather than failing it.
         """
-        out_of_band: list[pickle.PickleBuffer] = []
-        threshold = self.threshold
-
-        def take(buffer: pickle.PickleBuffer) -> bool:
-            with buffer.raw() as view:
-                if view.nbytes < threshold:
-                    return True  # in band
-            out_of_band.append(buffer)
-            return False
-
-        data = self._dumps(obj, take)
+        by_value_now = by_value == "always"
+        try:
+            data, out_of_band = self._dumps(obj, by_value_now, self.threshold)
+        except Exception:
+            if by_value != "fallback":
+                raise
+            by_value_now = True
+            data, out_of_band = self._dumps(obj, by_value_now, self.threshold)
         if not out_of_band and len(data) <= self.inline_limit:
             return bytes((_INLINE,)) + data
         try:
@@ -223,14 +296,31 @@ class Codec:
             if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                 raise
             _warn_full(exc)
-            return bytes((_INLINE,)) + self._dumps(obj, None)
+            return bytes((_INLINE,)) + self._dumps(obj, by_value_now, None)[0]
 
-    def _dumps(self, obj: Any, callback: Any) -> bytes:
-        if not (self.tensors and "torch" in sys.modules):
-            return pickle.dumps(obj, protocol=5, buffer_callback=callback)
+    def _dumps(
+        self, obj: Any, by_value: bool, threshold: int | None
+    ) -> tuple[bytes, list[pickle.PickleBuffer]]:
+        """The pickle of ``obj`` and its buffers of ``threshold`` bytes or more (None: none
+        out of band)."""
+        out_of_band: list[pickle.PickleBuffer] = []
+        callback: Callable[[pickle.PickleBuffer], bool] | None = None
+        if threshold is not None:
+
+            def callback(buffer: pickle.PickleBuffer) -> bool:
+                with buffer.raw() as view:
+                    if view.nbytes < threshold:
+                        return True  # in band
+                out_of_band.append(buffer)
+                return False
+
+        tensors = self.tensors and "torch" in sys.modules
+        if not (by_value or tensors):
+            return pickle.dumps(obj, protocol=5, buffer_callback=callback), out_of_band
+        pickler = _by_value_pickler(tensors) if by_value else _TorchPickler
         stream = io.BytesIO()
-        _TorchPickler(stream, protocol=5, buffer_callback=callback).dump(obj)
-        return stream.getvalue()
+        pickler(stream, protocol=5, buffer_callback=callback).dump(obj)
+        return stream.getvalue(), out_of_band
 
     def _write(self, data: bytes, buffers: list[pickle.PickleBuffer]) -> bytes:
         inline = len(data) <= self.inline_limit
@@ -278,8 +368,16 @@ class Codec:
             if os.fstat(fd).st_size > 2 * size:  # do not hold on to a much larger batch's pages
                 os.ftruncate(fd, size)
             return fd, name
-        name = f"{self.prefix}{next(self._counter)}"
-        return os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), name
+        for _ in range(_NAME_TRIES):
+            name = f"{self.prefix}{_token()}"
+            try:
+                fd = os.open(os.path.join(SHM_DIR, name),
+                             os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            except FileExistsError:  # never open a file someone else made
+                continue
+            return fd, name
+        raise FileExistsError(errno.EEXIST, f"no free segment name in {SHM_DIR} after "
+                              f"{_NAME_TRIES} tries", os.path.join(SHM_DIR, self.prefix))
 
 
 def decode(

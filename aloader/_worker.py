@@ -34,7 +34,7 @@ import threading
 import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -148,8 +148,13 @@ class RemoteError:
         exc_type: type[BaseException] | None = type(error)
         try:
             pickle.dumps(exc_type)
-        except Exception:  # a local class: the parent could not import it
-            exc_type = None
+        except Exception:  # not importable by name: by value (a class of __main__), or not
+            import cloudpickle
+
+            try:
+                cloudpickle.dumps(exc_type)
+            except Exception:
+                exc_type = None
         return cls(exc_type, type(error).__name__, where, text)
 
     def rebuild(self) -> BaseException:
@@ -189,7 +194,7 @@ class WorkerSetup:
         num_workers: workers in the pool.
         worker_init_fn: called with the worker id once the worker is seeded.
         prefetch: batches each worker may run ahead (the loader's prefetch_factor).
-        owner: pid of the loader's process.
+        owner: the loader's process's shared-memory owner tag (:func:`aloader._shm.owner`).
     """
 
     plan: Any
@@ -200,7 +205,7 @@ class WorkerSetup:
     num_workers: int
     worker_init_fn: Callable[[int], None] | None
     prefetch: int
-    owner: int
+    owner: str = field(default_factory=_shm.owner)
 
 
 def seed_worker(base_seed: int, worker_id: int) -> int:
@@ -221,7 +226,7 @@ def seed_worker(base_seed: int, worker_id: int) -> int:
     return seed
 
 
-def _watch_parent(owner: int) -> None:
+def _watch_parent(owner: str) -> None:
     """Exit as soon as the loader's process dies, removing the segments left for it."""
     parent = multiprocessing.parent_process()
     if parent is None:
@@ -252,7 +257,9 @@ class _Worker:
     def send(self, job: int, status: int, value: Any) -> None:
         stats = self.stats.report()
         try:
-            data = self.codec.encode((job, status, value, stats))
+            # By value only what plain pickling cannot take (a class the setup brought by
+            # value): what is importable by name resolves to the loader's own object.
+            data = self.codec.encode((job, status, value, stats), by_value="fallback")
         except Exception as exc:  # an unpicklable batch reaches the consumer as its error
             data = self.codec.encode((job, ERROR, RemoteError.capture(exc, self.where), None))
         self.conn.send_bytes(data)
@@ -372,7 +379,7 @@ class _Worker:
 def worker_main(
     conn: Connection,
     worker_id: int,
-    owner: int,
+    owner: str,
     setup: WorkerSetup | None,
     inherited_fds: list[int],
 ) -> None:
@@ -381,15 +388,18 @@ def worker_main(
     Args:
         conn: this worker's end of its socket pair with the loader.
         worker_id: this worker's number.
-        owner: pid of the loader's process.
+        owner: the shared-memory owner tag of the loader's process.
         setup: the setup itself under the fork start method; None when it arrives as the
-            first message (spawn, forkserver).
+            first message (the default, spawn, forkserver).
         inherited_fds: the loader's ends of its workers' socket pairs, inherited by a forked
             worker; closed here so that the loader's death reads as EOF everywhere.
     """
     for fd in inherited_fds:
         with contextlib.suppress(OSError):
             os.close(fd)
+    from ._spawn import forget_placeholder
+
+    forget_placeholder()
     # Ctrl-C reaches the whole process group: the loader handles it and stops its workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent(owner)
@@ -401,9 +411,7 @@ def worker_main(
             except Exception as exc:
                 exc.add_note(
                     "raised while unpickling the dataset, collate_fn and worker_init_fn in the "
-                    "worker: define them in an importable module (a worker cannot see what an "
-                    "interactive session or `python -c` defines), or pass "
-                    "multiprocessing_context='fork'"
+                    "worker (what they pickled by name must be importable there too)"
                 )
                 raise
         assert setup is not None
@@ -415,7 +423,8 @@ def worker_main(
     except Exception as exc:
         codec = _shm.Codec(owner, os.getpid())
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            conn.send_bytes(codec.encode((-1, FAILED, RemoteError.capture(exc, where))))
+            conn.send_bytes(codec.encode((-1, FAILED, RemoteError.capture(exc, where)),
+                                         by_value="fallback"))
         return
     worker = _Worker(conn, worker_id, setup)
     try:

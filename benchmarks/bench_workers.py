@@ -11,15 +11,18 @@ the cores.
   The limit is two cores at the single-item speed measured in this process (as the anchor
   script does); two bare processes computing half the items each show what the cores deliver
   in this run, loader aside.
-- ttfb: time to the first batch of the cpu dataset with 2 workers: the first loader of a fresh
-  process, a new loader later on, and the next epoch of persistent workers.
+- ttfb: time to the first batch of the cpu dataset with 2 workers, each measured in a fresh
+  process of this script whose main module imports torch at the top, or does not (aloader
+  only: torch's loader needs torch): the first loader of the process iterated at once (and
+  0.5 s after its creation), a new loader later on, and the next epoch of persistent workers.
+  Workers that re-imported the main module would pay torch's import at every start.
 - mem: the 200,000 x 128 float32 table, shuffled, batch 256, 2 workers; plus 4 MiB batches
   (rows of 4,096 float32), which must cross in shared memory rather than pickled.
 - rss: peak memory of the 2 workers over one epoch of a 1 GiB float32 table (persistent
   workers, so their high-water marks can be read before they stop): RSS, and the part that is
   private to each worker (USS), which is what grows into extra copies of the dataset.
 
-This file is imported by the workers (as ``__mp_main__``): nothing heavy happens at import.
+Nothing heavy happens at import (workers started with ``spawn`` would import this file).
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
+
+if "--import-torch" in sys.argv:  # the probes' main module imports torch at the top, or not
+    import torch  # noqa: F401
 
 CPU_ITERS = 20_000
 N_CPU = 1_000
@@ -120,9 +126,10 @@ def _half(start: int) -> None:
 def _bare_processes() -> float:
     """Items per second of two processes that each compute half the items, with no loader:
     what the two cores deliver in this run, start included."""
-    from aloader._pool import default_context
+    import multiprocessing
 
-    context: Any = default_context()
+    # Plain forks: these children only compute, whatever threads the loaders left idle here.
+    context: Any = multiprocessing.get_context("fork")
     begin = time.perf_counter()
     processes = [context.Process(target=_half, args=(k,)) for k in range(2)]
     for process in processes:
@@ -182,39 +189,53 @@ def _persistent_second(factory: Callable[..., Any]) -> float:
     return elapsed
 
 
-def _cold(which: str, pause: float = 0.0) -> float:
-    out = subprocess.run([sys.executable, __file__, "--cold", str(pause), which],
-                         capture_output=True, text=True, check=True,
+_PROBES = {  # label: (loader, whether the main module imports torch)
+    "aloader": ("aloader", False),
+    "aloader, import torch": ("aloader", True),
+    "torch": ("torch", True),
+}
+
+
+def _probe(which: str, import_torch: bool, pause: float) -> dict[str, float]:
+    command = [sys.executable, __file__, "--probe", which, str(pause)]
+    if import_torch:
+        command.append("--import-torch")
+    out = subprocess.run(command, capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.abspath(__file__)))
-    return float(out.stdout.split()[-1])
+    cold, new, persistent = (float(v) for v in out.stdout.split()[-3:])
+    return {"cold": cold, "new": new, "persistent": persistent}
 
 
 def bench_ttfb(rounds: int, torch: bool) -> None:
-    names = ["aloader"] + (["torch"] if torch else [])
-    factories = {"aloader": _aloader, "torch": _torch}
+    probes = {k: v for k, v in _PROBES.items() if torch or v[0] == "aloader"}
     results: dict[str, dict[str, list[float]]] = {
-        n: {"cold": [], "cold_later": [], "fresh": [], "persistent": []} for n in names}
+        n: {"cold": [], "cold_later": [], "new": [], "persistent": []} for n in probes}
     for _ in range(rounds):
-        for name in names:
-            factory = factories[name]
-            results[name]["cold"].append(_cold(name))
-            results[name]["cold_later"].append(_cold(name, 0.5))
-            results[name]["fresh"].append(_first_batch(
-                lambda f=factory: f(CpuDataset(), batch_size=32, num_workers=2)))  # type: ignore[misc]
-            results[name]["persistent"].append(_persistent_second(factory))
-    rows = []
+        for name, (which, import_torch) in probes.items():
+            at_once = _probe(which, import_torch, 0.0)
+            later = _probe(which, import_torch, 0.5)
+            results[name]["cold"].append(at_once["cold"])
+            results[name]["cold_later"].append(later["cold"])
+            results[name]["new"] += [at_once["new"], later["new"]]
+            results[name]["persistent"] += [at_once["persistent"], later["persistent"]]
     labels = {"cold": "first loader of a fresh process, iterated at once",
               "cold_later": "first loader of a fresh process, iterated 0.5 s after creation",
-              "fresh": "a new loader (workers start)",
+              "new": "a new loader (workers start)",
               "persistent": "next epoch, persistent workers"}
+    rows = []
     for case, label in labels.items():
-        ours = float(np.median(results["aloader"][case]))
-        if torch:
-            theirs = float(np.median(results["torch"][case]))
-            rows.append((label, f"{ours * 1e3:.1f} ms (torch {theirs * 1e3:.1f} ms)",
-                         f"{theirs / ours:.2f}"))
-        else:
-            rows.append((label, f"{ours * 1e3:.1f} ms", ""))
+        theirs = float(np.median(results["torch"][case])) if torch else None
+        for name in probes:
+            if name == "torch":
+                continue
+            ours = float(np.median(results[name][case]))
+            main = "main imports torch" if _PROBES[name][1] else "main does not import torch"
+            if theirs is not None:
+                rows.append((f"{label} ({main})",
+                             f"{ours * 1e3:.1f} ms (torch {theirs * 1e3:.1f} ms)",
+                             f"{theirs / ours:.2f}"))
+            else:
+                rows.append((f"{label} ({main})", f"{ours * 1e3:.1f} ms", ""))
     _table("time to first batch, cpu dataset, 2 workers, median (ratio: torch / aloader, "
            ">1 is faster)", rows)
 
@@ -372,9 +393,10 @@ def _torch_tensor_dataset(table: np.ndarray[Any, Any]) -> Any:
     return TensorDataset(torch.from_numpy(table))
 
 
-def _cold_main(pause: float, which: str) -> None:
-    """Time to the first batch of the first loader in this process, iterated ``pause`` seconds
-    after its creation (aloader starts its fork server on creation)."""
+def _probe_main(which: str, pause: float) -> None:
+    """Times to the first batch in this fresh process: its first loader, iterated ``pause``
+    seconds after its creation (aloader forks its workers' template on creation); then a new
+    loader (median of 3); then the next epoch of persistent workers (median of 3)."""
     factory = _aloader if which == "aloader" else _torch
     if which == "torch":
         import torch.utils.data  # noqa: F401  (imports are not the loader's start)
@@ -382,7 +404,12 @@ def _cold_main(pause: float, which: str) -> None:
         import aloader  # noqa: F401
     loader = factory(CpuDataset(), batch_size=32, num_workers=2)
     time.sleep(pause)
-    print(_first_batch(lambda: loader))
+    cold = _first_batch(lambda: loader)
+    loader = None  # its workers stop
+    new = float(np.median([_first_batch(
+        lambda: factory(CpuDataset(), batch_size=32, num_workers=2)) for _ in range(3)]))
+    persistent = float(np.median([_persistent_second(factory) for _ in range(3)]))
+    print(cold, new, persistent)
 
 
 def main() -> None:
@@ -404,7 +431,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if "--cold" in sys.argv:
-        _cold_main(float(sys.argv[-2]), sys.argv[-1])
+    if "--probe" in sys.argv:
+        at = sys.argv.index("--probe")
+        _probe_main(sys.argv[at + 1], float(sys.argv[at + 2]))
     else:
         main()

@@ -11,12 +11,12 @@ import errno
 import gc
 import multiprocessing
 import os
-import pickle
 import random
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -257,7 +257,7 @@ async def collect(loader: DataLoader[Any]) -> list[Any]:
 
 
 def segments(owner: int | None = None) -> list[str]:
-    prefix = _shm.prefix(os.getpid() if owner is None else owner)
+    prefix = _shm.prefix(_shm.owner()) if owner is None else _shm.process_prefix(owner)
     return [name for name in os.listdir(_shm.SHM_DIR) if name.startswith(prefix)]
 
 
@@ -518,10 +518,17 @@ def test_worker_init_fn_error_propagates() -> None:
     assert "in DataLoader worker process" in str(info.value)
 
 
-def test_unpicklable_dataset_names_the_cause() -> None:
+def test_lambdas_travel_by_value() -> None:
     dataset = Squares(4)
     dataset.transform = lambda x: x  # type: ignore[attr-defined]
-    with pytest.raises((pickle.PicklingError, AttributeError)) as info:
+    loader = DataLoader(dataset, batch_size=2, num_workers=1, collate_fn=lambda b: sum(b))
+    assert list(loader) == [1, 13]
+
+
+def test_unpicklable_dataset_names_the_cause() -> None:
+    dataset = Squares(4)
+    dataset.lock = threading.Lock()  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match="cannot pickle") as info:
         list(DataLoader(dataset, batch_size=2, num_workers=1))
     assert any("multiprocessing_context='fork'" in note for note in info.value.__notes__)
 
@@ -714,7 +721,7 @@ def own(codec: _shm.Codec) -> list[str]:
 
 
 def test_codec_round_trip_and_unlink() -> None:
-    codec = _shm.Codec(os.getpid(), "test")
+    codec = _shm.Codec(_shm.owner(), "test")
     big = np.arange(50_000, dtype=np.float64).reshape(100, 500)
     value = {"big": big, "fortran": np.asfortranarray(big), "small": np.arange(3),
              "strided": big[:, ::2], "text": "x", "many": list(range(100_000))}
@@ -733,7 +740,7 @@ def test_codec_round_trip_and_unlink() -> None:
 
 
 def test_codec_recycles_released_segments() -> None:
-    codec = _shm.Codec(os.getpid(), "test", recycle=1)
+    codec = _shm.Codec(_shm.owner(), "test", recycle=1)
     released: list[str] = []
     array = _shm.decode(codec.encode(np.arange(100_000.0)), on_release=released.append)
     name = codec.last_segment
@@ -759,8 +766,8 @@ def test_codec_recycles_released_segments() -> None:
 def test_segments_of_killed_loaders_are_swept() -> None:
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    stale = os.path.join(_shm.SHM_DIR, _shm.prefix(gone.pid, "x") + "0")
-    mine = os.path.join(_shm.SHM_DIR, _shm.prefix(os.getpid(), "x") + "0")
+    stale = os.path.join(_shm.SHM_DIR, _shm.process_prefix(gone.pid) + "0123-x-0")
+    mine = os.path.join(_shm.SHM_DIR, _shm.prefix(_shm.owner(), "x") + "0")
     for path in (stale, mine):
         with open(path, "wb") as f:
             f.write(b"x")
@@ -771,7 +778,7 @@ def test_segments_of_killed_loaders_are_swept() -> None:
 
 
 def test_kept_batches_hold_no_file_descriptor() -> None:
-    codec = _shm.Codec(os.getpid(), "test")
+    codec = _shm.Codec(_shm.owner(), "test")
     before = len(os.listdir("/proc/self/fd"))
     kept = [_shm.decode(codec.encode(np.full(20_000, i))) for i in range(50)]
     assert len(os.listdir("/proc/self/fd")) <= before + 1
@@ -786,7 +793,7 @@ def test_codec_falls_back_to_the_pipe_when_shared_memory_is_full(
 
     monkeypatch.setattr(_shm, "_warned_full", False)
     monkeypatch.setattr(os, "pwrite", full)
-    codec = _shm.Codec(os.getpid(), "test")
+    codec = _shm.Codec(_shm.owner(), "test")
     big = np.ones(100_000)
     with pytest.warns(RuntimeWarning, match="shared memory .* is full"):
         message = codec.encode(big)
@@ -796,7 +803,7 @@ def test_codec_falls_back_to_the_pipe_when_shared_memory_is_full(
 
 def test_codec_sends_torch_tensors_out_of_band() -> None:
     torch = pytest.importorskip("torch")
-    codec = _shm.Codec(os.getpid(), "test", tensors=True)
+    codec = _shm.Codec(_shm.owner(), "test", tensors=True)
     tensor = torch.arange(100_000, dtype=torch.float32)
     message = codec.encode({"t": tensor, "grad": torch.ones(3, requires_grad=True)})
     assert len(message) < 2048
