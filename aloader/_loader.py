@@ -68,7 +68,7 @@ class DataLoader(Generic[T_co]):
     epoch its copy here claims (its ``set_epoch`` value, else its counter, advanced as if
     iterated here), so shard orders and shuffles change every epoch as without workers; its
     sources' ``stats`` here add up what every worker counted. Each epoch draws ``base_seed``
-    from ``generator``; worker ``i`` seeds Python's ``random`` with ``base_seed + i`` and
+    from ``generator`` (an epoch of live persistent workers keeps theirs, as torch's); worker ``i`` seeds Python's ``random`` with ``base_seed + i`` and
     numpy's global RNG (and torch's, if it imported torch) as torch's workers do, then calls
     ``worker_init_fn(i)``.
     A worker's exception reaches the consumer with its type, the worker id and its traceback;
@@ -490,6 +490,15 @@ class DataLoader(Generic[T_co]):
             return self.dataset._claim_epoch()
         return count
 
+    def _base_seed(self) -> int:
+        """This epoch's ``base_seed``: drawn from the generator, except by an epoch that the
+        live persistent workers will serve, which keep their first epoch's seeds; torch resets
+        its one iterator then and draws nothing, so the sampler's draws stay torch's."""
+        pool = self._pool
+        if pool is not None and not (pool.closed or pool.broken):
+            return int(pool.setup.base_seed)
+        return draw_seed(self._rng)
+
     def _remote(self, base_seed: int, epoch: int) -> PoolEpoch:
         """This epoch's use of the worker processes: the persistent pool when it is free."""
         pool = self._pool
@@ -602,7 +611,7 @@ class _AsyncLoaderIter:
         # Explicit epoch state, so that a resume can restore it: the RNG state this epoch
         # started from, the base seed it drew, and the batches yielded so far.
         self.rng_state = loader._rng.bit_generator.state
-        self.base_seed = draw_seed(loader._rng)
+        self.base_seed = loader._base_seed()
         self.num_yielded = 0
         self._timeout = loader.timeout
         self._len_called = loader._iterable_len_called

@@ -82,9 +82,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(tmp_path: Path, import_line: str, tag: str) -> dict[str, Any]:
+def _run(tmp_path: Path, import_line: str, tag: str, source: str = SCRIPT) -> Any:
     script = tmp_path / f"train_{tag}.py"
-    script.write_text(SCRIPT.format(import_line=import_line))
+    script.write_text(source.format(import_line=import_line))
     runs = tmp_path / f"runs_{tag}.txt"
     result = subprocess.run(
         [sys.executable, str(script)],
@@ -97,8 +97,7 @@ def _run(tmp_path: Path, import_line: str, tag: str) -> dict[str, Any]:
     assert result.returncode == 0, result.stderr[-4000:]
     # The main module ran once: no worker re-ran it (no `__main__` guard in the script).
     assert runs.read_text().count("ran") == 1
-    out: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
-    return out
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def _shape_of(epochs: list[list[dict[str, Any]]]) -> list[list[Any]]:
@@ -130,3 +129,55 @@ def test_unchanged_torch_script_runs_and_matches_torch(tmp_path: Path) -> None:
         assert ours["pairs"][workers] == theirs["pairs"][workers]
     # Workers or not, the sampler's sequence of orders is the same.
     assert _orders(ours["epochs"]["0"]) == _orders(ours["epochs"]["2"])
+
+
+# torch.manual_seed and no generator: every batch equal to torch's, augmentations included ------
+EXACT = textwrap.dedent(
+    """
+    import json
+    import os
+
+    import torch
+    {import_line}
+
+    with open(os.environ["RUNS_FILE"], "a") as runs:
+        runs.write("ran\\n")
+    torch.manual_seed(0)
+
+    class Augmented(Dataset):
+        def __init__(self):
+            self.x = torch.randn(40, 3)
+
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            return self.x[i] + torch.rand(3), i, float(i) / 2, {{"even": i % 2 == 0}}
+
+    out = []
+    for workers in (0, 2):
+        data = Augmented()
+        for persistent in ((False, True) if workers else (False,)):
+            loader = DataLoader(data, batch_size=6, shuffle=True, num_workers=workers,
+                                persistent_workers=persistent)
+            for epoch in range(3):
+                for x, i, half, extra in loader:
+                    out.append([workers, persistent, epoch,
+                                [round(v, 5) for v in x.flatten().tolist()], i.tolist(),
+                                [str(t.dtype) for t in (x, i, half, extra["even"])]])
+        pairs = TensorDataset(torch.arange(20.0), torch.arange(20))
+        for batch in DataLoader(pairs, batch_size=7, shuffle=True, num_workers=workers):
+            out.append([workers, [t.tolist() for t in batch], [str(t.dtype) for t in batch]])
+    print(json.dumps(out))
+    """
+)
+
+
+def test_torch_manual_seed_script_gives_torchs_exact_batches(tmp_path: Path) -> None:
+    theirs = _run(tmp_path, "from torch.utils.data import DataLoader, Dataset, TensorDataset",
+                  "torch", EXACT)
+    ours = _run(tmp_path, "from aloader import DataLoader, Dataset, TensorDataset",
+                "aloader", EXACT)
+    # The sampler's orders, the workers' seeds (so their torch.rand draws), round-robin
+    # assignment, persistent workers' epochs, dtypes: all torch's.
+    assert ours == theirs
