@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from test_loader import _task_count  # the same count of live tasks
 
 import aloader
 from aloader import DataLoader
@@ -36,20 +37,6 @@ def _loop_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "aloader-loop"]
 
 
-def _task_count(backend: str) -> int:
-    if backend == "asyncio":
-        import asyncio
-
-        return len(asyncio.all_tasks())
-    import trio
-
-    def count(task: Any) -> int:
-        return 1 + sum(count(child) for nursery in task.child_nurseries
-                       for child in nursery.child_tasks)
-
-    root = trio.lowlevel.current_root_task()
-    assert root is not None
-    return count(root)
 
 
 def _returns(fn: Callable[[], object]) -> None:
