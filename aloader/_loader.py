@@ -68,9 +68,9 @@ class DataLoader(Generic[T_co]):
     epoch its copy here claims (its ``set_epoch`` value, else its counter, advanced as if
     iterated here), so shard orders and shuffles change every epoch as without workers; its
     sources' ``stats`` here add up what every worker counted. Each epoch draws ``base_seed``
-    from ``generator`` (an epoch of live persistent workers keeps theirs, as torch's); worker ``i`` seeds Python's ``random`` with ``base_seed + i`` and
-    numpy's global RNG (and torch's, if it imported torch) as torch's workers do, then calls
-    ``worker_init_fn(i)``.
+    from ``generator`` (an epoch of live persistent workers keeps theirs, as torch's); worker
+    ``i`` seeds Python's ``random`` with ``base_seed + i`` and numpy's global RNG (and
+    torch's, if it imported torch) as torch's workers do, then calls ``worker_init_fn(i)``.
     A worker's exception reaches the consumer with its type, the worker id and its traceback;
     a worker that dies raises torch's "DataLoader worker (pid N) exited unexpectedly" / "is
     killed by signal" error at once. Workers stop when the epoch ends or is abandoned
