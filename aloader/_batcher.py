@@ -818,10 +818,9 @@ class Batcher(Generic[T, R]):
             task = asyncio.current_task()
         except RuntimeError:
             return True  # trio: Cancelled only comes from an enclosing cancel scope
-        cancelling = getattr(task, "cancelling", None)
-        if task is None or cancelling is None:
-            return True  # Python 3.10 cannot tell: assume it is
-        return bool(cancelling())
+        if task is None:
+            return True
+        return task.cancelling() > 0
 
     async def _call_fn(self, items: list[Any]) -> Any:
         collate = self._collate

@@ -558,9 +558,8 @@ class DataLoader(Generic[T_co]):
 
 
 def _aiter_of(dataset: object) -> Callable[[], Any] | None:
-    """The dataset's ``__aiter__`` when it has a real one (not a stub that raises)."""
-    method = getattr(type(dataset), "__aiter__", None)
-    if method is None or getattr(method, "_aloader_stub", False):
+    """The dataset's ``__aiter__``, or None when its class defines none."""
+    if getattr(type(dataset), "__aiter__", None) is None:
         return None
     return getattr(dataset, "__aiter__", None)
 

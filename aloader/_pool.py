@@ -58,7 +58,7 @@ import anyio.from_thread
 from . import _shm, _spawn
 from ._pipeline import SKIP
 from ._sources import merge_stats, source_stats
-from ._worker import END, ERROR, NEXT, READY, TASK, WorkerSetup, worker_main
+from ._worker import SETUP_JOB, Kind, Reply, Request, Status, WorkerSetup, worker_main
 
 __all__ = ("PoolEpoch", "WorkerPool", "default_context", "exit_message", "resolve_context")
 
@@ -158,8 +158,8 @@ def exit_message(pid: int | None, exitcode: int | None) -> str:
 
 
 @dataclass(eq=False)
-class _Worker:
-    """The loader's side of one worker process."""
+class _WorkerHandle:
+    """The loader's side of one worker process (the worker's is ``_worker._WorkerServer``)."""
 
     id: int
     process: Any
@@ -197,12 +197,12 @@ class _Processes:
         self.owner = owner
         self.shm_owner = shm_owner
         self.tag = tag
-        self.workers: list[_Worker] = []
+        self.workers: list[_WorkerHandle] = []
         self._lock = threading.Lock()
         self._closing = False
         self._reaper: threading.Thread | None = None
 
-    def add(self, worker: _Worker) -> None:
+    def add(self, worker: _WorkerHandle) -> None:
         """Adopt a started worker; stop it at once if the pool was stopped meanwhile."""
         with self._lock:
             if not self._closing:
@@ -284,7 +284,7 @@ class WorkerPool:
         self.shm_owner = setup.owner
         self.tag = f"p{next(_pool_serial)}"
         self.codec = _shm.Codec(self.shm_owner, self.tag)
-        self.workers: list[_Worker] = []
+        self.workers: list[_WorkerHandle] = []
         self.started = False
         self.closed = False
         # A worker failed: the pool serves no more epochs. A flag, not the error itself, which
@@ -335,7 +335,7 @@ class WorkerPool:
             raise
         self._setup_segment = self.codec.last_segment
 
-    def start_worker(self, worker_id: int) -> _Worker:
+    def start_worker(self, worker_id: int) -> _WorkerHandle:
         """Start worker ``worker_id`` (blocking: run it in a thread)."""
         fork = self._message is None
         mine, theirs = self.context.Pipe(duplex=True)
@@ -353,7 +353,7 @@ class WorkerPool:
             raise
         finally:
             theirs.close()
-        worker = _Worker(worker_id, process, mine, mine.fileno())
+        worker = _WorkerHandle(worker_id, process, mine, mine.fileno())
         self._processes.add(worker)
         if self._message is not None:
             mine.send_bytes(self._message)
@@ -387,8 +387,7 @@ class WorkerPool:
 @dataclass(eq=False)
 class _Pending:
     event: anyio.Event
-    status: int = -1
-    value: Any = None
+    reply: Reply | None = None
 
 
 class PoolEpoch:
@@ -477,10 +476,10 @@ class PoolEpoch:
         count = self.pool.num_workers
         if self.pool.setup.iterable:
             worker_id, ticket = key, self._tickets.pop(seq)
-            kind, payload = NEXT, None
+            kind, payload = Kind.NEXT, None
         else:
             worker_id, ticket = seq % count, seq // count
-            kind, payload = TASK, key
+            kind, payload = Kind.TASK, key
         workers = self.pool.workers
         while not (
             self._serving
@@ -489,21 +488,18 @@ class PoolEpoch:
             and workers[worker_id].outstanding < self._limit
         ) and worker_id not in self._exhausted:
             await self._wait()
-        status: int
-        value: Any
         if worker_id in self._exhausted:  # its replica has ended: no need to ask
-            status, value = END, None
-        else:
-            self._sent[worker_id] += 1
-            self._notify()  # the worker's next ticket may go once this one is sent
-            status, value = await self._call(workers[worker_id], kind, payload)
-        if status == END:
+            return SKIP
+        self._sent[worker_id] += 1
+        self._notify()  # the worker's next ticket may go once this one is sent
+        reply = await self._call(workers[worker_id], kind, payload)
+        if reply.status == Status.END:
             self._exhausted.add(worker_id)
             self._notify()  # its later requests need not wait for their turn
             return SKIP
-        if status == ERROR:
-            raise value.rebuild()
-        return value
+        if reply.status == Status.ERROR:
+            raise reply.value.rebuild()
+        return reply.value
 
     def stop(self) -> None:
         """The epoch is stopping (any thread): a next epoch may wait for this one to let go."""
@@ -551,11 +547,12 @@ class PoolEpoch:
             self._changed.set()
             self._changed = anyio.Event()
 
-    async def _call(self, worker: _Worker, kind: int, key: Any) -> tuple[int, Any]:
+    async def _call(self, worker: _WorkerHandle, kind: Kind, key: Any) -> Reply:
         job = next(self.pool.jobs)
         released = worker.released
         names = [released.popleft() for _ in range(len(released))]
-        data = self.pool.codec.encode((kind, job, self.epoch, key, names, self.loader_epoch))
+        request = Request(kind, job, self.epoch, key, names, self.loader_epoch)
+        data = self.pool.codec.encode(request.wire())
         pending = _Pending(anyio.Event())
         self._pending[job] = pending
         worker.outstanding += 1
@@ -564,9 +561,10 @@ class PoolEpoch:
             await pending.event.wait()
         finally:
             del self._pending[job]  # a late answer to a cancelled job is dropped
-        return pending.status, pending.value
+        assert pending.reply is not None
+        return pending.reply
 
-    def _send(self, worker: _Worker, data: bytes) -> None:
+    def _send(self, worker: _WorkerHandle, data: bytes) -> None:
         frame = _FRAME.pack(len(data)) + data
         if worker.outbox:  # a flush is under way: keep the frames in order
             worker.outbox += frame
@@ -581,7 +579,7 @@ class PoolEpoch:
             worker.outbox += frame[sent:]
             self._tg.start_soon(self._flush, worker)
 
-    async def _flush(self, worker: _Worker) -> None:
+    async def _flush(self, worker: _WorkerHandle) -> None:
         while worker.outbox:
             await anyio.wait_writable(worker.fd)
             try:
@@ -609,7 +607,8 @@ class PoolEpoch:
                 if not chunk:
                     break
                 for frame in worker.frames(chunk):
-                    self._dispatch(worker, _shm.decode(frame, on_release=worker.released.append))
+                    wire = _shm.decode(frame, on_release=worker.released.append)
+                    self._dispatch(worker, Reply.of(wire))
                     if self._failure is not None:
                         return
         except Exception as exc:  # an answer that cannot be read here
@@ -624,28 +623,26 @@ class PoolEpoch:
             )
         self._fail(RuntimeError(message))
 
-    def _dispatch(self, worker: _Worker, message: tuple[Any, ...]) -> None:
-        job, status, value = message[:3]
-        if len(message) > 3 and message[3] is not None:
+    def _dispatch(self, worker: _WorkerHandle, reply: Reply) -> None:
+        if reply.stats is not None:
             if self._stats is None:
                 self._stats = source_stats(self.pool.setup.plan.dataset)
-            merge_stats(self._stats, message[3])
-        if job < 0:
-            if status == READY:
+            merge_stats(self._stats, reply.stats)
+        if reply.job == SETUP_JOB:
+            if reply.status == Status.READY:
                 worker.ready = True
                 self.pool.note_ready()
             else:  # setup or worker_init_fn failed
-                self._fail(value.rebuild())
+                self._fail(reply.value.rebuild())
             return
         worker.outstanding -= 1
         self._notify()
-        pending = self._pending.get(job)
+        pending = self._pending.get(reply.job)
         if pending is not None:
-            pending.status = status
-            pending.value = value
+            pending.reply = reply
             pending.event.set()
 
-    async def _exitcode(self, worker: _Worker) -> int | None:
+    async def _exitcode(self, worker: _WorkerHandle) -> int | None:
         # The socket closes as the process exits; its status follows within moments.
         with anyio.move_on_after(5):
             while worker.process.exitcode is None:

@@ -554,7 +554,7 @@ class _Shuffled(Stream[T_co]):
 # --------------------------------------------------------------------------- map
 
 
-class _Pool(Generic[T, U]):
+class _ConcurrentMap(Generic[T, U]):
     """``map`` with concurrency: workers pull items, results go back in order (or not).
 
     Workers start as work arrives, not all at once: one runs from the start, and a worker
@@ -741,31 +741,32 @@ class _Mapped(Stream[U]):
             async def call(item: Any) -> U:
                 return cast(U, await anyio.to_thread.run_sync(fn, item, limiter=limiter))
 
-        pool: _Pool[Any, U] = _Pool(upstream, call, self.concurrency, self.ordered)
-        ctx.group.start_soon(pool.run)
+        mapping: _ConcurrentMap[Any, U] = _ConcurrentMap(upstream, call, self.concurrency,
+                                                         self.ordered)
+        ctx.group.start_soon(mapping.run)
         taken = 0
         try:
             while True:
-                ready = pool.take_ready(taken)
+                ready = mapping.take_ready(taken)
                 if not ready:
-                    if pool.total is not None and taken >= pool.total:
+                    if mapping.total is not None and taken >= mapping.total:
                         return
-                    await pool.changed.wait()
+                    await mapping.changed.wait()
                     continue
                 out: list[U] = []
                 for ok, value in ready:
                     taken += 1
-                    pool.window.release()
+                    mapping.window.release()
                     if not ok:
                         if out:
                             yield out
                         raise value
                     out.append(value)
-                self.max_running = max(self.max_running, pool.max_running)
+                self.max_running = max(self.max_running, mapping.max_running)
                 yield out
         finally:
-            self.max_running = max(self.max_running, pool.max_running)
-            pool.scope.cancel()
+            self.max_running = max(self.max_running, mapping.max_running)
+            mapping.scope.cancel()
 
 
 # --------------------------------------------------------------------------- filter
@@ -960,7 +961,7 @@ class _Iterated(Stream[Any]):
     async def _blocks(self, ctx: _Context) -> AsyncGenerator[list[Any], None]:
         source = self.iterable
         aiter_ = getattr(type(source), "__aiter__", None)
-        if aiter_ is not None and not getattr(aiter_, "_aloader_stub", False):
+        if aiter_ is not None:
             iterator = source.__aiter__()
             try:
                 async for item in iterator:

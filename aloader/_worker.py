@@ -3,16 +3,25 @@
 A worker serves one loader's pool (see :mod:`aloader._pool`) over a socket pair. Messages both
 ways go through :mod:`aloader._shm`, so arrays in batches cross in shared memory.
 
-Parent to worker: ``(TASK, job, epoch, index_batch, released, loader_epoch)`` (map-style),
-``(NEXT, job, epoch, None, released, loader_epoch)`` (iterable: the next batch of this worker's
-replica in epoch ``epoch``), or EOF: exit. ``epoch`` tells the pool's epochs apart;
-``loader_epoch`` is the loader's epoch number, which a stream iterated in the worker uses (see
-:attr:`WorkerInfo.epoch`). ``released`` names the worker's segments the loader no longer maps,
-for the worker to write its next batches into.
-Worker to parent: ``(-1, READY, None)`` or ``(-1, FAILED, error)`` once set up, then
-``(job, OK, batch, stats)``, ``(job, ERROR, error, stats)`` or ``(job, END, None, stats)``
-(replica exhausted), where ``stats`` is what the worker's sources counted since its previous
-answer (:class:`~aloader._sources.StatsReporter`), or None.
+The protocol (every message a :class:`Request` or a :class:`Reply`):
+
+* Parent to worker: ``Request(kind, job, epoch, key, released, loader_epoch)``, where ``kind``
+  is :attr:`Kind.TASK` (map-style: load and collate the index batch ``key``) or
+  :attr:`Kind.NEXT` (iterable: the next batch of this worker's replica in epoch ``epoch``;
+  ``key`` is None); or EOF: exit. ``epoch`` tells the pool's epochs apart; ``loader_epoch`` is
+  the loader's epoch number, which a stream iterated in the worker uses (see
+  :attr:`WorkerInfo.epoch`). ``released`` names the worker's segments the loader no longer
+  maps, for the worker to write its next batches into.
+* Worker to parent: once set up, ``Reply(SETUP_JOB, Status.READY, None)`` or
+  ``Reply(SETUP_JOB, Status.FAILED, error)``; then one answer per request,
+  ``Reply(job, Status.OK, batch, stats)``, ``Reply(job, Status.ERROR, error, stats)`` or
+  ``Reply(job, Status.END, None, stats)`` (replica exhausted), where ``error`` is a
+  :class:`RemoteError` and ``stats`` is what the worker's sources counted since its previous
+  answer (:class:`~aloader._sources.StatsReporter`), or None.
+
+On the socket a message is a plain tuple with int codes (:meth:`Request.wire`,
+:meth:`Reply.wire`), rebuilt on receipt (:meth:`Request.of`, :meth:`Reply.of`): a NamedTuple
+or an enum member would pickle by reference and cost each message two to three times as much.
 
 The worker fetches with the same :class:`~aloader._pipeline.FetchPlan` the loader would use
 without workers. Plain map-style datasets are served by a loop that loads one batch per task;
@@ -35,8 +44,9 @@ import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from enum import IntEnum
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -44,8 +54,68 @@ from . import _shm
 
 __all__ = ("WorkerInfo", "get_worker_info")
 
-TASK, NEXT = 0, 1
-READY, FAILED, OK, ERROR, END = 0, 1, 2, 3, 4
+
+
+# The protocol (see the module docstring) ---------------------------------------------------------
+class Kind(IntEnum):
+    """What the loader asks of a worker (:attr:`Request.kind`)."""
+
+    TASK = 0  # map-style: load and collate an index batch
+    NEXT = 1  # iterable: the next batch of this worker's replica
+
+
+class Status(IntEnum):
+    """What a worker answers (:attr:`Reply.status`)."""
+
+    READY = 0  # set up: serving
+    FAILED = 1  # setup or worker_init_fn raised: the value is the RemoteError
+    OK = 2  # the value is the batch
+    ERROR = 3  # the value is the RemoteError of the fetch
+    END = 4  # iterable: this worker's replica is exhausted
+
+
+# The job number of the setup report, which answers no request.
+SETUP_JOB = -1
+_KINDS = tuple(Kind)
+_STATUSES = tuple(Status)
+
+
+class Request(NamedTuple):
+    """A message from the loader to a worker."""
+
+    kind: Kind
+    job: int  # the pool's serial number of this request, which its Reply carries back
+    epoch: int  # the pool's epoch: a new one starts a new replica (iterable)
+    key: Any  # TASK: the index batch; NEXT: None
+    released: list[str]  # this worker's segments the loader no longer maps
+    loader_epoch: int  # the loader's epoch number (WorkerInfo.epoch)
+
+    def wire(self) -> tuple[Any, ...]:
+        """The message as it crosses the socket: a plain tuple, the kind as an int."""
+        return (int(self.kind), self.job, self.epoch, self.key, self.released, self.loader_epoch)
+
+    @classmethod
+    def of(cls, wire: tuple[Any, ...]) -> Request:
+        """The message :meth:`wire` made."""
+        return cls._make((_KINDS[wire[0]], *wire[1:]))
+
+
+class Reply(NamedTuple):
+    """A message from a worker to the loader."""
+
+    job: int  # the Request's job, or SETUP_JOB
+    status: Status
+    value: Any  # the batch (OK), a RemoteError (ERROR, FAILED), or None
+    stats: Any = None  # the worker's source statistics since its previous reply, or None
+
+    def wire(self) -> tuple[Any, ...]:
+        """The message as it crosses the socket: a plain tuple, the status as an int."""
+        return (self.job, int(self.status), self.value, self.stats)
+
+    @classmethod
+    def of(cls, wire: tuple[Any, ...]) -> Reply:
+        """The message :meth:`wire` made."""
+        return cls._make((wire[0], _STATUSES[wire[1]], wire[2], wire[3]))
 
 
 class WorkerInfo:
@@ -242,7 +312,9 @@ def _watch_parent(owner: str) -> None:
 
 
 # The worker's main -------------------------------------------------------------------------------
-class _Worker:
+class _WorkerServer:
+    """The worker's side of the protocol: receives requests, sends replies."""
+
     def __init__(self, conn: Connection, worker_id: int, setup: WorkerSetup) -> None:
         self.conn = conn
         self.id = worker_id
@@ -254,31 +326,33 @@ class _Worker:
 
         self.stats = StatsReporter(setup.plan.dataset)
 
-    def send(self, job: int, status: int, value: Any) -> None:
-        stats = self.stats.report()
+    def send(self, job: int, status: Status, value: Any) -> None:
+        reply = Reply(job, status, value, self.stats.report())
         try:
             # By value only what plain pickling cannot take (a class the setup brought by
             # value): what is importable by name resolves to the loader's own object.
-            data = self.codec.encode((job, status, value, stats), by_value="fallback")
+            data = self.codec.encode(reply.wire(), by_value="fallback")
         except Exception as exc:  # an unpicklable batch reaches the consumer as its error
-            data = self.codec.encode((job, ERROR, RemoteError.capture(exc, self.where), None))
+            error = RemoteError.capture(exc, self.where)
+            data = self.codec.encode(Reply(job, Status.ERROR, error).wire())
         self.conn.send_bytes(data)
 
     def fail(self, job: int, error: BaseException) -> None:
-        self.send(job, ERROR, RemoteError.capture(_strip_pipeline_notes(error), self.where))
+        self.send(job, Status.ERROR,
+                  RemoteError.capture(_strip_pipeline_notes(error), self.where))
 
-    def receive(self) -> Any:
+    def receive(self) -> Request | None:
         try:
-            message = _shm.decode(self.conn.recv_bytes())
+            request = Request.of(_shm.decode(self.conn.recv_bytes()))
         except EOFError:  # the loader closed its end
             return None
-        if message[4]:
-            self.codec.release(message[4])
+        if request.released:
+            self.codec.release(request.released)
         global _served_epoch
-        _served_epoch = message[5]
-        return message
+        _served_epoch = request.loader_epoch
+        return request
 
-    async def areceive(self) -> Any:
+    async def areceive(self) -> Request | None:
         import anyio
 
         await anyio.wait_readable(self.conn.fileno())
@@ -287,14 +361,13 @@ class _Worker:
     # Plain map-style datasets: one batch per task, no event loop.
     def serve_tasks(self) -> None:
         plan = self.setup.plan
-        while (message := self.receive()) is not None:
-            job, key = message[1], message[3]
+        while (request := self.receive()) is not None:
             try:
-                batch = plan.load_sync(key)
+                batch = plan.load_sync(request.key)
             except Exception as exc:
-                self.fail(job, exc)
+                self.fail(request.job, exc)
             else:
-                self.send(job, OK, batch)
+                self.send(request.job, Status.OK, batch)
 
     # Async datasets and max_concurrency: the loader's pipeline over the keys received.
     async def serve_tasks_async(self) -> None:
@@ -303,9 +376,9 @@ class _Worker:
         jobs: deque[int] = deque()
 
         async def keys() -> AsyncIterator[Any]:
-            while (message := await self.areceive()) is not None:
-                jobs.append(message[1])
-                yield message[3]
+            while (request := await self.areceive()) is not None:
+                jobs.append(request.job)
+                yield request.key
 
         epoch = Epoch(self.setup.plan, Results(self.setup.prefetch, True), keys=keys())
         epoch.start()
@@ -319,7 +392,7 @@ class _Worker:
                 if error is not None:
                     self.fail(job, error)
                 else:
-                    self.send(job, OK, batch)
+                    self.send(job, Status.OK, batch)
         finally:
             epoch.stop()
 
@@ -333,8 +406,8 @@ class _Worker:
         current: int | None = None
         epoch: Epoch | None = None
         try:
-            while (message := await self.areceive()) is not None:
-                job, epoch_id = message[1], message[2]
+            while (request := await self.areceive()) is not None:
+                job, epoch_id = request.job, request.epoch
                 if epoch_id != current:
                     current = epoch_id
                     if epoch is not None:
@@ -351,17 +424,17 @@ class _Worker:
                                   batch_size=setup.batch_size, drop_last=setup.drop_last)
                     epoch.start()
                 if epoch is None:
-                    self.send(job, END, None)
+                    self.send(job, Status.END, None)
                     continue
                 try:
                     batch, error = await epoch.next()
                 except StopAsyncIteration:
-                    self.send(job, END, None)
+                    self.send(job, Status.END, None)
                     continue
                 if error is not None:
                     self.fail(job, error)
                 else:
-                    self.send(job, OK, batch)
+                    self.send(job, Status.OK, batch)
         finally:
             if epoch is not None:
                 epoch.stop()
@@ -423,12 +496,12 @@ def worker_main(
     except Exception as exc:
         codec = _shm.Codec(owner, os.getpid())
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            conn.send_bytes(codec.encode((-1, FAILED, RemoteError.capture(exc, where)),
-                                         by_value="fallback"))
+            failed = Reply(SETUP_JOB, Status.FAILED, RemoteError.capture(exc, where))
+            conn.send_bytes(codec.encode(failed.wire(), by_value="fallback"))
         return
-    worker = _Worker(conn, worker_id, setup)
+    worker = _WorkerServer(conn, worker_id, setup)
     try:
-        conn.send_bytes(worker.codec.encode((-1, READY, None)))
+        conn.send_bytes(worker.codec.encode(Reply(SETUP_JOB, Status.READY, None).wire()))
         if not worker.needs_loop():
             worker.serve_tasks()
         else:

@@ -632,8 +632,6 @@ async def test_collate_and_thread_errors_reach_the_callers(anyio_backend: str) -
 
 @pytest.mark.asyncio
 async def test_spontaneous_cancelled_error_does_not_kill_the_dispatcher() -> None:
-    if not hasattr(asyncio.Task, "cancelling"):
-        pytest.skip("Python 3.10 cannot tell a spontaneous CancelledError from a cancellation")
     calls = 0
 
     async def weird(items: list[int]) -> list[int]:
