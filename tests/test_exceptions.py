@@ -84,16 +84,22 @@ class Sleepy(aloader.Dataset[int]):
 
 
 def test_killed_worker_raises_worker_error_then_loader_closed_error() -> None:
-    iterator = iter(aloader.DataLoader(Sleepy(), batch_size=4, num_workers=2, timeout=60))
-    victim = int(next(iterator)[0])
-    os.kill(victim, signal.SIGKILL)
-    with pytest.raises(aloader.WorkerError) as dead:
-        for _ in iterator:
-            pass
-    assert str(dead.value) == f"DataLoader worker (pid {victim}) is killed by signal: Killed. "
-    assert isinstance(dead.value, RuntimeError)  # torch raises a RuntimeError
-    with pytest.raises(aloader.LoaderClosedError, match=CLOSED):
-        next(iterator)  # the failure is reported once; the epoch is over
+    loader = aloader.DataLoader(Sleepy(), batch_size=4, num_workers=2, timeout=60)
+    try:
+        iterator = iter(loader)
+        victim = int(next(iterator)[0])
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(aloader.WorkerError) as dead:
+            for _ in iterator:
+                pass
+        assert str(dead.value) == (
+            f"DataLoader worker (pid {victim}) is killed by signal: Killed. "
+        )
+        assert isinstance(dead.value, RuntimeError)  # torch raises a RuntimeError
+        with pytest.raises(aloader.LoaderClosedError, match=CLOSED):
+            next(iterator)  # the failure is reported once; the epoch is over
+    finally:
+        loader.close()  # its `for` loop thread must not outlive the test
     assert issubclass(aloader.LoaderClosedError, RuntimeError)
 
 
