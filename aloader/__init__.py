@@ -7,14 +7,7 @@ Quick start::
         ...
 """
 
-from ._batcher import (
-    Batcher,
-    BatcherClosedError,
-    BatcherTimeoutError,
-    BatchResultError,
-    QueueFullError,
-    batch,
-)
+from ._batcher import Batcher, batch
 from ._collate import collate, default_collate, default_collate_fn_map, default_convert
 from ._dataset import (
     ArrayDataset,
@@ -28,7 +21,19 @@ from ._dataset import (
     random_split,
 )
 from ._distributed import DistributedSampler
-from ._exceptions import AloaderError, LoaderTimeoutError
+from ._exceptions import (
+    AloaderError,
+    BatcherClosedError,
+    BatcherTimeoutError,
+    BatchResultError,
+    FetchError,
+    LoaderClosedError,
+    LoaderTimeoutError,
+    QueueFullError,
+    RecordError,
+    SourceError,
+    WorkerError,
+)
 from ._formats import SourceStats
 from ._loader import DataLoader
 from ._sampler import (
@@ -40,7 +45,7 @@ from ._sampler import (
     WeightedRandomSampler,
 )
 from ._sources import BinaryRecords, JsonLines, NpyRows, ShardedSource, TextLines
-from ._streams import FetchError, RecordError, SourceError, Stream, as_stream, interleave
+from ._streams import Stream, as_stream, interleave
 from ._worker import get_worker_info
 
 __version__ = "0.1.0.dev0"
@@ -91,8 +96,10 @@ __all__ = (
     "BatcherTimeoutError",
     "BatchResultError",
     "FetchError",
+    "LoaderClosedError",
     "LoaderTimeoutError",
     "QueueFullError",
     "RecordError",
     "SourceError",
+    "WorkerError",
 )

@@ -61,7 +61,12 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ._backend import spawn_background
-from ._exceptions import AloaderError
+from ._exceptions import (
+    BatcherClosedError,
+    BatcherTimeoutError,
+    BatchResultError,
+    QueueFullError,
+)
 
 __all__ = (
     "Batcher",
@@ -80,29 +85,6 @@ R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
 C = TypeVar("C")
 S = TypeVar("S")
-
-
-class QueueFullError(AloaderError):
-    """The batcher's queue is full: the request was rejected at once.
-
-    A server should answer it with "503 Service Unavailable" (and possibly ``Retry-After``).
-    """
-
-
-class BatcherClosedError(AloaderError):
-    """The batcher is closed or closing and admits no request.
-
-    Also raised for a request that was still queued or running when :meth:`Batcher.aclose`
-    gave up draining.
-    """
-
-
-class BatcherTimeoutError(AloaderError, TimeoutError):
-    """A request was not served within its timeout (it is also a builtin :class:`TimeoutError`)."""
-
-
-class BatchResultError(AloaderError, ValueError):
-    """The batch function did not return one result per item of the batch."""
 
 
 class _Results(Protocol[R_co]):

@@ -1,4 +1,4 @@
-"""``python -m aloader``: the ``demo`` and ``bench`` commands."""
+"""``python -m aloader`` (or ``aloader``): the ``demo`` and ``bench`` commands, ``--version``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
-from . import _demo_http
+from . import __version__, _demo_http
 from ._dataset import Dataset
 from ._loader import DataLoader
 from ._progress import Progress
@@ -148,6 +148,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m aloader",
         description="aloader: an asyncio-native streaming data loader.",
     )
+    parser.add_argument("--version", action="version", version=f"aloader {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = commands.add_parser(

@@ -1,17 +1,140 @@
 """One exception tree: catch :class:`AloaderError` to catch everything aloader raises itself.
 
 Errors that torch.utils.data raises as a builtin type keep that type (the subclasses below also
-derive from it), so code written against torch catches them unchanged.
+derive from it, shown after the name), so code written against torch catches them unchanged::
+
+    AloaderError
+    +-- LoaderTimeoutError  (RuntimeError)   no batch within the loader's ``timeout``
+    +-- LoaderClosedError   (RuntimeError)   the epoch's iterator was closed or has failed
+    +-- WorkerError         (RuntimeError)   a worker process died or the workers stopped
+    +-- SourceError                          a streaming source could not produce records
+    |   +-- RecordError     (ValueError)     a malformed record
+    |   +-- FetchError      (OSError)        reading a file or URL failed
+    +-- QueueFullError                       a Batcher's queue is full
+    +-- BatcherClosedError                   a Batcher is closed or closing
+    +-- BatcherTimeoutError (TimeoutError)   a Batcher request was not served in time
+    +-- BatchResultError    (ValueError)     a batch function returned the wrong results
+
+Errors raised by user code (a dataset, ``collate_fn``, a batch function) keep their own type
+and gain a note saying where they were raised; they are not wrapped in this tree.
 """
 
 from __future__ import annotations
 
-__all__ = ("AloaderError", "LoaderTimeoutError")
+__all__ = (
+    "AloaderError",
+    "BatchResultError",
+    "BatcherClosedError",
+    "BatcherTimeoutError",
+    "FetchError",
+    "LoaderClosedError",
+    "LoaderTimeoutError",
+    "QueueFullError",
+    "RecordError",
+    "SourceError",
+    "WorkerError",
+)
 
 
 class AloaderError(Exception):
     """Base class of the exceptions aloader defines."""
 
 
+# --------------------------------------------------------------------------- DataLoader
+
+
 class LoaderTimeoutError(AloaderError, RuntimeError):
     """No batch arrived within the loader's ``timeout`` (torch raises a RuntimeError)."""
+
+
+class LoaderClosedError(AloaderError, RuntimeError):
+    """The epoch's iterator was closed, or has already reported the error that ended it.
+
+    torch raises a RuntimeError with the same message.
+    """
+
+    def __init__(self, message: str = "DataLoader iterator was closed") -> None:
+        super().__init__(message)
+
+
+class WorkerError(AloaderError, RuntimeError):
+    """A worker process died (killed by a signal, or exited), or the workers were stopped.
+
+    The message is torch's ("DataLoader worker (pid N) is killed by signal: ..."), and like
+    torch's it is a RuntimeError.
+    """
+
+
+# --------------------------------------------------------------------------- sources
+
+
+class SourceError(AloaderError):
+    """A source could not produce its records: the message names the file or URL and where.
+
+    Attributes:
+        source: the path or URL, when known.
+        offset: the byte offset in it, when known.
+        line: the 1-based line number (line-oriented formats), when known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        source: str | None = None,
+        offset: int | None = None,
+        line: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.source = source
+        self.offset = offset
+        self.line = line
+
+
+class RecordError(SourceError, ValueError):
+    """A malformed record (bad JSON, bad encoding, a truncated or oversized record)."""
+
+
+class FetchError(SourceError, OSError):
+    """Reading a file or URL failed: an HTTP error status, or retries ran out.
+
+    Attributes:
+        status_code: the HTTP status that caused it, or None for connection errors.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        source: str | None = None,
+        offset: int | None = None,
+        status_code: int | None = None,
+    ) -> None:
+        super().__init__(message, source=source, offset=offset)
+        self.status_code = status_code
+
+
+# --------------------------------------------------------------------------- Batcher
+
+
+class QueueFullError(AloaderError):
+    """The batcher's queue is full: the request was rejected at once.
+
+    A server should answer it with "503 Service Unavailable" (and possibly ``Retry-After``).
+    """
+
+
+class BatcherClosedError(AloaderError):
+    """The batcher is closed or closing and admits no request.
+
+    Also raised for a request that was still queued or running when :meth:`Batcher.aclose`
+    gave up draining.
+    """
+
+
+class BatcherTimeoutError(AloaderError, TimeoutError):
+    """A request was not served within its timeout (it is also a builtin :class:`TimeoutError`)."""
+
+
+class BatchResultError(AloaderError, ValueError):
+    """The batch function did not return one result per item of the batch."""

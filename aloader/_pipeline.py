@@ -43,6 +43,7 @@ import anyio.lowlevel
 import numpy as np
 
 from ._backend import Detached, threadsafe_caller
+from ._exceptions import LoaderClosedError
 
 __all__ = ("SKIP", "Epoch", "FetchPlan", "Remote", "Results")
 
@@ -63,7 +64,7 @@ Granularity = Literal["job", "item"]
 SKIP: Any = object()
 
 
-_CLOSED = RuntimeError("DataLoader iterator was closed")  # never raised itself
+_CLOSED = LoaderClosedError()  # never raised itself: a fresh one is, without a traceback
 
 
 class Results:
@@ -138,9 +139,7 @@ class Results:
                 # Reported once, then dropped: kept, its traceback (the consumer's frames)
                 # would keep the consumer's objects alive as long as the epoch.
                 error, self._closed = self._closed, _CLOSED
-                raise error if error is not _CLOSED else RuntimeError(
-                    "DataLoader iterator was closed"
-                )
+                raise error if error is not _CLOSED else LoaderClosedError()
             await self._changed.wait()
 
 
@@ -590,7 +589,7 @@ class Epoch:
         self.stop()
 
     async def _main(self) -> None:
-        error: BaseException = RuntimeError("DataLoader iterator was closed")
+        error: BaseException = LoaderClosedError()
         remote = self.plan.remote
         failure: list[BaseException] = []
         try:

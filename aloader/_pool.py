@@ -56,6 +56,7 @@ import anyio
 import anyio.from_thread
 
 from . import _shm, _spawn
+from ._exceptions import WorkerError
 from ._pipeline import SKIP
 from ._sources import merge_stats, source_stats
 from ._worker import SETUP_JOB, Kind, Reply, Request, Status, WorkerSetup, worker_main
@@ -212,7 +213,7 @@ class _Processes:
         worker.conn.close()
         worker.process.terminate()
         worker.process.join()
-        raise RuntimeError("DataLoader workers were stopped while starting")
+        raise WorkerError("DataLoader workers were stopped while starting")
 
     def stop(self, wait: bool = False) -> None:
         """Close the sockets, then (in a thread unless ``wait``) reap the workers and sweep."""
@@ -445,7 +446,7 @@ class PoolEpoch:
             await anyio.sleep(0.005)
         self._previous = None
         if pool.broken:
-            raise RuntimeError("DataLoader workers stopped after an earlier error")
+            raise WorkerError("DataLoader workers stopped after an earlier error")
         async with anyio.create_task_group() as tg:
             self._tg = tg
             for worker_id in range(pool.num_workers):
@@ -621,7 +622,7 @@ class PoolEpoch:
                 f"{self.pool.context.get_start_method()!r} import the main module, so a script "
                 "must start loading under `if __name__ == '__main__':`."
             )
-        self._fail(RuntimeError(message))
+        self._fail(WorkerError(message))
 
     def _dispatch(self, worker: _WorkerHandle, reply: Reply) -> None:
         if reply.stats is not None:

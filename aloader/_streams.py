@@ -30,7 +30,7 @@ import numpy as np
 
 from ._backend import Detached
 from ._dataset import IterableDataset
-from ._exceptions import AloaderError
+from ._exceptions import FetchError, RecordError, SourceError
 from ._random import GeneratorLike, as_generator, draw_seed, permutation
 from ._sharding import worker_slot
 from ._worker import get_worker_info, served_epoch
@@ -51,55 +51,6 @@ U = TypeVar("U")
 _UINT64 = 1 << 64
 # Items per block when a stage builds blocks itself (sync iterables, interleave).
 _BLOCK = 256
-
-
-# --------------------------------------------------------------------------- errors
-
-
-class SourceError(AloaderError):
-    """A source could not produce its records: the message names the file or URL and where.
-
-    Attributes:
-        source: the path or URL, when known.
-        offset: the byte offset in it, when known.
-        line: the 1-based line number (line-oriented formats), when known.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        source: str | None = None,
-        offset: int | None = None,
-        line: int | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.source = source
-        self.offset = offset
-        self.line = line
-
-
-class RecordError(SourceError, ValueError):
-    """A malformed record (bad JSON, bad encoding, a truncated or oversized record)."""
-
-
-class FetchError(SourceError, OSError):
-    """Reading a file or URL failed: an HTTP error status, or retries ran out.
-
-    Attributes:
-        status_code: the HTTP status that caused it, or None for connection errors.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        source: str | None = None,
-        offset: int | None = None,
-        status_code: int | None = None,
-    ) -> None:
-        super().__init__(message, source=source, offset=offset)
-        self.status_code = status_code
 
 
 # --------------------------------------------------------------------------- plumbing

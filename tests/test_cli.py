@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
+import aloader
 from aloader._bench import Row, format_table, run_bench
 from aloader._cli import RemoteDataset, main
 
@@ -43,6 +45,23 @@ def test_demo_not_a_tty_prints_plain_lines() -> None:
 
 def test_demo_on_trio() -> None:
     assert main(["demo", "--items", "40", "--latency-ms", "0.5", "--backend", "trio"]) == 0
+
+
+def test_version() -> None:
+    result = run("-m", "aloader", "--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"aloader {aloader.__version__}\n"
+
+
+def test_version_has_one_source_and_a_console_script() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"]  # read from aloader.__version__, not repeated
+    assert "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "aloader.__version__"}
+    assert project["project"]["scripts"] == {"aloader": "aloader._cli:main"}
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])  # what the `aloader` script runs
+    assert exit_.value.code == 0
 
 
 @pytest.mark.parametrize(

@@ -542,6 +542,7 @@ async def test_worker_killed_by_signal_mid_epoch(anyio_backend: str) -> None:
             async for _ in iterator:
                 pass
     assert str(info.value) == f"DataLoader worker (pid {victim}) is killed by signal: Killed. "
+    assert isinstance(info.value, aloader.WorkerError)
 
 
 def test_persistent_loader_recovers_from_a_dead_worker() -> None:
@@ -550,11 +551,14 @@ def test_persistent_loader_recovers_from_a_dead_worker() -> None:
     iterator = iter(loader)
     victim = int(next(iterator)[0])
     os.kill(victim, signal.SIGKILL)
-    with pytest.raises(RuntimeError, match=f"DataLoader worker \\(pid {victim}\\) is killed"):
+    killed = f"DataLoader worker \\(pid {victim}\\) is killed"
+    with pytest.raises(RuntimeError, match=killed) as dead:
         for _ in iterator:
             pass
-    with pytest.raises(RuntimeError, match="DataLoader iterator was closed"):
+    assert isinstance(dead.value, aloader.WorkerError)
+    with pytest.raises(RuntimeError, match="DataLoader iterator was closed") as closed:
         next(iterator)  # the failure is reported once; the epoch is over
+    assert isinstance(closed.value, aloader.LoaderClosedError)
     del iterator
     batches = list(loader)  # the next epoch starts new workers
     assert len(batches) == 50 and victim not in {int(p) for b in batches for p in b}
