@@ -22,9 +22,20 @@ import pytest
 import aloader
 from aloader import DataLoader
 
+_EARLIER: set[threading.Thread] = set()
+
+
+@pytest.fixture(autouse=True)
+def _ignore_earlier_loops() -> Iterator[None]:
+    """Loop threads of loaders that other tests left alive are not this test's to count."""
+    gc.collect()
+    _EARLIER.clear()
+    _EARLIER.update(threading.enumerate())
+    yield
+
 
 def _loop_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "aloader-loop"]
+    return [t for t in threading.enumerate() if t.name == "aloader-loop" and t not in _EARLIER]
 
 
 class LoopBound(aloader.Dataset[int]):
