@@ -1,124 +1,75 @@
-"""``python -m aloader`` (or ``aloader``): the ``demo`` and ``bench`` commands, ``--version``."""
+"""``python -m aloader`` (or ``aloader``): the ``demo`` and ``bench`` commands, ``--version``.
+
+Owns the command line: its parser and the dispatch to the commands. The commands' code lives
+elsewhere and is imported only when its command runs: the demo in :mod:`aloader.demo` (part of
+the installed package, so ``demo`` runs after any install), the benchmarks' engine in
+``benchmarks/engine.py`` of a source checkout (found beside the package; an installed copy
+without the checkout says so).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from types import ModuleType
 
-import anyio
-import numpy as np
-import numpy.typing as npt
+from . import __version__
 
-from . import __version__, _demo_http
-from ._dataset import Dataset
-from ._loader import DataLoader
-from ._progress import Progress
+__all__ = ("load_bench_engine", "main")
 
-__all__ = ("RemoteDataset", "main")
-
-# Items timed one after another to estimate the sequential rate (the demo stays short).
-SEQUENTIAL_SAMPLE = 100
+# The source checkout the package was imported from, when it was (an editable install or a
+# run from the repository root): the benchmarks live there, not in the package.
+_CHECKOUT = Path(__file__).resolve().parents[1]
+# The name the engine is loaded under, once per process (sys.modules holds it).
+_ENGINE_MODULE = "aloader_bench_engine"
 
 
-class RemoteDataset(Dataset[npt.NDArray[np.float32]]):
-    """Items behind a simulated network: each fetch waits its own latency, then returns.
+def load_bench_engine() -> ModuleType | None:
+    """The benchmarks' engine (``benchmarks/engine.py`` of the checkout), or None without one.
 
-    Latencies are drawn once, uniformly in ``latency * (1 +- jitter)``, so every run (and the
-    sequential comparison) sees the same delays.
-
-    Args:
-        n: number of items.
-        latency: mean wait per fetch, in seconds.
-        jitter: relative spread of the wait (0.5: from half to one and a half times latency).
-        seed: seed of the latencies.
+    Returns:
+        The engine module (``WORKLOADS``, ``run_bench``, ``format_table``, ``Row``), loaded on
+        first use; None when aloader was not imported from a source checkout.
     """
-
-    def __init__(self, n: int, latency: float, jitter: float = 0.5, seed: int = 0) -> None:
-        rng = np.random.default_rng(seed)
-        self.latencies = latency * (1 + jitter * rng.uniform(-1, 1, size=n))
-
-    def __len__(self) -> int:
-        return len(self.latencies)
-
-    async def __getitem__(self, index: int) -> npt.NDArray[np.float32]:
-        """Wait the item's latency, then return its payload (16 float32s holding the index)."""
-        await anyio.sleep(float(self.latencies[index]))
-        return np.full(16, index, dtype=np.float32)
-
-
-async def _demo(args: argparse.Namespace) -> int:
-    out = sys.stdout
-    latency = args.latency_ms / 1e3
-    dataset = RemoteDataset(args.items, latency)
-    loader: DataLoader[Any] = DataLoader(
-        dataset, batch_size=args.batch_size, shuffle=True, generator=0,
-        max_concurrency=args.concurrency,
-    )
-    batches_total = len(loader)
-    out.write(
-        f"Streaming {args.items:,} items from a simulated remote store "
-        f"(each fetch waits {args.latency_ms:g} ms +- 50%)\n"
-        f"through aloader.DataLoader(batch_size={args.batch_size}, shuffle=True, "
-        f"max_concurrency={args.concurrency}):\n"
-    )
-    progress = Progress(out, args.items, batches_total)
-    seen = np.zeros(args.items, dtype=np.int64)
-    batches = items = 0
-    async for batch in loader:
-        seen[batch[:, 0].astype(np.int64)] += 1
-        batches += 1
-        items += len(batch)
-        progress.update(batches, items)
-    elapsed = progress.finish(batches, items)
-    rate = items / elapsed
-    exactly_once = bool(np.all(seen == 1))
-
-    sample = min(SEQUENTIAL_SAMPLE, args.items)
-    timing = (f"timing {sample} of them and extrapolating" if sample < args.items
-              else f"timing all {sample}")
-    out.write(f"\nFetching one item after another ({timing}):\n")
-    out.flush()
-    start = time.perf_counter()
-    for index in range(sample):
-        await dataset[index]
-    sequential_rate = sample / (time.perf_counter() - start)
-    sequential_time = args.items / sequential_rate
-
-    how = "measured" if sample == args.items else "estimated"
-    ceiling = (
-        f"ceiling with {args.concurrency} fetches in flight: "
-        f"{args.concurrency / latency:,.0f} items/s" if latency > 0 else "no latency: no ceiling"
-    )
-    out.write(
-        f"  sequential: {sequential_rate:,.0f} items/s, about {sequential_time:.1f} s "
-        f"for all {args.items:,} items ({how})\n\n"
-        f"aloader:  {items:,} items in {elapsed:.2f} s = {rate:,.0f} items/s ({ceiling})\n"
-        f"speed-up: {rate / sequential_rate:.1f}x over sequential awaits\n"
-        f"every item delivered exactly once: {'yes' if exactly_once else 'NO'}\n"
-    )
-    out.flush()
-    return 0 if exactly_once else 1
+    path = _CHECKOUT / "benchmarks" / "engine.py"
+    # pyproject.toml beside it: a site-packages/benchmarks of another project is not ours.
+    if not (path.is_file() and (_CHECKOUT / "pyproject.toml").is_file()):
+        return None
+    loaded = sys.modules.get(_ENGINE_MODULE)
+    if loaded is not None:
+        return loaded
+    spec = importlib.util.spec_from_file_location(_ENGINE_MODULE, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[_ENGINE_MODULE] = module  # before running it: dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[_ENGINE_MODULE]
+        raise
+    return module
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from ._bench import format_table, run_bench
+def _bench(engine: ModuleType, args: argparse.Namespace) -> int:
+    import numpy as np
 
     def log(line: str) -> None:
         print(f"[bench] {line}", file=sys.stderr, flush=True)
 
     workloads: list[str] = args.workloads or ["all"]
     started = time.perf_counter()
-    rows = run_bench(workloads, quick=args.quick, repeat=args.repeat,
-                     with_torch=not args.no_torch, log=log)
+    rows = engine.run_bench(workloads, quick=args.quick, repeat=args.repeat,
+                            with_torch=not args.no_torch, log=log)
     elapsed = time.perf_counter() - started
     print(f"aloader loader benchmarks ({', '.join(workloads)}{', quick' if args.quick else ''}): "
           f"best of {args.repeat} per figure, ratios against limits measured in the same run; "
           f"Python {sys.version.split()[0]}, numpy {np.__version__}")
     print()
-    print(format_table(rows))
+    print(engine.format_table(rows))
     print()
     missed = [row.workload for row in rows if row.met is False]
     print(f"{len(rows)} rows in {elapsed:.0f} s; targets missed: {len(missed)}")
@@ -141,9 +92,8 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _parser() -> argparse.ArgumentParser:
-    from ._bench import WORKLOADS
-
+def _parser(workloads: Sequence[str] | None) -> argparse.ArgumentParser:
+    """The parser; ``workloads``: the engine's, None when no engine was loaded."""
     parser = argparse.ArgumentParser(
         prog="python -m aloader",
         description="aloader: an asyncio-native streaming data loader.",
@@ -182,15 +132,21 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser(
         "bench",
-        help="measure the loader against the limits of its workloads",
+        help="measure the loader against the limits of its workloads (from a source checkout)",
         description="Print a markdown table of the loader's throughput on each workload, as a "
                     "ratio against its limit measured in the same run. io: async dataset and "
                     "the sync `for` facade; sync: a synchronous dataset doing blocking I/O in "
                     "threads; mem: in-memory ArrayDataset; lag: event-loop lag while a "
-                    "synchronous dataset loads.",
+                    "synchronous dataset loads. The workloads live in benchmarks/engine.py of "
+                    "a source checkout of aloader.",
     )
-    bench.add_argument("workloads", nargs="*", choices=[*WORKLOADS, "all"], metavar="WORKLOAD",
-                       help=f"any of {', '.join([*WORKLOADS, 'all'])} (default all)")
+    if workloads is None:
+        bench.add_argument("workloads", nargs="*", metavar="WORKLOAD",
+                           help="the workloads (needs a source checkout of aloader)")
+    else:
+        bench.add_argument("workloads", nargs="*", choices=[*workloads, "all"],
+                           metavar="WORKLOAD",
+                           help=f"any of {', '.join([*workloads, 'all'])} (default all)")
     bench.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
     bench.add_argument("--repeat", type=_positive_int, default=3,
                        help="runs per figure, best kept (default 3)")
@@ -209,14 +165,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo-http"]:
-        return _demo_http.main(argv[1:])
-    args = _parser().parse_args(argv)
+        from .demo import streaming_main
+
+        return streaming_main(argv[1:])
+    # The options before the command take no value: the first other word is the command.
+    command = next((word for word in argv if not word.startswith("-")), None)
+    engine = load_bench_engine() if command == "bench" else None
+    args = _parser(None if engine is None else engine.WORKLOADS).parse_args(argv)
     if args.command == "demo":
-        status = 0
-        if args.only in (None, "latency"):
-            status = int(anyio.run(_demo, args, backend=args.backend))
-        if args.only in (None, "http"):
-            print()
-            status = max(status, _demo_http.main([]))
-        return status
-    return _bench(args)
+        from .demo import main as demo_main
+
+        return demo_main(args)
+    if engine is None:
+        print(f"python -m aloader bench: the benchmarks are not installed with the package; "
+              f"run it from a source checkout of aloader (`pip install -e .` there), where "
+              f"benchmarks/engine.py lies beside the package (not found under {_CHECKOUT})",
+              file=sys.stderr)
+        return 2
+    return _bench(engine, args)

@@ -1,7 +1,7 @@
 """The loader's benchmark table: throughput per workload as a ratio against its limit.
 
 Run: ``python benchmarks/bench_loader.py [io|sync|mem|lag|all] [--quick] [--no-torch]``, the same
-as ``python -m aloader bench``. The workloads live in :mod:`aloader._bench`; this is a wrapper.
+as ``python -m aloader bench``. The workloads live in ``benchmarks/engine.py``; this is a wrapper.
 """
 
 from __future__ import annotations

@@ -10,8 +10,12 @@ from pathlib import Path
 import pytest
 
 import aloader
-from aloader._bench import Row, format_table, run_bench
-from aloader._cli import RemoteDataset, main
+from aloader._cli import load_bench_engine, main
+from aloader.demo import RemoteDataset
+
+_engine = load_bench_engine()
+assert _engine is not None, "the tests run from a source checkout"
+Row, format_table, run_bench = _engine.Row, _engine.format_table, _engine.run_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,6 +148,60 @@ async def test_remote_dataset_payload(anyio_backend: str) -> None:
 
 
 def test_importing_the_cli_and_bench_does_not_import_torch() -> None:
-    code = ("import sys, aloader._cli, aloader._bench, aloader.__main__; "
+    code = ("import sys, aloader._cli, aloader.__main__, aloader.demo; "
+            "assert aloader._cli.load_bench_engine() is not None; "
             "assert 'torch' not in sys.modules")
     assert run("-c", code).returncode == 0
+
+
+def test_importing_the_cli_imports_neither_the_demo_nor_the_bench_engine() -> None:
+    code = ("import sys, aloader._cli, aloader.__main__; "
+            "loaded = [m for m in sys.modules if m == 'aloader.demo' or "
+            "m.startswith('aloader.demo.') or m in ('http.server', 'aloader_bench_engine')]; "
+            "assert not loaded, loaded")
+    result = run("-c", code)
+    assert result.returncode == 0, result.stderr
+
+
+def test_version_and_demo_help_import_neither_the_demo_nor_the_bench_engine() -> None:
+    code = ("import sys, aloader._cli\n"
+            "for argv in (['--version'], ['demo', '--help'], ['--help']):\n"
+            "    try:\n"
+            "        aloader._cli.main(argv)\n"
+            "    except SystemExit as exc:\n"
+            "        assert exc.code == 0, (argv, exc.code)\n"
+            "loaded = [m for m in sys.modules if m.startswith('aloader.demo') or "
+            "m in ('http.server', 'aloader_bench_engine')]\n"
+            "assert not loaded, loaded\n")
+    result = run("-c", code)
+    assert result.returncode == 0, result.stderr
+
+
+def test_bench_outside_a_source_checkout_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An installed copy: site-packages holds the package and no benchmarks/ beside it.
+    monkeypatch.setattr("aloader._cli._CHECKOUT", tmp_path)
+    assert load_bench_engine() is None
+    assert main(["bench", "io", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "source checkout" in err and "benchmarks/engine.py" in err
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--help"])  # the help still says what the command needs
+    assert info.value.code == 0
+    assert "source checkout" in capsys.readouterr().out
+
+
+def test_bench_engine_loads_once() -> None:
+    assert load_bench_engine() is load_bench_engine() is _engine
+
+
+def test_every_subpackage_is_installed() -> None:
+    # `python -m aloader demo` after a plain (non-editable) `pip install .` needs aloader.demo
+    # in the wheel: every package directory under aloader/ is listed for setuptools.
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    listed = set(project["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(ROOT).parts)
+             for init in (ROOT / "aloader").rglob("__init__.py")}
+    assert "aloader.demo" in found
+    assert found <= listed, sorted(found - listed)

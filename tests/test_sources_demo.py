@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 
-from aloader._demo_http import ShardServer, main, make_jsonl_shards
+from faulty_server import FaultyServer, make_jsonl_shards
+
+from aloader.demo import streaming_main as main
 
 
 def test_demo_small() -> None:
@@ -24,7 +26,7 @@ def test_server_ranges_and_faults() -> None:
 
     files = make_jsonl_shards(1, 3)
     name, body = next(iter(files.items()))
-    with ShardServer(files) as server:
+    with FaultyServer(files) as server:
         request = urllib.request.Request(server.url(name), headers={"Range": "bytes=5-"})
         with urllib.request.urlopen(request) as response:
             assert response.status == 206 and response.read() == body[5:]

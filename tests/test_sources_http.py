@@ -12,9 +12,9 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from faulty_server import FaultyServer, make_jsonl_shards
 
 from aloader import DataLoader, FetchError, JsonLines, NpyRows, RecordError, TextLines
-from aloader._demo_http import ShardServer, make_jsonl_shards
 from aloader._worker import WorkerInfo, _set_worker_info
 
 pytestmark = pytest.mark.anyio
@@ -23,11 +23,11 @@ FAST = {"backoff": 0.01, "max_backoff": 0.05, "timeout": 10.0}
 
 
 @pytest.fixture
-def serve() -> Iterator[Callable[..., ShardServer]]:
-    servers: list[ShardServer] = []
+def serve() -> Iterator[Callable[..., FaultyServer]]:
+    servers: list[FaultyServer] = []
 
-    def start(files: dict[str, bytes], **kwargs: Any) -> ShardServer:
-        server = ShardServer(files, **kwargs).start()
+    def start(files: dict[str, bytes], **kwargs: Any) -> FaultyServer:
+        server = FaultyServer(files, **kwargs).start()
         servers.append(server)
         return server
 
@@ -59,7 +59,7 @@ def free_port() -> int:
 # --------------------------------------------------------------------------- reading
 
 
-async def test_urls_exact_counts(serve: Callable[..., ShardServer], anyio_backend: str) -> None:
+async def test_urls_exact_counts(serve: Callable[..., FaultyServer], anyio_backend: str) -> None:
     server = serve(make_jsonl_shards(6, 300))
     source = JsonLines(server.urls, concurrency=3)
     records = await collect(source)
@@ -70,7 +70,7 @@ async def test_urls_exact_counts(serve: Callable[..., ShardServer], anyio_backen
     assert len(one) == 300 and json.loads(one[0])["id"] == 600
 
 
-async def test_npy_over_http(serve: Callable[..., ShardServer], anyio_backend: str) -> None:
+async def test_npy_over_http(serve: Callable[..., FaultyServer], anyio_backend: str) -> None:
     import io
 
     array = np.arange(3000, dtype=np.float64).reshape(1000, 3)
@@ -81,7 +81,7 @@ async def test_npy_over_http(serve: Callable[..., ShardServer], anyio_backend: s
     np.testing.assert_array_equal(np.stack(rows), array)
 
 
-async def test_url_sharding_exactly_once(serve: Callable[..., ShardServer],
+async def test_url_sharding_exactly_once(serve: Callable[..., FaultyServer],
                                          anyio_backend: str) -> None:
     server = serve(make_jsonl_shards(5, 20))
     seen: list[int] = []
@@ -100,7 +100,7 @@ async def test_url_sharding_exactly_once(serve: Callable[..., ShardServer],
     assert len(server.requests) == 5  # each shard fetched exactly once
 
 
-async def test_loader_over_http(serve: Callable[..., ShardServer], anyio_backend: str) -> None:
+async def test_loader_over_http(serve: Callable[..., FaultyServer], anyio_backend: str) -> None:
     server = serve(make_jsonl_shards(8, 125), latency=0.01)
     source = JsonLines(server.urls, shuffle_shards=True, seed=0).shuffle(200, seed=0)
     ids: list[int] = []
@@ -112,7 +112,7 @@ async def test_loader_over_http(serve: Callable[..., ShardServer], anyio_backend
 # --------------------------------------------------------------------------- failures
 
 
-async def test_404_fails_at_once(serve: Callable[..., ShardServer], anyio_backend: str) -> None:
+async def test_404_fails_at_once(serve: Callable[..., FaultyServer], anyio_backend: str) -> None:
     server = serve(make_jsonl_shards(1, 10))
     url = server.url("missing.jsonl")
     with pytest.raises(FetchError) as info:
@@ -123,7 +123,7 @@ async def test_404_fails_at_once(serve: Callable[..., ShardServer], anyio_backen
     assert [name for name, _ in server.requests].count("missing.jsonl") == 1
 
 
-async def test_transient_503_retried(serve: Callable[..., ShardServer],
+async def test_transient_503_retried(serve: Callable[..., FaultyServer],
                                      anyio_backend: str) -> None:
     server = serve(make_jsonl_shards(2, 50))
     name = sorted(server.files)[1]
@@ -134,7 +134,7 @@ async def test_transient_503_retried(serve: Callable[..., ShardServer],
     assert source.stats.retries == 2
 
 
-async def test_503_until_retries_run_out(serve: Callable[..., ShardServer],
+async def test_503_until_retries_run_out(serve: Callable[..., FaultyServer],
                                          anyio_backend: str) -> None:
     server = serve(make_jsonl_shards(1, 5))
     name = next(iter(server.files))
@@ -155,7 +155,7 @@ async def test_connection_refused(anyio_backend: str) -> None:
     assert isinstance(info.value, OSError)
 
 
-async def test_timeout(serve: Callable[..., ShardServer], anyio_backend: str) -> None:
+async def test_timeout(serve: Callable[..., FaultyServer], anyio_backend: str) -> None:
     server = serve(make_jsonl_shards(1, 5))
     name = next(iter(server.files))
     server.stall(name, 2.5, times=2)
@@ -169,7 +169,7 @@ async def test_timeout(serve: Callable[..., ShardServer], anyio_backend: str) ->
 
 
 @pytest.mark.parametrize("ranges", [True, False])
-async def test_resume_after_cut(serve: Callable[..., ShardServer], anyio_backend: str,
+async def test_resume_after_cut(serve: Callable[..., FaultyServer], anyio_backend: str,
                                 ranges: bool) -> None:
     files = make_jsonl_shards(1, 400)
     server = serve(files, ranges=ranges)
@@ -186,7 +186,7 @@ async def test_resume_after_cut(serve: Callable[..., ShardServer], anyio_backend
     assert source.stats.bytes == len(files[name])
 
 
-async def test_error_location_after_resume(serve: Callable[..., ShardServer],
+async def test_error_location_after_resume(serve: Callable[..., FaultyServer],
                                            anyio_backend: str) -> None:
     lines = [json.dumps({"i": i}).encode() for i in range(100)]
     lines[80] = b"{oops"
@@ -201,7 +201,7 @@ async def test_error_location_after_resume(serve: Callable[..., ShardServer],
         info.value)
 
 
-async def test_changed_resource_detected(serve: Callable[..., ShardServer],
+async def test_changed_resource_detected(serve: Callable[..., FaultyServer],
                                          anyio_backend: str) -> None:
     server = serve({"c.txt": b"a\n" * 1000})
     server.cut("c.txt", 100)
@@ -214,7 +214,7 @@ async def test_changed_resource_detected(serve: Callable[..., ShardServer],
 # --------------------------------------------------------------------------- bounds, cleanup
 
 
-async def test_http_backpressure(serve: Callable[..., ShardServer], anyio_backend: str) -> None:
+async def test_http_backpressure(serve: Callable[..., FaultyServer], anyio_backend: str) -> None:
     server = serve({f"s{i}.txt": b"".join(b"%08d\n" % j for j in range(20_000))
                     for i in range(6)})
     source = TextLines(server.urls, chunk_size=900, concurrency=2)  # 100 lines per chunk
@@ -228,7 +228,7 @@ async def test_http_backpressure(serve: Callable[..., ShardServer], anyio_backen
     await iterator.aclose()  # type: ignore[attr-defined]
 
 
-async def test_connections_closed_on_break(serve: Callable[..., ShardServer],
+async def test_connections_closed_on_break(serve: Callable[..., FaultyServer],
                                            anyio_backend: str) -> None:
     server = serve({f"s{i}.txt": b"line\n" * 200_000 for i in range(6)})
     source = TextLines(server.urls, concurrency=4, chunk_size=4096)
@@ -248,7 +248,7 @@ async def test_connections_closed_on_break(serve: Callable[..., ShardServer],
     assert await settle(lambda: server.open_connections == 0)
 
 
-async def test_connections_closed_after_error(serve: Callable[..., ShardServer],
+async def test_connections_closed_after_error(serve: Callable[..., FaultyServer],
                                               anyio_backend: str) -> None:
     server = serve({"a.txt": b"x\n" * 100_000, "b.txt": b"ok\n\xff\n"})
     with pytest.raises(RecordError):

@@ -1,4 +1,7 @@
-"""The loader benchmarks: each workload measured beside its limit, in the same run.
+"""The loader benchmarks' engine: each workload measured beside its limit, in the same run.
+
+It lives with the benchmarks, not in the package: ``python -m aloader bench`` and
+``benchmarks/bench_loader.py`` load it from a source checkout (``aloader._cli.load_bench_engine``).
 
 Workloads follow the project's anchors (``shared/reference/anchors.md``):
 
@@ -33,8 +36,7 @@ import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
 
-from ._dataset import ArrayDataset, Dataset
-from ._loader import DataLoader
+from aloader import ArrayDataset, DataLoader, Dataset
 
 __all__ = (
     "FULL",
