@@ -43,6 +43,12 @@ runs.
 
 All times come from the event loop's clock (:func:`anyio.current_time`), so trio's
 ``MockClock`` drives batch formation, timeouts and the metrics deterministically in tests.
+
+The module owns three pieces, each with its own contract: :class:`Batcher` is the batching
+policy (admission, batch formation, running a batch, answering its callers, shutdown);
+:class:`_LoopBinding` says which event loop its dispatcher task lives on and how a call from
+another loop is routed; :class:`_BatcherMetricsRecorder` holds what :meth:`Batcher.metrics`
+reports. :func:`batch` and :class:`BatchMethod` give each instance of a class its own batcher.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ import inspect
 import math
 import sys
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, Generic, Protocol, TypedDict, TypeVar, cast, overload
 
@@ -219,6 +225,160 @@ def _summary(samples: deque[float]) -> LatencySummary:
         return ordered[max(0, math.ceil(q * n) - 1)]
 
     return {"count": n, "p50": rank(0.50), "p99": rank(0.99), "max": ordered[-1]}
+
+
+def _cancel_is_ours() -> bool:
+    """Whether a cancellation exception comes from a real cancellation of the running task."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:
+        return True  # trio: Cancelled only comes from an enclosing cancel scope
+    if task is None:
+        return True
+    return task.cancelling() > 0
+
+
+class _LoopBinding:
+    """Which event loop a batcher's dispatcher task lives on, and how other loops' calls go.
+
+    The dispatcher is one task on one event loop (an asyncio loop, or a trio run), started
+    either by ``async with`` (*managed*: it lives in the block's task group) or by the first
+    call (*lazy*: a background task of the caller's loop, see :func:`spawn_background`).
+
+    A call from the loop ``L`` (:func:`_current_loop`; from a thread without a running loop it
+    is a ``RuntimeError``) is routed by :meth:`Batcher._bind`:
+
+    * ``L`` is the bound loop and the dispatcher is alive: served (the hot path: two compares).
+    * the batcher is managed: ``RuntimeError`` (its task group belongs to the block's loop).
+    * the bound loop still runs its live dispatcher: ``RuntimeError`` (one batcher per loop;
+      there is no hand-off of requests between loops or threads).
+    * otherwise (never started, stopped, or its loop ended): the batcher moves to ``L``; the
+      requests the old loop left have no caller any more and are dropped.
+
+    Thread-safety: none needed, none given. Everything that touches a binding runs on the bound
+    loop's thread (the callers' tasks and the dispatcher, one at a time), except the check of
+    another loop's call, which only reads.
+
+    Attributes:
+        loop: the bound loop's identity (the asyncio loop or trio's run token), None before
+            the first start.
+        now: that loop's clock (what :func:`anyio.current_time` returns there).
+        alive: a dispatcher is running, or about to.
+        managed: the dispatcher was started by ``async with`` (it stays so after the block).
+        stopped: set when the latest dispatcher has ended (None before the first start).
+        scope: the running dispatcher's cancel scope (a drain that times out cancels it).
+    """
+
+    __slots__ = ("alive", "loop", "managed", "now", "scope", "stopped")
+
+    def __init__(self) -> None:
+        self.loop: object = None
+        self.now: Callable[[], float] = anyio.current_time
+        self.alive = False
+        self.managed = False
+        self.stopped: anyio.Event | None = None
+        self.scope: anyio.CancelScope | None = None
+
+    def check_move(self, loop: object, name: str) -> None:
+        """Raise unless a call from ``loop`` (not served now) may move the dispatcher there."""
+        if self.managed:
+            raise RuntimeError(
+                f"batcher {name!r} was started by `async with`, and its dispatcher is not "
+                "running in this event loop"
+            )
+        if self.alive and self.loop is not None and _loop_is_alive(self.loop):
+            raise RuntimeError(
+                f"batcher {name!r} is serving another event loop; create one Batcher per event loop"
+            )
+
+    def start(
+        self,
+        loop: object,
+        serve: Callable[[], Coroutine[Any, Any, None]],
+        task_group: TaskGroup | None = None,
+        name: str = "",
+    ) -> None:
+        """Bind to ``loop`` and start ``serve`` there: in ``task_group`` (managed), or in the
+        background of the loop (lazy)."""
+        self.loop = loop
+        self.now = _clock_of(loop)
+        self.alive = True
+        self.stopped = anyio.Event()
+        if task_group is None:
+            spawn_background(serve)
+        else:
+            self.managed = True
+            task_group.start_soon(serve, name=name)
+
+    def stop(self) -> None:
+        """The dispatcher ended: nothing is bound until the next start."""
+        self.scope = None
+        self.alive = False
+
+
+class _BatcherMetricsRecorder:
+    """What :meth:`Batcher.metrics` reports, recorded as the batcher works.
+
+    Records the request counters (``submitted``, ``completed``, ``failed``, ``rejected``,
+    ``timed_out``, ``cancelled``: the batcher adds to them directly, an int increment each on
+    the hot path), the batches and their sizes (:meth:`batch_started`), and the two latency
+    windows: each request's queue wait and each batch's execution time, the most recent
+    ``window`` samples of each (bounded deques: memory grows with the work up to that bound).
+
+    Thread-safety: none needed, none given. It is written on the batcher's event loop only;
+    :meth:`snapshot` reads it there too (from another thread a snapshot could be torn).
+
+    Cost: O(1) per request and per batch item; :meth:`snapshot` sorts the windows,
+    O(window log window).
+    """
+
+    __slots__ = (
+        "batches", "cancelled", "completed", "execution", "failed", "queue_waits", "rejected",
+        "size_hist", "submitted", "timed_out",
+    )  # fmt: skip
+
+    def __init__(self, window: int) -> None:
+        self.submitted = 0
+        self.completed = 0
+        self.failed = 0
+        self.rejected = 0
+        self.timed_out = 0
+        self.cancelled = 0
+        self.batches = 0
+        self.size_hist: dict[int, int] = {}
+        self.queue_waits: deque[float] = deque(maxlen=window)
+        self.execution: deque[float] = deque(maxlen=window)
+
+    def batch_started(self, start: float, batch: list[_Request]) -> None:
+        """Count a batch of ``batch`` going out at ``start``, and its requests' queue waits."""
+        append = self.queue_waits.append
+        for request in batch:
+            append(start - request.enqueued)
+        n = len(batch)
+        self.batches += 1
+        self.size_hist[n] = self.size_hist.get(n, 0) + 1
+
+    def batch_ended(self, seconds: float) -> None:
+        """Record a batch's execution time (answered, failed or cancelled alike)."""
+        self.execution.append(seconds)
+
+    def snapshot(self, queued: int, running_batches: int) -> BatcherMetrics:
+        """The metrics now, as a new dict; ``queued`` and ``running_batches`` are the
+        batcher's current state."""
+        return {
+            "submitted": self.submitted,
+            "completed": self.completed,
+            "failed": self.failed,
+            "rejected": self.rejected,
+            "timed_out": self.timed_out,
+            "cancelled": self.cancelled,
+            "queued": queued,
+            "running_batches": running_batches,
+            "batches": self.batches,
+            "batch_size_histogram": dict(sorted(self.size_hist.items())),
+            "queue_wait": _summary(self.queue_waits),
+            "execution": _summary(self.execution),
+        }
 
 
 def _check_positive_int(name: str, value: object) -> int:
@@ -413,28 +573,13 @@ class Batcher(Generic[T, R]):
         self._queue: OrderedDict[_Request, None] = OrderedDict()
         self._running = 0
         self._closing = False
-        self._managed = False  # entered with `async with`
-        self._alive = False  # a dispatcher is running (or about to)
-        self._loop: object = None
-        # The event loop's clock (what anyio.current_time() returns), looked up once per loop.
-        self._now: Callable[[], float] = anyio.current_time
-        self._stopped: anyio.Event | None = None
-        self._scope: anyio.CancelScope | None = None
-        self._task_group: TaskGroup | None = None
+        self._binding = _LoopBinding()
+        self._task_group: TaskGroup | None = None  # the `async with` block's
         # The dispatcher sleeps on _wake; callers set it once the queue holds _wake_at items.
         self._wake: anyio.Event | None = None
         self._wake_at = _NEVER
 
-        self._n_submitted = 0
-        self._n_completed = 0
-        self._n_failed = 0
-        self._n_rejected = 0
-        self._n_timed_out = 0
-        self._n_cancelled = 0
-        self._n_batches = 0
-        self._size_hist: dict[int, int] = {}
-        self._queue_waits: deque[float] = deque(maxlen=window)
-        self._exec_times: deque[float] = deque(maxlen=window)
+        self._metrics = _BatcherMetricsRecorder(window)
 
     # -- public API ------------------------------------------------------------------------
 
@@ -464,7 +609,7 @@ class Batcher(Generic[T, R]):
         return self._closing
 
     def __repr__(self) -> str:
-        state = "closed" if self._closing else ("running" if self._alive else "idle")
+        state = "closed" if self._closing else ("running" if self._binding.alive else "idle")
         return (
             f"<Batcher {self._name!r} {state} max_batch_size={self._max_batch_size} "
             f"max_wait={self._max_wait} queued={len(self._queue)}/{self._max_queue}>"
@@ -494,12 +639,14 @@ class Batcher(Generic[T, R]):
         """
         if self._closing:
             raise BatcherClosedError(f"batcher {self._name!r} is closed and admits no request")
+        binding = self._binding
         loop = _current_loop()
-        if loop is not self._loop or not self._alive:
+        if loop is not binding.loop or not binding.alive:
             self._bind(loop)
         queue = self._queue
+        metrics = self._metrics
         if len(queue) >= self._max_queue:
-            self._n_rejected += 1
+            metrics.rejected += 1
             raise QueueFullError(
                 f"batcher {self._name!r} queue is full ({self._max_queue} requests waiting); "
                 "retry later"
@@ -508,9 +655,9 @@ class Batcher(Generic[T, R]):
             timeout = self._timeout
         elif timeout is not None:
             timeout = _check_seconds("timeout", timeout, allow_none=True, allow_zero=False)
-        request = _Request(item, self._now())
+        request = _Request(item, binding.now())
         queue[request] = None
-        self._n_submitted += 1
+        metrics.submitted += 1
         wake = self._wake
         if wake is not None and len(queue) >= self._wake_at:
             self._wake = None
@@ -527,7 +674,7 @@ class Batcher(Generic[T, R]):
                 pass
             else:
                 self._abandon(request)
-                self._n_timed_out += 1
+                metrics.timed_out += 1
                 raise BatcherTimeoutError(
                     f"batcher {self._name!r}: request not served within {timeout} s"
                 ) from None
@@ -535,7 +682,7 @@ class Batcher(Generic[T, R]):
             if request.state != _DONE:
                 self._abandon(request)
                 if isinstance(exc, anyio.get_cancelled_exc_class()):
-                    self._n_cancelled += 1
+                    metrics.cancelled += 1
             raise
         error = request.error
         if error is not None:
@@ -560,8 +707,9 @@ class Batcher(Generic[T, R]):
             timeout = _check_seconds("timeout", timeout, allow_none=True, allow_zero=True)
         self._closing = True
         self._wake_dispatcher()
-        stopped = self._stopped
-        if stopped is None or not self._alive:
+        binding = self._binding
+        stopped = binding.stopped
+        if stopped is None or not binding.alive:
             self._fail_queued()
             return
         try:
@@ -572,25 +720,21 @@ class Batcher(Generic[T, R]):
                 # Drain timed out (or we are being cancelled): fail what remains and stop.
                 with anyio.CancelScope(shield=True):
                     self._fail_queued()
-                    if self._scope is not None:
-                        self._scope.cancel()
+                    if binding.scope is not None:
+                        binding.scope.cancel()
                     await stopped.wait()
 
     async def __aenter__(self) -> Batcher[T, R]:
         """Start the dispatcher in a task group that lives until the block exits."""
         if self._closing:
             raise BatcherClosedError(f"batcher {self._name!r} is closed")
-        if self._alive:
+        if self._binding.alive:
             raise RuntimeError(f"batcher {self._name!r} is already running")
         task_group = anyio.create_task_group()
         await task_group.__aenter__()
         self._task_group = task_group
-        self._managed = True
-        self._loop = _current_loop()
-        self._now = _clock_of(self._loop)
-        self._alive = True
-        self._stopped = anyio.Event()
-        task_group.start_soon(self._serve, name=f"aloader.Batcher({self._name}) dispatcher")
+        self._binding.start(_current_loop(), self._serve, task_group,
+                            name=f"aloader.Batcher({self._name}) dispatcher")
         return self
 
     async def __aexit__(
@@ -615,54 +759,31 @@ class Batcher(Generic[T, R]):
         Returns:
             A new :class:`BatcherMetrics` dict; latencies are in seconds.
         """
-        return {
-            "submitted": self._n_submitted,
-            "completed": self._n_completed,
-            "failed": self._n_failed,
-            "rejected": self._n_rejected,
-            "timed_out": self._n_timed_out,
-            "cancelled": self._n_cancelled,
-            "queued": len(self._queue),
-            "running_batches": self._running,
-            "batches": self._n_batches,
-            "batch_size_histogram": dict(sorted(self._size_hist.items())),
-            "queue_wait": _summary(self._queue_waits),
-            "execution": _summary(self._exec_times),
-        }
+        return self._metrics.snapshot(len(self._queue), self._running)
 
     # -- dispatcher ------------------------------------------------------------------------
 
     def _bind(self, loop: object) -> None:
-        """Start the dispatcher lazily in the caller's event loop (or refuse)."""
-        if self._alive and loop is self._loop:
+        """Start the dispatcher lazily in the caller's event loop, or refuse (see
+        :class:`_LoopBinding`)."""
+        binding = self._binding
+        if binding.alive and loop is binding.loop:
             return
-        if self._managed:
-            raise RuntimeError(
-                f"batcher {self._name!r} was started by `async with`, and its dispatcher is not "
-                "running in this event loop"
-            )
-        if self._alive and self._loop is not None and _loop_is_alive(self._loop):
-            raise RuntimeError(
-                f"batcher {self._name!r} is serving another event loop; "
-                "create one Batcher per event loop"
-            )
+        binding.check_move(loop, self._name)
         # Requests left by a dead loop have no caller any more: drop them.
         self._queue.clear()
         self._running = 0
         self._wake = None
         self._wake_at = _NEVER
-        self._loop = loop
-        self._now = _clock_of(loop)
-        self._stopped = anyio.Event()
-        self._alive = True
-        spawn_background(self._serve)
+        binding.start(loop, self._serve)
 
     async def _serve(self) -> None:
-        stopped = self._stopped
+        binding = self._binding
+        stopped = binding.stopped
         assert stopped is not None
         try:
             with anyio.CancelScope() as scope:
-                self._scope = scope
+                binding.scope = scope
                 async with anyio.create_task_group() as task_group:
                     await self._dispatch(task_group)
         except BaseException as exc:
@@ -677,8 +798,7 @@ class Batcher(Generic[T, R]):
             stopped.set()
 
     def _stop(self, cause: BaseException | None = None) -> None:
-        self._scope = None
-        self._alive = False
+        self._binding.stop()
         self._fail_queued(cause)
 
     def _wake_dispatcher(self) -> None:
@@ -717,7 +837,7 @@ class Batcher(Generic[T, R]):
                 continue
             if max_wait > 0 and not self._closing and len(queue) < self._fill_target:
                 deadline = next(iter(queue)).enqueued + max_wait
-                if self._now() < deadline:
+                if self._binding.now() < deadline:
                     await self._sleep(self._fill_target, deadline)
                     continue  # re-evaluate: the queue may have grown, shrunk or emptied
             batch = self._take()
@@ -747,19 +867,16 @@ class Batcher(Generic[T, R]):
         ``try`` and before any caller is answered, so a broken batch fails all of its callers
         and never a part of them.
         """
-        start = self._now()
-        waits = self._queue_waits
+        start = self._binding.now()
         for request in batch:
             request.state = _RUNNING
-            waits.append(start - request.enqueued)
+        self._metrics.batch_started(start, batch)
         n = len(batch)
-        self._n_batches += 1
-        self._size_hist[n] = self._size_hist.get(n, 0) + 1
         try:
             try:
                 results = self._unpack(await self._call_fn([r.item for r in batch]), n)
             except anyio.get_cancelled_exc_class() as exc:
-                if self._cancel_is_ours():
+                if _cancel_is_ours():
                     self._fail_batch(
                         batch,
                         BatcherClosedError(
@@ -789,20 +906,10 @@ class Batcher(Generic[T, R]):
             else:
                 self._deliver(batch, results)
         finally:
-            self._exec_times.append(self._now() - start)
+            self._metrics.batch_ended(self._binding.now() - start)
             self._running -= 1
             if self._wake_at == _NEVER:
                 self._wake_dispatcher()
-
-    def _cancel_is_ours(self) -> bool:
-        """Whether a cancellation exception comes from a real cancellation of the dispatcher."""
-        try:
-            task = asyncio.current_task()
-        except RuntimeError:
-            return True  # trio: Cancelled only comes from an enclosing cancel scope
-        if task is None:
-            return True
-        return task.cancelling() > 0
 
     async def _call_fn(self, items: list[Any]) -> Any:
         collate = self._collate
@@ -892,8 +999,9 @@ class Batcher(Generic[T, R]):
                 completed += 1
             request.state = _DONE
             request.event.set()
-        self._n_completed += completed
-        self._n_failed += failed
+        metrics = self._metrics
+        metrics.completed += completed
+        metrics.failed += failed
 
     def _fail_batch(
         self, batch: list[_Request], error: BaseException, tb: TracebackType | None
@@ -907,7 +1015,7 @@ class Batcher(Generic[T, R]):
                 request.state = _DONE
                 request.event.set()
                 failed += 1
-        self._n_failed += failed
+        self._metrics.failed += failed
         return failed
 
     def _fail_queued(self, cause: BaseException | None = None) -> None:
@@ -927,7 +1035,7 @@ class Batcher(Generic[T, R]):
             request.error = error
             request.state = _DONE
             request.event.set()
-            self._n_failed += 1
+            self._metrics.failed += 1
 
     def _abandon(self, request: _Request) -> None:
         if request.state == _QUEUED:

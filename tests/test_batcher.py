@@ -685,7 +685,7 @@ async def test_aclose_drains_queued_work_and_refuses_new_requests(anyio_backend:
         recorder.release()
     # The last request did not wait max_wait: closing dispatches at once.
     assert [c.result for c in callers] == [0, 10, 20, 30, 40]
-    assert not b._alive
+    assert not b._binding.alive
     with pytest.raises(BatcherClosedError):
         await b(1)
 
@@ -703,7 +703,7 @@ async def test_aclose_fails_what_remains_after_the_drain_timeout(anyio_backend: 
         assert isinstance(c.error, BatcherClosedError)
     assert "running" in str(callers[0].error)
     assert "before serving" in str(callers[-1].error)
-    assert not b._alive
+    assert not b._binding.alive
     assert b.metrics()["failed"] == 5
 
 
@@ -743,7 +743,7 @@ async def test_async_with_leaves_no_task_behind(anyio_backend: str) -> None:
     before = _task_count(anyio_backend)
     async with Batcher(Recorder(), max_concurrent_batches=3) as b:
         assert await b(1) == 10
-    assert not b._alive
+    assert not b._binding.alive
     assert _task_count(anyio_backend) == before
     with pytest.raises(BatcherClosedError):
         async with b:
@@ -756,11 +756,11 @@ async def test_lazy_start_and_aclose_leave_no_task_behind(anyio_backend: str) ->
     b = Batcher(Recorder())
     assert "idle" in repr(b)
     assert await b(1) == 10
-    assert b._alive and "running" in repr(b)
+    assert b._binding.alive and "running" in repr(b)
     await b.aclose()
     for _ in range(5):
         await anyio.sleep(0)  # let the finished dispatcher task be reaped
-    assert not b._alive and "closed" in repr(b)
+    assert not b._binding.alive and "closed" in repr(b)
     assert _task_count(anyio_backend) == before
     with pytest.raises(BatcherClosedError):
         async with b:

@@ -354,7 +354,7 @@ def test_infinite_timeouts_mean_no_timeout_and_a_large_window_allocates_nothing(
         max_batch_size=sys.maxsize,
     )
     assert b.metrics()["queue_wait"]["count"] == 0
-    assert sys.getsizeof(b._queue_waits) < 10_000
+    assert sys.getsizeof(b._metrics.queue_waits) < 10_000
 
 
 @pytest.mark.anyio
