@@ -48,7 +48,9 @@ The module owns three pieces, each with its own contract: :class:`Batcher` is th
 policy (admission, batch formation, running a batch, answering its callers, shutdown);
 :class:`_LoopBinding` says which event loop its dispatcher task lives on and how a call from
 another loop is routed; :class:`_BatcherMetricsRecorder` holds what :meth:`Batcher.metrics`
-reports. :func:`batch` and :class:`BatchMethod` give each instance of a class its own batcher.
+reports. Checks that need no batcher state are functions beside them: the arguments
+(``_check_*``) and the batch function's results (``_unpack``). :func:`batch` and
+:class:`BatchMethod` give each instance of a class its own batcher.
 """
 
 from __future__ import annotations
@@ -416,6 +418,91 @@ def _check_seconds(name: str, value: object, *, allow_none: bool, allow_zero: bo
     return seconds
 
 
+def _check_preferred(
+    preferred_batch_sizes: Sequence[int] | None, max_batch_size: int
+) -> tuple[int, ...]:
+    """``preferred_batch_sizes`` as sorted distinct sizes, each from 1 to ``max_batch_size``
+    (``()`` for None)."""
+    preferred: tuple[int, ...] = ()
+    if preferred_batch_sizes is not None:
+        if isinstance(preferred_batch_sizes, (str, bytes)) or not hasattr(
+            preferred_batch_sizes, "__iter__"
+        ):
+            raise TypeError(
+                "preferred_batch_sizes should be a sequence of batch sizes or None, but got "
+                f"preferred_batch_sizes={preferred_batch_sizes!r}"
+            )
+        sizes = tuple(preferred_batch_sizes)  # once: an iterator gives its items only once
+        for size in sizes:
+            _check_positive_int("preferred_batch_sizes item", size)
+            if size > max_batch_size:
+                raise ValueError(
+                    f"preferred_batch_sizes item {size} is larger than "
+                    f"max_batch_size={max_batch_size}"
+                )
+        preferred = tuple(sorted(set(sizes)))
+        if not preferred:
+            raise ValueError("preferred_batch_sizes should not be empty (use None instead)")
+    return preferred
+
+
+def _unpack(results: Any, n: int, name: str) -> Sequence[Any]:
+    """The ``n`` results of batch function ``name`` in a list (or the list or tuple itself),
+    or a BatchResultError saying what is wrong with them.
+
+    This is where the results object's own code (``__len__``, ``__getitem__``) runs.
+    """
+    if type(results) is list or type(results) is tuple:
+        if len(results) == n:
+            return cast("Sequence[Any]", results)
+        raise _count_error(len(results), n, name)
+    what = f"batch function {name!r} returned "
+    must = "; it must return a sequence (list, tuple or array) with one result per item"
+    if results is None:
+        raise BatchResultError(what + "None" + must)
+    kind = type(results).__name__
+    if isinstance(results, (str, bytes, bytearray)):
+        # Indexing would hand each caller one character: a silent wrong result.
+        raise BatchResultError(f"{what}a {kind}{must}")
+    if inspect.isawaitable(results):
+        if inspect.iscoroutine(results):
+            results.close()  # never awaited: no "never awaited" warning at collection
+        raise BatchResultError(f"{what}a {kind} once awaited (an `await` is missing?){must}")
+    if not hasattr(type(results), "__len__"):
+        raise BatchResultError(f"{what}a {kind}, which has no len(){must}")
+    try:
+        count = len(results)
+    except Exception as exc:
+        raise BatchResultError(
+            f"{what}a {kind} whose len() raised {type(exc).__name__}: {exc}{must}"
+        ) from exc
+    if count != n:
+        raise _count_error(count, n, name)
+    if not hasattr(type(results), "__getitem__"):
+        raise BatchResultError(
+            f"{what}a {kind} of length {count} that cannot be indexed; results[i] must "
+            "be the result for item i"
+        )
+    unpacked = []
+    index = 0
+    try:
+        for index in range(n):
+            unpacked.append(results[index])
+    except Exception as exc:
+        raise BatchResultError(
+            f"{what}a {kind} of length {count} whose results[{index}] raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    return unpacked
+
+
+def _count_error(count: int, n: int, name: str) -> BatchResultError:
+    return BatchResultError(
+        f"batch function {name!r} returned {count} results for a batch "
+        f"of {n} items; it must return exactly one result per item"
+    )
+
+
 class Batcher(Generic[T, R]):
     """Batches concurrent single requests into calls of a batch function.
 
@@ -539,26 +626,7 @@ class Batcher(Generic[T, R]):
             "close_timeout", close_timeout, allow_none=True, allow_zero=True
         )
         window = _check_positive_int("metrics_window", metrics_window)
-        preferred: tuple[int, ...] = ()
-        if preferred_batch_sizes is not None:
-            if isinstance(preferred_batch_sizes, (str, bytes)) or not hasattr(
-                preferred_batch_sizes, "__iter__"
-            ):
-                raise TypeError(
-                    "preferred_batch_sizes should be a sequence of batch sizes or None, but got "
-                    f"preferred_batch_sizes={preferred_batch_sizes!r}"
-                )
-            sizes = tuple(preferred_batch_sizes)  # once: an iterator gives its items only once
-            for size in sizes:
-                _check_positive_int("preferred_batch_sizes item", size)
-                if size > max_batch_size:
-                    raise ValueError(
-                        f"preferred_batch_sizes item {size} is larger than "
-                        f"max_batch_size={max_batch_size}"
-                    )
-            preferred = tuple(sorted(set(sizes)))
-            if not preferred:
-                raise ValueError("preferred_batch_sizes should not be empty (use None instead)")
+        preferred = _check_preferred(preferred_batch_sizes, max_batch_size)
         self._preferred = preferred
         # A batch goes out without waiting once this many requests are queued.
         self._fill_target = preferred[0] if preferred else self._max_batch_size
@@ -874,7 +942,7 @@ class Batcher(Generic[T, R]):
         n = len(batch)
         try:
             try:
-                results = self._unpack(await self._call_fn([r.item for r in batch]), n)
+                results = _unpack(await self._call_fn([r.item for r in batch]), n, self._name)
             except anyio.get_cancelled_exc_class() as exc:
                 if _cancel_is_ours():
                     self._fail_batch(
@@ -928,60 +996,6 @@ class Batcher(Generic[T, R]):
         if inspect.isawaitable(result):
             result = await result
         return result
-
-    def _unpack(self, results: Any, n: int) -> Sequence[Any]:
-        """The ``n`` results in a list (or the list or tuple itself), or a BatchResultError.
-
-        This is where the results object's own code (``__len__``, ``__getitem__``) runs.
-        """
-        if type(results) is list or type(results) is tuple:
-            if len(results) == n:
-                return cast("Sequence[Any]", results)
-            raise self._count_error(len(results), n)
-        what = f"batch function {self._name!r} returned "
-        must = "; it must return a sequence (list, tuple or array) with one result per item"
-        if results is None:
-            raise BatchResultError(what + "None" + must)
-        kind = type(results).__name__
-        if isinstance(results, (str, bytes, bytearray)):
-            # Indexing would hand each caller one character: a silent wrong result.
-            raise BatchResultError(f"{what}a {kind}{must}")
-        if inspect.isawaitable(results):
-            if inspect.iscoroutine(results):
-                results.close()  # never awaited: no "never awaited" warning at collection
-            raise BatchResultError(f"{what}a {kind} once awaited (an `await` is missing?){must}")
-        if not hasattr(type(results), "__len__"):
-            raise BatchResultError(f"{what}a {kind}, which has no len(){must}")
-        try:
-            count = len(results)
-        except Exception as exc:
-            raise BatchResultError(
-                f"{what}a {kind} whose len() raised {type(exc).__name__}: {exc}{must}"
-            ) from exc
-        if count != n:
-            raise self._count_error(count, n)
-        if not hasattr(type(results), "__getitem__"):
-            raise BatchResultError(
-                f"{what}a {kind} of length {count} that cannot be indexed; results[i] must "
-                "be the result for item i"
-            )
-        unpacked = []
-        index = 0
-        try:
-            for index in range(n):
-                unpacked.append(results[index])
-        except Exception as exc:
-            raise BatchResultError(
-                f"{what}a {kind} of length {count} whose results[{index}] raised "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
-        return unpacked
-
-    def _count_error(self, count: int, n: int) -> BatchResultError:
-        return BatchResultError(
-            f"batch function {self._name!r} returned {count} results for a batch "
-            f"of {n} items; it must return exactly one result per item"
-        )
 
     def _deliver(self, batch: list[_Request], results: Sequence[Any]) -> None:
         """Answer the waiting callers from checked results (no user code runs here)."""
