@@ -257,9 +257,10 @@ class _LoopBinding:
     * otherwise (never started, stopped, or its loop ended): the batcher moves to ``L``; the
       requests the old loop left have no caller any more and are dropped.
 
-    Thread-safety: none needed, none given. Everything that touches a binding runs on the bound
-    loop's thread (the callers' tasks and the dispatcher, one at a time), except the check of
-    another loop's call, which only reads.
+    Thread-safety: none needed, none given. A binding is written on one thread at a time: the
+    bound loop's (its callers' tasks and the dispatcher, one at a time), or, when the batcher
+    moves, the new loop's once the old one has ended. A call from another live loop only reads
+    it before it is refused.
 
     Attributes:
         loop: the bound loop's identity (the asyncio loop or trio's run token), None before
