@@ -46,7 +46,7 @@ from ._sampler import (
 )
 from ._sources import BinaryRecords, JsonLines, NpyRows, ShardedSource, TextLines
 from ._streams import Stream, as_stream, interleave
-from ._worker import get_worker_info
+from ._workerinfo import get_worker_info
 
 __version__ = "0.1.0.dev0"
 
