@@ -35,7 +35,7 @@ from ._exceptions import (
     WorkerError,
 )
 from ._formats import SourceStats
-from ._loader import DataLoader
+from ._loader import AsyncDataLoaderIter, DataLoader, DataLoaderIter
 from ._sampler import (
     BatchSampler,
     RandomSampler,
@@ -52,7 +52,9 @@ __version__ = "0.1.0.dev0"
 
 __all__ = (
     # loading
+    "AsyncDataLoaderIter",
     "DataLoader",
+    "DataLoaderIter",
     "get_worker_info",
     # datasets
     "ArrayDataset",
