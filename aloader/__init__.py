@@ -35,7 +35,7 @@ from ._exceptions import (
     WorkerError,
 )
 from ._formats import SourceStats
-from ._loader import DataLoader
+from ._loader import AsyncDataLoaderIter, DataLoader, DataLoaderIter
 from ._sampler import (
     BatchSampler,
     RandomSampler,
@@ -46,13 +46,15 @@ from ._sampler import (
 )
 from ._sources import BinaryRecords, JsonLines, NpyRows, ShardedSource, TextLines
 from ._streams import Stream, as_stream, interleave
-from ._worker import get_worker_info
+from ._workerinfo import get_worker_info
 
 __version__ = "0.1.0.dev0"
 
 __all__ = (
     # loading
+    "AsyncDataLoaderIter",
     "DataLoader",
+    "DataLoaderIter",
     "get_worker_info",
     # datasets
     "ArrayDataset",

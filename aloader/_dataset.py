@@ -1,9 +1,14 @@
-"""Datasets: torch.utils.data's dataset classes, for numpy data and for async sources.
+"""Datasets: torch.utils.data's dataset classes, and what a dataset says about how to call it.
 
+This module owns the dataset classes and the questions asked of any dataset, whatever its class:
+is it iterable (:func:`is_iterable_dataset`), how is it iterated (:func:`aiter_of`,
+:func:`iterate`), and how are its ``__getitem__``/``__getitems__`` called (:func:`fetch_mode`).
 A map-style dataset may define ``__getitem__`` (and optionally ``__getitems__``) as plain methods
 or as ``async def``; an iterable dataset may define ``__iter__`` or ``__aiter__``. The wrappers
 (:class:`Subset`, :class:`ConcatDataset`, :class:`StackDataset`, :class:`ChainDataset`) work over
-either kind and tell the loader how to call them through :func:`fetch_mode`.
+either kind: they call each child as :func:`fetch_mode` says, the very answer a loader's
+:meth:`~aloader._pipeline.FetchPlan.for_dataset` builds its plan on, and tell the loader how to
+call them through the same function.
 """
 
 from __future__ import annotations
@@ -44,7 +49,10 @@ __all__ = (
     "StackDataset",
     "Subset",
     "TensorDataset",
+    "aiter_of",
     "fetch_mode",
+    "is_iterable_dataset",
+    "iterate",
     "random_split",
 )
 
@@ -97,6 +105,33 @@ class IterableDataset(Dataset[T_co]):
     def __add__(self, other: Dataset[T]) -> ChainDataset[T_co | T]:  # type: ignore[override]
         """Chain: ``ChainDataset([self, other])``."""
         return ChainDataset[T_co | T]([self, other])
+
+
+# --------------------------------------------------------------------------- iteration
+
+
+def is_iterable_dataset(dataset: object) -> bool:
+    """Whether the loader treats ``dataset`` as a stream of samples rather than a map."""
+    if isinstance(dataset, IterableDataset):
+        return True
+    # Duck typing: something iterable without item access is a stream, not a map.
+    has_iter = hasattr(dataset, "__iter__") or hasattr(dataset, "__aiter__")
+    return has_iter and not hasattr(dataset, "__getitem__")
+
+
+def aiter_of(dataset: object) -> Callable[[], Any] | None:
+    """The dataset's ``__aiter__``, or None when its class defines none."""
+    if getattr(type(dataset), "__aiter__", None) is None:
+        return None
+    return getattr(dataset, "__aiter__", None)
+
+
+def iterate(dataset: Any) -> Iterator[Any] | AsyncIterator[Any]:
+    """A new iterator over an iterable dataset: its ``__aiter__`` when it has one."""
+    aiter_ = aiter_of(dataset)
+    if aiter_ is not None:
+        return cast(AsyncIterator[Any], aiter_())
+    return cast(Iterator[Any], iter(dataset))
 
 
 # --------------------------------------------------------------------------- fetch protocol

@@ -1,17 +1,23 @@
-"""``for batch in loader``: the async pipeline driven from plain synchronous code.
+"""A plain ``for`` over any async iterable: ``for batch in loader``, ``for item in stream``.
 
-Every ``for`` epoch of a loader runs on one private asyncio event loop in a background thread
-(:class:`PrivateLoop`, named ``aloader-loop``), started by the first ``for`` and kept for as
-long as the loader lives, so that what the dataset binds to the running loop (an
-``httpx.AsyncClient``, an ``aiohttp`` session, a lock) stays usable from one epoch to the next.
-The loop is closed by :meth:`aloader.DataLoader.close`, when the loader is garbage-collected,
-and at interpreter exit; nothing on the loop holds the loader between epochs, so the loop
-never keeps it alive.
+This module owns the synchronous side of aloader: :class:`SyncIterator` drives an async
+iterator (one epoch of a :class:`~aloader.DataLoader`, of a :class:`~aloader.Stream`, or any
+other) from synchronous code, on a :class:`PrivateLoop`, an asyncio event loop in a background
+thread named ``aloader-loop``. It knows nothing of loaders: the owner of the async iterable
+decides which loop runs it.
 
-A pump task on that loop moves batches into a thread-safe queue one step ahead of the
-consumer, so a ``next()`` that finds its batch ready costs one queue read rather than a round
-trip through the loop. An epoch is stopped when it ends, and when its iterator is closed,
-garbage-collected or still open when the loop closes.
+A loader keeps one loop for all its ``for`` epochs (:func:`loop_of`), started by the first
+``for`` and kept for as long as the loader lives, so that what the dataset binds to the running
+loop (an ``httpx.AsyncClient``, an ``aiohttp`` session, a lock) stays usable from one epoch to
+the next. That loop is closed by :meth:`aloader.DataLoader.close`, when the loader is
+garbage-collected, and at interpreter exit; nothing on the loop holds the loader between
+epochs, so the loop never keeps it alive. A stream's ``for`` gets a loop of its own, closed
+with its iterator.
+
+A pump task on the loop moves items into a thread-safe queue one step ahead of the consumer,
+so a ``next()`` that finds its item ready costs one queue read rather than a round trip
+through the loop. The async iterator is closed (``aclose()``, when it has one) when it ends,
+and when the sync iterator is closed, garbage-collected or still open when the loop closes.
 """
 
 from __future__ import annotations
@@ -23,19 +29,17 @@ import os
 import queue
 import threading
 import weakref
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import anyio
 
-from ._backend import threadsafe_caller
+from ._backend import current_backend, threadsafe_caller
 
-if TYPE_CHECKING:
-    from ._loader import DataLoader, _AsyncLoaderIter
-
-__all__ = ("PrivateLoop", "SyncLoaderIter", "loop_of")
+__all__ = ("LoopOwner", "PrivateLoop", "SyncIterator", "forbid_running_loop", "loop_of")
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 _END = object()
 
@@ -145,14 +149,35 @@ def _settle(setter: Callable[[Any], None], value: Any) -> None:
         setter(value)
 
 
-def loop_of(loader: DataLoader[Any]) -> PrivateLoop:
-    """The loader's private loop, started on first use (again after :meth:`close`)."""
-    loop: PrivateLoop | None = loader._sync_loop
+class LoopOwner(Protocol):
+    """An object that keeps one private loop for its ``for`` iterations (a DataLoader)."""
+
+    _sync_loop: PrivateLoop | None
+    _sync_loop_close: weakref.finalize[[], Any] | None
+
+
+def loop_of(owner: LoopOwner) -> PrivateLoop:
+    """The owner's private loop, started on first use (again once closed)."""
+    loop: PrivateLoop | None = owner._sync_loop
     if loop is None or loop.closed:
-        loop = loader._sync_loop = PrivateLoop()
-        # The finalizer holds the loop, not the loader: collecting the loader closes it.
-        loader._sync_loop_close = weakref.finalize(loader, loop.close)
+        loop = owner._sync_loop = PrivateLoop()
+        # The finalizer holds the loop, not the owner: collecting the owner closes it.
+        owner._sync_loop_close = weakref.finalize(owner, loop.close)
     return loop
+
+
+def forbid_running_loop(owner: str, target: str) -> None:
+    """Refuse a ``for`` inside a running event loop, which it would block.
+
+    Raises:
+        RuntimeError: an event loop runs in this thread (the message names ``owner`` and
+            suggests ``async for {target}``).
+    """
+    if current_backend() is not None:
+        raise RuntimeError(
+            f"{owner}: `for {target}` was used inside a running event loop, where it would "
+            f"block the loop; use `async for {target}` instead"
+        )
 
 
 class _Pump:
@@ -165,7 +190,7 @@ class _Pump:
 
     AHEAD = 2
 
-    def __init__(self, iterator: _AsyncLoaderIter) -> None:
+    def __init__(self, iterator: AsyncIterator[Any]) -> None:
         self.iterator = iterator
         self.out: queue.SimpleQueue[tuple[Any, BaseException | None]] = queue.SimpleQueue()
         self.produced = 0
@@ -205,35 +230,62 @@ class _Pump:
             self.call_soon(waiting.set)
 
 
-def _shutdown(loop: PrivateLoop, pump: _Pump, task: concurrent.futures.Future[None]) -> None:
+def _shutdown(
+    loop: PrivateLoop, pump: _Pump, task: concurrent.futures.Future[None], owns_loop: bool
+) -> None:
     task.cancel()
-    future = loop.submit(pump.iterator.aclose)
-    if not loop.in_loop_thread:  # the loop's own thread cannot wait for it
-        # Cancelled: the loop closed first, and nothing is left to stop.
-        with contextlib.suppress(concurrent.futures.CancelledError, asyncio.CancelledError):
-            future.result()
+    aclose = getattr(pump.iterator, "aclose", None)
+    if aclose is not None:
+        future = loop.submit(aclose)
+        if not loop.in_loop_thread:  # the loop's own thread cannot wait for it
+            # Cancelled: the loop closed first, and nothing is left to stop.
+            with contextlib.suppress(concurrent.futures.CancelledError, asyncio.CancelledError):
+                future.result()
+    if owns_loop:
+        loop.close()
 
 
-class SyncLoaderIter:
-    """One epoch for synchronous code; see :meth:`aloader.DataLoader.__iter__`."""
+class SyncIterator(Generic[T_co]):
+    """A plain iterator over the async iterator that ``open_()`` returns, run on ``loop``.
 
-    def __init__(self, loader: DataLoader[Any]) -> None:
-        loop = loop_of(loader)
+    ``open_`` is called on the loop (an async iterator may bind itself to the loop it starts
+    on). With ``owns_loop`` the loop is closed with this iterator. A BaseException from the
+    async iterator (KeyboardInterrupt too) is raised by :meth:`__next__` as itself.
 
-        async def open_() -> _Pump:
-            return _Pump(loader.__aiter__())
+    Args:
+        open_: makes the async iterator.
+        loop: the event loop to run it on.
+        owns_loop: close ``loop`` when this iterator is closed or collected.
+    """
 
-        pump = loop.call(open_)
-        task = loop.submit(pump.run)
-        self._pump = pump
+    def __init__(
+        self, open_: Callable[[], AsyncIterator[T_co]], loop: PrivateLoop, *,
+        owns_loop: bool = False,
+    ) -> None:
+        async def pump() -> _Pump:
+            return _Pump(open_())
+
+        try:
+            started = loop.call(pump)
+        except BaseException:
+            if owns_loop:
+                loop.close()
+            raise
+        task = loop.submit(started.run)
+        self._pump = started
         self._loop = loop
-        self._close = weakref.finalize(self, _shutdown, loop, pump, task)
+        self._close = weakref.finalize(self, _shutdown, loop, started, task, owns_loop)
 
-    def __iter__(self) -> SyncLoaderIter:
+    @property
+    def source(self) -> AsyncIterator[T_co]:
+        """The async iterator this iterator drives."""
+        return self._pump.iterator
+
+    def __iter__(self) -> SyncIterator[T_co]:
         return self
 
-    def __next__(self) -> Any:
-        if not self._close.alive or self._loop._closed:  # closed, or the loader was
+    def __next__(self) -> T_co:
+        if not self._close.alive or self._loop._closed:  # closed, or its loop was
             self.close()
             raise StopIteration
         value, error = self._pump.out.get()
@@ -243,17 +295,12 @@ class SyncLoaderIter:
         self._pump.taken()
         if error is not None:
             raise error
-        return value
+        return cast(T_co, value)
 
     def close(self) -> None:
-        """Stop the epoch; waits until its fetches have ended.
+        """Close the async iterator (``aclose()``) and wait until it is closed.
 
-        As :meth:`aloader.DataLoader.aclose` says, a fetch stuck in a thread after a
-        ``timeout`` fired is abandoned: left running, its result discarded.
+        For a loader's epoch, as :meth:`aloader.DataLoader.aclose` says, a fetch stuck in a
+        thread after a ``timeout`` fired is abandoned: left running, its result discarded.
         """
         self._close()
-
-    @property
-    def num_yielded(self) -> int:
-        """Batches delivered so far in this epoch."""
-        return int(self._pump.iterator.num_yielded)

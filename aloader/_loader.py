@@ -1,49 +1,46 @@
-"""The DataLoader: torch's signature and checks, driven by ``async for`` (and plain ``for``)."""
+"""The DataLoader: torch's signature, checks and attributes, and its epochs' iterators.
+
+This module owns the user-facing API: :class:`DataLoader` validates its arguments as torch
+does, builds the samplers, and picks once what kind of epochs it runs
+(:class:`~aloader._epochs.MapEpochs` or :class:`~aloader._epochs.IterableEpochs`). Each
+epoch's :class:`AsyncDataLoaderIter` (``async for``) or :class:`DataLoaderIter` (``for``, through
+:mod:`aloader._facade`) decides once whether workers fetch, asks
+:meth:`~aloader._pipeline.FetchPlan.for_dataset` how, and consumes the pipeline
+(:mod:`aloader._pipeline`), handing out batches with torch's timeout and errors.
+"""
 
 from __future__ import annotations
 
-import math
 import operator
 import os
 import threading
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Generic, TypeVar, cast, overload
 
 import anyio
 import numpy as np
 
-from ._backend import current_backend
 from ._collate import default_collate, default_convert
-from ._dataset import IterableDataset, fetch_mode
+from ._dataset import is_iterable_dataset
+from ._epochs import EpochKind, IterableEpochs, MapEpochs
 from ._exceptions import LoaderTimeoutError
-from ._pipeline import Epoch, FetchMode, FetchPlan, Remote, Results, window_for
+from ._facade import PrivateLoop, SyncIterator, forbid_running_loop, loop_of
+from ._pipeline import Epoch, FetchPlan, Results
 from ._pool import PoolEpoch, WorkerPool, default_context, prepare_context, resolve_context
 from ._random import as_generator, draw_seed
-from ._sampler import BatchSampler, RandomSampler, SequentialSampler, epoch_batches, epoch_indices
+from ._sampler import BatchSampler, RandomSampler, SequentialSampler
 from ._streams import Stream
 from ._worker import WorkerSetup
 
-if TYPE_CHECKING:
-    from ._facade import PrivateLoop
-
-__all__ = ("DataLoader",)
+__all__ = ("AsyncDataLoaderIter", "DataLoader", "DataLoaderIter")
 
 T_co = TypeVar("T_co", covariant=True)
 
-DEFAULT_MAX_CONCURRENCY = 64
 DEFAULT_PREFETCH_FACTOR = 2
 
 _FROZEN = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
-
-
-def _is_iterable_dataset(dataset: object) -> bool:
-    if isinstance(dataset, IterableDataset):
-        return True
-    # Duck typing: something iterable without item access is a stream, not a map.
-    has_iter = hasattr(dataset, "__iter__") or hasattr(dataset, "__aiter__")
-    return has_iter and not hasattr(dataset, "__getitem__")
 
 
 class DataLoader(Generic[T_co]):
@@ -138,6 +135,75 @@ class DataLoader(Generic[T_co]):
     _sync_loop: PrivateLoop | None = None
     _sync_loop_close: weakref.finalize[[], Any] | None = None
 
+    @overload
+    def __init__(
+        self: DataLoader[Any],
+        dataset: Any,
+        batch_size: int | None = ...,
+        shuffle: bool | None = ...,
+        sampler: Iterable[Any] | Any | None = ...,
+        batch_sampler: Iterable[Any] | Any | None = ...,
+        num_workers: int = ...,
+        collate_fn: None = ...,
+        pin_memory: bool = ...,
+        drop_last: bool = ...,
+        timeout: float = ...,
+        worker_init_fn: Callable[[int], None] | None = ...,
+        multiprocessing_context: Any = ...,
+        generator: int | np.random.Generator | None = ...,
+        *,
+        prefetch_factor: int | None = ...,
+        persistent_workers: bool = ...,
+        pin_memory_device: str = ...,
+        in_order: bool = ...,
+        max_concurrency: int | None = ...,
+    ) -> None: ...
+    @overload
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = ...,
+        shuffle: bool | None = ...,
+        sampler: Iterable[Any] | Any | None = ...,
+        batch_sampler: Iterable[Any] | Any | None = ...,
+        num_workers: int = ...,
+        collate_fn: Callable[[Any], Awaitable[T_co]] = ...,
+        pin_memory: bool = ...,
+        drop_last: bool = ...,
+        timeout: float = ...,
+        worker_init_fn: Callable[[int], None] | None = ...,
+        multiprocessing_context: Any = ...,
+        generator: int | np.random.Generator | None = ...,
+        *,
+        prefetch_factor: int | None = ...,
+        persistent_workers: bool = ...,
+        pin_memory_device: str = ...,
+        in_order: bool = ...,
+        max_concurrency: int | None = ...,
+    ) -> None: ...
+    @overload
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = ...,
+        shuffle: bool | None = ...,
+        sampler: Iterable[Any] | Any | None = ...,
+        batch_sampler: Iterable[Any] | Any | None = ...,
+        num_workers: int = ...,
+        collate_fn: Callable[[Any], T_co] = ...,
+        pin_memory: bool = ...,
+        drop_last: bool = ...,
+        timeout: float = ...,
+        worker_init_fn: Callable[[int], None] | None = ...,
+        multiprocessing_context: Any = ...,
+        generator: int | np.random.Generator | None = ...,
+        *,
+        prefetch_factor: int | None = ...,
+        persistent_workers: bool = ...,
+        pin_memory_device: str = ...,
+        in_order: bool = ...,
+        max_concurrency: int | None = ...,
+    ) -> None: ...
     def __init__(
         self,
         dataset: Any,
@@ -198,8 +264,8 @@ class DataLoader(Generic[T_co]):
         self.in_order = in_order
         self.max_concurrency = max_concurrency
 
-        self._iterable = _is_iterable_dataset(dataset)
-        if self._iterable:
+        iterable = is_iterable_dataset(dataset)
+        if iterable:
             if shuffle not in {False, None}:
                 raise ValueError(
                     "DataLoader with IterableDataset: expected unspecified shuffle option, "
@@ -239,16 +305,22 @@ class DataLoader(Generic[T_co]):
         # One Generator for the loader: it seeds the random sampler and every base_seed.
         self.generator = generator
         self._rng = as_generator(generator)
-        if sampler is None and not self._iterable:
-            if shuffle:
-                # Without a generator, torch's sampler reseeds from the global RNG per epoch.
-                sampler = RandomSampler(
-                    dataset, generator=self._rng if generator is not None else None
-                )
-            else:
-                sampler = SequentialSampler(dataset)
-        if batch_size is not None and batch_sampler is None and not self._iterable:
-            batch_sampler = BatchSampler(cast(Any, sampler), batch_size, drop_last)
+        kind: EpochKind
+        if iterable:
+            kind = IterableEpochs(dataset, batch_size, drop_last)
+        else:
+            if sampler is None:
+                if shuffle:
+                    # Without a generator, torch's sampler reseeds from the global RNG per epoch.
+                    sampler = RandomSampler(
+                        dataset, generator=self._rng if generator is not None else None
+                    )
+                else:
+                    sampler = SequentialSampler(dataset)
+            if batch_size is not None and batch_sampler is None:
+                batch_sampler = BatchSampler(cast(Any, sampler), batch_size, drop_last)
+            kind = MapEpochs(sampler, batch_sampler)
+        self._kind = kind
 
         self.batch_size = batch_size
         self.drop_last = drop_last
@@ -263,8 +335,7 @@ class DataLoader(Generic[T_co]):
 
         if pin_memory:
             _require_torch("pin_memory=True")
-        self._iterable_len_called: int | None = None
-        self._iterators: weakref.WeakSet[_AsyncLoaderIter] = weakref.WeakSet()
+        self._iterators: weakref.WeakSet[AsyncDataLoaderIter[Any]] = weakref.WeakSet()
         self._epochs: set[Epoch] = set()  # started and maybe not yet wound down
         self._pool: WorkerPool | None = None
         self._epochs_started = 0  # numbers the epochs of datasets other than streams
@@ -303,9 +374,7 @@ class DataLoader(Generic[T_co]):
 
     @property
     def _auto_collation(self) -> bool:
-        if self._iterable:
-            return self.batch_size is not None
-        return self.batch_sampler is not None
+        return self._kind.auto_collation
 
     @property
     def _index_sampler(self) -> Any:
@@ -313,32 +382,18 @@ class DataLoader(Generic[T_co]):
 
     def __len__(self) -> int:
         """Batches in one epoch, by torch's rules (computed at each call)."""
-        if self._iterable:
-            length = len(self.dataset)
-            self._iterable_len_called = length
-            if self.batch_size is not None:
-                length = length // self.batch_size if self.drop_last else math.ceil(
-                    length / self.batch_size
-                )
-            return length
-        return len(self._index_sampler)
+        return self._kind.length()
 
     # Iteration -------------------------------------------------------------------------------
-    def __aiter__(self) -> _AsyncLoaderIter:
+    def __aiter__(self) -> AsyncDataLoaderIter[T_co]:
         self._check_worker_number()
-        iterator = _AsyncLoaderIter(self)
+        iterator = AsyncDataLoaderIter(self)
         self._iterators.add(iterator)
         return iterator
 
-    def __iter__(self) -> Iterator[Any]:
-        if current_backend() is not None:
-            raise RuntimeError(
-                "DataLoader: `for batch in loader` was used inside a running event loop, where "
-                "it would block the loop; use `async for batch in loader` instead"
-            )
-        from ._facade import SyncLoaderIter
-
-        return SyncLoaderIter(self)
+    def __iter__(self) -> DataLoaderIter[T_co]:
+        forbid_running_loop("DataLoader", "batch in loader")
+        return DataLoaderIter(self)
 
     def _check_worker_number(self) -> None:
         """torch's warning when an epoch is to start more workers than there are CPUs."""
@@ -418,64 +473,20 @@ class DataLoader(Generic[T_co]):
         await self.aclose()
 
     # The epoch's plan ------------------------------------------------------------------------
-    def _plan(self, remote: Remote | None = None) -> FetchPlan:
-        """The plan of an epoch in this process, or of one whose jobs go to ``remote``."""
-        transform = _pin_memory_transform(self)
-        if remote is None:
-            return self._local_plan(transform)
-        window = max(1, self.prefetch_factor) * self.num_workers
-        return FetchPlan(
-            dataset=self.dataset,
-            mode="process",
+    def _plan(self, transform: Callable[[Any], Any] | None, remote: PoolEpoch | None = None
+              ) -> FetchPlan:
+        """The plan of an epoch in this process (or a worker's), or whose jobs go to ``remote``."""
+        return FetchPlan.for_dataset(
+            self.dataset,
+            iterable=isinstance(self._kind, IterableEpochs),
             auto_batch=self._auto_collation,
             collate_fn=self.collate_fn,
-            granularity="job",
-            concurrency=window,
-            window=window,
+            batch_size=self.batch_size,
+            max_concurrency=self.max_concurrency,
             transform=transform,
             remote=remote,
-        )
-
-    def _local_plan(self, transform: Callable[[Any], Any] | None) -> FetchPlan:
-        """How this process (or a worker) fetches: on the loop, in threads or both."""
-        dataset = self.dataset
-        auto = self._auto_collation
-        if self._iterable:
-            mode: FetchMode = "async" if _aiter_of(dataset) is not None else "thread"
-        else:
-            mode = fetch_mode(dataset)
-        if mode == "async":
-            concurrency = self.max_concurrency or DEFAULT_MAX_CONCURRENCY
-        else:
-            concurrency = self.max_concurrency or 1
-        getitems = getattr(dataset, "__getitems__", None)
-        item_level = (
-            not self._iterable
-            and mode != "inline"
-            and (not auto or not getitems)
-            and (mode == "async" or self.max_concurrency is not None)
-        )
-        if self._iterable:
-            window = 1
-        elif item_level:
-            window = window_for(concurrency, self.batch_size if auto else 1)
-        elif mode == "async":
-            window = window_for(concurrency, self.batch_size if auto else 1)
-            concurrency = window
-        else:
-            window = concurrency = 1 if self.max_concurrency is None else window_for(
-                self.max_concurrency, self.batch_size if auto else 1
-            )
-        return FetchPlan(
-            dataset=dataset,
-            mode=mode,
-            auto_batch=auto,
-            collate_fn=self.collate_fn,
-            granularity="item" if item_level else "job",
-            concurrency=concurrency,
-            window=window,
-            array_indices=bool(getattr(dataset, "_array_indices", False)),
-            transform=transform,
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor,
         )
 
     def _claim_epoch(self) -> int:
@@ -506,12 +517,10 @@ class DataLoader(Generic[T_co]):
             pool.shutdown()
             pool = self._pool = None
         if pool is not None and (pool.holder is None or pool.holder.stopping):
-            return PoolEpoch(pool, epoch)
+            return self._kind.pool_epoch(pool, epoch)
         setup = WorkerSetup(
-            plan=self._local_plan(None),
-            iterable=self._iterable,
-            batch_size=self.batch_size,
-            drop_last=self.drop_last,
+            plan=self._plan(None),
+            serve=self._kind.serve,
             base_seed=base_seed,
             num_workers=self.num_workers,
             worker_init_fn=self.worker_init_fn,
@@ -525,43 +534,13 @@ class DataLoader(Generic[T_co]):
         if persistent:
             self._pool = pool
             weakref.finalize(self, pool.shutdown)
-        return PoolEpoch(pool, epoch)
-
-    def _keys(self) -> Iterator[Any] | AsyncIterator[Any]:
-        """This epoch's keys: index batches, or indices without auto-batching."""
-        sampler = self._index_sampler
-        if self._auto_collation:
-            batches = epoch_batches(sampler)
-            if batches is not None:
-                return batches
-        else:
-            indices = epoch_indices(sampler)
-            if indices is not None:
-                return iter(cast(list[Any], indices.tolist()))
-        # Async samplers (and batch samplers over them) are walked with async iteration.
-        aiter_ = getattr(sampler, "__aiter__", None)
-        if aiter_ is not None:
-            return cast(AsyncIterator[Any], aiter_())
-        return cast(Iterator[Any], iter(sampler))
-
-    def _source(self) -> Iterator[Any] | AsyncIterator[Any]:
-        aiter_ = _aiter_of(self.dataset)
-        if aiter_ is not None:
-            return cast(AsyncIterator[Any], aiter_())
-        return cast(Iterator[Any], iter(self.dataset))
+        return self._kind.pool_epoch(pool, epoch)
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(dataset={self.dataset!r}, batch_size={self.batch_size}, "
             f"num_workers={self.num_workers})"
         )
-
-
-def _aiter_of(dataset: object) -> Callable[[], Any] | None:
-    """The dataset's ``__aiter__``, or None when its class defines none."""
-    if getattr(type(dataset), "__aiter__", None) is None:
-        return None
-    return getattr(dataset, "__aiter__", None)
 
 
 def _require_torch(what: str) -> Any:
@@ -583,13 +562,13 @@ def _pin_memory_transform(loader: DataLoader[Any]) -> Callable[[Any], Any] | Non
         warnings.warn(
             "pin_memory_device is deprecated, the current accelerator will be used as the "
             f"device,ignore pin_memory_device='{loader.pin_memory_device}'.",
-            stacklevel=4,
+            stacklevel=3,
         )
     if not torch.accelerator.is_available():
         warnings.warn(
             "'pin_memory' argument is set as true but no accelerator is found, "
             "then device pinned memory won't be used.",
-            stacklevel=4,
+            stacklevel=3,
         )
         return None
     from torch.utils.data._utils.pin_memory import pin_memory
@@ -597,15 +576,20 @@ def _pin_memory_transform(loader: DataLoader[Any]) -> Callable[[Any], Any] | Non
     return cast(Callable[[Any], Any], pin_memory)
 
 
-class _AsyncLoaderIter:
-    """One epoch, consumed with ``async for``.
+class AsyncDataLoaderIter(Generic[T_co]):
+    """One epoch of a :class:`DataLoader`, consumed with ``async for`` (``loader.__aiter__()``).
 
     The background pipeline (:class:`aloader._pipeline.Epoch`) holds no reference to this
     object, so dropping it (``break``, an exception in the loop body) lets ``__del__`` cancel
     every fetch at once; ``aclose()`` does the same and waits until they have ended.
+
+    Attributes:
+        rng_state: the state of the loader's generator when this epoch started.
+        base_seed: this epoch's ``base_seed`` (the workers' seeds are ``base_seed + id``).
+        num_yielded: batches delivered so far.
     """
 
-    def __init__(self, loader: DataLoader[Any]) -> None:
+    def __init__(self, loader: DataLoader[T_co]) -> None:
         self._loader = loader
         # Explicit epoch state, so that a resume can restore it: the RNG state this epoch
         # started from, the base seed it drew, and the batches yielded so far.
@@ -613,36 +597,30 @@ class _AsyncLoaderIter:
         self.base_seed = loader._base_seed()
         self.num_yielded = 0
         self._timeout = loader.timeout
-        self._len_called = loader._iterable_len_called
+        self._len_called = loader._kind.reported_length()
         self._epoch: Epoch | None = None
         self._closed = False
 
-    def __aiter__(self) -> _AsyncLoaderIter:
+    def __aiter__(self) -> AsyncDataLoaderIter[T_co]:
         return self
 
     def _start(self) -> Epoch:
         loader = self._loader
+        kind = loader._kind
         results = Results(loader.prefetch_factor, loader.in_order)
+        transform = _pin_memory_transform(loader)
+        # Workers or not: decided here, once per epoch (num_workers may change between epochs).
         if loader.num_workers > 0:
             remote = loader._remote(self.base_seed, loader._claim_epoch())
-            keys = remote.keys() if loader._iterable else loader._keys()
-            epoch = Epoch(loader._plan(remote), results, keys=keys)
-        elif loader._iterable:
-            epoch = Epoch(
-                loader._plan(),
-                results,
-                source=loader._source(),
-                batch_size=loader.batch_size,
-                drop_last=loader.drop_last,
-            )
+            epoch = kind.on_workers(loader._plan(transform, remote), results, remote)
         else:
-            epoch = Epoch(loader._plan(), results, keys=loader._keys())
+            epoch = kind.local(loader._plan(transform), results)
         epoch.start()
         loader._epochs = {e for e in loader._epochs if not e.done.is_set()}
         loader._epochs.add(epoch)
         return epoch
 
-    async def __anext__(self) -> Any:
+    async def __anext__(self) -> T_co:
         if self._closed:
             raise StopAsyncIteration
         epoch = self._epoch
@@ -679,11 +657,11 @@ class _AsyncLoaderIter:
             raise error
         self.num_yielded += 1
         self._warn_length()
-        return value
+        return cast(T_co, value)
 
     def _warn_length(self) -> None:
-        length = self._len_called
-        if self._loader._iterable and length is not None and self.num_yielded > length:
+        length = self._len_called  # only an iterable dataset's epoch may outrun its length
+        if length is not None and self.num_yielded > length:
             warnings.warn(
                 f"Length of IterableDataset {self._loader.dataset} was reported to be {length}"
                 f"(when accessing len(dataloader)), but {self.num_yielded} samples have been "
@@ -710,3 +688,21 @@ class _AsyncLoaderIter:
     def __del__(self) -> None:
         if not self._closed:
             self._shutdown()
+
+
+class DataLoaderIter(SyncIterator[T_co]):
+    """One epoch of a :class:`DataLoader` for synchronous code (``iter(loader)``).
+
+    It runs the epoch's :class:`AsyncDataLoaderIter` on the loader's private event loop (see
+    :mod:`aloader._facade`); leaving the ``for`` early or :meth:`close` stops the epoch.
+    """
+
+    def __init__(self, loader: DataLoader[T_co]) -> None:
+        super().__init__(loader.__aiter__, loop_of(loader))
+
+    @property
+    def num_yielded(self) -> int:
+        """Batches delivered so far in this epoch."""
+        source = self.source
+        assert isinstance(source, AsyncDataLoaderIter)
+        return source.num_yielded

@@ -12,6 +12,11 @@ pipeline runs in a background task (see :mod:`aloader._backend`) and has three p
 * :class:`Results`, which hands finished batches to the consumer in sampler order (or in
   completion order) and lets at most ``capacity`` collated batches wait for it.
 
+Two kinds of epoch share it: :class:`MapEpoch` walks a sampler's keys (index batches or
+indices), :class:`IterableEpoch` cuts an iterable dataset's samples into batches. How a job
+turns into a batch is the epoch's :class:`FetchPlan`, decided in one place
+(:meth:`FetchPlan.for_dataset`) for the loader and its worker processes alike.
+
 With worker processes (``mode="process"``) the same pipeline runs; a job's fetch sends its key
 to a worker and awaits the batch the worker collated (see :mod:`aloader._pool`), and the plan's
 ``remote`` runs a service task beside the fetch workers for as long as the epoch lasts.
@@ -43,9 +48,19 @@ import anyio.lowlevel
 import numpy as np
 
 from ._backend import Detached, threadsafe_caller
+from ._dataset import aiter_of, fetch_mode
 from ._exceptions import LoaderClosedError
 
-__all__ = ("SKIP", "Epoch", "FetchPlan", "Remote", "Results")
+__all__ = (
+    "DEFAULT_MAX_CONCURRENCY",
+    "SKIP",
+    "Epoch",
+    "FetchPlan",
+    "IterableEpoch",
+    "MapEpoch",
+    "Remote",
+    "Results",
+)
 
 # Work queue positions that are not item positions: a job fetched in one call, and a job whose
 # items fetch threads are filling.
@@ -54,6 +69,9 @@ _AWAIT_THREADS = -2
 
 # Inline epochs give other tasks a turn at least this often (seconds).
 _YIELD_EVERY = 0.001
+
+# Fetches in flight for async datasets when max_concurrency is not given.
+DEFAULT_MAX_CONCURRENCY = 64
 
 FetchMode = Literal["async", "inline", "thread", "process"]
 # How a job's data is fetched: one call per job, or one call per item with items overlapping.
@@ -374,6 +392,98 @@ class FetchPlan:
     transform: Callable[[Any], Any] | None = None
     remote: Remote | None = None
 
+    @classmethod
+    def for_dataset(
+        cls,
+        dataset: Any,
+        *,
+        iterable: bool,
+        auto_batch: bool,
+        collate_fn: Callable[[Any], Any],
+        batch_size: int | None,
+        max_concurrency: int | None,
+        transform: Callable[[Any], Any] | None = None,
+        remote: Remote | None = None,
+        num_workers: int = 0,
+        prefetch_factor: int = 2,
+    ) -> FetchPlan:
+        """The one place that decides how an epoch fetches: mode, granularity, concurrency, window.
+
+        Without ``remote``: async datasets run ``max_concurrency`` (default
+        :data:`DEFAULT_MAX_CONCURRENCY`) fetches on the loop, item by item unless a batch
+        comes from ``__getitems__``; in-memory datasets fetch inline; other synchronous
+        datasets fetch a batch per thread call, or, given ``max_concurrency``, that many
+        items at once in threads. Iterable datasets pull one batch at a time (``"async"``
+        for ``__aiter__``, else in a thread). A worker process fetches with this same plan.
+
+        With ``remote`` (``num_workers`` worker processes): ``"process"``, whole jobs, at
+        most ``prefetch_factor`` per worker in flight.
+
+        Args:
+            dataset: the dataset.
+            iterable: whether it is an iterable dataset (see
+                :func:`aloader._dataset.is_iterable_dataset`).
+            auto_batch: whether jobs are batches (the loader's ``_auto_collation``).
+            collate_fn: the loader's ``collate_fn``.
+            batch_size: the loader's ``batch_size``.
+            max_concurrency: the loader's ``max_concurrency``.
+            transform: applied to every finished batch (pin_memory), or None.
+            remote: the worker processes that fetch, or None to fetch here.
+            num_workers: how many worker processes ``remote`` has.
+            prefetch_factor: the loader's ``prefetch_factor``.
+        """
+        if remote is not None:
+            window = max(1, prefetch_factor) * num_workers
+            return cls(
+                dataset=dataset,
+                mode="process",
+                auto_batch=auto_batch,
+                collate_fn=collate_fn,
+                granularity="job",
+                concurrency=window,
+                window=window,
+                transform=transform,
+                remote=remote,
+            )
+        if iterable:
+            mode: FetchMode = "async" if aiter_of(dataset) is not None else "thread"
+        else:
+            mode = fetch_mode(dataset)
+        if mode == "async":
+            concurrency = max_concurrency or DEFAULT_MAX_CONCURRENCY
+        else:
+            concurrency = max_concurrency or 1
+        getitems = getattr(dataset, "__getitems__", None)
+        item_level = (
+            not iterable
+            and mode != "inline"
+            and (not auto_batch or not getitems)
+            and (mode == "async" or max_concurrency is not None)
+        )
+        per_job = batch_size if auto_batch else 1
+        if iterable:
+            window = 1
+        elif item_level:
+            window = window_for(concurrency, per_job)
+        elif mode == "async":
+            window = window_for(concurrency, per_job)
+            concurrency = window
+        else:
+            window = concurrency = 1 if max_concurrency is None else window_for(
+                max_concurrency, per_job
+            )
+        return cls(
+            dataset=dataset,
+            mode=mode,
+            auto_batch=auto_batch,
+            collate_fn=collate_fn,
+            granularity="item" if item_level else "job",
+            concurrency=concurrency,
+            window=window,
+            array_indices=bool(getattr(dataset, "_array_indices", False)),
+            transform=transform,
+        )
+
     def __post_init__(self) -> None:
         getitems = getattr(self.dataset, "__getitems__", None)
         self._getitems: Callable[[Any], Any] | None = getitems if getitems else None
@@ -439,6 +549,11 @@ class FetchPlan:
         return self.collate_sync(samples), ended
 
     @property
+    def needs_event_loop(self) -> bool:
+        """Whether a map-style job needs an event loop, or :meth:`load_sync` can load it."""
+        return self.mode == "async" or self.granularity == "item" or self._async_collate
+
+    @property
     def collate_in_thread(self) -> bool:
         """Whether jobs load in one thread call: fetch and a plain collate together."""
         return self.mode == "thread" and not self._async_collate
@@ -484,28 +599,15 @@ class FetchPlan:
 
 
 class Epoch:
-    """The background half of one epoch over a map-style dataset or an iterable dataset.
+    """The background half of one epoch: its lifecycle, shared by the two kinds of epoch.
 
-    ``keys`` yields the jobs' keys (index batches or indices) for map-style datasets; for
-    iterable datasets ``source`` yields samples and ``batch_size`` cuts them into jobs.
+    :class:`MapEpoch` (keys from a sampler) and :class:`IterableEpoch` (samples from an
+    iterable dataset) each define ``_run``, the work of the background task.
     """
 
-    def __init__(
-        self,
-        plan: FetchPlan,
-        results: Results,
-        *,
-        keys: Iterator[Any] | AsyncIterator[Any] | None = None,
-        source: Iterator[Any] | AsyncIterator[Any] | None = None,
-        batch_size: int | None = None,
-        drop_last: bool = False,
-    ) -> None:
+    def __init__(self, plan: FetchPlan, results: Results) -> None:
         self.plan = plan
         self.results = results
-        self._keys = keys
-        self._source = source
-        self._batch_size = batch_size
-        self._drop_last = drop_last
         self._task = Detached()
         self._fatal: BaseException | None = None  # a BaseException that ended the epoch
         self.done = anyio.Event()
@@ -513,48 +615,12 @@ class Epoch:
         self.loop_thread = threading.get_ident()
 
     # Lifecycle -------------------------------------------------------------------------
-    @property
-    def inline(self) -> bool:
-        """Whether batches are made on the consumer's call, with no background task.
-
-        Fast in-memory datasets gain nothing from a pipeline on the same thread; skipping it
-        saves the task switches, which cost as much as the fetch itself.
-        """
-        return self.plan.mode == "inline" and self._keys is not None
-
     def start(self) -> None:
-        if self.inline:
-            assert self._keys is not None
-            self._inline_keys = _Keys(self._keys)
-            self._last_yield = time.monotonic()
-            self.done.set()
-        else:
-            self._task.spawn(self._main)
+        self._task.spawn(self._main)
 
     async def next(self) -> tuple[Any, BaseException | None]:
         """The next batch (value, error); StopAsyncIteration at the end of the epoch."""
-        if not self.inline:
-            return await self.results.take()
-        try:
-            key = await self._inline_keys.__anext__()
-        except StopAsyncIteration:
-            raise
-        except Exception as exc:
-            return None, _note(exc, "raised by the sampler")
-        seq = self.results.taken
-        try:
-            batch = await self.plan.collate(self.plan.fetch_sync(key), _NO_LIMITER)
-        except Exception as exc:
-            return None, _note(exc, f"raised while loading batch {seq} (indices "
-                                    f"{_describe(key)})")
-        finally:
-            self.results.taken += 1
-        # Keep the loop responsive even if the consumer never awaits anything else.
-        now = time.monotonic()
-        if now - self._last_yield > _YIELD_EVERY:
-            self._last_yield = now
-            await anyio.lowlevel.checkpoint()
-        return batch, None
+        return await self.results.take()
 
     def stop(self) -> None:
         """Cancel every fetch; safe from any thread and from ``__del__``."""
@@ -616,13 +682,62 @@ class Epoch:
             self.done.set()
 
     async def _run(self) -> None:
-        if self._source is not None:
-            await self._run_iterable()
-        else:
-            await self._run_map()
+        raise NotImplementedError
 
-    # Map-style datasets ------------------------------------------------------------------
-    async def _run_map(self) -> None:
+
+class MapEpoch(Epoch):
+    """An epoch over a map-style dataset: ``keys`` yields the jobs' keys (index batches, or
+    indices without auto-batching), sync or async; the plan fetches and collates each."""
+
+    def __init__(
+        self, plan: FetchPlan, results: Results, keys: Iterator[Any] | AsyncIterator[Any]
+    ) -> None:
+        super().__init__(plan, results)
+        self._keys = keys
+
+    @property
+    def inline(self) -> bool:
+        """Whether batches are made on the consumer's call, with no background task.
+
+        Fast in-memory datasets gain nothing from a pipeline on the same thread; skipping it
+        saves the task switches, which cost as much as the fetch itself.
+        """
+        return self.plan.mode == "inline"
+
+    def start(self) -> None:
+        if self.inline:
+            self._inline_keys = _Keys(self._keys)
+            self._last_yield = time.monotonic()
+            self.done.set()
+        else:
+            super().start()
+
+    async def next(self) -> tuple[Any, BaseException | None]:
+        """The next batch (value, error); StopAsyncIteration at the end of the epoch."""
+        if not self.inline:
+            return await self.results.take()
+        try:
+            key = await self._inline_keys.__anext__()
+        except StopAsyncIteration:
+            raise
+        except Exception as exc:
+            return None, _note(exc, "raised by the sampler")
+        seq = self.results.taken
+        try:
+            batch = await self.plan.collate(self.plan.fetch_sync(key), _NO_LIMITER)
+        except Exception as exc:
+            return None, _note(exc, f"raised while loading batch {seq} (indices "
+                                    f"{_describe(key)})")
+        finally:
+            self.results.taken += 1
+        # Keep the loop responsive even if the consumer never awaits anything else.
+        now = time.monotonic()
+        if now - self._last_yield > _YIELD_EVERY:
+            self._last_yield = now
+            await anyio.lowlevel.checkpoint()
+        return batch, None
+
+    async def _run(self) -> None:
         plan = self.plan
         window = anyio.Semaphore(plan.window)
         limiter = anyio.CapacityLimiter(plan.concurrency)
@@ -650,7 +765,6 @@ class Epoch:
     async def _produce(
         self, queue: _WorkQueue, window: anyio.Semaphore, threads: _FetchThreads | None
     ) -> None:
-        assert self._keys is not None
         keys = _Keys(self._keys)
         seq = 0
         while True:
@@ -750,8 +864,26 @@ class Epoch:
                 self.results.publish(job.seq, batch)
         job.samples = []
 
-    # Iterable datasets ---------------------------------------------------------------------
-    async def _run_iterable(self) -> None:
+
+class IterableEpoch(Epoch):
+    """An epoch over an iterable dataset: ``source`` (a sync or async iterator) yields samples,
+    cut into jobs of ``batch_size`` (single samples when None; the last, incomplete one
+    dropped with ``drop_last``), each pulled and collated in turn."""
+
+    def __init__(
+        self,
+        plan: FetchPlan,
+        results: Results,
+        source: Iterator[Any] | AsyncIterator[Any],
+        batch_size: int | None,
+        drop_last: bool,
+    ) -> None:
+        super().__init__(plan, results)
+        self._source = source
+        self._batch_size = batch_size
+        self._drop_last = drop_last
+
+    async def _run(self) -> None:
         try:
             await self._guard(self._pull_batches)
         finally:
@@ -765,7 +897,6 @@ class Epoch:
         plan = self.plan
         limiter = anyio.CapacityLimiter(1)
         source = self._source
-        assert source is not None
         size = self._batch_size
         seq = 0
         ended = False

@@ -30,6 +30,10 @@ waits briefly, then terminates and kills what is left, and removes any shared-me
 worker left behind. It happens in a background thread after an epoch (non-persistent workers),
 when the loader is closed or garbage-collected (persistent workers), and synchronously at
 interpreter exit. Workers exit by themselves when the loader's process dies (they watch it).
+
+An epoch's use of the pool has two kinds, as epochs have: :class:`MapPoolEpoch` sends index
+batches to the workers in turn, :class:`ReplicaPoolEpoch` asks each worker's replica of an
+iterable dataset for its next batch; the loader's epoch kind (:mod:`aloader._epochs`) picks one.
 """
 
 from __future__ import annotations
@@ -61,7 +65,15 @@ from ._pipeline import SKIP
 from ._sources import merge_stats, source_stats
 from ._worker import SETUP_JOB, Kind, Reply, Request, Status, WorkerSetup, worker_main
 
-__all__ = ("PoolEpoch", "WorkerPool", "default_context", "exit_message", "resolve_context")
+__all__ = (
+    "MapPoolEpoch",
+    "PoolEpoch",
+    "ReplicaPoolEpoch",
+    "WorkerPool",
+    "default_context",
+    "exit_message",
+    "resolve_context",
+)
 
 # Seconds a worker may take to exit after its socket closes before it is terminated.
 _GRACE = 0.5
@@ -396,15 +408,9 @@ class PoolEpoch:
 
     Which worker makes a batch, and in what order each worker receives its tasks, depend only
     on the batch's sequence number, never on timing, so that what a worker draws from its
-    seeded RNGs is the same run after run (torch's order):
-
-    * map-style job ``k`` goes to worker ``k % num_workers`` as its task ``k // num_workers``;
-    * iterable jobs are requests for the next batch of one worker's replica, assigned in turn
-      over the workers not yet known to be exhausted; a request answered "exhausted" yields
-      :data:`~aloader._pipeline.SKIP` (so does one assigned to a worker since found
-      exhausted), and the epoch ends once every replica is exhausted. Timing only decides how
-      many requests an exhausted worker is sent; the batches that remain interleave the live
-      workers in turn whatever it is.
+    seeded RNGs is the same run after run (torch's order); the two kinds say how
+    (:meth:`route`): :class:`MapPoolEpoch` for map-style datasets, :class:`ReplicaPoolEpoch`
+    for iterable ones.
 
     Invariant: a worker receives its tasks in ticket order (ticket ``t`` is sent only after
     ticket ``t - 1``), and has at most ``prefetch_factor`` of them unanswered; a job waits,
@@ -428,13 +434,8 @@ class PoolEpoch:
         self._serving = False
         self._tg: Any = None
         self._failure: BaseException | None = None
-        self._turn = 0
-        self._exhausted: set[int] = set()
-        count = pool.num_workers
-        self._sent = [0] * count  # each worker's next ticket to send
-        self._assigned = [0] * count  # iterable: requests assigned to each worker
-        self._requests = 0  # iterable: requests assigned in all
-        self._tickets: dict[int, int] = {}  # iterable: job sequence number -> ticket
+        self._exhausted: set[int] = set()  # workers whose replica has ended
+        self._sent = [0] * pool.num_workers  # each worker's next ticket to send
         self._stats: list[Any] | None = None  # the loader's sources, found at the first report
 
     # The FetchPlan's remote protocol ---------------------------------------------------------
@@ -474,13 +475,7 @@ class PoolEpoch:
         ``seq`` is the job's sequence number in the epoch: it decides the worker (map-style)
         and the place of the task among that worker's (see the class docstring).
         """
-        count = self.pool.num_workers
-        if self.pool.setup.iterable:
-            worker_id, ticket = key, self._tickets.pop(seq)
-            kind, payload = Kind.NEXT, None
-        else:
-            worker_id, ticket = seq % count, seq // count
-            kind, payload = Kind.TASK, key
+        worker_id, ticket, kind, payload = self.route(key, seq)
         workers = self.pool.workers
         while not (
             self._serving
@@ -515,25 +510,9 @@ class PoolEpoch:
         if not pool.persistent or pool.broken or pool.closed:
             pool.shutdown()
 
-    def keys(self) -> AsyncIterator[int]:
-        """Iterable datasets: the worker asked for each next batch, in turn."""
-        return self
-
-    def __aiter__(self) -> PoolEpoch:
-        return self
-
-    async def __anext__(self) -> int:
-        # Called once per job, in sequence order: request number n is job n.
-        count = self.pool.num_workers
-        for step in range(count):
-            worker = (self._turn + step) % count
-            if worker not in self._exhausted:
-                self._turn = worker + 1
-                self._tickets[self._requests] = self._assigned[worker]
-                self._assigned[worker] += 1
-                self._requests += 1
-                return worker
-        raise StopAsyncIteration
+    def route(self, key: Any, seq: int) -> tuple[int, int, Kind, Any]:
+        """Job ``seq`` (key ``key``): (worker, its ticket there, the request's kind, its key)."""
+        raise NotImplementedError
 
     # Sending and receiving -------------------------------------------------------------------
     async def _wait(self) -> None:
@@ -654,3 +633,55 @@ class PoolEpoch:
         if self._failure is None:
             self._failure = error
             self._tg.cancel_scope.cancel()
+
+
+class MapPoolEpoch(PoolEpoch):
+    """A map-style epoch on the workers: job ``k`` (an index batch, or an index) goes to
+    worker ``k % num_workers`` as its task ``k // num_workers``."""
+
+    def route(self, key: Any, seq: int) -> tuple[int, int, Kind, Any]:
+        count = self.pool.num_workers
+        return seq % count, seq // count, Kind.TASK, key
+
+
+class ReplicaPoolEpoch(PoolEpoch):
+    """An iterable epoch on the workers, each iterating its own replica of the dataset.
+
+    Its jobs' keys (:meth:`keys`) are requests for the next batch of one worker's replica,
+    assigned in turn over the workers not yet known to be exhausted; a request answered
+    "exhausted" yields :data:`~aloader._pipeline.SKIP` (so does one assigned to a worker since
+    found exhausted), and the epoch ends once every replica is exhausted. Timing only decides
+    how many requests an exhausted worker is sent; the batches that remain interleave the live
+    workers in turn whatever it is.
+    """
+
+    def __init__(self, pool: WorkerPool, loader_epoch: int = 0) -> None:
+        super().__init__(pool, loader_epoch)
+        count = pool.num_workers
+        self._turn = 0
+        self._assigned = [0] * count  # requests assigned to each worker
+        self._requests = 0  # requests assigned in all
+        self._tickets: dict[int, int] = {}  # job sequence number -> ticket
+
+    def route(self, key: Any, seq: int) -> tuple[int, int, Kind, Any]:
+        return key, self._tickets.pop(seq), Kind.NEXT, None
+
+    def keys(self) -> AsyncIterator[int]:
+        """The worker asked for each next batch, in turn."""
+        return self
+
+    def __aiter__(self) -> ReplicaPoolEpoch:
+        return self
+
+    async def __anext__(self) -> int:
+        # Called once per job, in sequence order: request number n is job n.
+        count = self.pool.num_workers
+        for step in range(count):
+            worker = (self._turn + step) % count
+            if worker not in self._exhausted:
+                self._turn = worker + 1
+                self._tickets[self._requests] = self._assigned[worker]
+                self._assigned[worker] += 1
+                self._requests += 1
+                return worker
+        raise StopAsyncIteration

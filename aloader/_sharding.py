@@ -20,7 +20,7 @@ import numpy as np
 
 from ._distributed import _env_int
 from ._random import permutation
-from ._worker import get_worker_info
+from ._workerinfo import get_worker_info
 
 __all__ = (
     "ShardsLike",

@@ -1,4 +1,10 @@
-"""Worker processes: ``get_worker_info()``, the read-only ``WorkerInfo``, and the worker's main.
+"""Worker processes: the protocol with the loader, the worker's setup, and the worker's main.
+
+This module owns what runs inside a worker process: its setup (:class:`WorkerSetup`), how it
+serves (:class:`ServeTasks` for map-style datasets, :class:`ServeReplica` for iterable ones,
+chosen by the loader), and the messages it exchanges with the loader. What the worker knows
+about itself (``WorkerInfo``, ``get_worker_info()``) lives in :mod:`aloader._workerinfo`, which
+this module sets, so that datasets and sources can read it without importing this module.
 
 A worker serves one loader's pool (see :mod:`aloader._pool`) over a socket pair. Messages both
 ways go through :mod:`aloader._shm`, so arrays in batches cross in shared memory.
@@ -24,10 +30,11 @@ On the socket a message is a plain tuple with int codes (:meth:`Request.wire`,
 or an enum member would pickle by reference and cost each message two to three times as much.
 
 The worker fetches with the same :class:`~aloader._pipeline.FetchPlan` the loader would use
-without workers. Plain map-style datasets are served by a loop that loads one batch per task;
-async datasets, ``max_concurrency`` and iterable datasets run the loader's own pipeline
-(:class:`~aloader._pipeline.Epoch`) on an event loop inside the worker, so each worker keeps
-``max_concurrency`` fetches in flight.
+without workers. Plain map-style datasets are served by a loop that loads one batch per task
+(the plan says whether it can: :attr:`~aloader._pipeline.FetchPlan.needs_event_loop`); async
+datasets, ``max_concurrency`` and iterable datasets run the loader's own pipeline
+(:class:`~aloader._pipeline.MapEpoch`, :class:`~aloader._pipeline.IterableEpoch`) on an event
+loop inside the worker, so each worker keeps ``max_concurrency`` fetches in flight.
 """
 
 from __future__ import annotations
@@ -48,12 +55,28 @@ from enum import IntEnum
 from multiprocessing.connection import Connection, wait
 from typing import Any, NamedTuple
 
+import anyio
 import numpy as np
 
-from . import _shm
+from . import _shm, _spawn, _workerinfo
+from ._dataset import iterate
+from ._pipeline import FetchPlan, IterableEpoch, MapEpoch, Results
+from ._sources import StatsReporter
+from ._workerinfo import WorkerInfo, _set_worker_info, get_worker_info
 
-__all__ = ("WorkerInfo", "get_worker_info")
-
+__all__ = (
+    "SETUP_JOB",
+    "Kind",
+    "Reply",
+    "Request",
+    "ServeReplica",
+    "ServeTasks",
+    "Status",
+    "WorkerInfo",
+    "WorkerSetup",
+    "get_worker_info",
+    "worker_main",
+)
 
 
 # The protocol (see the module docstring) ---------------------------------------------------------
@@ -118,78 +141,6 @@ class Reply(NamedTuple):
         return cls._make((wire[0], _STATUSES[wire[1]], wire[2], wire[3]))
 
 
-class WorkerInfo:
-    """What a worker process knows about itself (torch's ``WorkerInfo``).
-
-    Attributes:
-        id: this worker's number, in ``range(num_workers)``.
-        num_workers: how many workers the loader runs.
-        seed: this worker's seed (``base_seed + id``).
-        dataset: this worker's own copy of the dataset.
-        epoch: the loader's epoch this worker is serving (not in torch; see
-            :attr:`epoch`).
-    """
-
-    id: int
-    num_workers: int
-    seed: int
-    dataset: Any
-    __initialized = False
-
-    def __init__(self, **kwargs: Any) -> None:
-        for key, value in kwargs.items():
-            setattr(self, key, value)
-        self.__keys = tuple(kwargs.keys())
-        self.__initialized = True
-
-    def __setattr__(self, key: str, value: Any) -> None:
-        if self.__initialized:
-            raise RuntimeError(f"Cannot assign attributes to {self.__class__.__name__} objects")
-        super().__setattr__(key, value)
-
-    def __repr__(self) -> str:
-        items = ", ".join(f"{k}={getattr(self, k)}" for k in self.__keys)
-        return f"{self.__class__.__name__}({items})"
-
-    @property
-    def epoch(self) -> int:
-        """The loader's epoch this worker is serving (0 before its first task).
-
-        For a :class:`~aloader.Stream` dataset it is the epoch the loader's own copy of the
-        stream claimed for this epoch (its ``set_epoch`` value, else its counter, which the
-        loader advances as if it had iterated the stream); for other datasets it counts the
-        loader's epochs from 0. A stream iterated in a worker without ``set_epoch`` uses it,
-        so that shard orders and shuffles change every epoch, with persistent workers or not.
-        """
-        return _served_epoch if _served_epoch is not None else 0
-
-
-_worker_info: WorkerInfo | None = None
-# The loader epoch of this worker's latest task; None outside workers.
-_served_epoch: int | None = None
-
-
-def served_epoch() -> int | None:
-    """The loader epoch this worker process is serving, or None outside workers."""
-    return _served_epoch
-
-
-def get_worker_info() -> WorkerInfo | None:
-    """This worker process's :class:`WorkerInfo`, or None in the main process.
-
-    An iterable dataset uses it to shard itself so that each worker reads a distinct part::
-
-        info = aloader.get_worker_info()
-        shards = all_shards if info is None else all_shards[info.id :: info.num_workers]
-    """
-    return _worker_info
-
-
-def _set_worker_info(info: WorkerInfo | None) -> None:
-    global _worker_info
-    _worker_info = info
-
-
 # Errors ------------------------------------------------------------------------------------------
 class _KeyErrorMessage(str):
     """KeyError shows its argument with repr(); this keeps the traceback readable."""
@@ -251,15 +202,37 @@ def _strip_pipeline_notes(error: BaseException) -> BaseException:
 
 
 # Setup -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ServeTasks:
+    """How a worker serves a map-style dataset: each task is a key to load and collate."""
+
+    def run(self, server: _WorkerServer) -> None:
+        if server.setup.plan.needs_event_loop:
+            anyio.run(server.serve_tasks_async)
+        else:
+            server.serve_tasks()
+
+
+@dataclass(frozen=True)
+class ServeReplica:
+    """How a worker serves an iterable dataset: each task asks for the next batch of this
+    worker's replica, ``batch_size`` samples (one sample when None), the last incomplete
+    batch dropped with ``drop_last``."""
+
+    batch_size: int | None
+    drop_last: bool
+
+    def run(self, server: _WorkerServer) -> None:
+        anyio.run(server.serve_replica, self)
+
+
 @dataclass
 class WorkerSetup:
     """What every worker of a pool receives once, at start.
 
     Attributes:
         plan: the fetch plan the loader would use without workers (no pin-memory transform).
-        iterable: whether the dataset is an iterable dataset.
-        batch_size: samples per batch of an iterable dataset (None: no batching).
-        drop_last: drop an iterable replica's last incomplete batch.
+        serve: how the worker serves its tasks (map-style keys, or its iterable replica).
         base_seed: the seed of the epoch that started the pool.
         num_workers: workers in the pool.
         worker_init_fn: called with the worker id once the worker is seeded.
@@ -267,10 +240,8 @@ class WorkerSetup:
         owner: the loader's process's shared-memory owner tag (:func:`aloader._shm.owner`).
     """
 
-    plan: Any
-    iterable: bool
-    batch_size: int | None
-    drop_last: bool
+    plan: FetchPlan
+    serve: ServeTasks | ServeReplica
     base_seed: int
     num_workers: int
     worker_init_fn: Callable[[int], None] | None
@@ -322,8 +293,6 @@ class _WorkerServer:
         self.where = f"in DataLoader worker process {worker_id}"
         self.codec = _shm.Codec(setup.owner, os.getpid(), tensors=True,
                                 recycle=2 * max(1, setup.prefetch) + 2)
-        from ._sources import StatsReporter
-
         self.stats = StatsReporter(setup.plan.dataset)
 
     def send(self, job: int, status: Status, value: Any) -> None:
@@ -348,13 +317,10 @@ class _WorkerServer:
             return None
         if request.released:
             self.codec.release(request.released)
-        global _served_epoch
-        _served_epoch = request.loader_epoch
+        _workerinfo._set_served_epoch(request.loader_epoch)
         return request
 
     async def areceive(self) -> Request | None:
-        import anyio
-
         await anyio.wait_readable(self.conn.fileno())
         return self.receive()
 
@@ -371,8 +337,6 @@ class _WorkerServer:
 
     # Async datasets and max_concurrency: the loader's pipeline over the keys received.
     async def serve_tasks_async(self) -> None:
-        from ._pipeline import Epoch, Results
-
         jobs: deque[int] = deque()
 
         async def keys() -> AsyncIterator[Any]:
@@ -380,7 +344,7 @@ class _WorkerServer:
                 jobs.append(request.job)
                 yield request.key
 
-        epoch = Epoch(self.setup.plan, Results(self.setup.prefetch, True), keys=keys())
+        epoch = MapEpoch(self.setup.plan, Results(self.setup.prefetch, True), keys())
         epoch.start()
         try:
             while True:
@@ -397,14 +361,11 @@ class _WorkerServer:
             epoch.stop()
 
     # Iterable datasets: one replica iterator per epoch, batched by the loader's pipeline.
-    async def serve_replica(self) -> None:
-        from ._loader import _aiter_of
-        from ._pipeline import Epoch, Results
-
+    async def serve_replica(self, serve: ServeReplica) -> None:
         setup = self.setup
         dataset = setup.plan.dataset
         current: int | None = None
-        epoch: Epoch | None = None
+        epoch: IterableEpoch | None = None
         try:
             while (request := await self.areceive()) is not None:
                 job, epoch_id = request.job, request.epoch
@@ -415,13 +376,12 @@ class _WorkerServer:
                         await epoch.done.wait()
                         epoch = None
                     try:
-                        aiter_ = _aiter_of(dataset)
-                        source = aiter_() if aiter_ is not None else iter(dataset)
+                        source = iterate(dataset)
                     except Exception as exc:  # __iter__ failed: this replica is done
                         self.fail(job, exc)
                         continue
-                    epoch = Epoch(setup.plan, Results(1, True), source=source,
-                                  batch_size=setup.batch_size, drop_last=setup.drop_last)
+                    epoch = IterableEpoch(setup.plan, Results(1, True), source,
+                                          serve.batch_size, serve.drop_last)
                     epoch.start()
                 if epoch is None:
                     self.send(job, Status.END, None)
@@ -438,15 +398,6 @@ class _WorkerServer:
         finally:
             if epoch is not None:
                 epoch.stop()
-
-    def needs_loop(self) -> bool:
-        plan = self.setup.plan
-        return (
-            self.setup.iterable
-            or plan.mode == "async"
-            or plan.granularity == "item"
-            or plan._async_collate
-        )
 
 
 def worker_main(
@@ -470,9 +421,7 @@ def worker_main(
     for fd in inherited_fds:
         with contextlib.suppress(OSError):
             os.close(fd)
-    from ._spawn import forget_placeholder
-
-    forget_placeholder()
+    _spawn.forget_placeholder()
     # Ctrl-C reaches the whole process group: the loader handles it and stops its workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent(owner)
@@ -502,13 +451,7 @@ def worker_main(
     worker = _WorkerServer(conn, worker_id, setup)
     try:
         conn.send_bytes(worker.codec.encode(Reply(SETUP_JOB, Status.READY, None).wire()))
-        if not worker.needs_loop():
-            worker.serve_tasks()
-        else:
-            import anyio
-
-            main = worker.serve_replica if setup.iterable else worker.serve_tasks_async
-            anyio.run(main)
+        setup.serve.run(worker)
     except (BrokenPipeError, ConnectionResetError):  # the loader has gone
         pass
     finally:

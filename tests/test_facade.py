@@ -273,3 +273,73 @@ def test_a_forked_child_gets_a_loop_of_its_own() -> None:
             child.kill()
     assert child.exitcode == 0
     loader.close()
+
+
+# Any async iterable: a Stream's plain `for` -------------------------------------------------
+class _Tracked:
+    """An async iterable whose iterations record that they were closed."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.closed = 0
+
+    async def __aiter__(self) -> Any:
+        try:
+            for i in range(self.n):
+                await anyio.sleep(0)
+                yield {"i": i, "x": np.full(2, i)}
+        finally:
+            self.closed += 1
+
+
+def test_for_over_a_stream_yields_what_async_for_yields() -> None:
+    def make() -> aloader.Stream[Any]:
+        return aloader.as_stream(range(20)).shuffle(8, seed=3).map(lambda x: x * 2)
+
+    async def collect() -> list[Any]:
+        return [x async for x in make()]
+
+    assert [x for x in make()] == anyio.run(collect)
+    assert len(_loop_threads()) == 0  # each `for` closes the loop it ran on
+
+
+def test_breaking_out_of_a_for_over_a_stream_closes_it() -> None:
+    source = _Tracked(1000)
+    stream = aloader.as_stream(source)
+    seen = []
+    for item in stream:
+        seen.append(item["i"])
+        if len(seen) == 3:
+            break
+    gc.collect()
+    assert seen == [0, 1, 2]
+    assert source.closed == 1
+    assert len(_loop_threads()) == 0
+    # A second epoch starts afresh.
+    assert [item["i"] for item in stream] == list(range(1000))
+    assert source.closed == 2
+
+
+def test_closing_a_stream_iterator_closes_the_stream() -> None:
+    source = _Tracked(1000)
+    iterator = iter(aloader.as_stream(source))
+    assert next(iterator)["i"] == 0
+    iterator.close()  # type: ignore[attr-defined]
+    assert source.closed == 1
+    with pytest.raises(StopIteration):
+        next(iterator)
+
+
+async def test_for_over_a_stream_inside_an_event_loop_is_refused(anyio_backend: str) -> None:
+    with pytest.raises(RuntimeError, match="use `async for item in stream` instead"):
+        iter(aloader.as_stream([1, 2]))
+
+
+def test_the_facade_drives_any_async_iterator() -> None:
+    from aloader._facade import PrivateLoop, SyncIterator
+
+    source = _Tracked(5)
+    items = SyncIterator(source.__aiter__, PrivateLoop(), owns_loop=True)
+    assert [item["i"] for item in items] == [0, 1, 2, 3, 4]
+    assert source.closed == 1
+    assert len(_loop_threads()) == 0

@@ -30,7 +30,7 @@ from aloader import (
     TextLines,
 )
 from aloader._sharding import assign_shards, expand_shards
-from aloader._worker import WorkerInfo, _set_worker_info
+from aloader._workerinfo import WorkerInfo, _set_worker_info
 
 pytestmark = pytest.mark.anyio
 

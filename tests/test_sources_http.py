@@ -15,7 +15,7 @@ import pytest
 from faulty_server import FaultyServer, make_jsonl_shards
 
 from aloader import DataLoader, FetchError, JsonLines, NpyRows, RecordError, TextLines
-from aloader._worker import WorkerInfo, _set_worker_info
+from aloader._workerinfo import WorkerInfo, _set_worker_info
 
 pytestmark = pytest.mark.anyio
 

@@ -435,7 +435,7 @@ async def test_worker_info_fields_and_read_only(anyio_backend: str) -> None:
     assert {w for b in batches for w in b["worker"].tolist()} == {0, 1}
     assert all(b["same_dataset"].all() for b in batches)
     assert dataset.calls == 0  # the workers used their own copies
-    info = aloader._worker.WorkerInfo(id=0, num_workers=1, seed=3, dataset=dataset)
+    info = aloader._workerinfo.WorkerInfo(id=0, num_workers=1, seed=3, dataset=dataset)
     with pytest.raises(RuntimeError, match="Cannot assign attributes to WorkerInfo objects"):
         info.id = 2
     assert "num_workers=1" in repr(info)

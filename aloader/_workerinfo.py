@@ -1,0 +1,91 @@
+"""What a worker process knows about itself: ``WorkerInfo``, ``get_worker_info()``, its epoch.
+
+This module owns the per-process facts that datasets and sources read while they iterate
+(which worker this is, how many there are, the loader epoch being served), and nothing else, so
+that sources (:mod:`aloader._streams`, :mod:`aloader._sharding`) can shard themselves without
+importing the worker server (:mod:`aloader._worker`), which sets these facts. Outside workers
+``get_worker_info()`` is None and :func:`served_epoch` is None.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ("WorkerInfo", "get_worker_info", "served_epoch")
+
+
+class WorkerInfo:
+    """What a worker process knows about itself (torch's ``WorkerInfo``).
+
+    Attributes:
+        id: this worker's number, in ``range(num_workers)``.
+        num_workers: how many workers the loader runs.
+        seed: this worker's seed (``base_seed + id``).
+        dataset: this worker's own copy of the dataset.
+        epoch: the loader's epoch this worker is serving (not in torch; see
+            :attr:`epoch`).
+    """
+
+    id: int
+    num_workers: int
+    seed: int
+    dataset: Any
+    __initialized = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        for key, value in kwargs.items():
+            setattr(self, key, value)
+        self.__keys = tuple(kwargs.keys())
+        self.__initialized = True
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        if self.__initialized:
+            raise RuntimeError(f"Cannot assign attributes to {self.__class__.__name__} objects")
+        super().__setattr__(key, value)
+
+    def __repr__(self) -> str:
+        items = ", ".join(f"{k}={getattr(self, k)}" for k in self.__keys)
+        return f"{self.__class__.__name__}({items})"
+
+    @property
+    def epoch(self) -> int:
+        """The loader's epoch this worker is serving (0 before its first task).
+
+        For a :class:`~aloader.Stream` dataset it is the epoch the loader's own copy of the
+        stream claimed for this epoch (its ``set_epoch`` value, else its counter, which the
+        loader advances as if it had iterated the stream); for other datasets it counts the
+        loader's epochs from 0. A stream iterated in a worker without ``set_epoch`` uses it,
+        so that shard orders and shuffles change every epoch, with persistent workers or not.
+        """
+        return _served_epoch if _served_epoch is not None else 0
+
+
+_worker_info: WorkerInfo | None = None
+# The loader epoch of this worker's latest task; None outside workers.
+_served_epoch: int | None = None
+
+
+def served_epoch() -> int | None:
+    """The loader epoch this worker process is serving, or None outside workers."""
+    return _served_epoch
+
+
+def get_worker_info() -> WorkerInfo | None:
+    """This worker process's :class:`WorkerInfo`, or None in the main process.
+
+    An iterable dataset uses it to shard itself so that each worker reads a distinct part::
+
+        info = aloader.get_worker_info()
+        shards = all_shards if info is None else all_shards[info.id :: info.num_workers]
+    """
+    return _worker_info
+
+
+def _set_worker_info(info: WorkerInfo | None) -> None:
+    global _worker_info
+    _worker_info = info
+
+
+def _set_served_epoch(epoch: int | None) -> None:
+    global _served_epoch
+    _served_epoch = epoch
