@@ -7,8 +7,8 @@ Quick start::
         ...
 """
 
-from ._batcher import Batcher, batch
-from ._collate import collate, default_collate, default_collate_fn_map, default_convert
+from ._batcher import Batcher, BatcherMetrics, BatchMethod, LatencySummary, batch
+from ._collate import ColumnBatch, collate, default_collate, default_collate_fn_map, default_convert
 from ._dataset import (
     ArrayDataset,
     ChainDataset,
@@ -35,6 +35,7 @@ from ._exceptions import (
     WorkerError,
 )
 from ._formats import SourceStats
+from ._http import HttpOptions
 from ._loader import DataLoader
 from ._sampler import (
     BatchSampler,
@@ -44,15 +45,16 @@ from ._sampler import (
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
-from ._sources import BinaryRecords, JsonLines, NpyRows, ShardedSource, TextLines
+from ._sources import BinaryRecords, JsonLines, NpyRows, ShardedSource, SourceOptions, TextLines
 from ._streams import Stream, as_stream, interleave
-from ._worker import get_worker_info
+from ._worker import WorkerInfo, get_worker_info
 
 __version__ = "0.1.0.dev0"
 
 __all__ = (
     # loading
     "DataLoader",
+    "WorkerInfo",
     "get_worker_info",
     # datasets
     "ArrayDataset",
@@ -73,15 +75,18 @@ __all__ = (
     "SubsetRandomSampler",
     "WeightedRandomSampler",
     # collate
+    "ColumnBatch",
     "collate",
     "default_collate",
     "default_collate_fn_map",
     "default_convert",
     # streaming sources
     "BinaryRecords",
+    "HttpOptions",
     "JsonLines",
     "NpyRows",
     "ShardedSource",
+    "SourceOptions",
     "SourceStats",
     "Stream",
     "TextLines",
@@ -89,6 +94,9 @@ __all__ = (
     "interleave",
     # inference batching
     "Batcher",
+    "BatcherMetrics",
+    "BatchMethod",
+    "LatencySummary",
     "batch",
     # errors
     "AloaderError",
