@@ -1,27 +1,27 @@
-"""Hostile inputs to the sources: coded or truncated HTTP bodies, redirects out of http(s),
-headers promising more than the shard holds, huge lines. Each must be decoded, resumed or
-refused with an error naming the shard: never a hang, unbounded memory, or records silently
-lost."""
+"""aloader._http: ranged reading, content codings, retries, redirects, against hostile servers.
+
+Coded or truncated HTTP bodies, redirects out of http(s), headers promising more than the body
+holds: each must be decoded, resumed or refused with an error naming the URL, never a hang,
+unbounded memory, or records silently lost. Most tests read through the public sources; the
+last ones call :func:`aloader._http.http_chunks` directly."""
 
 from __future__ import annotations
 
 import gzip
-import io
 import json
-import struct
 import sys
 import threading
 import types
 import zlib
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from test_formats import npy_with_rows  # the same .npy bytes whose header lies
 
-from aloader import BinaryRecords, FetchError, JsonLines, NpyRows, RecordError, TextLines
+from aloader import FetchError, JsonLines, NpyRows, RecordError, TextLines
 
 pytestmark = pytest.mark.anyio
 
@@ -354,131 +354,6 @@ async def test_npy_header_checked_against_content_length(server: Scripted,
         await collect(source)
     assert info.value.source == url
     assert source.stats.records == 0
-
-
-# --------------------------------------------------------------------------- npy headers
-
-
-def npy_with_rows(rows: int, array: np.ndarray[Any, Any]) -> bytes:
-    """``.npy`` bytes of ``array`` whose header claims ``rows`` rows."""
-    buffer = io.BytesIO()
-    header = np.lib.format.header_data_from_array_1_0(array)
-    header["shape"] = (rows, *array.shape[1:])
-    np.lib.format.write_array_header_1_0(buffer, header)
-    return buffer.getvalue() + array.tobytes()
-
-
-async def test_npy_promising_huge_rows_fails_at_once(tmp_path: Path, anyio_backend: str) -> None:
-    path = tmp_path / "huge.npy"
-    path.write_bytes(npy_with_rows(10**12, np.zeros((20_000, 4))))
-    source = NpyRows(path, chunk_size=4096)
-    with pytest.raises(RecordError, match=r"huge\.npy: byte offset \d+: truncated array: the "
-                                          r"shard ends after 20000 of 1000000000000 rows "
-                                          r"\(the header promises") as info:
-        await collect(source)
-    assert info.value.source == str(path)
-    # At once: from the first chunk, not after reading the shard to its end.
-    assert source.stats.records == 0 and source.stats.bytes <= 4096
-
-    skipping = NpyRows(path, skip_errors=True)
-    assert await collect(skipping) == [] and skipping.stats.skipped == 1
-
-
-async def test_npy_extra_data_fails_at_once(tmp_path: Path, anyio_backend: str) -> None:
-    path = tmp_path / "extra.npy"
-    path.write_bytes(npy_with_rows(5, np.zeros((50, 2))))
-    source = NpyRows(path, chunk_size=256)
-    with pytest.raises(RecordError, match="unexpected bytes after the last row"):
-        await collect(source)
-    assert source.stats.records == 0
-
-
-async def test_npy_empty_rows_in_bounded_blocks(tmp_path: Path, anyio_backend: str) -> None:
-    path = tmp_path / "empty.npy"
-    path.write_bytes(npy_with_rows(10**12, np.zeros((0, 0))))
-    source = NpyRows(path)
-    iterator = source.__aiter__()
-    row = await iterator.__anext__()
-    assert row.shape == (0,)
-    # Not 10**12 rows built at once: the header alone decides how many there are.
-    assert source.stats.records <= 10**5
-    await iterator.aclose()  # type: ignore[attr-defined]
-
-    path.write_bytes(npy_with_rows(5, np.zeros((0, 0))))
-    assert len(await collect(NpyRows(path))) == 5
-
-
-@pytest.mark.parametrize("shape", [(-5,), (3, -1)])
-async def test_npy_negative_dimension(tmp_path: Path, anyio_backend: str,
-                                      shape: tuple[int, ...]) -> None:
-    buffer = io.BytesIO()
-    np.lib.format.write_array_header_1_0(
-        buffer, {"descr": "<f8", "fortran_order": False, "shape": shape})
-    path = tmp_path / "neg.npy"
-    path.write_bytes(buffer.getvalue() + bytes(64))
-    with pytest.raises(RecordError, match=r"neg\.npy: byte offset 8: bad \.npy header: "
-                                          r"negative dimension"):
-        await collect(NpyRows(path))
-
-
-async def test_npy_header_longer_than_the_shard(tmp_path: Path, anyio_backend: str) -> None:
-    path = tmp_path / "long.npy"
-    path.write_bytes(b"\x93NUMPY\x02\x00" + struct.pack("<I", 1 << 30) + b"{" * 100)
-    source = NpyRows(path, chunk_size=16)
-    with pytest.raises(RecordError, match=r"truncated \.npy header: it says"):
-        await collect(source)
-    assert source.stats.bytes <= 16
-
-
-async def test_npy_malformed_header(tmp_path: Path, anyio_backend: str) -> None:
-    for text in (b"{'descr': '<f8', 'shape': (3,)}", b"not a dict at all", b"{" * 50):
-        header = text.ljust(118) + b"\n"
-        path = tmp_path / "m.npy"
-        path.write_bytes(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header)
-        with pytest.raises(RecordError, match=r"m\.npy: byte offset 8: bad \.npy header"):
-            await collect(NpyRows(path))
-
-
-# --------------------------------------------------------------------------- binary, lines
-
-
-async def test_binary_length_beyond_the_shard_fails_at_once(tmp_path: Path,
-                                                            anyio_backend: str) -> None:
-    path = tmp_path / "b.bin"
-    path.write_bytes(struct.pack("<I", 3) + b"abc" + struct.pack("<I", 50 << 20)
-                     + b"x" * (1 << 20))
-    source = BinaryRecords(path, chunk_size=4096)
-    with pytest.raises(RecordError, match=r"b\.bin: record 1 at byte offset 7: truncated "
-                                          r"record: the shard ends 1048580 bytes into it "
-                                          r"\(its header promises 4 \+ 52428800 bytes\)"):
-        await collect(source)
-    assert source.stats.records == 1 and source.stats.bytes <= 4096
-
-
-@pytest.mark.parametrize("source_type", [TextLines, JsonLines])
-async def test_one_huge_line(tmp_path: Path, anyio_backend: str, source_type: Any) -> None:
-    path = tmp_path / "huge.jsonl"
-    big = "y" * (16 << 20)
-    path.write_bytes(b'"a"\n' + json.dumps(big).encode() + b'\n"z"')
-    records = await collect(source_type(path, max_record_bytes=1 << 26))
-    if source_type is TextLines:
-        assert records == ['"a"', json.dumps(big), '"z"']
-    else:
-        assert records == ["a", big, "z"]
-
-
-async def test_chunk_size_beyond_the_file(tmp_path: Path, anyio_backend: str) -> None:
-    path = tmp_path / "small.txt"
-    path.write_bytes(b"one\ntwo\n")
-    # A read of chunk_size bytes would allocate a terabyte before reading eight.
-    assert await collect(TextLines(path, chunk_size=1 << 40)) == ["one", "two"]
-
-
-@pytest.mark.parametrize("source_type", [TextLines, JsonLines, BinaryRecords, NpyRows])
-def test_no_shards_is_an_error(source_type: Any) -> None:
-    for empty in ([], ()):
-        with pytest.raises(ValueError, match="no shards given"):
-            source_type(empty)
 
 
 async def test_redirect_followed_and_resumed(server: Scripted, anyio_backend: str) -> None:
