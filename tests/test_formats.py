@@ -13,13 +13,30 @@ import io
 import json
 import os
 import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from aloader import BinaryRecords, JsonLines, NpyRows, RecordError, SourceError, TextLines
+from aloader import (
+    BinaryRecords,
+    JsonLines,
+    NpyRows,
+    RecordError,
+    SourceError,
+    SourceStats,
+    TextLines,
+)
+from aloader._formats import (
+    BadRecords,
+    BinaryDecoder,
+    Decoder,
+    JsonLinesDecoder,
+    NpyDecoder,
+    TextDecoder,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -303,3 +320,112 @@ async def test_one_huge_line(tmp_path: Path, anyio_backend: str, source_type: An
         assert records == ['"a"', json.dumps(big), '"z"']
     else:
         assert records == ["a", big, "z"]
+
+
+# --------------------------------------------------------------------------- decoders, directly
+
+
+def _decode(decoder: Decoder[Any], chunks: list[bytes]) -> list[Any]:
+    """Every record of a shard fed as ``chunks``, ``finish()`` called until it returns none."""
+    records: list[Any] = []
+    for chunk in chunks:
+        records += decoder.feed(chunk)
+    while block := decoder.finish():
+        records += block
+    return records
+
+
+def _cuts(data: bytes) -> Iterator[list[bytes]]:
+    """The shard whole, byte by byte, and cut in two at every position."""
+    yield [data]
+    yield [data[i : i + 1] for i in range(len(data))]
+    for cut in range(1, len(data)):
+        yield [data[:cut], data[cut:]]
+
+
+_NPY = io.BytesIO()
+np.save(_NPY, np.arange(12, dtype="<i2").reshape(4, 3))
+
+SHARDS: dict[str, tuple[Callable[[BadRecords], Decoder[Any]], bytes, list[Any]]] = {
+    "text": (lambda bad: TextDecoder("s", bad, 1000), b"a\r\nbc\n\nd\xc3\xa9f",
+             ["a", "bc", "", "d\u00e9f"]),
+    "jsonl": (lambda bad: JsonLinesDecoder("s", bad, 1000), b'{"a": 1}\n\n[2, 3]\r\n"x"\n4',
+              [{"a": 1}, [2, 3], "x", 4]),
+    "binary": (lambda bad: BinaryDecoder("s", bad, 1000, "<H"),
+               b"\x02\x00ab\x00\x00\x03\x00cde", [b"ab", b"", b"cde"]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SHARDS))
+def test_a_record_cut_anywhere_is_the_same_record(kind: str) -> None:
+    make, data, expected = SHARDS[kind]
+    for chunks in _cuts(data):
+        decoder = make(BadRecords(False, SourceStats()))
+        assert _decode(decoder, chunks) == expected, chunks
+        assert decoder.pending is None
+
+
+def test_npy_rows_cut_anywhere_are_the_same_rows() -> None:
+    data = _NPY.getvalue()
+    expected = np.arange(12, dtype="<i2").reshape(4, 3)
+    for chunks in _cuts(data):
+        decoder = NpyDecoder("s.npy", BadRecords(False, SourceStats()), 1000)
+        decoder.set_size(len(data))
+        np.testing.assert_array_equal(np.stack(_decode(decoder, chunks)), expected)
+        assert decoder.pending is None
+
+
+def test_a_malformed_line_is_located_however_the_shard_is_cut() -> None:
+    good = b'{"i": 0}\n{"i": 1}\n'
+    data = good + b'{"i": 2,,}\n{"i": 3}\n'
+    for chunks in _cuts(data):
+        decoder = JsonLinesDecoder("s.jsonl", BadRecords(False, SourceStats()), 1000)
+        # The records before the bad line are delivered; the error waits in ``pending``.
+        assert _decode(decoder, chunks) == [{"i": 0}, {"i": 1}]
+        error = decoder.pending
+        assert isinstance(error, RecordError)
+        assert (error.source, error.line, error.offset) == ("s.jsonl", 3, len(good))
+        assert str(error).startswith(f"s.jsonl: line 3 (byte offset {len(good)}): invalid JSON")
+        assert decoder.feed(b'{"i": 4}\n') == []  # nothing after the error
+
+
+def test_skipped_records_are_counted_and_the_last_errors_kept() -> None:
+    stats = SourceStats()
+    decoder = JsonLinesDecoder("s.jsonl", BadRecords(True, stats), 1000)
+    data = b"".join(b"oops\n" if i % 2 else b"%d\n" % i for i in range(400))
+    assert _decode(decoder, [data]) == list(range(0, 400, 2))
+    assert decoder.pending is None
+    assert stats.skipped == 200  # exact, though only the last errors are kept
+    assert [error.line for error in stats.skipped_errors] == list(range(202, 401, 2))
+
+
+def test_bad_records_policy() -> None:
+    stats = SourceStats()
+    error = RecordError("s: line 1: bad", source="s", offset=0, line=1)
+    assert BadRecords(False, stats)(error) is False
+    assert (stats.skipped, list(stats.skipped_errors)) == (0, [])
+    assert BadRecords(True, stats)(error) is True
+    assert (stats.skipped, list(stats.skipped_errors)) == (1, [error])
+
+
+def test_a_line_longer_than_the_bound_is_not_kept() -> None:
+    decoder = TextDecoder("s.txt", BadRecords(False, SourceStats()), 10)
+    assert decoder.feed(b"short\n" + b"x" * 11) == ["short"]
+    assert decoder.pending is not None
+    assert (decoder.pending.line, decoder.pending.offset) == (2, 6)
+    assert decoder._carry == []  # the oversized line's bytes are dropped at once
+
+
+def test_stats_since_and_add_carry_a_workers_counts() -> None:
+    worker, loader = SourceStats(), SourceStats()
+    before = worker.counts()
+    assert worker.since(before) is None
+    error = RecordError("s: bad", source="s", offset=3)
+    worker.records, worker.bytes, worker.skipped = 5, 40, 1
+    worker.skipped_errors.append(error)
+    delta = worker.since(before)
+    assert delta == (0, 5, 40, 1, 0, [error])
+    assert delta is not None
+    loader.add(delta)
+    assert loader.counts() == (0, 5, 40, 1, 0)
+    assert list(loader.skipped_errors) == [error]

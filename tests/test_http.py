@@ -7,6 +7,7 @@ last ones call :func:`aloader._http.http_chunks` directly."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import sys
@@ -21,7 +22,16 @@ import numpy as np
 import pytest
 from test_formats import npy_with_rows  # the same .npy bytes whose header lies
 
-from aloader import FetchError, JsonLines, NpyRows, RecordError, TextLines
+from aloader import (
+    FetchError,
+    HttpOptions,
+    JsonLines,
+    NpyRows,
+    RecordError,
+    SourceStats,
+    TextLines,
+)
+from aloader._http import http_chunks, make_client
 
 pytestmark = pytest.mark.anyio
 
@@ -366,3 +376,80 @@ async def test_redirect_followed_and_resumed(server: Scripted, anyio_backend: st
     assert ids(await collect(JsonLines(url, **FAST))) == list(range(500))
     assert server.requests == [("moved.jsonl", None), ("real.jsonl", None),
                                ("moved.jsonl", "bytes=900-"), ("real.jsonl", "bytes=900-")]
+
+
+# --------------------------------------------------------------------------- http_chunks, directly
+
+
+async def _chunks(url: str, *, on_size: Callable[[int], None] | None = None,
+                  **options: Any) -> tuple[bytes, SourceStats]:
+    """The body ``http_chunks`` delivers for ``url``, and the stats it counted."""
+    opts = HttpOptions(**{**FAST, **options})
+    stats = SourceStats()
+    async with make_client(opts, 1) as client, contextlib.aclosing(
+        http_chunks(client, url, opts, stats, on_size)
+    ) as body:
+        data = b"".join([chunk async for chunk in body])
+    return data, stats
+
+
+async def test_http_chunks_resume_with_a_range_for_the_rest(server: Scripted,
+                                                            anyio_backend: str) -> None:
+    body = bytes(range(256)) * 40
+    url = server.route("r.bin", lambda h, n: (
+        reply(h, 200, body, send=1000) if n == 0 else
+        reply(h, 206, body[1000:], headers={
+            "Content-Range": f"bytes 1000-{len(body) - 1}/{len(body)}"})))
+    sizes: list[int] = []
+    data, stats = await _chunks(url, on_size=sizes.append, chunk_size=300)
+    assert data == body
+    assert server.requests == [("r.bin", None), ("r.bin", "bytes=1000-")]
+    assert stats.retries == 1
+    assert sizes == [len(body), len(body)]  # told before the chunks each response announces
+
+
+async def test_http_chunks_skip_what_was_delivered_when_ranges_are_ignored(
+    server: Scripted, anyio_backend: str
+) -> None:
+    body = bytes(range(256)) * 40
+    url = server.route("r.bin", lambda h, n: reply(h, 200, body, send=1000 if n == 0 else None))
+    data, _ = await _chunks(url)
+    assert data == body  # the first 1000 bytes of the second answer are dropped, not repeated
+    assert server.requests == [("r.bin", None), ("r.bin", "bytes=1000-")]
+
+
+async def test_http_chunks_are_at_most_chunk_size(server: Scripted, anyio_backend: str) -> None:
+    body = b"z" * 10_000
+    url = server.route("z.bin", lambda h, n: reply(h, 200, body))
+    opts = HttpOptions(**{**FAST, "chunk_size": 777})
+    async with make_client(opts, 1) as client, contextlib.aclosing(
+        http_chunks(client, url, opts, SourceStats())
+    ) as chunks:
+        sizes = [len(chunk) async for chunk in chunks]
+    assert sum(sizes) == len(body) and max(sizes) <= 777
+
+
+async def test_http_chunks_decode_a_coded_body(server: Scripted, anyio_backend: str) -> None:
+    body = jsonl(300)
+    url = server.route("g", lambda h, n: reply(h, 200, gzip.compress(body),
+                                               headers={"Content-Encoding": "gzip"}))
+    data, _ = await _chunks(url)
+    assert data == body
+
+
+async def test_http_chunks_client_error_fails_at_once(server: Scripted,
+                                                      anyio_backend: str) -> None:
+    url = server.route("gone", lambda h, n: reply(h, 410))
+    with pytest.raises(FetchError, match=r"gone: HTTP 410 .*\(not retried\)") as info:
+        await _chunks(url, retries=5)
+    assert info.value.status_code == 410
+    assert server.counts["gone"] == 1
+
+
+async def test_http_chunks_transient_status_retried_until_retries_run_out(
+    server: Scripted, anyio_backend: str
+) -> None:
+    url = server.route("busy", lambda h, n: reply(h, 503))
+    with pytest.raises(FetchError):
+        await _chunks(url, retries=2)
+    assert server.counts["busy"] == 3  # the first attempt and two retries
