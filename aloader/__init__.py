@@ -7,8 +7,8 @@ Quick start::
         ...
 """
 
-from ._batcher import Batcher, batch
-from ._collate import collate, default_collate, default_collate_fn_map, default_convert
+from ._batcher import Batcher, BatcherMetrics, BatchMethod, LatencySummary, batch
+from ._collate import ColumnBatch, collate, default_collate, default_collate_fn_map, default_convert
 from ._dataset import (
     ArrayDataset,
     ChainDataset,
@@ -35,6 +35,7 @@ from ._exceptions import (
     WorkerError,
 )
 from ._formats import SourceStats
+from ._http import HttpOptions
 from ._loader import AsyncDataLoaderIter, DataLoader, DataLoaderIter
 from ._sampler import (
     BatchSampler,
@@ -44,9 +45,9 @@ from ._sampler import (
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
-from ._sources import BinaryRecords, JsonLines, NpyRows, ShardedSource, TextLines
+from ._sources import BinaryRecords, JsonLines, NpyRows, ShardedSource, SourceOptions, TextLines
 from ._streams import Stream, as_stream, interleave
-from ._workerinfo import get_worker_info
+from ._workerinfo import WorkerInfo, get_worker_info
 
 __version__ = "0.1.0.dev0"
 
@@ -55,6 +56,7 @@ __all__ = (
     "AsyncDataLoaderIter",
     "DataLoader",
     "DataLoaderIter",
+    "WorkerInfo",
     "get_worker_info",
     # datasets
     "ArrayDataset",
@@ -75,15 +77,18 @@ __all__ = (
     "SubsetRandomSampler",
     "WeightedRandomSampler",
     # collate
+    "ColumnBatch",
     "collate",
     "default_collate",
     "default_collate_fn_map",
     "default_convert",
     # streaming sources
     "BinaryRecords",
+    "HttpOptions",
     "JsonLines",
     "NpyRows",
     "ShardedSource",
+    "SourceOptions",
     "SourceStats",
     "Stream",
     "TextLines",
@@ -91,6 +96,9 @@ __all__ = (
     "interleave",
     # inference batching
     "Batcher",
+    "BatcherMetrics",
+    "BatchMethod",
+    "LatencySummary",
     "batch",
     # errors
     "AloaderError",

@@ -1,7 +1,7 @@
 """``python -m aloader`` (or ``aloader``): the ``demo`` and ``bench`` commands, ``--version``.
 
 Owns the command line: its parser and the dispatch to the commands. The commands' code lives
-elsewhere and is imported only when its command runs: the demo in :mod:`aloader.demo` (part of
+elsewhere and is imported only when its command runs: the demo in :mod:`aloader._demo` (part of
 the installed package, so ``demo`` runs after any install), the benchmarks' engine in
 ``benchmarks/engine.py`` of a source checkout (found beside the package; an installed copy
 without the checkout says so).
@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo-http"]:
-        from .demo import streaming_main
+        from ._demo import streaming_main
 
         return streaming_main(argv[1:])
     # The options before the command take no value: the first other word is the command.
@@ -173,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = load_bench_engine() if command == "bench" else None
     args = _parser(None if engine is None else engine.WORKLOADS).parse_args(argv)
     if args.command == "demo":
-        from .demo import main as demo_main
+        from ._demo import main as demo_main
 
         return demo_main(args)
     if engine is None:

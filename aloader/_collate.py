@@ -50,6 +50,7 @@ class ColumnBatch(Sequence[tuple[Any, ...]]):
     """
 
     __slots__ = ("columns",)
+    columns: tuple[Any, ...]
 
     def __init__(self, columns: Sequence[Any]) -> None:
         if not columns:

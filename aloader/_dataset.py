@@ -60,9 +60,7 @@ T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
 FetchMode: TypeAlias = Literal["async", "inline", "thread"]
-IndicesLike: TypeAlias = "Sequence[int] | npt.NDArray[np.integer[Any]]"
-# Anything indexable with a length works as a dataset, as in torch (``random_split(range(10))``).
-DatasetLike: TypeAlias = "Dataset[T] | Sequence[T]"
+IndicesLike: TypeAlias = Sequence[int] | npt.NDArray[np.integer[Any]]
 
 # One child's share of a batch: (child, positions in the batch or None for all, child indices).
 _Step: TypeAlias = "tuple[int, Any, Any]"
@@ -90,6 +88,11 @@ class Dataset(Generic[T_co]):
     def __add__(self, other: Dataset[T]) -> ConcatDataset[T_co | T]:
         """Concatenate: ``ConcatDataset([self, other])``."""
         return ConcatDataset[T_co | T]([self, other])
+
+
+# Anything indexable with a length works as a dataset, as in torch (``random_split(range(10))``).
+# A runtime value (after Dataset) so that typing.get_type_hints resolves the signatures using it.
+DatasetLike: TypeAlias = Dataset[T] | Sequence[T]
 
 
 class IterableDataset(Dataset[T_co]):

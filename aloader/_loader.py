@@ -16,7 +16,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar, cast, overload
 
 import anyio
@@ -579,9 +579,9 @@ def _pin_memory_transform(loader: DataLoader[Any]) -> Callable[[Any], Any] | Non
 class AsyncDataLoaderIter(Generic[T_co]):
     """One epoch of a :class:`DataLoader`, consumed with ``async for`` (``loader.__aiter__()``).
 
-    The background pipeline (:class:`aloader._pipeline.Epoch`) holds no reference to this
-    object, so dropping it (``break``, an exception in the loop body) lets ``__del__`` cancel
-    every fetch at once; ``aclose()`` does the same and waits until they have ended.
+    The background pipeline (``aloader._pipeline``) holds no reference to this object, so
+    dropping it (``break``, an exception in the loop body) lets ``__del__`` cancel every fetch
+    at once; ``aclose()`` does the same and waits until they have ended.
 
     Attributes:
         rng_state: the state of the loader's generator when this epoch started.
@@ -593,9 +593,9 @@ class AsyncDataLoaderIter(Generic[T_co]):
         self._loader = loader
         # Explicit epoch state, so that a resume can restore it: the RNG state this epoch
         # started from, the base seed it drew, and the batches yielded so far.
-        self.rng_state = loader._rng.bit_generator.state
-        self.base_seed = loader._base_seed()
-        self.num_yielded = 0
+        self.rng_state: Mapping[str, Any] = loader._rng.bit_generator.state
+        self.base_seed: int = loader._base_seed()
+        self.num_yielded: int = 0
         self._timeout = loader.timeout
         self._len_called = loader._kind.reported_length()
         self._epoch: Epoch | None = None
@@ -690,7 +690,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
             self._shutdown()
 
 
-class DataLoaderIter(SyncIterator[T_co]):
+class DataLoaderIter(Iterator[T_co]):
     """One epoch of a :class:`DataLoader` for synchronous code (``iter(loader)``).
 
     It runs the epoch's :class:`AsyncDataLoaderIter` on the loader's private event loop (see
@@ -698,11 +698,23 @@ class DataLoaderIter(SyncIterator[T_co]):
     """
 
     def __init__(self, loader: DataLoader[T_co]) -> None:
-        super().__init__(loader.__aiter__, loop_of(loader))
+        # Composition, not inheritance: the facade's iterator is private machinery.
+        self._sync = SyncIterator(loader.__aiter__, loop_of(loader))
+        source = self._sync.source
+        assert isinstance(source, AsyncDataLoaderIter)
+        self._source: AsyncDataLoaderIter[T_co] = source
+
+    def __iter__(self) -> DataLoaderIter[T_co]:
+        return self
+
+    def __next__(self) -> T_co:
+        return next(self._sync)
+
+    def close(self) -> None:
+        """Stop the epoch and wait until it has stopped (see :meth:`DataLoader.aclose`)."""
+        self._sync.close()
 
     @property
     def num_yielded(self) -> int:
         """Batches delivered so far in this epoch."""
-        source = self.source
-        assert isinstance(source, AsyncDataLoaderIter)
-        return source.num_yielded
+        return self._source.num_yielded

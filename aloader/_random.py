@@ -41,8 +41,9 @@ __all__ = (
 )
 
 # Any: a torch.Generator, typed without importing torch.
-GeneratorLike: TypeAlias = "int | np.random.Generator | Any | None"
-IndexArray: TypeAlias = "npt.NDArray[np.int64]"
+# Runtime values, not strings, so that typing.get_type_hints resolves the public signatures.
+GeneratorLike: TypeAlias = int | np.random.Generator | Any | None
+IndexArray: TypeAlias = npt.NDArray[np.int64]
 
 # Below this size numpy's own permutation is in cache and hard to beat.
 _BUCKET_MIN = 1 << 17

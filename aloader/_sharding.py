@@ -31,7 +31,7 @@ __all__ = (
     "worker_slot",
 )
 
-ShardsLike: TypeAlias = "str | os.PathLike[str] | Sequence[str | os.PathLike[str]]"
+ShardsLike: TypeAlias = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 _UINT64 = 1 << 64
 _GLOB_CHARS = frozenset("*?[")

@@ -261,12 +261,24 @@ class ShardedSource(Stream[T_co]):
         shards: the expanded list of shards.
         rank: this process's rank.
         world_size: number of ranks.
-        stats: :class:`~aloader._formats.SourceStats` counters (records, bytes, skipped, ...).
+        stats: :class:`~aloader.SourceStats` counters (records, bytes, skipped, ...).
 
     Raises:
         FileNotFoundError: a shard path does not exist.
         ValueError: a bad option, an empty pattern or directory, or a rank out of range.
     """
+
+    shards: list[str]
+    shuffle_shards: bool
+    seed: int
+    rank: int
+    world_size: int
+    concurrency: int
+    chunk_size: int
+    max_record_bytes: int
+    skip_errors: bool
+    http: HttpOptions
+    stats: SourceStats
 
     def __init__(
         self,
@@ -407,6 +419,8 @@ class TextLines(ShardedSource[str]):
             record (:class:`RecordError` naming the shard, the line and its byte offset).
         **options: see :class:`ShardedSource`.
     """
+
+    encoding: str
 
     def __init__(self, shards: ShardsLike, *, encoding: str = "utf-8",
                  **options: Unpack[SourceOptions]) -> None:

@@ -3,7 +3,7 @@
 Run: ``python benchmarks/bench_sources.py``. Everything below is measured in the same run.
 
 HTTP: 64 shards of 1,000 JSON Lines records (~106 bytes each) served by a local HTTP server
-(a separate process, ``aloader.demo.ShardServer``) that waits 20 ms before answering each
+(a separate process, ``aloader._demo.ShardServer``) that waits 20 ms before answering each
 request. One epoch, batches of 256, best of 3:
 
 * aloader: ``DataLoader(JsonLines(urls, concurrency=8), batch_size=256)`` on one event loop.
@@ -34,8 +34,8 @@ from typing import Any
 import anyio
 
 from aloader import DataLoader, JsonLines, TextLines, default_collate
+from aloader._demo import ShardServer, make_jsonl_shards
 from aloader._formats import BadRecords, JsonLinesDecoder, SourceStats
-from aloader.demo import ShardServer, make_jsonl_shards
 
 SHARDS = 64
 RECORDS = 1000

@@ -1,6 +1,6 @@
 """The tests' HTTP server: the demo's :class:`ShardServer` plus faults injected on demand.
 
-:class:`FaultyServer` serves like :class:`aloader.demo.ShardServer` (keep-alive, ETag, byte
+:class:`FaultyServer` serves like :class:`aloader._demo.ShardServer` (keep-alive, ETag, byte
 ranges, latency) and can be told to misbehave on the next requests for a file: answer an error
 status, cut a body short and hang up, stall, or replace the file. The demo never needs faults,
 so they live here, with the tests.
@@ -14,8 +14,8 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from aloader.demo import ShardServer, make_jsonl_shards
-from aloader.demo._server import ShardHandler
+from aloader._demo import ShardServer, make_jsonl_shards
+from aloader._demo._server import ShardHandler
 
 __all__ = ("FaultyServer", "make_jsonl_shards")
 

@@ -11,7 +11,7 @@ import pytest
 
 import aloader
 from aloader._cli import load_bench_engine, main
-from aloader.demo import RemoteDataset
+from aloader._demo import RemoteDataset
 
 _engine = load_bench_engine()
 assert _engine is not None, "the tests run from a source checkout"
@@ -148,7 +148,7 @@ async def test_remote_dataset_payload(anyio_backend: str) -> None:
 
 
 def test_importing_the_cli_and_bench_does_not_import_torch() -> None:
-    code = ("import sys, aloader._cli, aloader.__main__, aloader.demo; "
+    code = ("import sys, aloader._cli, aloader.__main__, aloader._demo; "
             "assert aloader._cli.load_bench_engine() is not None; "
             "assert 'torch' not in sys.modules")
     assert run("-c", code).returncode == 0
@@ -156,8 +156,8 @@ def test_importing_the_cli_and_bench_does_not_import_torch() -> None:
 
 def test_importing_the_cli_imports_neither_the_demo_nor_the_bench_engine() -> None:
     code = ("import sys, aloader._cli, aloader.__main__; "
-            "loaded = [m for m in sys.modules if m == 'aloader.demo' or "
-            "m.startswith('aloader.demo.') or m in ('http.server', 'aloader_bench_engine')]; "
+            "loaded = [m for m in sys.modules if m == 'aloader._demo' or "
+            "m.startswith('aloader._demo.') or m in ('http.server', 'aloader_bench_engine')]; "
             "assert not loaded, loaded")
     result = run("-c", code)
     assert result.returncode == 0, result.stderr
@@ -170,7 +170,7 @@ def test_version_and_demo_help_import_neither_the_demo_nor_the_bench_engine() ->
             "        aloader._cli.main(argv)\n"
             "    except SystemExit as exc:\n"
             "        assert exc.code == 0, (argv, exc.code)\n"
-            "loaded = [m for m in sys.modules if m.startswith('aloader.demo') or "
+            "loaded = [m for m in sys.modules if m.startswith('aloader._demo') or "
             "m in ('http.server', 'aloader_bench_engine')]\n"
             "assert not loaded, loaded\n")
     result = run("-c", code)
@@ -197,11 +197,11 @@ def test_bench_engine_loads_once() -> None:
 
 
 def test_every_subpackage_is_installed() -> None:
-    # `python -m aloader demo` after a plain (non-editable) `pip install .` needs aloader.demo
+    # `python -m aloader demo` after a plain (non-editable) `pip install .` needs aloader._demo
     # in the wheel: every package directory under aloader/ is listed for setuptools.
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     listed = set(project["tool"]["setuptools"]["packages"])
     found = {".".join(init.parent.relative_to(ROOT).parts)
              for init in (ROOT / "aloader").rglob("__init__.py")}
-    assert "aloader.demo" in found
+    assert "aloader._demo" in found
     assert found <= listed, sorted(found - listed)

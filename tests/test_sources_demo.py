@@ -6,7 +6,7 @@ import io
 
 from faulty_server import FaultyServer, make_jsonl_shards
 
-from aloader.demo import streaming_main as main
+from aloader._demo import streaming_main as main
 
 
 def test_demo_small() -> None:

@@ -1,27 +1,37 @@
-"""Hostile inputs to the sources: coded or truncated HTTP bodies, redirects out of http(s),
-headers promising more than the shard holds, huge lines. Each must be decoded, resumed or
-refused with an error naming the shard: never a hang, unbounded memory, or records silently
-lost."""
+"""aloader._http: ranged reading, content codings, retries, redirects, against hostile servers.
+
+Coded or truncated HTTP bodies, redirects out of http(s), headers promising more than the body
+holds: each must be decoded, resumed or refused with an error naming the URL, never a hang,
+unbounded memory, or records silently lost. Most tests read through the public sources; the
+last ones call :func:`aloader._http.http_chunks` directly."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
-import io
 import json
-import struct
 import sys
 import threading
 import types
 import zlib
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from test_formats import npy_with_rows  # the same .npy bytes whose header lies
 
-from aloader import BinaryRecords, FetchError, JsonLines, NpyRows, RecordError, TextLines
+from aloader import (
+    FetchError,
+    HttpOptions,
+    JsonLines,
+    NpyRows,
+    RecordError,
+    SourceStats,
+    TextLines,
+)
+from aloader._http import http_chunks, make_client
 
 pytestmark = pytest.mark.anyio
 
@@ -356,131 +366,6 @@ async def test_npy_header_checked_against_content_length(server: Scripted,
     assert source.stats.records == 0
 
 
-# --------------------------------------------------------------------------- npy headers
-
-
-def npy_with_rows(rows: int, array: np.ndarray[Any, Any]) -> bytes:
-    """``.npy`` bytes of ``array`` whose header claims ``rows`` rows."""
-    buffer = io.BytesIO()
-    header = np.lib.format.header_data_from_array_1_0(array)
-    header["shape"] = (rows, *array.shape[1:])
-    np.lib.format.write_array_header_1_0(buffer, header)
-    return buffer.getvalue() + array.tobytes()
-
-
-async def test_npy_promising_huge_rows_fails_at_once(tmp_path: Path, anyio_backend: str) -> None:
-    path = tmp_path / "huge.npy"
-    path.write_bytes(npy_with_rows(10**12, np.zeros((20_000, 4))))
-    source = NpyRows(path, chunk_size=4096)
-    with pytest.raises(RecordError, match=r"huge\.npy: byte offset \d+: truncated array: the "
-                                          r"shard ends after 20000 of 1000000000000 rows "
-                                          r"\(the header promises") as info:
-        await collect(source)
-    assert info.value.source == str(path)
-    # At once: from the first chunk, not after reading the shard to its end.
-    assert source.stats.records == 0 and source.stats.bytes <= 4096
-
-    skipping = NpyRows(path, skip_errors=True)
-    assert await collect(skipping) == [] and skipping.stats.skipped == 1
-
-
-async def test_npy_extra_data_fails_at_once(tmp_path: Path, anyio_backend: str) -> None:
-    path = tmp_path / "extra.npy"
-    path.write_bytes(npy_with_rows(5, np.zeros((50, 2))))
-    source = NpyRows(path, chunk_size=256)
-    with pytest.raises(RecordError, match="unexpected bytes after the last row"):
-        await collect(source)
-    assert source.stats.records == 0
-
-
-async def test_npy_empty_rows_in_bounded_blocks(tmp_path: Path, anyio_backend: str) -> None:
-    path = tmp_path / "empty.npy"
-    path.write_bytes(npy_with_rows(10**12, np.zeros((0, 0))))
-    source = NpyRows(path)
-    iterator = source.__aiter__()
-    row = await iterator.__anext__()
-    assert row.shape == (0,)
-    # Not 10**12 rows built at once: the header alone decides how many there are.
-    assert source.stats.records <= 10**5
-    await iterator.aclose()  # type: ignore[attr-defined]
-
-    path.write_bytes(npy_with_rows(5, np.zeros((0, 0))))
-    assert len(await collect(NpyRows(path))) == 5
-
-
-@pytest.mark.parametrize("shape", [(-5,), (3, -1)])
-async def test_npy_negative_dimension(tmp_path: Path, anyio_backend: str,
-                                      shape: tuple[int, ...]) -> None:
-    buffer = io.BytesIO()
-    np.lib.format.write_array_header_1_0(
-        buffer, {"descr": "<f8", "fortran_order": False, "shape": shape})
-    path = tmp_path / "neg.npy"
-    path.write_bytes(buffer.getvalue() + bytes(64))
-    with pytest.raises(RecordError, match=r"neg\.npy: byte offset 8: bad \.npy header: "
-                                          r"negative dimension"):
-        await collect(NpyRows(path))
-
-
-async def test_npy_header_longer_than_the_shard(tmp_path: Path, anyio_backend: str) -> None:
-    path = tmp_path / "long.npy"
-    path.write_bytes(b"\x93NUMPY\x02\x00" + struct.pack("<I", 1 << 30) + b"{" * 100)
-    source = NpyRows(path, chunk_size=16)
-    with pytest.raises(RecordError, match=r"truncated \.npy header: it says"):
-        await collect(source)
-    assert source.stats.bytes <= 16
-
-
-async def test_npy_malformed_header(tmp_path: Path, anyio_backend: str) -> None:
-    for text in (b"{'descr': '<f8', 'shape': (3,)}", b"not a dict at all", b"{" * 50):
-        header = text.ljust(118) + b"\n"
-        path = tmp_path / "m.npy"
-        path.write_bytes(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header)
-        with pytest.raises(RecordError, match=r"m\.npy: byte offset 8: bad \.npy header"):
-            await collect(NpyRows(path))
-
-
-# --------------------------------------------------------------------------- binary, lines
-
-
-async def test_binary_length_beyond_the_shard_fails_at_once(tmp_path: Path,
-                                                            anyio_backend: str) -> None:
-    path = tmp_path / "b.bin"
-    path.write_bytes(struct.pack("<I", 3) + b"abc" + struct.pack("<I", 50 << 20)
-                     + b"x" * (1 << 20))
-    source = BinaryRecords(path, chunk_size=4096)
-    with pytest.raises(RecordError, match=r"b\.bin: record 1 at byte offset 7: truncated "
-                                          r"record: the shard ends 1048580 bytes into it "
-                                          r"\(its header promises 4 \+ 52428800 bytes\)"):
-        await collect(source)
-    assert source.stats.records == 1 and source.stats.bytes <= 4096
-
-
-@pytest.mark.parametrize("source_type", [TextLines, JsonLines])
-async def test_one_huge_line(tmp_path: Path, anyio_backend: str, source_type: Any) -> None:
-    path = tmp_path / "huge.jsonl"
-    big = "y" * (16 << 20)
-    path.write_bytes(b'"a"\n' + json.dumps(big).encode() + b'\n"z"')
-    records = await collect(source_type(path, max_record_bytes=1 << 26))
-    if source_type is TextLines:
-        assert records == ['"a"', json.dumps(big), '"z"']
-    else:
-        assert records == ["a", big, "z"]
-
-
-async def test_chunk_size_beyond_the_file(tmp_path: Path, anyio_backend: str) -> None:
-    path = tmp_path / "small.txt"
-    path.write_bytes(b"one\ntwo\n")
-    # A read of chunk_size bytes would allocate a terabyte before reading eight.
-    assert await collect(TextLines(path, chunk_size=1 << 40)) == ["one", "two"]
-
-
-@pytest.mark.parametrize("source_type", [TextLines, JsonLines, BinaryRecords, NpyRows])
-def test_no_shards_is_an_error(source_type: Any) -> None:
-    for empty in ([], ()):
-        with pytest.raises(ValueError, match="no shards given"):
-            source_type(empty)
-
-
 async def test_redirect_followed_and_resumed(server: Scripted, anyio_backend: str) -> None:
     body = jsonl(500)
     target = server.route("real.jsonl", lambda h, n: (
@@ -491,3 +376,80 @@ async def test_redirect_followed_and_resumed(server: Scripted, anyio_backend: st
     assert ids(await collect(JsonLines(url, **FAST))) == list(range(500))
     assert server.requests == [("moved.jsonl", None), ("real.jsonl", None),
                                ("moved.jsonl", "bytes=900-"), ("real.jsonl", "bytes=900-")]
+
+
+# --------------------------------------------------------------------------- http_chunks, directly
+
+
+async def _chunks(url: str, *, on_size: Callable[[int], None] | None = None,
+                  **options: Any) -> tuple[bytes, SourceStats]:
+    """The body ``http_chunks`` delivers for ``url``, and the stats it counted."""
+    opts = HttpOptions(**{**FAST, **options})
+    stats = SourceStats()
+    async with make_client(opts, 1) as client, contextlib.aclosing(
+        http_chunks(client, url, opts, stats, on_size)
+    ) as body:
+        data = b"".join([chunk async for chunk in body])
+    return data, stats
+
+
+async def test_http_chunks_resume_with_a_range_for_the_rest(server: Scripted,
+                                                            anyio_backend: str) -> None:
+    body = bytes(range(256)) * 40
+    url = server.route("r.bin", lambda h, n: (
+        reply(h, 200, body, send=1000) if n == 0 else
+        reply(h, 206, body[1000:], headers={
+            "Content-Range": f"bytes 1000-{len(body) - 1}/{len(body)}"})))
+    sizes: list[int] = []
+    data, stats = await _chunks(url, on_size=sizes.append, chunk_size=300)
+    assert data == body
+    assert server.requests == [("r.bin", None), ("r.bin", "bytes=1000-")]
+    assert stats.retries == 1
+    assert sizes == [len(body), len(body)]  # told before the chunks each response announces
+
+
+async def test_http_chunks_skip_what_was_delivered_when_ranges_are_ignored(
+    server: Scripted, anyio_backend: str
+) -> None:
+    body = bytes(range(256)) * 40
+    url = server.route("r.bin", lambda h, n: reply(h, 200, body, send=1000 if n == 0 else None))
+    data, _ = await _chunks(url)
+    assert data == body  # the first 1000 bytes of the second answer are dropped, not repeated
+    assert server.requests == [("r.bin", None), ("r.bin", "bytes=1000-")]
+
+
+async def test_http_chunks_are_at_most_chunk_size(server: Scripted, anyio_backend: str) -> None:
+    body = b"z" * 10_000
+    url = server.route("z.bin", lambda h, n: reply(h, 200, body))
+    opts = HttpOptions(**{**FAST, "chunk_size": 777})
+    async with make_client(opts, 1) as client, contextlib.aclosing(
+        http_chunks(client, url, opts, SourceStats())
+    ) as chunks:
+        sizes = [len(chunk) async for chunk in chunks]
+    assert sum(sizes) == len(body) and max(sizes) <= 777
+
+
+async def test_http_chunks_decode_a_coded_body(server: Scripted, anyio_backend: str) -> None:
+    body = jsonl(300)
+    url = server.route("g", lambda h, n: reply(h, 200, gzip.compress(body),
+                                               headers={"Content-Encoding": "gzip"}))
+    data, _ = await _chunks(url)
+    assert data == body
+
+
+async def test_http_chunks_client_error_fails_at_once(server: Scripted,
+                                                      anyio_backend: str) -> None:
+    url = server.route("gone", lambda h, n: reply(h, 410))
+    with pytest.raises(FetchError, match=r"gone: HTTP 410 .*\(not retried\)") as info:
+        await _chunks(url, retries=5)
+    assert info.value.status_code == 410
+    assert server.counts["gone"] == 1
+
+
+async def test_http_chunks_transient_status_retried_until_retries_run_out(
+    server: Scripted, anyio_backend: str
+) -> None:
+    url = server.route("busy", lambda h, n: reply(h, 503))
+    with pytest.raises(FetchError):
+        await _chunks(url, retries=2)
+    assert server.counts["busy"] == 3  # the first attempt and two retries

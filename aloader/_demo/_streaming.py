@@ -1,6 +1,6 @@
 """Part 2 of ``python -m aloader demo`` (and ``demo-http``): shards streamed over HTTP.
 
-Owns the HTTP streaming demo: it starts a :class:`~aloader.demo._server.ShardServer` serving
+Owns the HTTP streaming demo: it starts a :class:`~aloader._demo._server.ShardServer` serving
 generated JSON Lines shards with a simulated latency per request, then streams them through
 ``JsonLines(urls, shuffle_shards=True)``, a shuffle buffer and the DataLoader, with a live
 progress line, and checks that every record arrived exactly once in every epoch.

@@ -1,0 +1,135 @@
+"""aloader._backend: which event loop runs, callbacks onto it from any thread, detached tasks.
+
+``Detached``'s contract: ``cancel()`` works from any thread and at any time, even before the
+task has started (its ``scope()`` then comes already cancelled).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable
+
+import anyio
+import pytest
+
+from aloader._backend import Detached, current_backend, spawn_background, threadsafe_caller
+
+pytestmark = pytest.mark.anyio
+
+
+def test_no_backend_outside_an_event_loop() -> None:
+    assert current_backend() is None
+    with pytest.raises(RuntimeError, match="needs a running asyncio or trio event loop"):
+        threadsafe_caller()
+
+
+async def test_current_backend_names_the_running_loop(anyio_backend: str) -> None:
+    assert current_backend() == anyio_backend
+    # A worker thread runs no loop of its own.
+    assert await anyio.to_thread.run_sync(current_backend) is None
+
+
+async def test_threadsafe_caller_runs_the_callback_on_the_loop_thread(anyio_backend: str) -> None:
+    call_soon = threadsafe_caller()
+    loop_thread = threading.get_ident()
+    ran_on: list[int] = []
+    done = anyio.Event()
+
+    def callback() -> None:
+        ran_on.append(threading.get_ident())
+        done.set()  # only safe because it runs on the loop
+
+    thread = threading.Thread(target=call_soon, args=(callback,))
+    thread.start()
+    thread.join()
+    with anyio.fail_after(10):
+        await done.wait()
+    assert ran_on == [loop_thread]
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_threadsafe_caller_does_nothing_once_the_loop_closed(backend: str) -> None:
+    async def main() -> Callable[[Callable[[], None]], None]:
+        return threadsafe_caller()
+
+    call_soon = anyio.run(main, backend=backend)
+    ran: list[bool] = []
+    call_soon(lambda: ran.append(True))  # no error: there is nothing left to notify
+    assert ran == []
+
+
+async def test_spawn_background_outlives_the_task_that_started_it(anyio_backend: str) -> None:
+    release, finished = anyio.Event(), anyio.Event()
+
+    async def work() -> None:
+        await release.wait()
+        finished.set()
+
+    # The spawning task ends at once; its task group does not wait for the work.
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as group:
+            group.start_soon(_spawn, work)
+    assert not finished.is_set()
+    release.set()
+    with anyio.fail_after(10):
+        await finished.wait()
+
+
+async def _spawn(work: Callable[[], Awaitable[None]]) -> None:
+    call_soon = spawn_background(work)
+    assert callable(call_soon)
+
+
+async def test_detached_cancel_before_start_cancels_the_work(anyio_backend: str) -> None:
+    detached = Detached()
+    detached.cancel()  # before spawn: remembered
+    outcome: list[str] = []
+    done = anyio.Event()
+
+    async def work() -> None:
+        with detached.scope() as scope:
+            assert scope.cancel_called
+            await anyio.sleep_forever()
+        outcome.append("cancelled")
+        done.set()
+
+    detached.spawn(work)
+    with anyio.fail_after(10):
+        await done.wait()
+    assert outcome == ["cancelled"]
+
+
+async def test_detached_cancel_from_another_thread(anyio_backend: str) -> None:
+    detached = Detached()
+    started, done = anyio.Event(), anyio.Event()
+
+    async def work() -> None:
+        with detached.scope():
+            started.set()
+            await anyio.sleep_forever()
+        done.set()
+
+    detached.spawn(work)
+    with anyio.fail_after(10):
+        await started.wait()
+        thread = threading.Thread(target=detached.cancel)
+        thread.start()
+        thread.join()
+        await done.wait()
+
+
+async def test_detached_cancel_after_the_work_ended_is_harmless(anyio_backend: str) -> None:
+    detached = Detached()
+    done = anyio.Event()
+
+    async def work() -> None:
+        with detached.scope():
+            pass
+        done.set()
+
+    detached.spawn(work)
+    with anyio.fail_after(10):
+        await done.wait()
+    detached.cancel()
+    detached.cancel()
+    await anyio.sleep(0)
