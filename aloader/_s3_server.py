@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import importlib
 import logging
 import socket
 import threading
@@ -108,7 +109,7 @@ class _ProxyServer(ThreadingHTTPServer):
         if connection is None:
             connection = http.client.HTTPConnection("127.0.0.1", self._port, timeout=30)
             self._local.connection = connection
-        return connection  # type: ignore[no-any-return]
+        return connection
 
     def drop_upstream(self) -> None:
         connection = getattr(self._local, "connection", None)
@@ -198,8 +199,8 @@ class LocalS3:
 
     def client(self) -> Any:
         """A boto3 S3 client talking to moto directly."""
-        import boto3
-
+        # boto3 ships no type information.
+        boto3: Any = importlib.import_module("boto3")
         return boto3.client("s3", endpoint_url=self.direct_endpoint,
                             aws_access_key_id=self.access_key,
                             aws_secret_access_key=self.secret_key, region_name=self.region)

@@ -285,6 +285,7 @@ class ShardedSource(Stream[T_co]):
     Raises:
         FileNotFoundError: a shard path does not exist.
         ValueError: a bad option, an empty pattern or directory, or a rank out of range.
+        FetchError: listing an object store prefix or pattern failed.
     """
 
     def __init__(
