@@ -10,6 +10,10 @@ derive from it, shown after the name), so code written against torch catches the
     +-- SourceError                          a streaming source could not produce records
     |   +-- RecordError     (ValueError)     a malformed record
     |   +-- FetchError      (OSError)        reading a file or URL failed
+    |       +-- ObjectNotFoundError (FileNotFoundError)  no object at an object store URL
+    |       |   +-- BucketNotFoundError                  ... because its bucket does not exist
+    |       +-- AccessDeniedError   (PermissionError)    the store refused the credentials
+    |       +-- EndpointUnreachableError (ConnectionError)  the store's endpoint cannot be reached
     +-- QueueFullError                       a Batcher's queue is full
     +-- BatcherClosedError                   a Batcher is closed or closing
     +-- BatcherTimeoutError (TimeoutError)   a Batcher request was not served in time
@@ -22,13 +26,17 @@ and gain a note saying where they were raised; they are not wrapped in this tree
 from __future__ import annotations
 
 __all__ = (
+    "AccessDeniedError",
     "AloaderError",
     "BatchResultError",
     "BatcherClosedError",
     "BatcherTimeoutError",
+    "BucketNotFoundError",
+    "EndpointUnreachableError",
     "FetchError",
     "LoaderClosedError",
     "LoaderTimeoutError",
+    "ObjectNotFoundError",
     "QueueFullError",
     "RecordError",
     "SourceError",
@@ -112,6 +120,23 @@ class FetchError(SourceError, OSError):
     ) -> None:
         super().__init__(message, source=source, offset=offset)
         self.status_code = status_code
+
+
+class ObjectNotFoundError(FetchError, FileNotFoundError):
+    """An object store URL (``s3://``, ``gs://``, ``az://``) names no object (HTTP 404)."""
+
+
+class BucketNotFoundError(ObjectNotFoundError):
+    """An object store URL names a bucket (or container) that does not exist."""
+
+
+class AccessDeniedError(FetchError, PermissionError):
+    """The object store refused the request: bad or missing credentials, or no permission
+    (HTTP 401 or 403)."""
+
+
+class EndpointUnreachableError(FetchError, ConnectionError):
+    """The object store's endpoint could not be connected to, after the retries."""
 
 
 # --------------------------------------------------------------------------- Batcher

@@ -46,7 +46,7 @@ from ._streams import FetchError, _Closing
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ("HttpOptions", "http_chunks", "make_client")
+__all__ = ("HttpOptions", "http_chunks", "make_client", "retry_delay")
 
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 # Statuses worth retrying: server errors, request timeout, too many requests.
@@ -450,12 +450,17 @@ async def http_chunks(
                 source=url, offset=offset, status_code=status,
             )
         stats.retries += 1
-        # The exponent is capped: a float overflows past 2 ** 1023.
-        delay = min(options.max_backoff, options.backoff * 2 ** min(failures - 1, 64))
-        if retry_after is not None:
-            delay = max(delay, min(retry_after, options.max_backoff))
-        # Jitter spreads the retries of many workers hitting the same server.
-        await anyio.sleep(delay * (0.5 + 0.5 * random.random()))
+        await anyio.sleep(retry_delay(options, failures, retry_after))
+
+
+def retry_delay(options: HttpOptions, failures: int, retry_after: float | None = None) -> float:
+    """Seconds to wait before the next attempt after ``failures`` failed ones in a row."""
+    # The exponent is capped: a float overflows past 2 ** 1023.
+    delay = min(options.max_backoff, options.backoff * 2.0 ** min(failures - 1, 64))
+    if retry_after is not None:
+        delay = max(delay, min(retry_after, options.max_backoff))
+    # Jitter spreads the retries of many workers hitting the same server.
+    return delay * (0.5 + 0.5 * random.random())
 
 
 def _redirected(exc: Exception, url: str) -> str:

@@ -14,13 +14,16 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Sequence
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 
 from ._distributed import _env_int
 from ._random import permutation
 from ._workerinfo import get_worker_info
+
+if TYPE_CHECKING:
+    from ._objstore import ObjectAccess
 
 __all__ = (
     "ShardsLike",
@@ -43,9 +46,13 @@ def is_url(shard: str) -> bool:
     return head.startswith("http://") or head.startswith("https://")
 
 
-def _expand_one(spec: str) -> list[str]:
+def _expand_one(spec: str, objects: ObjectAccess | None) -> list[str]:
     if is_url(spec):
         return [spec]
+    from ._objstore import ObjectAccess, is_object_url  # imports _formats, which imports us
+
+    if is_object_url(spec):
+        return (objects or ObjectAccess()).expand(spec)
     if any(char in _GLOB_CHARS for char in spec):
         matches = sorted(path for path in glob.glob(spec, recursive=True)
                          if os.path.isfile(path))
@@ -66,14 +73,18 @@ def _expand_one(spec: str) -> list[str]:
     return [spec]
 
 
-def expand_shards(shards: ShardsLike) -> list[str]:
+def expand_shards(shards: ShardsLike, objects: ObjectAccess | None = None) -> list[str]:
     """Turn a shard specification into the list of shards, in a deterministic order.
 
     Args:
         shards: one path, URL, directory or glob pattern, or a sequence of them. A directory
             stands for the (non-hidden) files directly in it, a pattern (``*``, ``?``, ``[``,
             ``**`` with recursion) for the files it matches; both are sorted by name so that
-            every rank and worker sees the same list.
+            every rank and worker sees the same list. Object store URLs (``s3://``, ...)
+            ending in ``/`` or holding a pattern are listed the same way
+            (:meth:`aloader._objstore.ObjectAccess.expand`).
+        objects: the store and options to list object store URLs with (default: stores
+            from the URLs and the environment).
 
     Returns:
         Paths and URLs, in the order given (expansions sorted in place).
@@ -96,7 +107,7 @@ def expand_shards(shards: ShardsLike) -> list[str]:
     for spec in specs:
         if not isinstance(spec, (str, os.PathLike)):
             raise TypeError(f"a shard should be a path or a URL, but got {spec!r}")
-        out.extend(_expand_one(os.fspath(spec)))
+        out.extend(_expand_one(os.fspath(spec), objects))
     if not out:
         # An epoch of nothing would look like a finished one: refuse it where it is made.
         raise ValueError("no shards given: shards should name at least one file or URL")

@@ -1,7 +1,8 @@
 """Ready sources: records from sharded files and URLs, split across ranks and workers.
 
 ``TextLines``, ``JsonLines``, ``BinaryRecords`` and ``NpyRows`` read a list of shards (local
-paths, directories, glob patterns, or ``http(s)://`` URLs, freely mixed). Each epoch, the
+paths, directories, glob patterns, ``http(s)://`` URLs, or object store URLs, prefixes and
+patterns such as ``s3://bucket/data/*.jsonl``, freely mixed). Each epoch, the
 consumer (one worker of one rank) reads its share of the shards (see
 :mod:`aloader._sharding`), a few shards at a time, and hands their records on in shard order.
 """
@@ -26,6 +27,7 @@ from ._formats import (
     _check_encoding,
 )
 from ._http import HttpOptions, http_chunks, make_client
+from ._objstore import ObjectAccess, is_object_url
 from ._sharding import ShardsLike, assign_shards, expand_shards, is_url, resolve_world, worker_slot
 from ._streams import Stream, _Channel, _Closing, _Context
 
@@ -68,6 +70,7 @@ class SourceOptions(TypedDict, total=False):
     max_backoff: float
     headers: Mapping[str, str] | None
     client_factory: Callable[[], Any] | None
+    store: Any
 
 
 def _check_int(value: object, name: str, minimum: int) -> int:
@@ -252,6 +255,22 @@ class ShardedSource(Stream[T_co]):
         headers: extra HTTP request headers.
         client_factory: called at each epoch to make the ``httpx.AsyncClient`` (closed at the
             end of the epoch), for custom transports, proxies or authentication.
+        store: an obstore store (``obstore.store.S3Store(...)``, ``GCSStore``, ``AzureStore``)
+            used for every object store URL (``s3://bucket/key``, ``gs://``, ``az://``) of
+            ``shards``, for custom credentials and endpoints; the URLs name objects as the
+            store sees them (keys under its ``prefix``, if it has one). Without it, each
+            bucket's store comes from the URL and the environment variables (see
+            :mod:`aloader._objstore`). It must pickle, for worker processes.
+
+    Object store URLs (``s3://``, ``gs://``, ``az://``, ``abfs://``) are read through obstore
+    (``pip install obstore``): one ending in ``/`` stands for the objects under that prefix
+    and one with ``*``, ``?`` or ``[`` for the keys it matches, listed at construction and
+    sorted. They are streamed with ranged GETs, retried with the same ``retries``,
+    ``backoff`` and ``timeout`` and resumed from the last byte handed on, as
+    :mod:`aloader._objstore` describes; a missing object or bucket, refused credentials and
+    an unreachable endpoint raise :class:`ObjectNotFoundError`,
+    :class:`BucketNotFoundError`, :class:`AccessDeniedError` and
+    :class:`EndpointUnreachableError` (all :class:`FetchError`).
 
     HTTP bodies sent with a ``Content-Encoding`` (gzip, deflate; br and zstd when their
     package is installed) are decoded; any other coding is a :class:`FetchError` (see
@@ -266,6 +285,7 @@ class ShardedSource(Stream[T_co]):
     Raises:
         FileNotFoundError: a shard path does not exist.
         ValueError: a bad option, an empty pattern or directory, or a rank out of range.
+        FetchError: listing an object store prefix or pattern failed.
     """
 
     shards: list[str]
@@ -298,8 +318,8 @@ class ShardedSource(Stream[T_co]):
         max_backoff: float = 10.0,
         headers: Mapping[str, str] | None = None,
         client_factory: Callable[[], Any] | None = None,
+        store: Any = None,
     ) -> None:
-        self.shards: list[str] = expand_shards(shards)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed should be an integer, but got seed={seed!r}")
         self.shuffle_shards = bool(shuffle_shards)
@@ -318,6 +338,8 @@ class ShardedSource(Stream[T_co]):
             chunk_size=self.chunk_size,
             client_factory=client_factory,
         )
+        self.objects = ObjectAccess(store, self.http)
+        self.shards: list[str] = expand_shards(shards, self.objects)
         self.stats = SourceStats()
 
     def _decoder(self, name: str, bad: BadRecords) -> Decoder[T_co]:
@@ -388,6 +410,8 @@ class ShardedSource(Stream[T_co]):
         decoder = self._decoder(name, BadRecords(self.skip_errors, stats))
         if client is not None and is_url(name):
             chunks = http_chunks(client, name, self.http, stats, decoder.set_size)
+        elif is_object_url(name):
+            chunks = self.objects.chunks(name, stats, decoder.set_size)
         else:
             chunks = file_chunks(name, self.chunk_size, decoder.set_size)
         async with _Closing(chunks) as pieces:

@@ -52,8 +52,11 @@ _TEMPLATES = sys.platform.startswith("linux")
 
 def may_fork() -> bool:
     """Whether this process may fork its template now: only its main thread runs Python."""
+    # obstore's runtime threads are not Python's, and do not survive a fork (_objstore).
+    objstore: Any = sys.modules.get("aloader._objstore")
     return (_TEMPLATES and threading.current_thread() is threading.main_thread()
-            and threading.active_count() == 1)
+            and threading.active_count() == 1
+            and not (objstore is not None and objstore.runtime_started()))
 
 
 class _Server(forkserver.ForkServer):

@@ -1,0 +1,471 @@
+"""Object store shards (``s3://``, ``gs://``, ``az://``) through obstore: listing and reading.
+
+A shard URL ``scheme://bucket/key`` names the object ``key`` of the bucket (a container for
+Azure: ``az://container/key``, ``abfs[s]://...``). The store is made from the URL's
+``scheme://bucket`` with obstore's ``from_url``, so credentials, region and endpoint come from
+the usual environment variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_REGION``, ``AWS_ENDPOINT_URL``, ``AWS_ALLOW_HTTP``, ``GOOGLE_SERVICE_ACCOUNT``,
+``AZURE_STORAGE_ACCOUNT_NAME``, ...), or a source's ``store=`` (an obstore store) is used for
+every object URL instead, for custom credentials and endpoints. ``http(s)://`` URLs keep
+aloader's own httpx path (:mod:`aloader._http`), not obstore's.
+
+Listing (at the source's construction, once, in the process that builds it). A URL ending in
+``/`` (or naming only the bucket) stands for the objects directly under that prefix, not
+hidden ones (no segment starting with ``.``), like a local directory; a URL with ``*``, ``?``
+or ``[`` is a pattern matched against the keys with the local glob's rules (``*`` and ``?``
+within one segment, ``**`` across any number of them, hidden objects only where the pattern
+names them). The objects are listed with obstore's streaming list under the longest literal
+prefix of the pattern, and sorted by key, so every rank and worker sees the same shard order.
+Any other URL is one object, not checked until it is read.
+
+Reading. Invariant: ``offset`` counts the bytes handed on, and every attempt asks for the
+object from ``offset`` on (``Range: bytes=offset-``), with ``If-Match`` the ETag of the first
+response so that an object replaced meanwhile fails instead of splicing two versions. A
+dropped connection, a body cut short, a 5xx, a throttling answer (S3 ``SlowDown``, 429) or a
+timeout is retried after an exponential backoff, resuming from ``offset``: nothing handed on is
+read twice and nothing is skipped. Retries are aloader's (the source's ``retries``,
+``backoff``, ``max_backoff``, counted in ``stats.retries``): the stores made here have
+obstore's own retries off. A store passed with ``store=`` keeps its own ``retry_config``
+(obstore retries a failed request up to 10 times within 3 minutes by default, before aloader
+sees it). A missing object, a missing bucket, refused credentials and an unreachable endpoint
+each raise their own :class:`FetchError` subclass naming the URL. The object's bytes are
+handed on as stored (a ``Content-Encoding`` it was uploaded with is not undone).
+
+Event loops: on asyncio, obstore's async API (``get_async`` and the body's async iterator);
+on trio, where that API needs asyncio's loop, obstore's blocking API in worker threads
+(``anyio.to_thread``), one thread call per request and per piece of body.
+
+Forks: obstore's runtime (tokio) does not survive ``fork()``: a process forked after its first
+request hangs at its own first request. So :func:`runtime_started` keeps aloader's worker
+launcher from forking its template from such a process (see :func:`aloader._spawn.may_fork`),
+and a forked process that inherited a started runtime gets a :class:`FetchError` saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlsplit
+
+import anyio
+import anyio.to_thread
+
+from ._backend import current_backend
+from ._exceptions import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    EndpointUnreachableError,
+    FetchError,
+    ObjectNotFoundError,
+)
+from ._formats import SourceStats
+from ._http import HttpOptions, retry_delay
+
+__all__ = ("ObjectAccess", "is_object_url", "runtime_started")
+
+# URL schemes read through obstore, and the environment variable prefix of each family.
+_FAMILIES = {
+    "s3": "AWS", "s3a": "AWS",
+    "gs": "GOOGLE",
+    "az": "AZURE", "azure": "AZURE", "abfs": "AZURE", "abfss": "AZURE", "adl": "AZURE",
+}
+# obstore's store classes, by the family of schemes they serve.
+_STORE_FAMILY = {"S3Store": "AWS", "GCSStore": "GOOGLE", "AzureStore": "AZURE"}
+_GLOB_CHARS = frozenset("*?[")
+_LIST_CHUNK = 1000
+# The whole request's time limit: obstore's default (30 s) would cut long bodies.
+_NO_LIMIT = timedelta(days=365)
+
+_STATUS = re.compile(r"status code: (\d{3})")
+_CODE = re.compile(r"<Code>([^<]+)</Code>")
+_TARGET = re.compile(r"Error performing \w+ (\S+)")
+_CONNECT = re.compile(r"error sending request|kind: Connect|onnection refused|dns error",
+                      re.IGNORECASE)
+_BUCKET_MISSING = ("NoSuchBucket", "ContainerNotFound", "NoSuchContainer",
+                   "bucket does not exist")
+_THROTTLED = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
+                        "ServerBusy", "InternalError", "ServiceUnavailable"})
+
+# The process whose obstore runtime is started (None: not started in any process this one
+# was forked from).
+_RUNTIME_PID: int | None = None
+# Stores made from URLs in this process, by (scheme://bucket, timeout).
+_STORES: dict[tuple[str, float | None], Any] = {}
+
+
+def is_object_url(shard: str) -> bool:
+    """Whether ``shard`` is an object store URL (``s3://``, ``gs://``, ``az://``, ...)."""
+    scheme, sep, _ = shard.partition("://")
+    return bool(sep) and scheme.lower() in _FAMILIES
+
+
+def runtime_started() -> bool:
+    """Whether this process has used obstore (and so may not fork safely any more)."""
+    return os.getpid() == _RUNTIME_PID
+
+
+def _obstore(url: str) -> Any:
+    """The obstore module, after checking that this process may use it."""
+    global _RUNTIME_PID
+    pid = os.getpid()
+    if _RUNTIME_PID is not None and pid != _RUNTIME_PID:
+        raise FetchError(
+            f"{url}: this process was forked from one that had already used obstore, whose "
+            "runtime does not survive a fork (its requests would hang); start worker "
+            "processes with the 'spawn' or 'forkserver' method", source=url)
+    try:
+        import obstore
+    except ImportError:
+        raise ImportError(f"reading {url} needs the obstore package: pip install obstore"
+                          ) from None
+    _RUNTIME_PID = pid
+    return obstore
+
+
+def _split(url: str) -> tuple[str, str, str]:
+    """(scheme, bucket, key) of an object store URL."""
+    # Not urlsplit: ``?`` and ``#`` are pattern and key characters here, not a query.
+    scheme, _, rest = url.partition("://")
+    bucket, _, key = rest.partition("/")
+    if not bucket:
+        raise ValueError(f"an object store URL should name a bucket, as in "
+                         f"'{scheme}://bucket/key', but got {url!r}")
+    return scheme.lower(), bucket, key
+
+
+def _translate(pattern: str) -> str:
+    """A regular expression matching what the glob ``pattern`` matches, segment-wise."""
+    out: list[str] = []
+    i, n = 0, len(pattern)
+    while i < n:
+        char = pattern[i]
+        if char == "*":
+            if (pattern.startswith("**", i) and (i == 0 or pattern[i - 1] == "/")
+                    and (i + 2 == n or pattern[i + 2] == "/")):
+                if i + 2 == n:
+                    out.append(".*")
+                    i += 2
+                else:
+                    out.append("(?:[^/]*/)*")
+                    i += 3
+                continue
+            out.append("[^/]*")
+        elif char == "?":
+            out.append("[^/]")
+        elif char == "[":
+            end = pattern.find("]", i + 2 if pattern.startswith("[!", i) else i + 1)
+            if end < 0 or (end == i + 1):
+                out.append(re.escape(char))
+            else:
+                body = pattern[i + 1 : end]
+                negate = body.startswith("!")
+                body = body[1:] if negate else body
+                out.append("[" + ("^/" if negate else "") + body.replace("\\", "\\\\") + "]")
+                i = end
+        else:
+            out.append(re.escape(char))
+        i += 1
+    return "".join(out)
+
+
+@dataclass
+class _Failure:
+    """What a failed obstore call means for the loop."""
+
+    kind: str  # missing, bucket, denied, changed, range, unreachable, transient, fatal
+    status: int | None
+    text: str
+
+
+def _short(exc: BaseException) -> str:
+    """obstore's message without its debug dump."""
+    text = str(exc).split("\n\nDebug source")[0]
+    text = re.sub(r"<\?xml.*", "", text, flags=re.DOTALL).strip().rstrip(":")
+    text = " ".join(text.split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _classify(exc: Exception) -> _Failure | None:
+    """The meaning of ``exc`` raised by obstore, or None for an error that is not obstore's."""
+    name = type(exc).__name__
+    module = type(exc).__module__ or ""
+    if not (module.startswith("obstore") or isinstance(exc, FileNotFoundError)):
+        return None
+    text = str(exc)
+    match = _STATUS.search(text)
+    status = int(match.group(1)) if match else None
+    code_match = _CODE.search(text)
+    code = code_match.group(1) if code_match else ""
+    short = _short(exc)
+    if code:
+        short = f"{code}: {short}"
+    if isinstance(exc, FileNotFoundError) or name == "NotFoundError" or status == 404:
+        bucket = any(marker in text for marker in _BUCKET_MISSING)
+        return _Failure("bucket" if bucket else "missing", status or 404, short)
+    if name in ("PermissionDeniedError", "UnauthenticatedError") or status in (401, 403):
+        return _Failure("denied", status, short)
+    if name == "PreconditionError" or status == 412:
+        return _Failure("changed", status, short)
+    if status == 416:
+        return _Failure("range", status, short)
+    if status is not None:
+        transient = status >= 500 or status in (408, 429) or code in _THROTTLED
+        return _Failure("transient" if transient else "fatal", status, short)
+    if name not in ("GenericError", "JoinError", "BaseError"):
+        return _Failure("fatal", None, short)  # invalid path, unsupported, configuration
+    if "builder error" in text:
+        hint = (" (an http:// endpoint needs allow_http: AWS_ALLOW_HTTP=true, or "
+                "client_options={'allow_http': True} on the store)" if "BadScheme" in text
+                else "")
+        return _Failure("fatal", None, short + hint)
+    if _CONNECT.search(text):
+        return _Failure("unreachable", None, short)
+    return _Failure("transient", None, short)  # a dropped connection, a timeout, a cut body
+
+
+def _endpoint(text: str) -> str:
+    match = _TARGET.search(text)
+    if match is None:
+        return "its endpoint"
+    parts = urlsplit(match.group(1))
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def _error(url: str, failure: _Failure, offset: int | None = None,
+           attempts: int = 1) -> FetchError:
+    """The error raised for ``failure`` on ``url``."""
+    _, bucket, key = _split(url)
+    where = f" at byte offset {offset}" if offset else ""
+    kwargs: dict[str, Any] = {"source": url, "offset": offset, "status_code": failure.status}
+    if failure.kind == "bucket":
+        return BucketNotFoundError(f"{url}: the bucket {bucket!r} does not exist "
+                                   f"({failure.text})", **kwargs)
+    if failure.kind in ("missing", "range"):
+        return ObjectNotFoundError(f"{url}: no object {key!r} in the bucket {bucket!r}"
+                                   f"{where} ({failure.text})", **kwargs)
+    if failure.kind == "denied":
+        return AccessDeniedError(f"{url}: access denied: the store refused the credentials "
+                                 f"or their permissions ({failure.text})", **kwargs)
+    if failure.kind == "changed":
+        return FetchError(f"{url}: the object changed in the store while it was being read"
+                          f"{where} ({failure.text})", **kwargs)
+    if failure.kind == "unreachable":
+        return EndpointUnreachableError(
+            f"{url}: cannot connect to {_endpoint(failure.text)} after {attempts} attempt"
+            f"{'s' if attempts > 1 else ''}{where} ({failure.text})", **kwargs)
+    if failure.kind == "transient":
+        return FetchError(f"{url}: giving up after {attempts} failed attempt"
+                          f"{'s' if attempts > 1 else ''}{where}; last error: {failure.text}",
+                          **kwargs)
+    return FetchError(f"{url}: {failure.text}{where} (not retried)", **kwargs)
+
+
+class _Calls:
+    """obstore's calls, through the API the running event loop can use."""
+
+    def __init__(self, obstore: Any, threaded: bool) -> None:
+        self.obstore = obstore
+        self.threaded = threaded
+
+    async def get(self, store: Any, path: str, options: dict[str, Any]) -> Any:
+        if self.threaded:
+            return await anyio.to_thread.run_sync(
+                lambda: self.obstore.get(store, path, options=options), abandon_on_cancel=True)
+        return await self.obstore.get_async(store, path, options=options)
+
+    async def next(self, stream: Any) -> bytes | None:
+        if self.threaded:
+            piece: bytes | None = await anyio.to_thread.run_sync(
+                next, stream, None, abandon_on_cancel=True)
+            return piece
+        try:
+            return await stream.__anext__()  # type: ignore[no-any-return]
+        except StopAsyncIteration:
+            return None
+
+
+class _Resumable(Exception):
+    """The body ended before the object's size: resume from the offset reached."""
+
+
+@dataclass(frozen=True)
+class ObjectAccess:
+    """How a source reaches object store URLs: the store (or None: one per bucket, from the
+    URL and the environment) and the retry and timeout options.
+
+    Attributes:
+        store: an obstore store used for every object URL, or None.
+        options: timeouts, retries, backoff and chunk size (the source's HTTP options).
+    """
+
+    store: Any = None
+    options: HttpOptions = field(default_factory=HttpOptions)
+
+    def _store(self, url: str, obstore: Any) -> tuple[Any, str]:
+        """(store, path in it) for ``url``."""
+        scheme, bucket, key = _split(url)
+        if self.store is not None:
+            return self.store, key
+        timeout = self.options.timeout
+        cache_key = (f"{scheme}://{bucket}", timeout)
+        store = _STORES.get(cache_key)
+        if store is None:
+            client: dict[str, Any] = {"timeout": _NO_LIMIT}
+            if timeout is not None:
+                client["connect_timeout"] = timedelta(seconds=timeout)
+                client["read_timeout"] = timedelta(seconds=timeout)
+            # Client options given here replace those obstore reads from the environment.
+            allow = os.environ.get(f"{_FAMILIES[scheme]}_ALLOW_HTTP")
+            if allow is not None:
+                client["allow_http"] = allow.strip().lower() in ("1", "true", "yes", "on")
+            try:
+                store = obstore.store.from_url(f"{scheme}://{bucket}", client_options=client,
+                                               retry_config={"max_retries": 0})
+            except Exception as exc:
+                raise FetchError(f"{url}: cannot make a store for {scheme}://{bucket}: "
+                                 f"{type(exc).__name__}: {_short(exc)}", source=url) from None
+            _STORES[cache_key] = store
+        return store, key
+
+    def check(self, url: str) -> None:
+        """Check that ``url`` fits the store given (its bucket and its kind), if any.
+
+        Raises:
+            ValueError: a URL of another bucket or another kind of store than ``store``'s.
+        """
+        scheme, bucket, _ = _split(url)
+        if self.store is None:
+            return
+        family = _STORE_FAMILY.get(type(self.store).__name__)
+        if family is not None and family != _FAMILIES[scheme]:
+            raise ValueError(f"the shard {url!r} is not for the store given "
+                             f"({type(self.store).__name__})")
+        config = getattr(self.store, "config", None)
+        if isinstance(config, dict):
+            own = config.get("bucket") or config.get("container_name")
+            if own and own != bucket:
+                raise ValueError(f"the shard {url!r} names the bucket {bucket!r}, but the "
+                                 f"store given is for the bucket {own!r}")
+
+    def expand(self, spec: str) -> list[str]:
+        """The object URLs ``spec`` stands for (see the module's description), sorted.
+
+        Raises:
+            ValueError: a prefix or pattern that matches no object, or a bad URL.
+            FetchError: listing failed (its subclasses for a missing bucket, refused
+                credentials, an unreachable endpoint).
+        """
+        self.check(spec)
+        scheme, bucket, key = _split(spec)
+        glob_at = next((i for i, char in enumerate(key) if char in _GLOB_CHARS), None)
+        if glob_at is None and key and not key.endswith("/"):
+            return [spec]
+        if glob_at is None:
+            prefix, pattern = key, re.escape(key) + "[^/]+"
+        else:
+            prefix, pattern = key[: key.rfind("/", 0, glob_at) + 1], _translate(key)
+        matcher = re.compile(pattern + r"\Z")
+        hidden_ok = "/." in "/" + key[len(prefix):]
+        keys = sorted(path for path in self._list(spec, prefix)
+                      if matcher.match(path)
+                      and (hidden_ok or "/." not in "/" + path[len(prefix):]))
+        if not keys:
+            what = "pattern" if glob_at is not None else "prefix"
+            raise ValueError(f"no objects match the {what} {spec!r}")
+        return [f"{scheme}://{bucket}/{path}" for path in keys]
+
+    def _list(self, spec: str, prefix: str) -> list[str]:
+        """Every key under ``prefix``, retried (and resumed after the last key) on failures."""
+        obstore = _obstore(spec)
+        store, _ = self._store(spec, obstore)
+        keys: list[str] = []
+        failures = 0
+        while True:
+            try:
+                stream = obstore.list(store, prefix.rstrip("/") or None,
+                                      offset=keys[-1] if keys else None, chunk_size=_LIST_CHUNK)
+                for chunk in stream:
+                    keys.extend(meta["path"] for meta in chunk)
+                    failures = 0
+                return keys
+            except Exception as exc:
+                failure = _classify(exc)
+                if failure is None:
+                    raise
+                failures += 1
+                if (failure.kind not in ("transient", "unreachable")
+                        or failures > self.options.retries):
+                    raise _error(spec, failure, attempts=failures) from None
+            time.sleep(retry_delay(self.options, failures))
+
+    async def chunks(
+        self, url: str, stats: SourceStats, on_size: Callable[[int], None] | None = None
+    ) -> AsyncGenerator[bytes, None]:
+        """The bytes of the object at ``url``, chunk by chunk, retried and resumed as the
+        module describes.
+
+        Args:
+            url: an object store URL.
+            stats: counts the retries.
+            on_size: called with the object's size before its first chunk.
+
+        Raises:
+            FetchError: (or a subclass) the object cannot be read, as the module describes.
+        """
+        obstore = _obstore(url)
+        store, path = self._store(url, obstore)
+        calls = _Calls(obstore, threaded=current_backend() == "trio")
+        options = self.options
+        size = options.chunk_size
+        offset = 0  # bytes handed on
+        failures = 0  # failed attempts since the last byte handed on
+        etag: str | None = None
+        total: int | None = None
+        while True:
+            request: dict[str, Any] = {}
+            if offset:
+                request["range"] = {"offset": offset}
+            if etag is not None:
+                request["if_match"] = etag
+            try:
+                result = await calls.get(store, path, request)
+                start = result.range[0]
+                if start != offset:
+                    raise FetchError(f"{url}: asked for bytes from {offset}, but the store "
+                                     f"sent bytes from {start}", source=url, offset=offset)
+                if total is None:
+                    meta = result.meta
+                    total, etag = int(meta["size"]), meta.get("e_tag")
+                    if on_size is not None:
+                        on_size(total)
+                stream = result.stream(min_chunk_size=size)
+                while (piece := await calls.next(stream)) is not None:
+                    failures = 0
+                    for begin in range(0, len(piece), size):
+                        chunk = piece[begin : begin + size] if len(piece) > size else piece
+                        offset += len(chunk)
+                        yield chunk
+                if offset < total:
+                    raise _Resumable(f"the body ended at byte {offset} of {total}")
+                return
+            except _Resumable as exc:
+                failure = _Failure("transient", None, str(exc))
+            except FetchError:
+                raise
+            except Exception as exc:
+                classified = _classify(exc)
+                if classified is None:
+                    raise
+                failure = classified
+            if total is not None and offset >= total:
+                return  # the connection dropped after the last byte
+            failures += 1
+            if failure.kind not in ("transient", "unreachable") or failures > options.retries:
+                raise _error(url, failure, offset, failures)
+            stats.retries += 1
+            await anyio.sleep(retry_delay(options, failures))

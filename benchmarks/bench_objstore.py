@@ -1,0 +1,164 @@
+"""Streaming JSON Lines shards from S3 (a local moto server) against plain HTTP and PyTorch.
+
+Run: ``python benchmarks/bench_objstore.py`` (needs ``obstore``, ``moto[server]``, ``boto3``;
+torch for the PyTorch row). Everything below is measured in the same run.
+
+64 shards of 1,000 JSON Lines records (~106 bytes each), the same bodies as
+``bench_sources.py``. S3: moto's S3 server behind aloader's fault proxy
+(``aloader._s3_server.LocalS3``, in a separate process) that waits 20 ms before forwarding each
+request. HTTP: ``aloader._demo_http.ShardServer`` (another process), also 20 ms per request.
+One epoch, batches of 256, best of 3:
+
+* aloader s3: ``DataLoader(JsonLines(s3_urls, concurrency=16), batch_size=256)``, credentials
+  and endpoint from the environment, on one event loop (asyncio).
+* aloader s3, trio: the same on trio (obstore's blocking API in threads).
+* aloader http: ``DataLoader(JsonLines(http_urls, concurrency=16), batch_size=256)``.
+* PyTorch: ``torch.utils.data.DataLoader`` over an ``IterableDataset`` whose 8 workers each
+  read their share of the objects with a blocking boto3 client (``get_object`` and
+  ``iter_lines``) and ``json.loads`` every line (workers started by each epoch, as by
+  default).
+
+Targets (issue 14): aloader s3 >= 0.8x aloader http, and >= 5x PyTorch with 8 workers.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from aloader import DataLoader, JsonLines
+from aloader._demo_http import ShardServer, make_jsonl_shards
+
+SHARDS = 64
+RECORDS = 1000
+LATENCY = float(os.environ.get("BENCH_LATENCY", "0.02"))
+CONCURRENCY = 16
+BATCH = 256
+RUNS = 3
+TOTAL = SHARDS * RECORDS
+BUCKET = "bench"
+
+
+def _serve_s3(queue: Any, stop: Any) -> None:
+    from aloader._s3_server import LocalS3
+
+    with LocalS3(latency=LATENCY) as server:
+        server.put(BUCKET, make_jsonl_shards(SHARDS, RECORDS))
+        queue.put(server.env())
+        stop.wait()
+
+
+def _serve_http(queue: Any, stop: Any) -> None:
+    server = ShardServer(make_jsonl_shards(SHARDS, RECORDS), latency=LATENCY).start()
+    queue.put(server.port)
+    stop.wait()
+    server.close()
+
+
+def best(fn: Callable[[], int], runs: int = RUNS) -> tuple[float, int]:
+    times = []
+    items = 0
+    for _ in range(runs):
+        start = time.perf_counter()
+        items = fn()
+        times.append(time.perf_counter() - start)
+    return min(times), items
+
+
+def run_aloader(urls: list[str], backend: str = "asyncio") -> int:
+    async def epoch() -> int:
+        count = 0
+        async for batch in DataLoader(JsonLines(urls, concurrency=CONCURRENCY),
+                                      batch_size=BATCH):
+            count += len(batch["id"])
+        return count
+
+    return anyio.run(epoch, backend=backend)
+
+
+def run_torch_boto3(keys: list[str], env: dict[str, str], workers: int) -> int:
+    import torch.utils.data as tud
+
+    class S3JsonLines(tud.IterableDataset):  # type: ignore[type-arg,misc]
+        def __iter__(self) -> Any:
+            import boto3
+
+            client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"],
+                                  aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                                  aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+                                  region_name=env["AWS_REGION"])
+            info = tud.get_worker_info()
+            mine = keys if info is None else keys[info.id :: info.num_workers]
+            for key in mine:
+                body = client.get_object(Bucket=BUCKET, Key=key)["Body"]
+                for line in body.iter_lines():
+                    yield json.loads(line)
+
+    count = 0
+    for batch in tud.DataLoader(S3JsonLines(), batch_size=BATCH, num_workers=workers):
+        count += len(batch["id"])
+    return count
+
+
+def main() -> None:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    stop = context.Event()
+    processes = [context.Process(target=target, args=(queue, stop), daemon=True)
+                 for target in (_serve_s3, _serve_http)]
+    processes[0].start()
+    env = queue.get(timeout=120)
+    processes[1].start()
+    port = queue.get(timeout=60)
+    os.environ.update(env)
+    names = sorted(make_jsonl_shards(SHARDS, RECORDS))
+    http_urls = [f"http://127.0.0.1:{port}/{name}" for name in names]
+    s3_urls = JsonLines(f"s3://{BUCKET}/*.jsonl").shards  # listed through obstore
+    assert [url.rsplit("/", 1)[1] for url in s3_urls] == names
+    rows: list[tuple[str, float]] = []
+    try:
+        for label, fn in (
+            (f"aloader http JsonLines(concurrency={CONCURRENCY})",
+             lambda: run_aloader(http_urls)),
+            (f"aloader s3 JsonLines(concurrency={CONCURRENCY}), asyncio",
+             lambda: run_aloader(s3_urls)),
+            (f"aloader s3 JsonLines(concurrency={CONCURRENCY}), trio",
+             lambda: run_aloader(s3_urls, "trio")),
+        ):
+            fn()  # warm-up: imports, connections, thread pools
+            seconds, items = best(fn)
+            assert items == TOTAL, (label, items)
+            rows.append((label, items / seconds))
+        try:
+            import torch  # noqa: F401 - only to know whether the anchor can run
+        except ImportError:
+            print("torch is not installed: the PyTorch row is skipped", file=sys.stderr)
+        else:
+            seconds, items = best(lambda: run_torch_boto3(names, env, 8))
+            assert items == TOTAL
+            rows.append(("PyTorch DataLoader, boto3, num_workers=8", items / seconds))
+    finally:
+        stop.set()
+        for process in processes:
+            process.join(timeout=10)
+
+    rates = dict(rows)
+    http = rows[0][1]
+    torch_rate = rates.get("PyTorch DataLoader, boto3, num_workers=8")
+    print(f"{SHARDS} shards x {RECORDS:,} JSON Lines records, {LATENCY * 1e3:.0f} ms per "
+          f"request, batch {BATCH}, best of {RUNS}")
+    print(f"{'':52} {'items/s':>11} {'vs http':>8} {'vs torch-8':>10}")
+    for label, rate in rows:
+        vs_torch = f"{rate / torch_rate:.2f}x" if torch_rate else "-"
+        print(f"{label:52} {rate:>11,.0f} {rate / http:>7.2f}x {vs_torch:>10}")
+
+
+if __name__ == "__main__":
+    main()
