@@ -46,6 +46,7 @@ from ._sampler import (
 )
 from ._sources import BinaryRecords, JsonLines, NpyRows, ShardedSource, TextLines
 from ._streams import Stream, as_stream, interleave
+from ._tar import TarShards
 from ._worker import get_worker_info
 
 __version__ = "0.1.0.dev0"
@@ -84,6 +85,7 @@ __all__ = (
     "ShardedSource",
     "SourceStats",
     "Stream",
+    "TarShards",
     "TextLines",
     "as_stream",
     "interleave",

@@ -14,6 +14,14 @@ from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Unpack
 
 import anyio
 
+from ._compression import (
+    Compression,
+    CorruptStream,
+    Decompressor,
+    check_compression,
+    decompressed,
+    shard_compression,
+)
 from ._files import file_chunks
 from ._formats import (
     BadRecords,
@@ -68,6 +76,7 @@ class SourceOptions(TypedDict, total=False):
     max_backoff: float
     headers: Mapping[str, str] | None
     client_factory: Callable[[], Any] | None
+    compression: Compression
 
 
 def _check_int(value: object, name: str, minimum: int) -> int:
@@ -252,6 +261,12 @@ class ShardedSource(Stream[T_co]):
         headers: extra HTTP request headers.
         client_factory: called at each epoch to make the ``httpx.AsyncClient`` (closed at the
             end of the epoch), for custom transports, proxies or authentication.
+        compression: ``"auto"`` (by the shard's suffix: ``.gz``/``.tgz``, ``.zst``, ``.bz2``),
+            ``"gzip"``, ``"zstd"`` (needs the zstandard package), ``"bz2"`` or None (read the
+            bytes as they are). Shards are decompressed as they stream, with bounded memory; a
+            corrupt or truncated stream is a :class:`RecordError` naming the shard (skipped as
+            one record, ending the shard, with ``skip_errors=True``). See
+            :mod:`aloader._compression`.
 
     HTTP bodies sent with a ``Content-Encoding`` (gzip, deflate; br and zstd when their
     package is installed) are decoded; any other coding is a :class:`FetchError` (see
@@ -286,8 +301,10 @@ class ShardedSource(Stream[T_co]):
         max_backoff: float = 10.0,
         headers: Mapping[str, str] | None = None,
         client_factory: Callable[[], Any] | None = None,
+        compression: Compression = "auto",
     ) -> None:
         self.shards: list[str] = expand_shards(shards)
+        self.compression = check_compression(compression)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed should be an integer, but got seed={seed!r}")
         self.shuffle_shards = bool(shuffle_shards)
@@ -374,19 +391,33 @@ class ShardedSource(Stream[T_co]):
         """One shard's records, block by block (a block per chunk)."""
         stats = self.stats
         decoder = self._decoder(name, BadRecords(self.skip_errors, stats))
+        codec = shard_compression(name, self.compression)
+        # A compressed shard's size says nothing of the length its formats check.
+        on_size = decoder.set_size if codec is None else None
         if client is not None and is_url(name):
-            chunks = http_chunks(client, name, self.http, stats, decoder.set_size)
+            chunks = http_chunks(client, name, self.http, stats, on_size)
         else:
-            chunks = file_chunks(name, self.chunk_size, decoder.set_size)
-        async with _Closing(chunks) as pieces:
-            async for chunk in pieces:
-                stats.bytes += len(chunk)
-                records = decoder.feed(chunk)
-                if records:
-                    stats.records += len(records)
-                    yield records
-                if decoder.pending is not None:
-                    raise decoder.pending
+            chunks = file_chunks(name, self.chunk_size, on_size)
+        if codec is not None:
+            chunks = decompressed(chunks, Decompressor(name, codec, self.chunk_size,
+                                                       sniff=is_url(name)
+                                                       and self.compression == "auto"))
+        try:
+            async with _Closing(chunks) as pieces:
+                async for chunk in pieces:
+                    stats.bytes += len(chunk)
+                    records = decoder.feed(chunk)
+                    if records:
+                        stats.records += len(records)
+                        yield records
+                    if decoder.pending is not None:
+                        raise decoder.pending
+        except CorruptStream as exc:
+            # The rest of the shard is lost, its last partial record with it (never parsed).
+            if not decoder.bad(exc.error):
+                raise exc.error from None
+            stats.shards += 1
+            return
         while records := decoder.finish():
             stats.records += len(records)
             yield records
