@@ -232,6 +232,10 @@ class TarDecoder(Decoder[dict[str, Any]]):
                 size = int(pax["size"])
             self._long_name, self._local = None, {}
         self._member = name
+        if kind in _META_TYPES and size > _MAX_META_BYTES:
+            self._bad_stream(self._where(), f"a {kind.decode()!r} header of {size} bytes "
+                             f"(more than {_MAX_META_BYTES})", start)
+            return
         if kind in _NO_DATA or (kind == b"\0" and name.endswith("/")):
             size = 0
         elif self.size is not None and self._offset + size > self.size:
@@ -242,10 +246,6 @@ class TarDecoder(Decoder[dict[str, Any]]):
         self._kind, self._left, self._pad = kind, size, -size % _BLOCK
         self._collect = False
         if kind in _META_TYPES:
-            if size > _MAX_META_BYTES:
-                self._bad_stream(self._where(), f"a {kind.decode()!r} header of {size} bytes "
-                                 f"(more than {_MAX_META_BYTES})", start)
-                return
             self._collect = True
         elif kind == b"S":
             self._bad_member("GNU sparse members are not supported")

@@ -287,17 +287,15 @@ def test_missing_zstandard_names_the_shard_and_package(monkeypatch: pytest.Monke
 
 @pytest.mark.parametrize("codec", ["gzip", "bz2", "zstd"])
 def test_bomb_is_decompressed_a_bounded_piece_at_a_time(codec: str) -> None:
-    size = 256 << 20  # 256 MiB of zeros in a few hundred KiB
+    # Zeros compress about 1000:1 (gzip, bz2) and far more with zstd's blocks.
+    size = (48 if codec == "zstd" else 16) << 20
     if codec == "gzip":
-        compressor = zlib.compressobj(9, zlib.DEFLATED, 31)
-        packed = b"".join(compressor.compress(bytes(1 << 20)) for _ in range(size >> 20))
-        packed += compressor.flush()
+        packed = gzip.compress(bytes(size), compresslevel=9)
     elif codec == "bz2":
-        compressor2 = bz2.BZ2Compressor(9)
-        packed = b"".join(compressor2.compress(bytes(1 << 20)) for _ in range(size >> 20))
-        packed += compressor2.flush()
+        packed = bz2.compress(bytes(size), 1)
     else:
-        packed = bytes(zstandard.ZstdCompressor(level=19).compress(bytes(size)))
+        packed = bytes(zstandard.ZstdCompressor(level=1).compress(bytes(size)))
+    assert len(packed) < size // 500
     decompressor = Decompressor("bomb", codec, 1 << 16)
     tracemalloc.start()
     try:
@@ -310,9 +308,11 @@ def test_bomb_is_decompressed_a_bounded_piece_at_a_time(codec: str) -> None:
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert total == size
-    assert largest <= 17 << 20 and peak < 64 << 20
-    assert decompressor.offset == len(packed)
+    assert total == size and decompressor.offset == len(packed)
+    if codec == "zstd":  # what 512 compressed bytes can hold: 128 blocks of 128 KiB
+        assert largest <= 17 << 20 and peak < 40 << 20
+    else:
+        assert largest <= 1 << 16 and peak < 4 << 20
 
 
 # --------------------------------------------------------------------------- HTTP
