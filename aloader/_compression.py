@@ -51,6 +51,7 @@ __all__ = (
     "Decompressor",
     "check_compression",
     "decompressed",
+    "decompressor_for",
     "shard_compression",
 )
 
@@ -303,6 +304,21 @@ class Decompressor:
             raise self._fail(f"truncated: the shard ends before the end of the compressed "
                              f"stream ({self.offset} compressed bytes)", self.offset) from None
         return b""
+
+
+def decompressor_for(name: str, compression: Compression, limit: int) -> Decompressor | None:
+    """The decompressor of shard ``name`` (None: read it as it is).
+
+    With ``"auto"``, a URL (any ``scheme://``) whose bytes do not start with its codec's
+    magic number is read as it is: its server or the HTTP layer decoded it already.
+
+    Raises:
+        SourceError: ``zstd`` without the zstandard package.
+    """
+    codec = shard_compression(name, compression)
+    if codec is None:
+        return None
+    return Decompressor(name, codec, limit, sniff=compression == "auto" and "://" in name)
 
 
 async def decompressed(chunks: AsyncGenerator[bytes, None],

@@ -17,10 +17,9 @@ import anyio
 from ._compression import (
     Compression,
     CorruptStream,
-    Decompressor,
     check_compression,
     decompressed,
-    shard_compression,
+    decompressor_for,
 )
 from ._files import file_chunks
 from ._formats import (
@@ -391,17 +390,15 @@ class ShardedSource(Stream[T_co]):
         """One shard's records, block by block (a block per chunk)."""
         stats = self.stats
         decoder = self._decoder(name, BadRecords(self.skip_errors, stats))
-        codec = shard_compression(name, self.compression)
+        inflate = decompressor_for(name, self.compression, self.chunk_size)
         # A compressed shard's size says nothing of the length its formats check.
-        on_size = decoder.set_size if codec is None else None
+        on_size = decoder.set_size if inflate is None else None
         if client is not None and is_url(name):
             chunks = http_chunks(client, name, self.http, stats, on_size)
         else:
             chunks = file_chunks(name, self.chunk_size, on_size)
-        if codec is not None:
-            chunks = decompressed(chunks, Decompressor(name, codec, self.chunk_size,
-                                                       sniff=is_url(name)
-                                                       and self.compression == "auto"))
+        if inflate is not None:
+            chunks = decompressed(chunks, inflate)
         try:
             async with _Closing(chunks) as pieces:
                 async for chunk in pieces:

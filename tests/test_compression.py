@@ -275,14 +275,16 @@ async def test_empty_or_tiny_local_files_are_errors(tmp_path: Path, anyio_backen
         await collect(JsonLines(path))
 
 
-def test_missing_zstandard_names_the_shard_and_package(monkeypatch: pytest.MonkeyPatch
-                                                       ) -> None:
+async def test_missing_zstandard_names_the_shard_and_package(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, anyio_backend: str) -> None:
     import aloader._compression as compression
 
     monkeypatch.setattr(compression, "_zstandard", lambda: None)
+    path = write(tmp_path, "x.jsonl.zst", zst(jsonl(10)))
     with pytest.raises(SourceError, match=r"x\.jsonl\.zst: a zstd shard needs the zstandard "
-                                          r"package .*pip install zstandard"):
-        Decompressor("x.jsonl.zst", "zstd", 1 << 16)
+                                          r"package .*pip install zstandard") as info:
+        await collect(JsonLines(path))
+    assert not isinstance(info.value, RecordError)  # not a bad record: never skipped
 
 
 @pytest.mark.parametrize("codec", ["gzip", "bz2", "zstd"])
