@@ -51,6 +51,7 @@ from ._sampler import (
 )
 from ._sources import BinaryRecords, JsonLines, NpyRows, ShardedSource, SourceOptions, TextLines
 from ._streams import Stream, as_stream, interleave
+from ._tar import TarShards
 from ._workerinfo import WorkerInfo, get_worker_info
 
 __version__ = "0.1.0.dev0"
@@ -95,6 +96,7 @@ __all__ = (
     "SourceOptions",
     "SourceStats",
     "Stream",
+    "TarShards",
     "TextLines",
     "as_stream",
     "interleave",

@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from ._streams import RecordError, SourceError
+from ._exceptions import RecordError, SourceError
 
 __all__ = (
     "BadRecords",
@@ -53,7 +53,8 @@ class SourceStats:
     Attributes:
         shards: shards read to their end.
         records: records produced.
-        bytes: bytes read from files and HTTP responses.
+        bytes: bytes read from files and HTTP responses, after decompression (of a
+            compressed shard or a coded body).
         skipped: malformed records skipped because ``skip_errors=True``.
         retries: HTTP requests retried (connection errors, timeouts, 5xx).
         skipped_errors: the errors of the last skipped records (up to 100).

@@ -15,6 +15,13 @@ from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Unpack
 
 import anyio
 
+from ._compression import (
+    Compression,
+    CorruptStream,
+    check_compression,
+    decompressed,
+    decompressor_for,
+)
 from ._files import file_chunks
 from ._formats import (
     BadRecords,
@@ -71,6 +78,7 @@ class SourceOptions(TypedDict, total=False):
     headers: Mapping[str, str] | None
     client_factory: Callable[[], Any] | None
     store: Any
+    compression: Compression
 
 
 def _check_int(value: object, name: str, minimum: int) -> int:
@@ -271,6 +279,12 @@ class ShardedSource(Stream[T_co]):
     an unreachable endpoint raise :class:`ObjectNotFoundError`,
     :class:`BucketNotFoundError`, :class:`AccessDeniedError` and
     :class:`EndpointUnreachableError` (all :class:`FetchError`).
+        compression: ``"auto"`` (by the shard's suffix: ``.gz``/``.tgz``, ``.zst``, ``.bz2``),
+            ``"gzip"``, ``"zstd"`` (needs the zstandard package), ``"bz2"`` or None (read the
+            bytes as they are). Shards are decompressed as they stream, with bounded memory; a
+            corrupt or truncated stream is a :class:`RecordError` naming the shard (skipped as
+            one record, ending the shard, with ``skip_errors=True``). See
+            :mod:`aloader._compression`.
 
     HTTP bodies sent with a ``Content-Encoding`` (gzip, deflate; br and zstd when their
     package is installed) are decoded; any other coding is a :class:`FetchError` (see
@@ -319,7 +333,9 @@ class ShardedSource(Stream[T_co]):
         headers: Mapping[str, str] | None = None,
         client_factory: Callable[[], Any] | None = None,
         store: Any = None,
+        compression: Compression = "auto",
     ) -> None:
+        self.compression = check_compression(compression)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed should be an integer, but got seed={seed!r}")
         self.shuffle_shards = bool(shuffle_shards)
@@ -408,21 +424,33 @@ class ShardedSource(Stream[T_co]):
         """One shard's records, block by block (a block per chunk)."""
         stats = self.stats
         decoder = self._decoder(name, BadRecords(self.skip_errors, stats))
+        inflate = decompressor_for(name, self.compression, self.chunk_size)
+        # A compressed shard's size says nothing of the length its formats check.
+        on_size = decoder.set_size if inflate is None else None
         if client is not None and is_url(name):
-            chunks = http_chunks(client, name, self.http, stats, decoder.set_size)
+            chunks = http_chunks(client, name, self.http, stats, on_size)
         elif is_object_url(name):
-            chunks = self.objects.chunks(name, stats, decoder.set_size)
+            chunks = self.objects.chunks(name, stats, on_size)
         else:
-            chunks = file_chunks(name, self.chunk_size, decoder.set_size)
-        async with _Closing(chunks) as pieces:
-            async for chunk in pieces:
-                stats.bytes += len(chunk)
-                records = decoder.feed(chunk)
-                if records:
-                    stats.records += len(records)
-                    yield records
-                if decoder.pending is not None:
-                    raise decoder.pending
+            chunks = file_chunks(name, self.chunk_size, on_size)
+        if inflate is not None:
+            chunks = decompressed(chunks, inflate)
+        try:
+            async with _Closing(chunks) as pieces:
+                async for chunk in pieces:
+                    stats.bytes += len(chunk)
+                    records = decoder.feed(chunk)
+                    if records:
+                        stats.records += len(records)
+                        yield records
+                    if decoder.pending is not None:
+                        raise decoder.pending
+        except CorruptStream as exc:
+            # The rest of the shard is lost, its last partial record with it (never parsed).
+            if not decoder.bad(exc.error):
+                raise exc.error from None
+            stats.shards += 1
+            return
         while records := decoder.finish():
             stats.records += len(records)
             yield records

@@ -5,8 +5,8 @@ torch for the PyTorch row). Everything below is measured in the same run.
 
 64 shards of 1,000 JSON Lines records (~106 bytes each), the same bodies as
 ``bench_sources.py``. S3: moto's S3 server behind aloader's fault proxy
-(``aloader._s3_server.LocalS3``, in a separate process) that waits 20 ms before forwarding each
-request. HTTP: ``aloader._demo_http.ShardServer`` (another process), also 20 ms per request.
+(``aloader._demo._s3.LocalS3``, in a separate process) that waits 20 ms before forwarding each
+request. HTTP: ``aloader._demo.ShardServer`` (another process), also 20 ms per request.
 One epoch, batches of 256, best of 3:
 
 * aloader s3: ``DataLoader(JsonLines(s3_urls, concurrency=16), batch_size=256)``, credentials
@@ -34,7 +34,7 @@ from typing import Any
 import anyio
 
 from aloader import DataLoader, JsonLines
-from aloader._demo_http import ShardServer, make_jsonl_shards
+from aloader._demo import ShardServer, make_jsonl_shards
 
 SHARDS = 64
 RECORDS = 1000
@@ -47,7 +47,7 @@ BUCKET = "bench"
 
 
 def _serve_s3(queue: Any, stop: Any) -> None:
-    from aloader._s3_server import LocalS3
+    from aloader._demo._s3 import LocalS3
 
     with LocalS3(latency=LATENCY) as server:
         server.put(BUCKET, make_jsonl_shards(SHARDS, RECORDS))

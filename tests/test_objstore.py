@@ -31,9 +31,9 @@ from aloader import (
     TextLines,
     _objstore,
 )
-from aloader._demo_http import make_jsonl_shards
-from aloader._s3_server import LocalS3
-from aloader._worker import WorkerInfo, _set_worker_info
+from aloader._demo import make_jsonl_shards
+from aloader._demo._s3 import LocalS3
+from aloader._workerinfo import WorkerInfo, _set_worker_info
 
 pytestmark = pytest.mark.anyio
 
