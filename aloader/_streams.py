@@ -33,7 +33,7 @@ from ._exceptions import FetchError, RecordError, SourceError
 from ._pipeline import Results
 from ._random import GeneratorLike, as_generator, draw_seed, permutation
 from ._sharding import worker_slot
-from ._util import Signal, check_int, close_iterator, is_async_callable, single_error
+from ._util import check_int, close_iterator, is_async_callable, single_error
 from ._worker import get_worker_info, served_epoch
 
 __all__ = (
@@ -657,11 +657,11 @@ class _Mapped(Stream[U]):
                     return
                 out: list[U] = []
                 while ready is not None:
-                    value, error = ready
-                    if error is not None:
+                    value, failure = ready
+                    if failure is not None:
                         if out:
                             yield out
-                        raise error
+                        raise failure
                     out.append(value)
                     ready = results.poll()
                 self.max_running = max(self.max_running, mapping.max_running)
