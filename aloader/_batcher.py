@@ -335,9 +335,11 @@ class Batcher(Generic[T, R]):
         self._max_wait = check_seconds("max_wait", max_wait, allow_inf=False)
         self._max_concurrent = _check_count("max_concurrent_batches", max_concurrent_batches)
         self._max_queue = _check_count("max_queue", max_queue)
-        self._timeout = check_seconds("timeout", timeout, allow_none=True, allow_zero=False)
-        self._close_timeout = check_seconds(
-            "close_timeout", close_timeout, allow_none=True, allow_zero=True
+        self._timeout = (
+            None if timeout is None else check_seconds("timeout", timeout, allow_zero=False)
+        )
+        self._close_timeout = (
+            None if close_timeout is None else check_seconds("close_timeout", close_timeout)
         )
         window = _check_count("metrics_window", metrics_window)
         preferred: tuple[int, ...] = ()
@@ -468,7 +470,7 @@ class Batcher(Generic[T, R]):
         if timeout is _UNSET:
             timeout = self._timeout
         elif timeout is not None:
-            timeout = check_seconds("timeout", timeout, allow_none=True, allow_zero=False)
+            timeout = check_seconds("timeout", timeout, allow_zero=False)
         request = _Request(item, self._now())
         queue[request] = None
         self._n_submitted += 1
@@ -518,7 +520,7 @@ class Batcher(Generic[T, R]):
         if timeout is _UNSET:
             timeout = self._close_timeout
         else:
-            timeout = check_seconds("timeout", timeout, allow_none=True, allow_zero=True)
+            timeout = None if timeout is None else check_seconds("timeout", timeout)
         self._closing = True
         self._wake_dispatcher()
         stopped = self._stopped

@@ -267,7 +267,7 @@ class ShardedSource(Stream[T_co]):
         self.max_record_bytes = check_int("max_record_bytes", max_record_bytes)
         self.skip_errors = bool(skip_errors)
         self.http = HttpOptions(
-            timeout=check_seconds("timeout", timeout, allow_none=True),
+            timeout=None if timeout is None else check_seconds("timeout", timeout),
             retries=check_int("retries", retries, minimum=0),
             backoff=check_seconds("backoff", backoff),
             max_backoff=check_seconds("max_backoff", max_backoff),

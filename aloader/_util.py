@@ -14,7 +14,7 @@ import functools
 import inspect
 import math
 import sys
-from typing import Any, Literal, overload
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -141,47 +141,19 @@ def check_int(
     return value
 
 
-@overload
 def check_seconds(
-    name: str,
-    value: object,
-    *,
-    allow_none: Literal[False] = ...,
-    allow_zero: bool = ...,
-    allow_inf: bool = ...,
-) -> float: ...
-
-
-@overload
-def check_seconds(
-    name: str,
-    value: object,
-    *,
-    allow_none: bool,
-    allow_zero: bool = ...,
-    allow_inf: bool = ...,
-) -> float | None: ...
-
-
-def check_seconds(
-    name: str,
-    value: object,
-    *,
-    allow_none: bool = False,
-    allow_zero: bool = True,
-    allow_inf: bool = True,
-) -> float | None:
-    """``value`` as a number of seconds (a float), or None where ``allow_none``.
+    name: str, value: object, *, allow_zero: bool = True, allow_inf: bool = True
+) -> float:
+    """``value`` as a number of seconds (a float); where None is allowed (meaning "no
+    limit"), the caller checks ``None if value is None else check_seconds(...)``.
 
     An int too large for a float counts as infinitely far (``inf``, or ``-inf``).
 
     Raises:
-        ValueError: naming ``name``: not a number (or NaN, or None where not allowed),
-            negative (or zero where not ``allow_zero``), or infinite where not ``allow_inf``.
+        ValueError: naming ``name``: not a number (NaN and None included), negative (or zero
+            where not ``allow_zero``), or infinite where not ``allow_inf``.
     """
     if value is None:
-        if allow_none:
-            return None
         raise ValueError(f"{name} should be a number of seconds, but got {name}=None")
     seconds = math.nan
     if not isinstance(value, bool) and isinstance(value, (int, float)):

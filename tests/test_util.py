@@ -8,6 +8,7 @@ workers but was called synchronously (returning a coroutine) in threads and work
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 import anyio
@@ -22,15 +23,12 @@ GUARD = 60  # seconds: a hang guard, never a timing assertion
 
 
 # Module level: worker processes unpickle these ---------------------------------------------------
-class Squares(aloader.Dataset[int]):
-    def __init__(self, n: int) -> None:
-        self.n = n
+class Listed(list[int]):
+    """A list by another type: the loader fetches it in threads rather than on the loop."""
 
-    def __len__(self) -> int:
-        return self.n
 
-    def __getitem__(self, index: int) -> int:
-        return index * index
+SQUARES = [i * i for i in range(10)]
+BATCHES = [(0, 1, 4, 9), (16, 25, 36, 49), (64, 81)]
 
 
 class AsyncCollate:
@@ -86,16 +84,18 @@ def test_is_async_callable_kinds() -> None:
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_async_call_object_as_collate_fn(num_workers: int) -> None:
-    # Fails before the fix with workers: their collate returned an un-awaited coroutine.
-    loader = DataLoader(Squares(10), batch_size=4, num_workers=num_workers,
+    # Failed before the fix with workers: their collate returned an un-awaited coroutine.
+    loader = DataLoader(SQUARES, batch_size=4, num_workers=num_workers,
                         collate_fn=AsyncCollate(), timeout=GUARD if num_workers else 0)
-    assert list(loader) == [(0, 1, 4, 9), (16, 25, 36, 49), (64, 81)]
+    assert list(loader) == BATCHES
 
 
-def test_async_call_object_as_collate_fn_in_threads() -> None:
-    # A plain synchronous dataset fetches in threads: the collate must still be awaited.
-    loader = DataLoader(Squares(10), batch_size=4, collate_fn=AsyncCollate())
-    assert list(loader) == [(0, 1, 4, 9), (16, 25, 36, 49), (64, 81)]
+@pytest.mark.parametrize("max_concurrency", [None, 8])
+def test_async_call_object_as_collate_fn_in_threads(max_concurrency: int | None) -> None:
+    # Fetches in threads, whole batches or single items: the collate is awaited on the loop.
+    loader = DataLoader(Listed(SQUARES), batch_size=4, collate_fn=AsyncCollate(),
+                        max_concurrency=max_concurrency)
+    assert list(loader) == BATCHES
 
 
 async def test_async_call_object_in_stream_map(anyio_backend: str) -> None:
@@ -183,6 +183,21 @@ async def test_close_iterator_sync_and_async(anyio_backend: str) -> None:
 
 
 # Argument checks -----------------------------------------------------------------------------
+def test_check_seconds() -> None:
+    assert _util.check_seconds("t", 0) == 0.0
+    assert _util.check_seconds("t", 10**400) == float("inf")
+    with pytest.raises(ValueError, match=r"^t should be a number of seconds, but got t=None$"):
+        _util.check_seconds("t", None)
+    with pytest.raises(ValueError, match=r"^t should be a number of seconds, but got t=nan$"):
+        _util.check_seconds("t", float("nan"))
+    with pytest.raises(ValueError, match=r"^t should be positive, but got t=0$"):
+        _util.check_seconds("t", 0, allow_zero=False)
+    with pytest.raises(ValueError, match=r"^t should be non-negative, but got t=-1$"):
+        _util.check_seconds("t", -1)
+    with pytest.raises(ValueError, match=r"^t should be finite, but got t=inf$"):
+        _util.check_seconds("t", float("inf"), allow_inf=False)
+
+
 def test_check_int() -> None:
     assert _util.check_int("n", 3, minimum=1) == 3
     assert _util.check_int("n", 0, minimum=0) == 0
@@ -191,7 +206,5 @@ def test_check_int() -> None:
             _util.check_int("n", bad, minimum=1)
     with pytest.raises(ValueError, match=r"^n should be a non-negative integer, but got n=-1$"):
         _util.check_int("n", -1, minimum=0)
-    import sys
-
     with pytest.raises(ValueError, match="at most sys.maxsize"):
         _util.check_int("n", sys.maxsize + 1, minimum=1, maximum=sys.maxsize)
