@@ -1,5 +1,11 @@
 """Composable async streams: the base of aloader's sources and the transforms between them.
 
+It owns :class:`Stream` (epochs, ``set_epoch``), the transforms ``shuffle``, ``map`` (whose
+concurrent results are ordered by :class:`aloader._pipeline.Results`, the loader's own
+buffer), ``filter`` and :func:`interleave`, the adapter :func:`as_stream`, and the plumbing
+of one epoch: the background task that runs the chain (``_Driver``) and the bounded channels
+between tasks (``_Channel``, on anyio's memory object streams).
+
 A :class:`Stream` is an :class:`~aloader.IterableDataset` with ``async def __aiter__``, so
 ``DataLoader(stream, batch_size=...)`` batches it. Internally every stage passes *blocks* (lists
 of items) to the next one, so per-item costs stay small; the consumer still receives one item at
