@@ -90,9 +90,6 @@ class Results:
         self._closed: BaseException | None = None
         self._changed = Signal()
 
-    def _notify(self) -> None:
-        self._changed.notify()
-
     async def reserve(self, seq: int) -> None:
         """Wait until job ``seq`` may collate and publish without exceeding the capacity."""
         if self._in_order:
@@ -108,18 +105,18 @@ class Results:
             self._ready[seq] = (value, error)
         else:
             self._fifo.append((value, error))
-        self._notify()
+        self._changed.notify()
 
     def finish(self, total: int) -> None:
         """No job numbered ``total`` or above will be published."""
         self._total = total
-        self._notify()
+        self._changed.notify()
 
     def close(self, error: BaseException) -> None:
         """The pipeline stopped: the consumer gets ``error`` once the ready batches are taken."""
         if self._closed is None:
             self._closed = error
-        self._notify()
+        self._changed.notify()
 
     def poll(self) -> tuple[Any, BaseException | None] | None:
         """The next batch (value, error) if it is ready now, else None (never waits).
@@ -136,7 +133,7 @@ class Results:
             if item is None:
                 return None
             self.taken += 1
-            self._notify()
+            self._changed.notify()
             if item[0] is not SKIP:
                 return item
 
