@@ -75,6 +75,7 @@ from ._exceptions import (
     BatchResultError,
     QueueFullError,
 )
+from ._util import check_int, check_seconds, is_async_callable
 
 __all__ = (
     "Batcher",
@@ -192,15 +193,6 @@ def _loop_is_alive(loop: object) -> bool:
         return not loop.is_closed() and loop.is_running()
     # A trio run cancels its system tasks when it ends, so a live dispatcher means a live run.
     return True
-
-
-def _is_async_callable(fn: Callable[..., Any]) -> bool:
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    if inspect.iscoroutinefunction(fn):
-        return True
-    call = getattr(fn, "__call__", None)  # noqa: B004 -- an async __call__ on an instance
-    return call is not None and inspect.iscoroutinefunction(call)
 
 
 # The C-level getter: a subclass may override __traceback__ with a property that raises.
@@ -384,39 +376,9 @@ class _BatcherMetricsRecorder:
         }
 
 
-def _check_positive_int(name: str, value: object) -> int:
-    """``value`` as a count, refused when it is no int, not positive, or no container could
-    hold that many (above ``sys.maxsize``: a count the batcher could never reach)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} should be a positive integer value, but got {name}={value!r}")
-    if value > sys.maxsize:
-        raise ValueError(
-            f"{name} should be at most sys.maxsize={sys.maxsize}, but got {name}={value!r}"
-        )
-    return value
-
-
-def _check_seconds(name: str, value: object, *, allow_none: bool, allow_zero: bool) -> float | None:
-    """``value`` as seconds. ``inf`` means "never" and is refused where ``None`` is."""
-    if value is None:
-        if allow_none:
-            return None
-        raise ValueError(f"{name} should be a number of seconds, but got {name}=None")
-    seconds = math.nan
-    if not isinstance(value, bool) and isinstance(value, (int, float)):
-        try:
-            seconds = float(value)
-        except OverflowError:  # an int beyond any float: as far away as inf
-            seconds = math.inf if value > 0 else -math.inf
-    if math.isnan(seconds):
-        raise ValueError(f"{name} should be a number of seconds, but got {name}={value!r}")
-    if seconds < 0 or (seconds == 0 and not allow_zero):
-        bound = "non-negative" if allow_zero else "positive"
-        raise ValueError(f"{name} should be {bound}, but got {name}={value!r}")
-    if seconds == math.inf and not allow_none:
-        # max_wait=inf would keep a lone request waiting forever for its batch to fill.
-        raise ValueError(f"{name} should be finite, but got {name}={value!r}")
-    return seconds
+# Counts are refused above sys.maxsize: no container could hold that many, so the batcher
+# could never reach them.
+_check_count = functools.partial(check_int, maximum=sys.maxsize, noun="integer value")
 
 
 def _check_preferred(
@@ -435,7 +397,7 @@ def _check_preferred(
             )
         sizes = tuple(preferred_batch_sizes)  # once: an iterator gives its items only once
         for size in sizes:
-            _check_positive_int("preferred_batch_sizes item", size)
+            _check_count("preferred_batch_sizes item", size)
             if size > max_batch_size:
                 raise ValueError(
                     f"preferred_batch_sizes item {size} is larger than "
@@ -616,17 +578,18 @@ class Batcher(Generic[T, R]):
             raise TypeError(f"Batcher needs a callable batch function, but got {fn!r}")
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn should be callable or None, but got {collate_fn!r}")
-        self._max_batch_size = _check_positive_int("max_batch_size", max_batch_size)
-        self._max_wait = cast(
-            float, _check_seconds("max_wait", max_wait, allow_none=False, allow_zero=True)
+        self._max_batch_size = _check_count("max_batch_size", max_batch_size)
+        # max_wait=inf would keep a lone request waiting forever for its batch to fill.
+        self._max_wait = check_seconds("max_wait", max_wait, allow_inf=False)
+        self._max_concurrent = _check_count("max_concurrent_batches", max_concurrent_batches)
+        self._max_queue = _check_count("max_queue", max_queue)
+        self._timeout = (
+            None if timeout is None else check_seconds("timeout", timeout, allow_zero=False)
         )
-        self._max_concurrent = _check_positive_int("max_concurrent_batches", max_concurrent_batches)
-        self._max_queue = _check_positive_int("max_queue", max_queue)
-        self._timeout = _check_seconds("timeout", timeout, allow_none=True, allow_zero=False)
-        self._close_timeout = _check_seconds(
-            "close_timeout", close_timeout, allow_none=True, allow_zero=True
+        self._close_timeout = (
+            None if close_timeout is None else check_seconds("close_timeout", close_timeout)
         )
-        window = _check_positive_int("metrics_window", metrics_window)
+        window = _check_count("metrics_window", metrics_window)
         preferred = _check_preferred(preferred_batch_sizes, max_batch_size)
         self._preferred = preferred
         # A batch goes out without waiting once this many requests are queued.
@@ -634,7 +597,7 @@ class Batcher(Generic[T, R]):
 
         self._fn = fn
         self._collate = collate_fn
-        self._is_async = _is_async_callable(fn)
+        self._is_async = is_async_callable(fn)
         self._to_thread = bool(to_thread)
         self._name = name if name is not None else getattr(fn, "__name__", type(fn).__name__)
 
@@ -723,7 +686,7 @@ class Batcher(Generic[T, R]):
         if timeout is _UNSET:
             timeout = self._timeout
         elif timeout is not None:
-            timeout = _check_seconds("timeout", timeout, allow_none=True, allow_zero=False)
+            timeout = check_seconds("timeout", timeout, allow_zero=False)
         request = _Request(item, binding.now())
         queue[request] = None
         metrics.submitted += 1
@@ -773,7 +736,7 @@ class Batcher(Generic[T, R]):
         if timeout is _UNSET:
             timeout = self._close_timeout
         else:
-            timeout = _check_seconds("timeout", timeout, allow_none=True, allow_zero=True)
+            timeout = None if timeout is None else check_seconds("timeout", timeout)
         self._closing = True
         self._wake_dispatcher()
         binding = self._binding

@@ -42,7 +42,7 @@ from typing import Any, Literal, TypeAlias
 
 from ._exceptions import RecordError, SourceError
 from ._http import _CodingError, _Inflate, _Transient
-from ._streams import _Closing
+from ._util import Closing
 
 __all__ = (
     "COMPRESSIONS",
@@ -328,7 +328,7 @@ async def decompressed(chunks: AsyncGenerator[bytes, None],
     Raises:
         CorruptStream: the stream does not decompress, or ends early.
     """
-    async with _Closing(chunks) as pieces:
+    async with Closing(chunks) as pieces:
         async for chunk in pieces:
             for piece in decompressor.feed(chunk):
                 yield piece

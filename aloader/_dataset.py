@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import inspect
 import itertools
 import math
 import numbers
@@ -38,6 +37,7 @@ import numpy.typing as npt
 
 from ._collate import ColumnBatch
 from ._random import GeneratorLike, as_generator, permutation
+from ._util import close_iterator, is_async_callable, resolve, single_error
 
 __all__ = (
     "ArrayDataset",
@@ -140,22 +140,13 @@ def iterate(dataset: Any) -> Iterator[Any] | AsyncIterator[Any]:
 # --------------------------------------------------------------------------- fetch protocol
 
 
-def _is_async_callable(fn: object) -> bool:
-    if fn is None:
-        return False
-    if inspect.iscoroutinefunction(fn):
-        return True
-    call = getattr(fn, "__call__", None)  # noqa: B004 - a callable object with async __call__
-    return call is not None and not inspect.isroutine(fn) and inspect.iscoroutinefunction(call)
-
-
 def _inspect_async(dataset: object) -> bool:
     getitems = getattr(dataset, "__getitems__", None)
     getitem = getattr(dataset, "__getitem__", None)
-    getitem_async = _is_async_callable(getitem)
+    getitem_async = is_async_callable(getitem)
     if getitems is None:
         return getitem_async
-    getitems_async = _is_async_callable(getitems)
+    getitems_async = is_async_callable(getitems)
     # The base class's NotImplementedError stub says nothing about the subclass's intent.
     own_getitem = getattr(type(dataset), "__getitem__", None) is not Dataset.__getitem__
     if own_getitem and getitem is not None and getitems_async != getitem_async:
@@ -213,31 +204,9 @@ def _wrapper_modes(obj: object, base: type, child_modes: Iterable[FetchMode]) ->
     """(async, inline) for a wrapper dataset, unless a subclass took over fetching itself."""
     own = _overridden(obj, base, ("__getitem__", "__getitems__"))
     if own:
-        return any(_is_async_callable(method) for method in own), False
+        return any(is_async_callable(method) for method in own), False
     modes = list(child_modes)
     return "async" in modes, all(mode == "inline" for mode in modes)
-
-
-async def _resolve(value: Any) -> Any:
-    if inspect.isawaitable(value):
-        return await value
-    return value
-
-
-def _single_error(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
-    """The one real error in a task group's exception group, if there is exactly one."""
-    leaves: list[BaseException] = []
-    stack: list[BaseException] = [group]
-    while stack:
-        exc = stack.pop()
-        if isinstance(exc, BaseExceptionGroup):
-            stack.extend(reversed(exc.exceptions))
-        else:
-            leaves.append(exc)
-    cancelled = anyio.get_cancelled_exc_class()
-    if len(leaves) != 1 or isinstance(leaves[0], cancelled):
-        return None
-    return leaves[0]
 
 
 async def _gather(calls: Sequence[Callable[[], Any]]) -> list[Any]:
@@ -247,11 +216,11 @@ async def _gather(calls: Sequence[Callable[[], Any]]) -> list[Any]:
     the dataset's error type unchanged.
     """
     if len(calls) <= 1:
-        return [await _resolve(call()) for call in calls]
+        return [await resolve(call()) for call in calls]
     results: list[Any] = [None] * len(calls)
 
     async def run(position: int) -> None:
-        results[position] = await _resolve(calls[position]())
+        results[position] = await resolve(calls[position]())
 
     error: BaseException | None = None
     try:
@@ -259,8 +228,8 @@ async def _gather(calls: Sequence[Callable[[], Any]]) -> list[Any]:
             for position in range(len(calls)):
                 group.start_soon(run, position)
     except BaseExceptionGroup as exc_group:
-        error = _single_error(exc_group)
-        if error is None:
+        error = single_error(exc_group)
+        if error is None or isinstance(error, anyio.get_cancelled_exc_class()):
             raise
     if error is not None:
         # Raised outside the except block so the error keeps its own cause and context.
@@ -283,7 +252,7 @@ async def _fetch_many(dataset: Any, indices: Sequence[int], mode: FetchMode) -> 
         return _fetch_many_sync(dataset, indices)
     getitems = getattr(dataset, "__getitems__", None)
     if callable(getitems):
-        return cast(Sequence[Any], await _resolve(getitems(indices)))
+        return cast(Sequence[Any], await resolve(getitems(indices)))
     getitem = dataset.__getitem__
     return await _gather([functools.partial(getitem, index) for index in indices])
 
@@ -292,7 +261,7 @@ async def _fetch_one(dataset: Any, index: Any, mode: FetchMode) -> Any:
     """Fetch one sample from a child of any mode, from async code."""
     if mode == "thread":
         return await anyio.to_thread.run_sync(operator.getitem, dataset, index)
-    return await _resolve(dataset[index])
+    return await resolve(dataset[index])
 
 
 async def _resolved(value: Any) -> Any:
@@ -828,18 +797,14 @@ class ChainDataset(IterableDataset[T_co]):
                             break
                         yield item
                 finally:
-                    aclose = getattr(iterator, "aclose", None)
-                    if aclose is not None:
-                        await aclose()
+                    await close_iterator(iterator)
             else:
                 sync_iterator: Any = iter(cast(Iterable[T_co], dataset))
                 try:
                     for item in sync_iterator:
                         yield item
                 finally:
-                    close = getattr(sync_iterator, "close", None)
-                    if close is not None:
-                        close()
+                    await close_iterator(sync_iterator, blocking=False)
 
     def __len__(self) -> int:
         """The sum of the children's lengths.

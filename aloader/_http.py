@@ -40,8 +40,9 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from ._exceptions import FetchError
 from ._formats import SourceStats
-from ._streams import FetchError, _Closing
+from ._util import Closing
 
 if TYPE_CHECKING:
     import httpx
@@ -280,7 +281,7 @@ async def _decoded(raw: AsyncGenerator[bytes, None],
         for out in decoders[level].decode(piece):
             yield from through(level + 1, out)
 
-    async with _Closing(raw) as pieces:
+    async with Closing(raw) as pieces:
         async for piece in pieces:
             for out in through(0, piece):
                 yield out
@@ -407,7 +408,7 @@ async def http_chunks(
                 # Network reads as they come (no rechunking buffer that a failure would lose),
                 # split to at most chunk_size bytes.
                 body = _decoded(response.aiter_raw(), decoders)  # type: ignore[arg-type]
-                async with _Closing(body) as pieces:
+                async with Closing(body) as pieces:
                     async for piece in pieces:
                         if skip:
                             if len(piece) <= skip:

@@ -50,6 +50,7 @@ import numpy as np
 from ._backend import Detached, threadsafe_caller
 from ._dataset import aiter_of, fetch_mode
 from ._exceptions import LoaderClosedError
+from ._util import Signal, close_iterator, is_async_callable, resolve
 
 __all__ = (
     "DEFAULT_MAX_CONCURRENCY",
@@ -91,6 +92,9 @@ class Results:
     A job must :meth:`reserve` an output slot before it collates and :meth:`publish` es. In
     order, job ``k`` may publish only while ``k < taken + capacity``, so the head of the line
     can always publish and no slot is ever held by a batch the consumer cannot take yet.
+
+    The same buffer orders the results of ``Stream.map`` with concurrency (see
+    :mod:`aloader._streams`), where a job is one item and a batch is its mapped value.
     """
 
     def __init__(self, capacity: int, in_order: bool) -> None:
@@ -102,11 +106,7 @@ class Results:
         self._reserved = 0
         self._total: int | None = None
         self._closed: BaseException | None = None
-        self._changed = anyio.Event()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
+        self._changed = Signal()
 
     async def reserve(self, seq: int) -> None:
         """Wait until job ``seq`` may collate and publish without exceeding the capacity."""
@@ -123,21 +123,24 @@ class Results:
             self._ready[seq] = (value, error)
         else:
             self._fifo.append((value, error))
-        self._notify()
+        self._changed.notify()
 
     def finish(self, total: int) -> None:
         """No job numbered ``total`` or above will be published."""
         self._total = total
-        self._notify()
+        self._changed.notify()
 
     def close(self, error: BaseException) -> None:
         """The pipeline stopped: the consumer gets ``error`` once the ready batches are taken."""
         if self._closed is None:
             self._closed = error
-        self._notify()
+        self._changed.notify()
 
-    async def take(self) -> tuple[Any, BaseException | None]:
-        """The next batch (value, error); StopAsyncIteration at the end of the epoch."""
+    def poll(self) -> tuple[Any, BaseException | None] | None:
+        """The next batch (value, error) if it is ready now, else None (never waits).
+
+        The end of the epoch and a closed pipeline are reported by :meth:`take`.
+        """
         while True:
             if self._in_order:
                 item = self._ready.pop(self.taken, None)
@@ -145,11 +148,18 @@ class Results:
                 item = self._fifo.popleft() if self._fifo else None
                 if item is not None:
                     self._reserved -= 1
+            if item is None:
+                return None
+            self.taken += 1
+            self._changed.notify()
+            if item[0] is not SKIP:
+                return item
+
+    async def take(self) -> tuple[Any, BaseException | None]:
+        """The next batch (value, error); StopAsyncIteration at the end of the epoch."""
+        while True:
+            item = self.poll()
             if item is not None:
-                self.taken += 1
-                self._notify()
-                if item[0] is SKIP:
-                    continue
                 return item
             if self._total is not None and self.taken >= self._total:
                 raise StopAsyncIteration
@@ -231,10 +241,6 @@ def _describe(key: Any) -> str:
         key = key.tolist()
     text = repr(key)
     return text if len(text) <= 200 else text[:197] + "..."
-
-
-async def _resolve(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
 
 
 class _Abandon:
@@ -487,7 +493,7 @@ class FetchPlan:
     def __post_init__(self) -> None:
         getitems = getattr(self.dataset, "__getitems__", None)
         self._getitems: Callable[[Any], Any] | None = getitems if getitems else None
-        self._async_collate = inspect.iscoroutinefunction(self.collate_fn)
+        self._async_collate = is_async_callable(self.collate_fn)
         self.abandon = _Abandon()
 
     async def in_thread(
@@ -567,7 +573,7 @@ class FetchPlan:
             samples = await self.in_thread(self.fetch_sync, key, limiter=limiter)
         else:
             samples = self.fetch_sync(key)
-        samples = await _resolve(samples)
+        samples = await resolve(samples)
         if self.auto_batch and isinstance(samples, list):
             for position, sample in enumerate(samples):
                 if inspect.isawaitable(sample):
@@ -579,12 +585,12 @@ class FetchPlan:
             value = await self.in_thread(self.dataset.__getitem__, index, limiter=limiter)
         else:
             value = self.dataset[index]
-        return await _resolve(value)
+        return await resolve(value)
 
     async def load(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
         """Fetch and collate one job in a single thread call (``collate_in_thread`` plans)."""
         batch = await self.in_thread(self.load_sync, key, limiter=limiter)
-        return await _resolve(batch)
+        return await resolve(batch)
 
     async def collate(self, samples: Any, limiter: anyio.CapacityLimiter) -> Any:
         if self.collate_in_thread:
@@ -594,7 +600,7 @@ class FetchPlan:
             if batch is SKIP:
                 return batch
         else:
-            batch = await _resolve(self.collate_fn(samples))
+            batch = await resolve(self.collate_fn(samples))
         return batch if self.transform is None else self.transform(batch)
 
 
@@ -890,8 +896,7 @@ class IterableEpoch(Epoch):
             # Close the stream now (files, connections), not whenever it is collected; but not
             # under a pull abandoned in its thread, which may still be running it.
             if not self.plan.abandon.given_up:
-                with anyio.CancelScope(shield=True):
-                    await _close_source(self._source)
+                await close_iterator(self._source)
 
     async def _pull_batches(self) -> None:
         plan = self.plan
@@ -913,10 +918,10 @@ class IterableEpoch(Epoch):
                     batch, ended = await plan.in_thread(
                         plan.pull_sync, source, size, self._drop_last, limiter=limiter
                     )
-                    batch = await _resolve(batch)
+                    batch = await resolve(batch)
                 else:
                     batch, ended = plan.pull_sync(source, size, self._drop_last)
-                    batch = await _resolve(batch)
+                    batch = await resolve(batch)
                 if batch is _NOTHING:
                     break
             except Exception as exc:
@@ -927,16 +932,6 @@ class IterableEpoch(Epoch):
             self.results.publish(seq, batch)
             seq += 1
         self.results.finish(seq)
-
-
-async def _close_source(source: object) -> None:
-    aclose = getattr(source, "aclose", None)
-    if aclose is not None:
-        await aclose()
-        return
-    close = getattr(source, "close", None)
-    if close is not None:  # a sync generator: its cleanup may block, so not on the loop
-        await anyio.to_thread.run_sync(close)
 
 
 async def _serve(remote: Remote, scope: anyio.CancelScope, failure: list[BaseException]) -> None:

@@ -63,6 +63,7 @@ from . import _shm, _spawn
 from ._exceptions import WorkerError
 from ._pipeline import SKIP
 from ._sources import merge_stats, source_stats
+from ._util import Signal
 from ._worker import SETUP_JOB, Kind, Reply, Request, Status, WorkerSetup, worker_main
 
 __all__ = (
@@ -429,8 +430,7 @@ class PoolEpoch:
         pool.holder = self
         self._limit = max(1, pool.setup.prefetch)
         self._pending: dict[int, _Pending] = {}
-        self._changed = anyio.Event()  # a worker started, answered, or the pool failed
-        self._waiters = 0
+        self._changed = Signal()  # a worker started, answered, or the pool failed
         self._serving = False
         self._tg: Any = None
         self._failure: BaseException | None = None
@@ -456,11 +456,11 @@ class PoolEpoch:
                 if worker.outbox:
                     tg.start_soon(self._flush, worker)
             self._serving = True
-            self._notify()
+            self._changed.notify()
             try:
                 if not pool.started:
                     await anyio.to_thread.run_sync(
-                        pool.start, partial(anyio.from_thread.run_sync, self._notify)
+                        pool.start, partial(anyio.from_thread.run_sync, self._changed.notify)
                     )
             except Exception as exc:
                 self._fail(exc)
@@ -483,15 +483,15 @@ class PoolEpoch:
             and self._sent[worker_id] == ticket
             and workers[worker_id].outstanding < self._limit
         ) and worker_id not in self._exhausted:
-            await self._wait()
+            await self._changed.wait()
         if worker_id in self._exhausted:  # its replica has ended: no need to ask
             return SKIP
         self._sent[worker_id] += 1
-        self._notify()  # the worker's next ticket may go once this one is sent
+        self._changed.notify()  # the worker's next ticket may go once this one is sent
         reply = await self._call(workers[worker_id], kind, payload)
         if reply.status == Status.END:
             self._exhausted.add(worker_id)
-            self._notify()  # its later requests need not wait for their turn
+            self._changed.notify()  # its later requests need not wait for their turn
             return SKIP
         if reply.status == Status.ERROR:
             raise reply.value.rebuild()
@@ -515,18 +515,6 @@ class PoolEpoch:
         raise NotImplementedError
 
     # Sending and receiving -------------------------------------------------------------------
-    async def _wait(self) -> None:
-        self._waiters += 1
-        try:
-            await self._changed.wait()
-        finally:
-            self._waiters -= 1
-
-    def _notify(self) -> None:
-        if self._waiters:
-            self._changed.set()
-            self._changed = anyio.Event()
-
     async def _call(self, worker: _WorkerHandle, kind: Kind, key: Any) -> Reply:
         job = next(self.pool.jobs)
         released = worker.released
@@ -573,7 +561,7 @@ class PoolEpoch:
 
     async def _read(self, worker_id: int) -> None:
         while worker_id >= len(self.pool.workers):  # not started yet
-            await self._wait()
+            await self._changed.wait()
         worker = self.pool.workers[worker_id]
         try:
             while True:
@@ -616,7 +604,7 @@ class PoolEpoch:
                 self._fail(reply.value.rebuild())
             return
         worker.outstanding -= 1
-        self._notify()
+        self._changed.notify()
         pending = self._pending.get(reply.job)
         if pending is not None:
             pending.reply = reply

@@ -44,6 +44,7 @@ from ._random import (
     reseeded,
     torch_generator,
 )
+from ._util import close_iterator
 
 __all__ = (
     "BatchSampler", "RandomSampler", "Sampler", "SequentialSampler", "SubsetRandomSampler",
@@ -680,9 +681,7 @@ class BatchSampler(Sampler[list[int]]):
             if batch and not self.drop_last:
                 yield batch
         finally:
-            aclose = getattr(it, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await close_iterator(it)
 
     def __len__(self) -> int:
         """Number of batches; needs ``len()`` of the inner sampler."""

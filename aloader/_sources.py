@@ -36,7 +36,8 @@ from ._formats import (
 from ._http import HttpOptions, http_chunks, make_client
 from ._objstore import ObjectAccess, is_object_url
 from ._sharding import ShardsLike, assign_shards, expand_shards, is_url, resolve_world, worker_slot
-from ._streams import Stream, _Channel, _Closing, _Context
+from ._streams import Stream, _Channel, _Context
+from ._util import Closing, Signal, check_int, check_seconds
 
 if TYPE_CHECKING:
     import httpx
@@ -81,38 +82,6 @@ class SourceOptions(TypedDict, total=False):
     compression: Compression
 
 
-def _check_int(value: object, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = "a positive" if minimum == 1 else "a non-negative"
-        raise ValueError(f"{name} should be {kind} integer, but got {name}={value!r}")
-    return value
-
-
-def _check_seconds(value: object, name: str, allow_none: bool = False) -> Any:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"{name} should be a non-negative number of seconds, but got "
-                         f"{name}={value!r}")
-    return float(value)
-
-
-class _Signal:
-    """A condition several tasks wait on: ``wait()`` returns at the next ``notify()``."""
-
-    __slots__ = ("_event",)
-
-    def __init__(self) -> None:
-        self._event = anyio.Event()
-
-    def notify(self) -> None:
-        self._event.set()
-        self._event = anyio.Event()
-
-    async def wait(self) -> None:
-        await self._event.wait()
-
-
 async def _read_ahead(
     ctx: _Context,
     readers: Sequence[Callable[[], AsyncGenerator[list[Any], None]]],
@@ -126,12 +95,12 @@ async def _read_ahead(
     """
     channels: list[_Channel[list[Any]] | None] = [None] * len(readers)
     slots = anyio.Semaphore(concurrency)
-    signal = _Signal()
+    signal = Signal()
     scope = anyio.CancelScope()
 
     async def read(index: int, channel: _Channel[list[Any]]) -> None:
         try:
-            async with _Closing(readers[index]()) as blocks:
+            async with Closing(readers[index]()) as blocks:
                 async for block in blocks:
                     await channel.put(block)
         except Exception as exc:  # _Abandoned included: then nobody reads it
@@ -312,6 +281,8 @@ class ShardedSource(Stream[T_co]):
     max_record_bytes: int
     skip_errors: bool
     http: HttpOptions
+    compression: Compression
+    objects: ObjectAccess
     stats: SourceStats
 
     def __init__(
@@ -341,15 +312,15 @@ class ShardedSource(Stream[T_co]):
         self.shuffle_shards = bool(shuffle_shards)
         self.seed = seed
         self.rank, self.world_size = resolve_world(rank, world_size)
-        self.concurrency = _check_int(concurrency, "concurrency", 1)
-        self.chunk_size = _check_int(chunk_size, "chunk_size", 1)
-        self.max_record_bytes = _check_int(max_record_bytes, "max_record_bytes", 1)
+        self.concurrency = check_int("concurrency", concurrency)
+        self.chunk_size = check_int("chunk_size", chunk_size)
+        self.max_record_bytes = check_int("max_record_bytes", max_record_bytes)
         self.skip_errors = bool(skip_errors)
         self.http = HttpOptions(
-            timeout=_check_seconds(timeout, "timeout", allow_none=True),
-            retries=_check_int(retries, "retries", 0),
-            backoff=_check_seconds(backoff, "backoff"),
-            max_backoff=_check_seconds(max_backoff, "max_backoff"),
+            timeout=None if timeout is None else check_seconds("timeout", timeout),
+            retries=check_int("retries", retries, minimum=0),
+            backoff=check_seconds("backoff", backoff),
+            max_backoff=check_seconds("max_backoff", max_backoff),
             headers=dict(headers) if headers else None,
             chunk_size=self.chunk_size,
             client_factory=client_factory,
@@ -405,11 +376,11 @@ class ShardedSource(Stream[T_co]):
             ]
             if slots <= 1:
                 for reader in readers:
-                    async with _Closing(reader()) as blocks:
+                    async with Closing(reader()) as blocks:
                         async for block in blocks:
                             yield block
             else:
-                async with _Closing(_read_ahead(ctx, readers, slots, 2)) as blocks:
+                async with Closing(_read_ahead(ctx, readers, slots, 2)) as blocks:
                     async for block in blocks:
                         yield block
         finally:
@@ -436,7 +407,7 @@ class ShardedSource(Stream[T_co]):
         if inflate is not None:
             chunks = decompressed(chunks, inflate)
         try:
-            async with _Closing(chunks) as pieces:
+            async with Closing(chunks) as pieces:
                 async for chunk in pieces:
                     stats.bytes += len(chunk)
                     records = decoder.feed(chunk)

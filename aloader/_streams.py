@@ -1,5 +1,11 @@
 """Composable async streams: the base of aloader's sources and the transforms between them.
 
+It owns :class:`Stream` (epochs, ``set_epoch``), the transforms ``shuffle``, ``map`` (whose
+concurrent results are ordered by :class:`aloader._pipeline.Results`, the loader's own
+buffer), ``filter`` and :func:`interleave`, the adapter :func:`as_stream`, and the plumbing
+of one epoch: the background task that runs the chain (``_Driver``) and the bounded channels
+between tasks (``_Channel``, on anyio's memory object streams).
+
 A :class:`Stream` is an :class:`~aloader.IterableDataset` with ``async def __aiter__``, so
 ``DataLoader(stream, batch_size=...)`` batches it. Internally every stage passes *blocks* (lists
 of items) to the next one, so per-item costs stay small; the consumer still receives one item at
@@ -16,8 +22,7 @@ cancels the background task, which closes every file and connection the stages o
 
 from __future__ import annotations
 
-import inspect
-from collections import deque
+import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast, overload
@@ -32,8 +37,10 @@ from ._backend import Detached
 from ._dataset import IterableDataset
 from ._exceptions import FetchError, RecordError, SourceError
 from ._facade import PrivateLoop, SyncIterator, forbid_running_loop
+from ._pipeline import Results
 from ._random import GeneratorLike, as_generator, draw_seed, permutation
 from ._sharding import worker_slot
+from ._util import Closing, check_int, close_iterator, is_async_callable, single_error
 from ._workerinfo import get_worker_info, served_epoch
 
 __all__ = (
@@ -62,76 +69,60 @@ class _Abandoned(Exception):
 
 
 class _Channel(Generic[T]):
-    """A bounded FIFO between two tasks of one event loop, closable from either end."""
+    """A bounded FIFO between two tasks of one event loop: an anyio memory object stream,
+    with what a stage needs beyond it.
 
-    __slots__ = ("_abandoned", "_capacity", "_changed", "_ended", "_error", "_items")
+    The writer's :meth:`end` may carry an error, which the reader gets after the queued items
+    (``end`` is synchronous: writers call it from ``finally`` blocks, cancelled or not). The
+    reader's :meth:`abandon` drops what is queued and makes the writer's next :meth:`put`
+    raise :class:`_Abandoned`. A channel dropped with an end still open (an epoch's iterator
+    collected unread) closes its ends, so the memory stream does not warn about them.
+    """
+
+    __slots__ = ("_ended", "_error", "_receive", "_send")
 
     def __init__(self, capacity: int) -> None:
-        self._items: deque[T] = deque()
-        self._capacity = max(1, capacity)
-        self._changed = anyio.Event()
+        self._send, self._receive = anyio.create_memory_object_stream[T](max(1, capacity))
         self._ended = False
         self._error: BaseException | None = None
-        self._abandoned = False
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    def __len__(self) -> int:
-        return len(self._items)
 
     async def put(self, item: T) -> None:
         """Append ``item``, waiting while the channel is full; _Abandoned once the reader left."""
-        while len(self._items) >= self._capacity and not self._abandoned:
-            await self._changed.wait()
-        if self._abandoned:
-            raise _Abandoned
-        self._items.append(item)
-        self._notify()
+        try:
+            await self._send.send(item)
+        except anyio.BrokenResourceError:
+            raise _Abandoned from None
 
     def end(self, error: BaseException | None = None) -> None:
         """No more items; the reader gets ``error`` (or the end) after the queued ones."""
         if not self._ended:
             self._ended = True
             self._error = error
-            self._notify()
+            self._send.close()
 
     def abandon(self) -> None:
         """The reader is gone: drop what is queued and release a waiting writer."""
-        self._abandoned = True
-        self._items.clear()
-        self._notify()
+        with contextlib.suppress(anyio.WouldBlock, anyio.EndOfStream):
+            while True:
+                self._receive.receive_nowait()
+        self._receive.close()
 
     async def get(self) -> T:
         """The next item; StopAsyncIteration at the end, or the writer's error (once)."""
-        while not self._items:
-            if self._ended:
-                error, self._error = self._error, None
-                if error is not None:
-                    raise error
-                raise StopAsyncIteration
-            await self._changed.wait()
-        item = self._items.popleft()
-        self._notify()
-        return item
+        try:
+            return await self._receive.receive()
+        except anyio.EndOfStream:
+            pass
+        # Raised outside the except block: the writer's error keeps its own context.
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        raise StopAsyncIteration
 
-
-class _Closing:
-    """``async with`` that closes an async generator, shielded so that cancellation cannot
-    interrupt the release of its files and connections."""
-
-    __slots__ = ("_iterator",)
-
-    def __init__(self, iterator: AsyncGenerator[Any, None]) -> None:
-        self._iterator = iterator
-
-    async def __aenter__(self) -> AsyncGenerator[Any, None]:
-        return self._iterator
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        with anyio.CancelScope(shield=True):
-            await self._iterator.aclose()
+    def __del__(self) -> None:
+        # Unreachable, so no task waits on either end: closing them only marks them closed.
+        self._send.close()
+        self._receive.close()
 
 
 @dataclass(frozen=True, eq=False)
@@ -155,13 +146,6 @@ class _Context:
         return np.random.default_rng(
             [base_seed, self.epoch % _UINT64, self.worker_id, self.num_workers]
         )
-
-
-def _single_error(error: BaseException) -> BaseException:
-    """The one real error inside (nested) exception groups, else the group itself."""
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-        error = error.exceptions[0]
-    return error
 
 
 class _Driver:
@@ -200,7 +184,7 @@ class _Driver:
             # The chain's own error comes first; a helper failing while it winds down after it
             # would only hide it.
             if error is None:
-                error = _single_error(exc)
+                error = single_error(exc) or exc
         finally:
             self.channel.end(error)
             self.done.set()
@@ -208,7 +192,7 @@ class _Driver:
     async def _pump(self, ctx: _Context) -> BaseException | None:
         channel = self.channel
         try:
-            async with _Closing(self.stream._blocks(ctx)) as blocks:
+            async with Closing(self.stream._blocks(ctx)) as blocks:
                 async for block in blocks:
                     if block:
                         await channel.put(block)
@@ -305,13 +289,6 @@ class _StreamIterator(AsyncIterator[T]):
 
 
 # --------------------------------------------------------------------------- the base class
-
-
-def _is_async_callable(fn: object) -> bool:
-    if inspect.iscoroutinefunction(fn):
-        return True
-    call = getattr(fn, "__call__", None)  # noqa: B004 - a callable object with async __call__
-    return call is not None and not inspect.isroutine(fn) and inspect.iscoroutinefunction(call)
 
 
 class Stream(IterableDataset[T_co]):
@@ -475,16 +452,10 @@ class Stream(IterableDataset[T_co]):
 # --------------------------------------------------------------------------- shuffle
 
 
-def _positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} should be a positive integer, but got {name}={value!r}")
-    return value
-
-
 class _Shuffled(Stream[T_co]):
     def __init__(self, upstream: Stream[T_co], buffer_size: int, seed: GeneratorLike) -> None:
         self.upstream = upstream
-        self.buffer_size = _positive_int(buffer_size, "buffer_size")
+        self.buffer_size = check_int("buffer_size", buffer_size)
         self.seed = draw_seed(as_generator(seed))
         #: The most items the buffer has held (a bound the tests check).
         self.max_buffered = 0
@@ -496,7 +467,7 @@ class _Shuffled(Stream[T_co]):
         rng = ctx.rng(self.seed)
         size = self.buffer_size
         buffer: list[T_co] = []
-        async with _Closing(self.upstream._blocks(ctx)) as blocks:
+        async with Closing(self.upstream._blocks(ctx)) as blocks:
             async for block in blocks:
                 room = size - len(buffer)
                 if room > 0:
@@ -523,6 +494,11 @@ class _Shuffled(Stream[T_co]):
 class _ConcurrentMap(Generic[T, U]):
     """``map`` with concurrency: workers pull items, results go back in order (or not).
 
+    Item ``k`` (numbered in input order) is a job of a :class:`~aloader._pipeline.Results`
+    of capacity ``2 * concurrency``: a worker reserves its output slot before it pulls the
+    item, so at most ``2 * concurrency`` items are held between their pull and their hand-over
+    to the consumer, and in order the head of the line can always be handed over.
+
     Workers start as work arrives, not all at once: one runs from the start, and a worker
     that has pulled an item starts another when no worker is left free to pull the next, so
     at most ``min(concurrency, calls in flight + 1)`` exist whatever ``concurrency`` says.
@@ -538,18 +514,12 @@ class _ConcurrentMap(Generic[T, U]):
         self.upstream = upstream
         self.call = call
         self.concurrency = concurrency
-        self.ordered = ordered
-        self.lock = anyio.Lock()
-        # A slot per item between its pull and its hand-over to the consumer.
-        self.window = anyio.Semaphore(2 * concurrency)
+        self.results = Results(2 * concurrency, ordered)
+        self.lock = anyio.Lock()  # one worker at a time reserves, numbers and pulls an item
         self.block: list[T] = []
         self.pos = 0
         self.exhausted = False
         self.next_seq = 0
-        self.total: int | None = None
-        self.done_ordered: dict[int, tuple[bool, Any]] = {}
-        self.done_fifo: deque[tuple[bool, Any]] = deque()
-        self.changed = anyio.Event()
         self.scope = anyio.CancelScope()
         self.group: anyio.abc.TaskGroup | None = None
         self.workers = 0  # started and not returned
@@ -557,51 +527,35 @@ class _ConcurrentMap(Generic[T, U]):
         self.max_running = 0
         self.max_workers = 0
 
-    def notify(self) -> None:
-        self.changed.set()
-        self.changed = anyio.Event()
-
-    def deliver(self, seq: int, ok: bool, value: Any) -> None:
-        if self.ordered:
-            self.done_ordered[seq] = (ok, value)
-        else:
-            self.done_fifo.append((ok, value))
-        self.notify()
-
     async def pull(self) -> tuple[int, T] | None:
         async with self.lock:
             if self.exhausted:
                 return None
+            seq = self.next_seq
+            await self.results.reserve(seq)
             while self.pos >= len(self.block):
                 try:
                     self.block = await self.upstream.__anext__()
                 except StopAsyncIteration:
                     self.exhausted = True
-                    self.total = self.next_seq
-                    self.notify()
+                    self.results.finish(seq)
                     return None
                 except Exception as exc:
                     # The upstream's error takes its place in the order.
                     self.exhausted = True
-                    self.total = self.next_seq + 1
-                    self.deliver(self.next_seq, False, exc)
+                    self.results.publish(seq, None, exc)
+                    self.results.finish(seq + 1)
                     return None
                 self.pos = 0
             item = self.block[self.pos]
             self.pos += 1
-            seq = self.next_seq
             self.next_seq = seq + 1
             if self.pos == len(self.block):
                 self.block = []
             return seq, item
 
     async def worker(self) -> None:
-        while True:
-            await self.window.acquire()
-            got = await self.pull()
-            if got is None:
-                self.window.release()
-                return
+        while (got := await self.pull()) is not None:
             seq, item = got
             self.running += 1
             self.max_running = max(self.max_running, self.running)
@@ -610,9 +564,9 @@ class _ConcurrentMap(Generic[T, U]):
             try:
                 value = await self.call(item)
             except Exception as exc:
-                self.deliver(seq, False, exc)
+                self.results.publish(seq, None, exc)
             else:
-                self.deliver(seq, True, value)
+                self.results.publish(seq, value)
             finally:
                 self.running -= 1
 
@@ -635,19 +589,7 @@ class _ConcurrentMap(Generic[T, U]):
                     self.group = group
                     self.spawn()
         finally:
-            with anyio.CancelScope(shield=True):
-                await self.upstream.aclose()
-
-    def take_ready(self, taken: int) -> list[tuple[bool, Any]]:
-        if self.ordered:
-            out = []
-            while taken in self.done_ordered:
-                out.append(self.done_ordered.pop(taken))
-                taken += 1
-            return out
-        out = list(self.done_fifo)
-        self.done_fifo.clear()
-        return out
+            await close_iterator(self.upstream)
 
 
 class _Mapped(Stream[U]):
@@ -662,9 +604,9 @@ class _Mapped(Stream[U]):
             raise TypeError(f"map needs a callable, but got {fn!r}")
         self.upstream = upstream
         self.fn = fn
-        self.concurrency = _positive_int(concurrency, "concurrency")
+        self.concurrency = check_int("concurrency", concurrency)
         self.ordered = bool(ordered)
-        self.is_async = _is_async_callable(fn)
+        self.is_async = is_async_callable(fn)
         #: The most calls that ran at once, and the most items the stage held.
         self.max_running = 0
 
@@ -675,7 +617,7 @@ class _Mapped(Stream[U]):
         fn = self.fn
         upstream = self.upstream._blocks(ctx)
         if self.concurrency == 1:
-            async with _Closing(upstream) as blocks:
+            async with Closing(upstream) as blocks:
                 async for block in blocks:
                     # The results before a failing item are delivered before its error, as
                     # with concurrency: a block is not all or nothing.
@@ -710,24 +652,23 @@ class _Mapped(Stream[U]):
         mapping: _ConcurrentMap[Any, U] = _ConcurrentMap(upstream, call, self.concurrency,
                                                          self.ordered)
         ctx.group.start_soon(mapping.run)
-        taken = 0
+        results = mapping.results
         try:
             while True:
-                ready = mapping.take_ready(taken)
-                if not ready:
-                    if mapping.total is not None and taken >= mapping.total:
-                        return
-                    await mapping.changed.wait()
-                    continue
+                # A block of every result ready now: the first one waited for, then the rest.
+                try:
+                    ready: tuple[Any, BaseException | None] | None = await results.take()
+                except StopAsyncIteration:
+                    return
                 out: list[U] = []
-                for ok, value in ready:
-                    taken += 1
-                    mapping.window.release()
-                    if not ok:
+                while ready is not None:
+                    value, failure = ready
+                    if failure is not None:
                         if out:
                             yield out
-                        raise value
+                        raise failure
                     out.append(value)
+                    ready = results.poll()
                 self.max_running = max(self.max_running, mapping.max_running)
                 yield out
         finally:
@@ -744,14 +685,14 @@ class _Filtered(Stream[T_co]):
             raise TypeError(f"filter needs a callable, but got {predicate!r}")
         self.upstream = upstream
         self.predicate = predicate
-        self.is_async = _is_async_callable(predicate)
+        self.is_async = is_async_callable(predicate)
 
     def _upstreams(self) -> Sequence[Stream[Any]]:
         return (self.upstream,)
 
     async def _blocks(self, ctx: _Context) -> AsyncGenerator[list[T_co], None]:
         predicate = self.predicate
-        async with _Closing(self.upstream._blocks(ctx)) as blocks:
+        async with Closing(self.upstream._blocks(ctx)) as blocks:
             async for block in blocks:
                 if self.is_async:
                     kept = [item for item in block if await predicate(item)]
@@ -823,7 +764,7 @@ class _Interleaved(Stream[Any]):
         else:
             mixed = self._weighted(cursors, ctx.rng(self.seed), self.weights)
         try:
-            async with _Closing(mixed) as blocks:
+            async with Closing(mixed) as blocks:
                 async for block in blocks:
                     yield block
         finally:
@@ -933,10 +874,7 @@ class _Iterated(Stream[Any]):
                 async for item in iterator:
                     yield [item]
             finally:
-                aclose = getattr(iterator, "aclose", None)
-                if aclose is not None:
-                    with anyio.CancelScope(shield=True):
-                        await aclose()
+                await close_iterator(iterator)
             return
         sync_iterator = iter(source)
         try:
@@ -951,9 +889,7 @@ class _Iterated(Stream[Any]):
                 yield block
                 await anyio.lowlevel.checkpoint()
         finally:
-            close = getattr(sync_iterator, "close", None)
-            if close is not None:
-                close()
+            await close_iterator(sync_iterator, blocking=False)
 
 
 def as_stream(iterable: Any) -> Stream[Any]:

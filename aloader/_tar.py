@@ -37,7 +37,8 @@ from typing import Any, Unpack
 
 from ._formats import BadRecords, Decoder
 from ._sharding import ShardsLike
-from ._sources import ShardedSource, SourceOptions, _check_int
+from ._sources import ShardedSource, SourceOptions
+from ._util import check_int
 
 __all__ = ("TarDecoder", "TarShards", "split_key")
 
@@ -370,6 +371,9 @@ class TarShards(ShardedSource[dict[str, Any]]):
                            shuffle_shards=True, seed=0).shuffle(1_000, seed=0)
     """
 
+    decoders: dict[str, Callable[[bytes], Any]]
+    max_sample_bytes: int
+
     def __init__(self, shards: ShardsLike, *,
                  decoders: Mapping[str, Callable[[bytes], Any]] | None = None,
                  max_sample_bytes: int = _DEFAULT_MAX_SAMPLE_BYTES,
@@ -386,7 +390,7 @@ class TarShards(ShardedSource[dict[str, Any]]):
                     raise TypeError(f"decoders should map extensions (str) to callables, "
                                     f"but got {ext!r}: {fn!r}")
         self.decoders = {ext.lower(): fn for ext, fn in (decoders or {}).items()}
-        self.max_sample_bytes = _check_int(max_sample_bytes, "max_sample_bytes", 1)
+        self.max_sample_bytes = check_int("max_sample_bytes", max_sample_bytes)
 
     def _decoder(self, name: str, bad: BadRecords) -> Decoder[dict[str, Any]]:
         return TarDecoder(name, bad, self.max_sample_bytes, self.decoders)

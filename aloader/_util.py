@@ -1,0 +1,189 @@
+"""Small helpers every part of aloader shares, each the one place its job is done.
+
+It owns: :class:`Signal` (wake every task waiting for a change), :func:`is_async_callable`
+(whether calling something gives an awaitable to await), :func:`resolve` (await a value if it
+is awaitable), :func:`single_error` (the one error inside task-group exception groups),
+:func:`close_iterator` and :class:`Closing` (release a sync or async iterator's files and
+connections now, shielded from cancellation), and
+the argument checks :func:`check_int` and :func:`check_seconds`, whose messages name the
+argument and what it should be. It imports nothing from aloader, so any module may use it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import sys
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+__all__ = (
+    "Signal",
+    "check_int",
+    "check_seconds",
+    "close_iterator",
+    "is_async_callable",
+    "resolve",
+    "single_error",
+)
+
+
+class Signal:
+    """A change several tasks of one event loop wait for.
+
+    :meth:`wait` returns at the first :meth:`notify` after it started; a ``notify`` with no
+    task waiting is forgotten, so a waiter re-checks its condition in a loop
+    (``while not ready: await signal.wait()``) and never misses a change made before it waited.
+    ``notify`` is synchronous and cheap when nobody waits (no event is made); it must be
+    called on the loop's thread (from another thread, through the loop's call-soon).
+    """
+
+    __slots__ = ("_event", "_waiters")
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+        self._waiters = 0
+
+    def notify(self) -> None:
+        if self._waiters:
+            self._event.set()
+            self._event = anyio.Event()
+
+    async def wait(self) -> None:
+        self._waiters += 1
+        try:
+            await self._event.wait()
+        finally:
+            self._waiters -= 1
+
+
+def is_async_callable(fn: object) -> bool:
+    """Whether calling ``fn`` returns a coroutine to await: an ``async def`` function or
+    bound method, an object whose ``__call__`` is ``async def``, or a ``functools.partial``
+    of any of those. A class is not (calling it makes an instance); None is not."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if inspect.iscoroutinefunction(fn):
+        return True
+    if fn is None or isinstance(fn, type) or inspect.isroutine(fn):
+        return False
+    call = getattr(fn, "__call__", None)  # noqa: B004 - a callable object with async __call__
+    return call is not None and inspect.iscoroutinefunction(call)
+
+
+async def resolve(value: Any) -> Any:
+    """``value``, awaited first if it is awaitable (a fetch or collate of either kind)."""
+    if inspect.isawaitable(value):
+        return await value
+    return value
+
+
+def single_error(error: BaseException) -> BaseException | None:
+    """The one error inside (nested) exception groups, or None when they hold several.
+
+    A task group wraps the error of its one failing task in a group of one (trio and anyio
+    nest them); this unwraps it so the error reaches the caller with its own type. An error
+    that is no group is its own single error.
+    """
+    while isinstance(error, BaseExceptionGroup):
+        if len(error.exceptions) != 1:
+            return None
+        error = error.exceptions[0]
+    return error
+
+
+async def close_iterator(iterator: object, *, blocking: bool = True) -> None:
+    """Close ``iterator`` now (``aclose()`` or ``close()``, whichever it has), shielded from
+    cancellation so that a cancelled epoch still releases its files and connections.
+
+    A synchronous ``close()`` runs a generator's cleanup, which may block: with ``blocking``
+    it runs in a worker thread, else on the loop (for iterators that were pulled on the loop
+    and promise not to block). Never call it while another thread may still be running the
+    iterator (a pull abandoned in its thread): the caller skips the close then.
+    """
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        with anyio.CancelScope(shield=True):
+            await aclose()
+        return
+    close = getattr(iterator, "close", None)
+    if close is None:
+        return
+    if blocking:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(close)
+    else:
+        close()
+
+
+class Closing:
+    """``async with`` that closes an async generator, shielded so that cancellation cannot
+    interrupt the release of its files and connections."""
+
+    __slots__ = ("_iterator",)
+
+    def __init__(self, iterator: AsyncGenerator[Any, None]) -> None:
+        self._iterator = iterator
+
+    async def __aenter__(self) -> AsyncGenerator[Any, None]:
+        return self._iterator
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await close_iterator(self._iterator)
+
+
+def check_int(
+    name: str,
+    value: object,
+    *,
+    minimum: int = 1,
+    maximum: int | None = None,
+    noun: str = "integer",
+) -> int:
+    """``value`` if it is an int (not a bool) from ``minimum`` (1 or 0) to ``maximum``.
+
+    Raises:
+        ValueError: naming ``name``: "``name`` should be a positive ``noun``, but got
+            ``name=value``" ("non-negative" for ``minimum=0``), or "should be at most ...".
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = {1: "a positive", 0: "a non-negative"}.get(minimum, f"at least {minimum}, as")
+        raise ValueError(f"{name} should be {kind} {noun}, but got {name}={value!r}")
+    if maximum is not None and value > maximum:
+        bound = f"sys.maxsize={maximum}" if maximum == sys.maxsize else str(maximum)
+        raise ValueError(f"{name} should be at most {bound}, but got {name}={value!r}")
+    return value
+
+
+def check_seconds(
+    name: str, value: object, *, allow_zero: bool = True, allow_inf: bool = True
+) -> float:
+    """``value`` as a number of seconds (a float); where None is allowed (meaning "no
+    limit"), the caller checks ``None if value is None else check_seconds(...)``.
+
+    An int too large for a float counts as infinitely far (``inf``, or ``-inf``).
+
+    Raises:
+        ValueError: naming ``name``: not a number (NaN and None included), negative (or zero
+            where not ``allow_zero``), or infinite where not ``allow_inf``.
+    """
+    if value is None:
+        raise ValueError(f"{name} should be a number of seconds, but got {name}=None")
+    seconds = math.nan
+    if not isinstance(value, bool) and isinstance(value, (int, float)):
+        try:
+            seconds = float(value)
+        except OverflowError:
+            seconds = math.inf if value > 0 else -math.inf
+    if math.isnan(seconds):
+        raise ValueError(f"{name} should be a number of seconds, but got {name}={value!r}")
+    if seconds < 0 or (seconds == 0 and not allow_zero):
+        bound = "non-negative" if allow_zero else "positive"
+        raise ValueError(f"{name} should be {bound}, but got {name}={value!r}")
+    if seconds == math.inf and not allow_inf:
+        raise ValueError(f"{name} should be finite, but got {name}={value!r}")
+    return seconds

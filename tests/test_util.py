@@ -1,0 +1,210 @@
+"""aloader._util: the shared helpers' contracts, and the callers that rely on them agreeing.
+
+The bug this module fixed: ``FetchPlan`` asked ``inspect.iscoroutinefunction`` whether
+``collate_fn`` was async, so an object with ``async def __call__`` collated on the loop without
+workers but was called synchronously (returning a coroutine) in threads and worker processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+import anyio
+import pytest
+
+import aloader
+from aloader import DataLoader, _util
+
+pytestmark = pytest.mark.anyio
+
+GUARD = 60  # seconds: a hang guard, never a timing assertion
+
+
+# Module level: worker processes unpickle these ---------------------------------------------------
+class Listed(list[int]):
+    """A list by another type: the loader fetches it in threads rather than on the loop."""
+
+
+SQUARES = [i * i for i in range(10)]
+BATCHES = [(0, 1, 4, 9), (16, 25, 36, 49), (64, 81)]
+
+
+class AsyncCollate:
+    """A collate_fn object whose ``__call__`` is ``async def``."""
+
+    async def __call__(self, samples: list[int]) -> tuple[int, ...]:
+        await anyio.lowlevel.checkpoint()
+        return tuple(samples)
+
+
+class AsyncDouble:
+    async def __call__(self, value: Any) -> Any:
+        await anyio.lowlevel.checkpoint()
+        if isinstance(value, list):
+            return [2 * v for v in value]
+        return 2 * value
+
+
+async def _double(value: int) -> int:
+    return 2 * value
+
+
+class _Methods:
+    async def coro(self) -> None:
+        pass
+
+    def plain(self) -> None:
+        pass
+
+
+# is_async_callable ---------------------------------------------------------------------------
+def test_is_async_callable_kinds() -> None:
+    async def coro(x: int) -> int:
+        return x
+
+    def plain(x: int) -> int:
+        return x
+
+    methods = _Methods()
+    assert _util.is_async_callable(coro)
+    assert _util.is_async_callable(functools.partial(coro))
+    assert _util.is_async_callable(functools.partial(functools.partial(coro), 1))
+    assert _util.is_async_callable(AsyncDouble())
+    assert _util.is_async_callable(functools.partial(AsyncDouble()))
+    assert _util.is_async_callable(methods.coro)
+    assert not _util.is_async_callable(plain)
+    assert not _util.is_async_callable(functools.partial(plain, 1))
+    assert not _util.is_async_callable(methods.plain)
+    assert not _util.is_async_callable(AsyncDouble)  # the class: calling it makes an instance
+    assert not _util.is_async_callable(None)
+    assert not _util.is_async_callable(len)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_async_call_object_as_collate_fn(num_workers: int) -> None:
+    # Failed before the fix with workers: their collate returned an un-awaited coroutine.
+    loader = DataLoader(SQUARES, batch_size=4, num_workers=num_workers,
+                        collate_fn=AsyncCollate(), timeout=GUARD if num_workers else 0)
+    assert list(loader) == BATCHES
+
+
+@pytest.mark.parametrize("max_concurrency", [None, 8])
+def test_async_call_object_as_collate_fn_in_threads(max_concurrency: int | None) -> None:
+    # Fetches in threads, whole batches or single items: the collate is awaited on the loop.
+    loader = DataLoader(Listed(SQUARES), batch_size=4, collate_fn=AsyncCollate(),
+                        max_concurrency=max_concurrency)
+    assert list(loader) == BATCHES
+
+
+async def test_async_call_object_in_stream_map(anyio_backend: str) -> None:
+    for concurrency in (1, 4):
+        stream = aloader.as_stream(range(10)).map(AsyncDouble(), concurrency=concurrency)
+        assert [x async for x in stream] == [2 * i for i in range(10)]
+        partial = aloader.as_stream(range(10)).map(functools.partial(_double),
+                                                   concurrency=concurrency)
+        assert [x async for x in partial] == [2 * i for i in range(10)]
+
+
+async def test_async_call_object_in_batcher(anyio_backend: str) -> None:
+    async with aloader.Batcher(AsyncDouble(), max_batch_size=4) as batcher:
+        assert await batcher(3) == 6
+
+
+# Signal --------------------------------------------------------------------------------------
+async def test_signal_wakes_every_waiter_once(anyio_backend: str) -> None:
+    signal = _util.Signal()
+    woken: list[int] = []
+    signal.notify()  # nobody waits: nothing is remembered
+
+    async def waiter(n: int) -> None:
+        await signal.wait()
+        woken.append(n)
+
+    async with anyio.create_task_group() as tg:
+        for n in range(3):
+            tg.start_soon(waiter, n)
+        await anyio.wait_all_tasks_blocked()
+        assert woken == []
+        signal.notify()
+    assert sorted(woken) == [0, 1, 2]
+    with anyio.move_on_after(0.01) as scope:  # a notify before a wait does not end the wait
+        await signal.wait()
+    assert scope.cancelled_caught
+
+
+# single_error --------------------------------------------------------------------------------
+def test_single_error() -> None:
+    a, b = ValueError("a"), KeyError("b")
+    assert _util.single_error(a) is a
+    assert _util.single_error(ExceptionGroup("g", [a])) is a
+    assert _util.single_error(ExceptionGroup("g", [ExceptionGroup("h", [a])])) is a
+    assert _util.single_error(ExceptionGroup("g", [a, b])) is None
+    assert _util.single_error(ExceptionGroup("g", [ExceptionGroup("h", [a, b])])) is None
+
+
+# resolve and close_iterator ------------------------------------------------------------------
+async def test_resolve(anyio_backend: str) -> None:
+    async def seven() -> int:
+        return 7
+
+    assert await _util.resolve(7) == 7
+    assert await _util.resolve(seven()) == 7
+
+
+async def test_close_iterator_sync_and_async(anyio_backend: str) -> None:
+    closed: list[str] = []
+
+    def sync_gen() -> Any:
+        try:
+            yield 1
+        finally:
+            closed.append("sync")
+
+    async def async_gen() -> Any:
+        try:
+            yield 1
+        finally:
+            await anyio.lowlevel.checkpoint()  # runs even under cancellation: shielded
+            closed.append("async")
+
+    for blocking in (False, True):
+        it = sync_gen()
+        next(it)
+        await _util.close_iterator(it, blocking=blocking)
+    agen = async_gen()
+    await agen.__anext__()
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await _util.close_iterator(agen)
+    await _util.close_iterator(iter([1, 2]))  # nothing to close
+    assert closed == ["sync", "sync", "async"]
+
+
+# Argument checks -----------------------------------------------------------------------------
+def test_check_seconds() -> None:
+    assert _util.check_seconds("t", 0) == 0.0
+    assert _util.check_seconds("t", 10**400) == float("inf")
+    with pytest.raises(ValueError, match=r"^t should be a number of seconds, but got t=None$"):
+        _util.check_seconds("t", None)
+    with pytest.raises(ValueError, match=r"^t should be a number of seconds, but got t=nan$"):
+        _util.check_seconds("t", float("nan"))
+    with pytest.raises(ValueError, match=r"^t should be positive, but got t=0$"):
+        _util.check_seconds("t", 0, allow_zero=False)
+    with pytest.raises(ValueError, match=r"^t should be non-negative, but got t=-1$"):
+        _util.check_seconds("t", -1)
+    with pytest.raises(ValueError, match=r"^t should be finite, but got t=inf$"):
+        _util.check_seconds("t", float("inf"), allow_inf=False)
+
+
+def test_check_int() -> None:
+    assert _util.check_int("n", 3, minimum=1) == 3
+    assert _util.check_int("n", 0, minimum=0) == 0
+    for bad in (0, -1, True, 1.0, "1", None):
+        with pytest.raises(ValueError, match=r"^n should be a positive integer, but got n="):
+            _util.check_int("n", bad, minimum=1)
+    with pytest.raises(ValueError, match=r"^n should be a non-negative integer, but got n=-1$"):
+        _util.check_int("n", -1, minimum=0)
+    with pytest.raises(ValueError, match="at most sys.maxsize"):
+        _util.check_int("n", sys.maxsize + 1, minimum=1, maximum=sys.maxsize)
