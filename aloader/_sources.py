@@ -282,7 +282,7 @@ class ShardedSource(Stream[T_co]):
     skip_errors: bool
     http: HttpOptions
     compression: Compression
-    objects: ObjectAccess
+    _objects: ObjectAccess
     stats: SourceStats
 
     def __init__(
@@ -325,8 +325,8 @@ class ShardedSource(Stream[T_co]):
             chunk_size=self.chunk_size,
             client_factory=client_factory,
         )
-        self.objects = ObjectAccess(store, self.http)
-        self.shards: list[str] = expand_shards(shards, self.objects)
+        self._objects = ObjectAccess(store, self.http)
+        self.shards: list[str] = expand_shards(shards, self._objects)
         self.stats = SourceStats()
 
     def _decoder(self, name: str, bad: BadRecords) -> Decoder[T_co]:
@@ -401,7 +401,7 @@ class ShardedSource(Stream[T_co]):
         if client is not None and is_url(name):
             chunks = http_chunks(client, name, self.http, stats, on_size)
         elif is_object_url(name):
-            chunks = self.objects.chunks(name, stats, on_size)
+            chunks = self._objects.chunks(name, stats, on_size)
         else:
             chunks = file_chunks(name, self.chunk_size, on_size)
         if inflate is not None:
