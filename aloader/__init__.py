@@ -36,6 +36,7 @@ from ._exceptions import (
 )
 from ._formats import SourceStats
 from ._loader import DataLoader
+from ._mix import mix
 from ._sampler import (
     BatchSampler,
     RandomSampler,
@@ -87,6 +88,7 @@ __all__ = (
     "TextLines",
     "as_stream",
     "interleave",
+    "mix",
     # inference batching
     "Batcher",
     "batch",
