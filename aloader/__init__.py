@@ -37,6 +37,7 @@ from ._exceptions import (
 from ._formats import SourceStats
 from ._loader import DataLoader
 from ._mix import mix
+from ._parquet import ParquetRows
 from ._sampler import (
     BatchSampler,
     RandomSampler,
@@ -82,6 +83,7 @@ __all__ = (
     "BinaryRecords",
     "JsonLines",
     "NpyRows",
+    "ParquetRows",
     "ShardedSource",
     "SourceStats",
     "Stream",
