@@ -119,7 +119,7 @@ async def test_loader_collates_rows(tmp_path: Path, anyio_backend: str) -> None:
     path = write(tmp_path / "x.parquet", 0, 40, 16)
     loader = DataLoader(ParquetRows(path, columns=["id", "name"]), batch_size=16)
     batches = [b async for b in loader]
-    assert [b["id"].tolist() for b in batches][0] == list(range(16))
+    assert batches[0]["id"].tolist() == list(range(16))
     assert batches[2]["name"] == [f"row{i}" for i in range(32, 40)]
 
 
