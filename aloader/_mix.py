@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
@@ -39,6 +40,8 @@ StopRule: TypeAlias = Literal["first_exhausted", "all_exhausted", "never"]
 _STOPS: tuple[str, ...] = ("first_exhausted", "all_exhausted", "never")
 # Uniforms drawn per call of the generator (speed only: the sequence does not depend on it).
 _DRAWS = 1024
+# Picks served at once by :func:`_serve` when every running source has this many items ready.
+_VECTOR_MIN = 32
 
 
 @dataclass
@@ -114,6 +117,42 @@ class _Input:
         if blocks is not None:
             with anyio.CancelScope(shield=True):
                 await blocks.aclose()
+
+
+def _serve(picks: Any, inputs: list[_Input], out: list[Any]) -> int:
+    """Serve the longest prefix of ``picks`` that the sources' current blocks can, at once.
+
+    The result is the item-by-item loop's: the ``j``-th pick of source ``s`` in the prefix
+    takes the ``j``-th item left in ``s``'s block. Returns the picks served.
+    """
+    count = len(picks)
+    order = np.argsort(picks, kind="stable")  # positions grouped by source, in order
+    grouped = picks[order]
+    counts = np.bincount(picks, minlength=len(inputs))
+    starts = np.cumsum(counts) - counts
+    rank = np.arange(count) - starts[grouped]  # how many earlier picks chose the same source
+    left = np.fromiter((len(s.block) - s.pos for s in inputs), np.int64, len(inputs))
+    short = rank >= left[grouped]
+    if short.any():
+        count = int(order[short].min())
+        if count == 0:
+            return 0
+        # The prefix's positions, still grouped by source and in order within each.
+        order = order[order < count]
+        counts = np.bincount(picks[:count], minlength=len(inputs))
+    flat: list[Any] = []
+    for index in np.flatnonzero(counts).tolist():
+        source = inputs[index]
+        taken = int(counts[index])
+        flat.extend(source.block[source.pos : source.pos + taken])
+        source.pos += taken
+    if count == 1:
+        out.append(flat[0])
+        return 1
+    where = np.empty(count, dtype=np.intp)
+    where[order] = np.arange(count)  # output position -> its item in ``flat``
+    out.extend(operator.itemgetter(*where.tolist())(flat))
+    return count
 
 
 def _check_weights(weights: object, count: int) -> list[float]:
@@ -194,34 +233,54 @@ class _Mixed(Stream[Any]):
                 # side="right": the first source whose cumulative weight exceeds u * total, so
                 # a finished source (an empty interval) is never picked; the clip guards the
                 # rounding of u * total up to total.
-                picks = np.searchsorted(cdf, uniforms[used:] * cdf[-1], side="right")
+                picks = np.minimum(
+                    np.searchsorted(cdf, uniforms[used:] * cdf[-1], side="right"), last)
+                listed: list[int] | None = None  # ``picks`` as a list, once the loop needs it
+                first = used  # ``used`` is ``first + step`` below
+                step, count = 0, len(picks)
                 changed = False
-                for index in np.minimum(picks, last).tolist():
-                    source = inputs[index]
-                    pos = source.pos
-                    block = source.block
-                    if pos < len(block):
+                while step < count:
+                    if count - step >= _VECTOR_MIN and all(
+                            len(s.block) - s.pos >= _VECTOR_MIN
+                            for s, ok in zip(inputs, live, strict=True) if ok):
+                        step += _serve(picks[step:], inputs, out)
+                    if step == count:
+                        break
+                    # Item by item, up to the next pick whose source needs a new block.
+                    if listed is None:
+                        listed = picks.tolist()
+                    while step < count:
+                        source = inputs[listed[step]]
+                        pos = source.pos
+                        block = source.block
+                        if pos >= len(block):
+                            break
                         out.append(block[pos])
                         source.pos = pos + 1
-                        used += 1
-                        continue
+                        step += 1
+                    if step == count:
+                        break
+                    index = listed[step]
+                    source = inputs[index]
+                    used = first + step
                     try:
                         more = await source.refill()
                         if not more and stop == "never" and source.in_pass() > 0:
                             source.start_pass()  # a new pass over a source that had items
                             more = await source.refill()
-                    except BaseException:
-                        # What was mixed before a failing source is delivered before its error.
+                    except Exception:
+                        # What was mixed before a failing source is delivered before its error
+                        # (not on cancellation: a cancelled generator must not yield).
                         if out:
                             note()
                             yield out
                         raise
-                    used += 1
+                    step += 1  # this pick's uniform is spent, whatever it found
                     if more:
                         out.append(source.block[0])
                         source.pos = 1
                         continue
-                    # The pick that found its source finished has spent its uniform.
+                    used = first + step
                     position.done[index] = True
                     if stop == "first_exhausted":
                         note()
@@ -232,6 +291,7 @@ class _Mixed(Stream[Any]):
                     live[index] = False
                     changed = True
                     break
+                used = first + step
                 if out and (not changed or len(out) >= _DRAWS):
                     note()
                     yield out

@@ -122,13 +122,22 @@ async def test_sequence_is_the_reference_whatever_the_block_sizes(
     on the sources' blocks; and each pick is a draw from the running sources' weights."""
     weights, lengths = [3.0, 0.0, 1.0, 2.0], [500, 40, 120, 2000]
     runs = []
-    for draws, block in [(1024, 10), (7, 1), (1, 333), (4096, 64)]:
+    served: list[int] = []
+    serve = aloader._mix._serve
+
+    def counting(*args: Any) -> int:
+        served.append(serve(*args))
+        return served[-1]
+
+    monkeypatch.setattr(aloader._mix, "_serve", counting)
+    for draws, block in [(1024, 10), (7, 1), (1, 333), (4096, 64), (1024, 333)]:
         monkeypatch.setattr(aloader._mix, "_DRAWS", draws)
         sources = [Tagged(t, n, block) for t, n in enumerate(lengths)]
         mixed = mix(sources, weights, seed=123, stop=stop)  # type: ignore[arg-type]
         runs.append(await collect(mixed))
         assert sources[1].produced == 0  # weight 0: never read
     assert all(run == runs[0] for run in runs)
+    assert sum(served) >= len(runs[0]) // 2  # the vectorised path served many of them
     expected = reference(mixed.seed, 0, weights, lengths, stop)  # type: ignore[attr-defined]
     assert runs[0] == expected
 
