@@ -48,8 +48,9 @@ def open_parquet_shard(name: str) -> Any:
     ``http(s)://`` plug in here (anything pyarrow accepts: a ``pyarrow.NativeFile`` or a
     Python file object with ``seek``, ``tell`` and ``read``).
     """
-    pa, _ = _pyarrow()
-    return pa.OSFile(name, "r")
+    _pyarrow()
+    # What ``pq.ParquetFile(path)`` opens itself: the same reads as pyarrow's own loop.
+    return importlib.import_module("pyarrow.fs").LocalFileSystem().open_input_file(name)
 
 
 def _is_remote(name: str) -> bool:
@@ -279,30 +280,6 @@ class ParquetRows(ShardedSource[Any]):
                 async for block in blocks:
                     yield block
 
-    def _open(self, unit: _Unit) -> tuple[Any, Any, int, list[tuple[int, int]]]:
-        """(handle, batch iterator, footer bytes, [(rows so far, bytes), ...] per row group)
-        for ``unit`` (blocking; counts nothing, as it runs in a thread)."""
-        _, pq = _pyarrow()
-        handle = open_parquet_shard(unit.name)
-        try:
-            parquet = pq.ParquetFile(handle)
-            metadata = parquet.metadata
-            leaves = self._leaves(unit.name, metadata.schema)
-            groups = unit.groups if unit.groups is not None else range(metadata.num_row_groups)
-            ends: list[tuple[int, int]] = []
-            rows = 0
-            for group in groups:
-                chunk = metadata.row_group(group)
-                rows += chunk.num_rows
-                ends.append((rows, sum(chunk.column(i).total_compressed_size for i in leaves)))
-            footer = metadata.serialized_size + 8  # the footer, its length and the magic
-            batches = parquet.iter_batches(batch_size=self.batch_rows, row_groups=list(groups),
-                                           columns=self.columns)
-        except BaseException:
-            handle.close()
-            raise
-        return handle, batches, footer, ends
-
     def _leaves(self, name: str, schema: Any) -> list[int]:
         """Indices of the leaf columns read; an unknown column is an error (pyarrow would
         silently read none)."""
@@ -327,47 +304,90 @@ class ParquetRows(ShardedSource[Any]):
         rows: list[Any] = batch.to_pylist()
         return rows
 
-    def _next(self, batches: Any) -> tuple[int, list[Any]] | None:
-        """(rows, items) of the next batch, or None at the end (blocking)."""
-        batch = next(batches, None)
-        if batch is None:
-            return None
-        return batch.num_rows, self._convert(batch)
-
     async def _read_unit(self, unit: _Unit) -> AsyncGenerator[list[Any], None]:
         """One file's (or its row groups') rows, a block per batch."""
         stats = self.stats
         bad = BadRecords(self.skip_errors, stats)
+        reader = _UnitReader(self, unit)
         try:
-            handle, batches, footer, ends = await anyio.to_thread.run_sync(self._open, unit)
-        except Exception as exc:
-            error = _located(unit.name, exc)
-            if isinstance(error, RecordError) and bad(error):
-                return
-            _reraise(error, exc)
-        stats.bytes += footer
-        try:
-            rows = 0
             counted = 0  # row groups whose bytes are counted
             while True:
+                before = reader.rows
                 try:
-                    got = await anyio.to_thread.run_sync(self._next, batches)
+                    items = await anyio.to_thread.run_sync(reader.next)
                 except Exception as exc:
                     error = _located(unit.name, exc)
                     if isinstance(error, RecordError) and bad(error):
                         return
                     _reraise(error, exc)
-                if got is None:
+                finally:
+                    stats.bytes += reader.footer
+                    reader.footer = 0
+                if items is None:
                     break
-                count, items = got
-                rows += count
-                while counted < len(ends) and ends[counted][0] <= rows:
+                ends = reader.ends
+                while counted < len(ends) and ends[counted][0] <= reader.rows:
                     stats.bytes += ends[counted][1]
                     counted += 1
-                stats.records += count
+                stats.records += reader.rows - before
                 if items:
                     yield items
             if unit.owns_last:
                 stats.shards += 1
         finally:
-            handle.close()
+            reader.close()
+
+
+class _UnitReader:
+    """Reads one unit, a batch per call of :meth:`next` (blocking: called in a thread).
+
+    The first call also opens the file, and the end is known from the footer's row counts,
+    so a unit of ``n`` batches costs ``n`` thread calls. It counts nothing itself (it runs in a
+    thread); the caller reads :attr:`rows`, :attr:`footer` and :attr:`ends` between calls.
+    """
+
+    def __init__(self, source: ParquetRows, unit: _Unit) -> None:
+        self.source = source
+        self.unit = unit
+        self.handle: Any = None
+        self.batches: Any = None
+        #: Rows read so far, and the rows of the unit.
+        self.rows = 0
+        self.total = 0
+        #: Bytes of the footer, once read (until the caller counts them).
+        self.footer = 0
+        #: Per row group read: (rows up to its end, bytes of its column chunks read).
+        self.ends: list[tuple[int, int]] = []
+
+    def _open(self) -> None:
+        _, pq = _pyarrow()
+        source, unit = self.source, self.unit
+        self.handle = open_parquet_shard(unit.name)
+        parquet = pq.ParquetFile(self.handle)
+        metadata = parquet.metadata
+        self.footer = metadata.serialized_size + 8  # the footer, its length and the magic
+        leaves = source._leaves(unit.name, metadata.schema)
+        groups = unit.groups if unit.groups is not None else range(metadata.num_row_groups)
+        for group in groups:
+            chunk = metadata.row_group(group)
+            self.total += chunk.num_rows
+            self.ends.append((self.total,
+                              sum(chunk.column(i).total_compressed_size for i in leaves)))
+        self.batches = parquet.iter_batches(batch_size=source.batch_rows,
+                                            row_groups=list(groups), columns=source.columns)
+
+    def next(self) -> list[Any] | None:
+        """The items of the next batch, or None at the end of the unit."""
+        if self.handle is None:
+            self._open()
+        if self.rows >= self.total:
+            return None
+        batch = next(self.batches, None)
+        if batch is None:
+            return None
+        self.rows += batch.num_rows
+        return self.source._convert(batch)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
