@@ -104,7 +104,7 @@ class ParquetRows(ShardedSource[Any]):
     workers, and, with ``shuffle_shards``, the files (or row groups) come in a new order every
     epoch, the same on every consumer. A consumer reads up to ``concurrency`` files at once
     and hands their rows on in order, so the output is reproducible. It holds at most about
-    ``2 * concurrency + 2`` batches of ``batch_rows`` rows.
+    ``3 * concurrency + 2`` batches of ``batch_rows`` rows.
 
     Rows (``as_batches=False``) are dicts ``{column: value}`` of Python values
     (``RecordBatch.to_pylist()``: nested structs are dicts, lists are lists, nulls None); the
