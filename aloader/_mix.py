@@ -40,8 +40,12 @@ StopRule: TypeAlias = Literal["first_exhausted", "all_exhausted", "never"]
 _STOPS: tuple[str, ...] = ("first_exhausted", "all_exhausted", "never")
 # Uniforms drawn per call of the generator (speed only: the sequence does not depend on it).
 _DRAWS = 1024
-# Picks served at once by :func:`_serve` when every running source has this many items ready.
+# Items a source's refill gathers (from as many of its blocks as that takes).
+_GATHER = 1024
+# Picks served at once by :func:`_serve` when every running source has this many items ready,
 _VECTOR_MIN = 32
+# ... and at most this many sources run (it costs a pass over the picks per source).
+_VECTOR_SOURCES = 8
 
 
 @dataclass
@@ -64,9 +68,16 @@ class MixPosition:
 
 
 class _Input:
-    """One source of a mix: its current pass, its block and the position in it."""
+    """One source of a mix: its current pass, its block and the position in it.
 
-    __slots__ = ("block", "blocks", "ctx", "passes", "pos", "stream", "taken")
+    A refill gathers the source's blocks up to ``_GATHER`` items (or the end of the pass), so
+    that :func:`_serve` serves long runs of picks whatever the source's block size; the
+    stage holds at most that block per source. The end of the pass, or an error, found while
+    gathering is reported at the refill after, once the items before it are taken.
+    """
+
+    __slots__ = ("block", "blocks", "ctx", "ended", "error", "passes", "pos", "stream",
+                 "taken")
 
     def __init__(self, stream: Stream[Any], ctx: _Context) -> None:
         self.stream = stream
@@ -76,6 +87,8 @@ class _Input:
         self.pos = 0
         self.taken = 0  # items of the current pass in blocks before ``block``
         self.passes = 0
+        self.ended = False  # the pass ended after ``block``
+        self.error: Exception | None = None  # ... or failed after it
 
     def start_pass(self) -> None:
         # Pass p of epoch e reads the source as its own epoch e + p would: a new shard order
@@ -88,25 +101,41 @@ class _Input:
         self.pos = 0
         self.taken = 0
         self.passes += 1
+        self.ended = False
 
     async def refill(self) -> bool:
-        """Load the next non-empty block of the current pass; False at its end."""
+        """Load the next items of the current pass; False at its end."""
+        self.taken += len(self.block)
+        self.block = []
+        self.pos = 0
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        if self.ended:
+            return False
         if self.blocks is None:
             self.start_pass()
         assert self.blocks is not None
-        self.taken += len(self.block)
-        while True:
+        gathered: list[Any] = []
+        while len(gathered) < _GATHER:
             try:
                 block = await self.blocks.__anext__()
             except StopAsyncIteration:
-                self.block = []
-                self.pos = 0
+                self.ended = True
                 await self.close()
-                return False
+                break
+            except Exception as exc:
+                if not gathered:
+                    raise
+                self.error = exc
+                break
             if block:
-                self.block = block
-                self.pos = 0
-                return True
+                if gathered:
+                    gathered.extend(block)
+                else:
+                    gathered = block if len(block) >= _GATHER else list(block)
+        self.block = gathered
+        return bool(gathered)
 
     def in_pass(self) -> int:
         """Items taken from the current pass."""
@@ -123,35 +152,34 @@ def _serve(picks: Any, inputs: list[_Input], out: list[Any]) -> int:
     """Serve the longest prefix of ``picks`` that the sources' current blocks can, at once.
 
     The result is the item-by-item loop's: the ``j``-th pick of source ``s`` in the prefix
-    takes the ``j``-th item left in ``s``'s block. Returns the picks served.
+    takes the ``j``-th item left in ``s``'s block. Returns the picks served. One pass over
+    ``picks`` per source picked: meant for a few sources.
     """
     count = len(picks)
-    order = np.argsort(picks, kind="stable")  # positions grouped by source, in order
-    grouped = picks[order]
-    counts = np.bincount(picks, minlength=len(inputs))
-    starts = np.cumsum(counts) - counts
-    rank = np.arange(count) - starts[grouped]  # how many earlier picks chose the same source
-    left = np.fromiter((len(s.block) - s.pos for s in inputs), np.int64, len(inputs))
-    short = rank >= left[grouped]
-    if short.any():
-        count = int(order[short].min())
-        if count == 0:
-            return 0
-        # The prefix's positions, still grouped by source and in order within each.
-        order = order[order < count]
-        counts = np.bincount(picks[:count], minlength=len(inputs))
+    where: list[Any] = []  # per source picked: (index, positions in picks)
+    for index in np.flatnonzero(np.bincount(picks)).tolist():
+        positions = np.flatnonzero(picks == index)
+        left = len(inputs[index].block) - inputs[index].pos
+        if len(positions) > left:
+            count = min(count, int(positions[left]))  # the first pick it cannot serve
+        where.append((index, positions))
+    if count == 0:
+        return 0
     flat: list[Any] = []
-    for index in np.flatnonzero(counts).tolist():
+    slots = np.empty(count, dtype=np.intp)  # output position -> its item in ``flat``
+    for index, positions in where:
+        positions = positions[: np.searchsorted(positions, count)]
+        if not len(positions):
+            continue
         source = inputs[index]
-        taken = int(counts[index])
+        taken = len(positions)
+        slots[positions] = np.arange(len(flat), len(flat) + taken)
         flat.extend(source.block[source.pos : source.pos + taken])
         source.pos += taken
     if count == 1:
         out.append(flat[0])
-        return 1
-    where = np.empty(count, dtype=np.intp)
-    where[order] = np.arange(count)  # output position -> its item in ``flat``
-    out.extend(operator.itemgetter(*where.tolist())(flat))
+    else:
+        out.extend(operator.itemgetter(*slots.tolist())(flat))
     return count
 
 
@@ -230,6 +258,7 @@ class _Mixed(Stream[Any]):
                     used = 0
                 cdf = np.cumsum(np.where(live, weights, 0.0))
                 last = int(np.flatnonzero(live)[-1])
+                running = int(live.sum())
                 # side="right": the first source whose cumulative weight exceeds u * total, so
                 # a finished source (an empty interval) is never picked; the clip guards the
                 # rounding of u * total up to total.
@@ -240,7 +269,7 @@ class _Mixed(Stream[Any]):
                 step, count = 0, len(picks)
                 changed = False
                 while step < count:
-                    if count - step >= _VECTOR_MIN and all(
+                    if count - step >= _VECTOR_MIN and running <= _VECTOR_SOURCES and all(
                             len(s.block) - s.pos >= _VECTOR_MIN
                             for s, ok in zip(inputs, live, strict=True) if ok):
                         step += _serve(picks[step:], inputs, out)
