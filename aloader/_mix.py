@@ -351,7 +351,8 @@ def mix(
     sequence of epochs, run after run. The sequence of picks is a function of the seed, the
     epoch, the worker and the sources' lengths only (not of how items arrive in blocks, nor of
     the block of draws), and each source's share of the items is its weight's share in
-    expectation. A source is read only as it is picked; the stage holds one block of each.
+    expectation. A source is read only as it is picked; the stage holds, per source, its
+    blocks gathered up to 1024 items (one block when its blocks are larger).
 
     With loader worker processes, every worker mixes its own share of each source (sharded
     sources split their shards across workers and ranks themselves), with its own draws. So
