@@ -41,6 +41,8 @@ from ._exceptions import (
 from ._formats import SourceStats
 from ._http import HttpOptions
 from ._loader import AsyncDataLoaderIter, DataLoader, DataLoaderIter
+from ._mix import mix
+from ._parquet import ParquetRows
 from ._sampler import (
     BatchSampler,
     RandomSampler,
@@ -92,6 +94,7 @@ __all__ = (
     "HttpOptions",
     "JsonLines",
     "NpyRows",
+    "ParquetRows",
     "ShardedSource",
     "SourceOptions",
     "SourceStats",
@@ -100,6 +103,7 @@ __all__ = (
     "TextLines",
     "as_stream",
     "interleave",
+    "mix",
     # inference batching
     "Batcher",
     "BatcherMetrics",

@@ -1,0 +1,157 @@
+"""ParquetRows against pyarrow's own ``ParquetFile.iter_batches`` over the same local files.
+
+Run: ``python benchmarks/bench_parquet.py [--quick]`` (needs pyarrow). Everything is measured
+in the same run, best of 5, the contestants interleaved within each round (so a noisy moment
+hits them alike), all inside one event loop (a loader's loop lives as long as the training:
+its start is not an epoch's cost).
+
+Data: 8 files of 4 row groups, 1M rows in all (with ``--quick`` 200k): ``id`` int64, ``x``
+float64, ``label`` int32 with some nulls, ``text`` a short string, ``blob`` 64 random bytes.
+
+* batches: ``ParquetRows(files, as_batches=True)``, one epoch iterated as a stream, against a
+  loop over ``pq.ParquetFile(f).iter_batches(batch_size=65536)`` doing the same conversion to
+  a dict of writable numpy arrays; and against ``iter_batches`` alone (no conversion: the
+  rate of pyarrow's reader).
+* two columns: the same with ``columns=["id", "x"]``.
+* rows: ``ParquetRows(files)`` (dicts, ``RecordBatch.to_pylist``, taken one by one with
+  ``async for``) against ``iter_batches`` + ``to_pylist`` and a ``for`` over the rows; and
+  in ``DataLoader(..., batch_size=256, collate_fn=list)`` batches against ``to_pylist`` cut
+  into lists of 256.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from aloader import DataLoader, ParquetRows
+
+FILES = 8
+GROUPS = 4
+BATCH = 65536
+LOADER_BATCH = 256
+RUNS = 5
+
+
+def make_files(directory: Path, rows: int) -> list[str]:
+    rng = np.random.default_rng(0)
+    per_file = rows // FILES
+    paths = []
+    for f in range(FILES):
+        ids = np.arange(f * per_file, (f + 1) * per_file, dtype=np.int64)
+        labels = pa.array(rng.integers(0, 1000, per_file, dtype=np.int32),
+                          mask=rng.random(per_file) < 0.01)
+        table = pa.table({
+            "id": ids,
+            "x": rng.standard_normal(per_file),
+            "label": labels,
+            "text": pa.array([f"item {i}" for i in ids.tolist()]),
+            "blob": pa.array([rng.bytes(64) for _ in range(per_file)], pa.binary()),
+        })
+        path = directory / f"part-{f}.parquet"
+        pq.write_table(table, path, row_group_size=per_file // GROUPS)
+        paths.append(str(path))
+    return paths
+
+
+def to_arrays(batch: Any) -> dict[str, Any]:
+    return {name: column.to_numpy(zero_copy_only=False, writable=True)
+            for name, column in zip(batch.schema.names, batch.columns, strict=True)}
+
+
+def pyarrow_loop(paths: list[str], columns: list[str] | None, convert: str) -> int:
+    rows = 0
+    for path in paths:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=BATCH, columns=columns):
+            if convert == "arrays":
+                to_arrays(batch)
+            elif convert == "lists":
+                listed = batch.to_pylist()
+                for start in range(0, len(listed), LOADER_BATCH):
+                    listed[start : start + LOADER_BATCH]
+            elif convert == "rows":
+                for _ in batch.to_pylist():  # rows reach their consumer one by one
+                    rows += 1
+                continue
+            rows += batch.num_rows
+    return rows
+
+
+async def aloader_epoch(paths: list[str], columns: list[str] | None, as_batches: bool) -> int:
+    rows = 0
+    source = ParquetRows(paths, columns=columns, batch_rows=BATCH, as_batches=as_batches)
+    async for item in source:
+        rows += len(item["id"]) if as_batches else 1
+    return rows
+
+
+async def aloader_loader(paths: list[str]) -> int:
+    rows = 0
+    loader = DataLoader(ParquetRows(paths, batch_rows=BATCH), batch_size=LOADER_BATCH,
+                        collate_fn=list)
+    async for batch in loader:
+        rows += len(batch)
+    return rows
+
+
+async def race(contestants: dict[str, Callable[[], Any]], expected: int) -> dict[str, float]:
+    best = dict.fromkeys(contestants, float("inf"))
+    for _ in range(RUNS):
+        for name, fn in contestants.items():
+            start = time.perf_counter()
+            rows = fn()
+            if not isinstance(rows, int):
+                rows = await rows
+            elapsed = time.perf_counter() - start
+            assert rows == expected, (name, rows, expected)
+            best[name] = min(best[name], elapsed)
+    return best
+
+
+async def main() -> None:
+    quick = "--quick" in sys.argv
+    rows = 200_000 if quick else 1_000_000
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = make_files(Path(tmp), rows)
+        size = sum(Path(p).stat().st_size for p in paths)
+        print(f"{FILES} files x {GROUPS} row groups, {rows:,} rows, {size / 1e6:.1f} MB; "
+              f"best of {RUNS}, interleaved\n")
+        print("| workload | aloader rows/s | pyarrow (same output) rows/s | ratio | "
+              "iter_batches alone rows/s | ratio |")
+        print("|---|---|---|---|---|---|")
+        cases: list[tuple[str, list[str] | None, bool]] = [
+            ("batches, all columns", None, True),
+            ("batches, id + x", ["id", "x"], True),
+            ("rows (dicts), all columns", None, False),
+        ]
+        for label, columns, as_batches in cases:
+            convert = "arrays" if as_batches else "rows"
+            best = await race({
+                "aloader": lambda c=columns, b=as_batches: aloader_epoch(paths, c, b),
+                "same": lambda c=columns, v=convert: pyarrow_loop(paths, c, v),
+                "alone": lambda c=columns: pyarrow_loop(paths, c, "none"),
+            }, rows)
+            ours, same, alone = (rows / best[k] for k in ("aloader", "same", "alone"))
+            print(f"| {label} | {ours:,.0f} | {same:,.0f} | {ours / same:.2f}x | "
+                  f"{alone:,.0f} | {ours / alone:.2f}x |")
+        best = await race({
+            "aloader": lambda: aloader_loader(paths),
+            "same": lambda: pyarrow_loop(paths, None, "lists"),
+            "alone": lambda: pyarrow_loop(paths, None, "none"),
+        }, rows)
+        ours, same, alone = (rows / best[k] for k in ("aloader", "same", "alone"))
+        print(f"| rows in DataLoader batches of {LOADER_BATCH} (collate_fn=list) | {ours:,.0f} | "
+              f"{same:,.0f} | {ours / same:.2f}x | {alone:,.0f} | {ours / alone:.2f}x |")
+
+
+if __name__ == "__main__":
+    anyio.run(main)
