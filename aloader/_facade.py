@@ -183,32 +183,39 @@ def forbid_running_loop(owner: str, target: str) -> None:
 class _Pump:
     """Runs on the private loop: fetches ahead while the consumer works on its batch.
 
-    At most ``AHEAD`` batches wait in the hand-off queue. The consumer's thread counts what it
-    takes with a plain integer and wakes the loop only when the pump is actually waiting, so a
-    batch costs no cross-thread call while the pump keeps ahead.
+    At most ``AHEAD`` batches wait in the hand-off queue. The pump counts them itself (the
+    queue's size) and the consumer's thread wakes the loop only when the pump is actually
+    waiting, so a batch costs no cross-thread call while the pump keeps ahead.
+
+    Invariant: a KeyboardInterrupt may land between any two steps of the consumer's (between
+    taking a batch and waking the pump too); the pump's state never depends on the consumer
+    finishing a step, and every wait for an empty queue first wakes the pump, so a later
+    ``next()`` never waits for a pump that waits for it.
     """
 
     AHEAD = 2
+    # In the main thread a wait wakes up this often (seconds) to let CPython run a signal's
+    # handler, which it does only between bytecodes: a SIGINT that trips without interrupting
+    # the blocked wait (landing just before the wait starts, handled by another thread, or
+    # `_thread.interrupt_main()`) would otherwise not interrupt it until a batch arrives.
+    SIGNAL_CHECK = 0.1
 
     def __init__(self, iterator: AsyncIterator[Any]) -> None:
         self.iterator = iterator
         self.out: queue.SimpleQueue[tuple[Any, BaseException | None]] = queue.SimpleQueue()
-        self.produced = 0
-        self.consumed = 0  # written by the consumer's thread only
         self.waiting: anyio.Event | None = None
         self.call_soon = threadsafe_caller()
 
     async def run(self) -> None:
         while True:
-            while self.produced - self.consumed >= self.AHEAD:
+            while self.out.qsize() >= self.AHEAD:
                 waiting = self.waiting = anyio.Event()
                 # Checked again after publishing the event: the consumer may have taken a batch
                 # in between, and then it saw no event to set.
-                if self.produced - self.consumed < self.AHEAD:
+                if self.out.qsize() < self.AHEAD:
                     break
                 await waiting.wait()
             self.waiting = None
-            self.produced += 1
             try:
                 value = await self.iterator.__anext__()
             except StopAsyncIteration:
@@ -222,9 +229,24 @@ class _Pump:
             else:
                 self.out.put((value, None))
 
-    def taken(self) -> None:
-        """The consumer took a batch (called from the consumer's thread)."""
-        self.consumed += 1
+    def take(self) -> tuple[Any, BaseException | None]:
+        """The next item of the queue, waiting for it (called from the consumer's thread)."""
+        try:
+            item = self.out.get(block=False)
+        except queue.Empty:
+            main = threading.current_thread() is threading.main_thread()
+            item = self._wait(self.SIGNAL_CHECK if main else None)
+        self.wake()
+        return item
+
+    def _wait(self, every: float | None) -> tuple[Any, BaseException | None]:
+        while True:
+            self.wake()  # an interrupted take may have left the pump waiting
+            with contextlib.suppress(queue.Empty):
+                return self.out.get(timeout=every)
+
+    def wake(self) -> None:
+        """Wake the pump if it waits for room in the queue (from the consumer's thread)."""
         waiting = self.waiting
         if waiting is not None:
             self.call_soon(waiting.set)
@@ -288,11 +310,10 @@ class SyncIterator(Generic[T_co]):
         if not self._close.alive or self._loop._closed:  # closed, or its loop was
             self.close()
             raise StopIteration
-        value, error = self._pump.out.get()
+        value, error = self._pump.take()
         if value is _END:
             self.close()
             raise StopIteration
-        self._pump.taken()
         if error is not None:
             raise error
         return cast(T_co, value)

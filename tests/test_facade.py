@@ -5,9 +5,11 @@ No test asserts a duration.
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import gc
 import http.server
+import queue
 import subprocess
 import sys
 import threading
@@ -342,4 +344,105 @@ def test_the_facade_drives_any_async_iterator() -> None:
     items = SyncIterator(source.__aiter__, PrivateLoop(), owns_loop=True)
     assert [item["i"] for item in items] == [0, 1, 2, 3, 4]
     assert source.closed == 1
+    assert len(_loop_threads()) == 0
+
+
+# Ctrl-C while a `for` waits -----------------------------------------------------------------
+GUARD = 60.0  # seconds: only a hang gets anywhere near this
+
+
+class _Watched(queue.SimpleQueue[Any]):
+    """The hand-off queue, telling when the consumer starts to wait on it."""
+
+    def __init__(self) -> None:
+        self.waits = threading.Event()
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        if block:
+            self.waits.set()
+        return super().get(block, timeout)
+
+
+def test_a_ctrl_c_that_trips_while_next_is_blocked_still_interrupts() -> None:
+    """A SIGINT can trip without waking the blocked main thread: one landing just before the
+    wait starts, one the kernel hands to another thread, ``_thread.interrupt_main()``."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    from aloader._facade import _END, PrivateLoop, SyncIterator
+
+    async def never() -> Any:
+        await anyio.sleep_forever()
+        yield  # an async generator
+
+    items = SyncIterator(never, PrivateLoop(), owns_loop=True)
+    watched = items._pump.out = _Watched()  # nothing was put yet: `never` yields nothing
+    caught = threading.Event()
+    rescued = []
+
+    def interrupt() -> None:
+        watched.waits.wait(GUARD)
+        _thread.interrupt_main()  # trips SIGINT; the main thread's wait goes on
+        if not caught.wait(GUARD):
+            rescued.append(True)  # the interrupt was not seen: end the hang to fail cleanly
+            watched.put((_END, None))
+
+    sender = threading.Thread(target=interrupt, daemon=True)
+    sender.start()
+    with pytest.raises(KeyboardInterrupt):
+        next(items)
+    caught.set()
+    sender.join(GUARD)
+    assert rescued == []
+    items.close()
+    assert len(_loop_threads()) == 0
+
+
+class _InterruptedAfterTaking(queue.SimpleQueue[Any]):
+    """Raises KeyboardInterrupt after taking each of the first ``n`` items, as a Ctrl-C that
+    lands between taking an item and telling the pump does."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        item = super().get(block, timeout)
+        if self.left:
+            self.left -= 1
+            raise KeyboardInterrupt
+        return item
+
+
+def test_ctrl_c_between_taking_a_batch_and_telling_the_pump_leaves_it_running() -> None:
+    from aloader._facade import PrivateLoop, SyncIterator
+
+    gate = threading.Event()
+
+    async def numbers() -> Any:
+        await anyio.to_thread.run_sync(gate.wait, GUARD)  # until the queue is swapped
+        for i in range(6):
+            yield i
+
+    items = SyncIterator(numbers, PrivateLoop(), owns_loop=True)
+    items._pump.out = _InterruptedAfterTaking(2)
+    gate.set()
+    got: list[int] = []
+    interrupts = []
+
+    def consume() -> None:  # in a thread, so that a hang fails the test instead
+        while True:
+            try:
+                got.append(next(items))
+            except KeyboardInterrupt:
+                interrupts.append(True)
+            except StopIteration:
+                return
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    consumer.join(GUARD)
+    hung = consumer.is_alive()
+    items.close()
+    assert not hung
+    # The interrupted next() calls took 0 and 1 with them; the rest comes once, in order.
+    assert (len(interrupts), got) == (2, [2, 3, 4, 5])
     assert len(_loop_threads()) == 0
