@@ -27,14 +27,14 @@ import multiprocessing
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
 import anyio
+from common import RUNS, best, serve_shards
 
 from aloader import DataLoader, JsonLines, TextLines, default_collate
-from aloader._demo import ShardServer, make_jsonl_shards
+from aloader._demo import make_jsonl_shards
 from aloader._formats import BadRecords, JsonLinesDecoder, SourceStats
 
 SHARDS = 64
@@ -42,27 +42,7 @@ RECORDS = 1000
 LATENCY = float(os.environ.get("BENCH_LATENCY", "0.02"))
 CONCURRENCY = 16
 BATCH = 256
-RUNS = 3
 TOTAL = SHARDS * RECORDS
-
-
-def _serve(port_queue: Any, stop: Any) -> None:
-    """Server process: serve the shards until told to stop."""
-    server = ShardServer(make_jsonl_shards(SHARDS, RECORDS), latency=LATENCY).start()
-    port_queue.put(server.port)
-    stop.wait()
-    server.close()
-
-
-def best(fn: Callable[[], int], runs: int = RUNS) -> tuple[float, int]:
-    """(best seconds, items) over ``runs`` calls of ``fn`` (which returns the items seen)."""
-    times = []
-    items = 0
-    for _ in range(runs):
-        start = time.perf_counter()
-        items = fn()
-        times.append(time.perf_counter() - start)
-    return min(times), items
 
 
 def run_aloader(urls: list[str]) -> int:
@@ -209,7 +189,8 @@ def main() -> None:
     context = multiprocessing.get_context("spawn")
     port_queue = context.Queue()
     stop = context.Event()
-    process = context.Process(target=_serve, args=(port_queue, stop), daemon=True)
+    process = context.Process(target=serve_shards,
+                              args=(port_queue, stop, SHARDS, RECORDS, LATENCY), daemon=True)
     process.start()
     port = port_queue.get(timeout=60)
     names = sorted(make_jsonl_shards(SHARDS, RECORDS))

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from sourcetools import collect
 from test_formats import npy_with_rows  # the same .npy bytes whose header lies
 
 from aloader import (
@@ -129,9 +130,6 @@ def jsonl(count: int) -> bytes:
     return b"".join(json.dumps({"i": i, "pad": "x" * 20}).encode() + b"\n"
                     for i in range(count))
 
-
-async def collect(source: Any) -> list[Any]:
-    return [item async for item in source]
 
 
 def ids(records: list[Any]) -> list[int]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from sourcetools import as_worker, collect
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
@@ -33,7 +34,6 @@ from aloader import (
 )
 from aloader._demo import make_jsonl_shards
 from aloader._demo._s3 import LocalS3
-from aloader._workerinfo import WorkerInfo, _set_worker_info
 
 pytestmark = pytest.mark.anyio
 
@@ -70,9 +70,6 @@ def url(key: str, bucket: str = BUCKET) -> str:
 
 SHARD_URLS = [url(f"data/{name}") for name in sorted(SHARDS)]
 
-
-async def collect(source: Any) -> list[Any]:
-    return [item async for item in source]
 
 
 def free_port() -> int:
@@ -154,11 +151,8 @@ async def test_ranks_and_workers_read_each_record_once(s3: LocalS3,
                                    seed=5)
                 assert source.rank == rank and source.world_size == 3
                 source.set_epoch(epoch)
-                _set_worker_info(WorkerInfo(id=worker, num_workers=2, seed=0, dataset=source))
-                try:
+                with as_worker(worker, 2, dataset=source, seed=0):
                     seen.extend(r["id"] for r in await collect(source))
-                finally:
-                    _set_worker_info(None)
         assert sorted(seen) == list(range(200))
 
 

@@ -6,38 +6,20 @@ from __future__ import annotations
 import gc
 import json
 import socket
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import anyio
 import numpy as np
 import pytest
 from faulty_server import FaultyServer, make_jsonl_shards
+from sourcetools import as_worker, collect
 
 from aloader import DataLoader, FetchError, JsonLines, NpyRows, RecordError, TextLines
-from aloader._workerinfo import WorkerInfo, _set_worker_info
 
 pytestmark = pytest.mark.anyio
 
 FAST = {"backoff": 0.01, "max_backoff": 0.05, "timeout": 10.0}
 
-
-@pytest.fixture
-def serve() -> Iterator[Callable[..., FaultyServer]]:
-    servers: list[FaultyServer] = []
-
-    def start(files: dict[str, bytes], **kwargs: Any) -> FaultyServer:
-        server = FaultyServer(files, **kwargs).start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.close()
-
-
-async def collect(source: Any) -> list[Any]:
-    return [item async for item in source]
 
 
 async def settle(condition: Callable[[], bool], rounds: int = 300) -> bool:
@@ -90,12 +72,8 @@ async def test_url_sharding_exactly_once(serve: Callable[..., FaultyServer],
         for worker in range(num_workers):
             source = JsonLines(server.urls, rank=rank, world_size=world_size,
                                shuffle_shards=True, seed=11)
-            _set_worker_info(WorkerInfo(id=worker, num_workers=num_workers, seed=0,
-                                        dataset=source))
-            try:
+            with as_worker(worker, num_workers, dataset=source, seed=0):
                 seen.extend(r["id"] for r in await collect(source))
-            finally:
-                _set_worker_info(None)
     assert sorted(seen) == list(range(100))
     assert len(server.requests) == 5  # each shard fetched exactly once
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 from faulty_server import FaultyServer
+from sourcetools import as_worker, collect
 
 from aloader import DataLoader, RecordError, TarShards
 from aloader._tar import split_key
-from aloader._workerinfo import WorkerInfo, _set_worker_info
 
 pytestmark = pytest.mark.anyio
 
@@ -48,9 +48,6 @@ def samples(start: int, count: int, prefix: str = "") -> list[tuple[tarfile.TarI
         out.append(member(f"{key}.JSON", json.dumps({"i": i}).encode()))
     return out
 
-
-async def collect(source: Any) -> list[Any]:
-    return [item async for item in source]
 
 
 def write(tmp_path: Path, name: str, data: bytes) -> str:
@@ -150,11 +147,8 @@ async def test_exactly_once_across_ranks_and_workers(tmp_path: Path,
         for worker in range(4):  # 8 consumers, 5 shards
             source = TarShards(str(tmp_path), rank=rank, world_size=2, shuffle_shards=True,
                                seed=5)
-            _set_worker_info(WorkerInfo(id=worker, num_workers=4, seed=0, dataset=source))
-            try:
+            with as_worker(worker, 4, dataset=source, seed=0):
                 seen.extend(s["__key__"] for s in await collect(source))
-            finally:
-                _set_worker_info(None)
     assert sorted(seen) == [f"{i:06d}" for i in range(100)]
 
 

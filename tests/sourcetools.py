@@ -1,0 +1,41 @@
+"""Helpers the source tests share: drain an async source, and pretend to be a loader worker.
+
+Sources shard by :func:`aloader.get_worker_info`; the tests simulate worker ``w`` of ``W`` in
+this process instead of starting workers, so exactly-once reads can be checked directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterable, Iterator
+from typing import Any, TypeVar
+
+from aloader._workerinfo import WorkerInfo, _set_worker_info
+
+__all__ = ("as_worker", "collect")
+
+T = TypeVar("T")
+
+
+async def collect(source: AsyncIterable[T]) -> list[T]:
+    """Every item of ``source``, in order."""
+    return [item async for item in source]
+
+
+@contextlib.contextmanager
+def as_worker(worker_id: int, num_workers: int, *, dataset: Any = None,
+              seed: int | None = None) -> Iterator[None]:
+    """Pretend to be loader worker ``worker_id`` of ``num_workers`` (workers are simulated).
+
+    Args:
+        worker_id: The worker's id.
+        num_workers: How many workers there are.
+        dataset: What ``get_worker_info().dataset`` holds.
+        seed: The worker's seed; ``worker_id`` when not given.
+    """
+    _set_worker_info(WorkerInfo(id=worker_id, num_workers=num_workers,
+                                seed=worker_id if seed is None else seed, dataset=dataset))
+    try:
+        yield
+    finally:
+        _set_worker_info(None)
