@@ -1,4 +1,5 @@
-"""Helpers the source tests share: drain an async source, and pretend to be a loader worker.
+"""Helpers the source tests share: drain an async source, pretend to be a loader worker, and
+find a port nothing listens on.
 
 Sources shard by :func:`aloader.get_worker_info`; the tests simulate worker ``w`` of ``W`` in
 this process instead of starting workers, so exactly-once reads can be checked directly.
@@ -7,12 +8,13 @@ this process instead of starting workers, so exactly-once reads can be checked d
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import AsyncIterable, Iterator
 from typing import Any, TypeVar
 
 from aloader._workerinfo import WorkerInfo, _set_worker_info
 
-__all__ = ("as_worker", "collect")
+__all__ = ("as_worker", "collect", "free_port")
 
 T = TypeVar("T")
 
@@ -39,3 +41,10 @@ def as_worker(worker_id: int, num_workers: int, *, dataset: Any = None,
         yield
     finally:
         _set_worker_info(None)
+
+
+def free_port() -> int:
+    """A port with nothing listening on it (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

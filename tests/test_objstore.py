@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from sourcetools import as_worker, collect
+from sourcetools import as_worker, collect, free_port
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
@@ -70,12 +69,6 @@ def url(key: str, bucket: str = BUCKET) -> str:
 
 SHARD_URLS = [url(f"data/{name}") for name in sorted(SHARDS)]
 
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # --------------------------------------------------------------------------- reading

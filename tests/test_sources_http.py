@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import gc
 import json
-import socket
 from collections.abc import Callable
 
 import anyio
 import numpy as np
 import pytest
 from faulty_server import FaultyServer, make_jsonl_shards
-from sourcetools import as_worker, collect
+from sourcetools import as_worker, collect, free_port
 
 from aloader import DataLoader, FetchError, JsonLines, NpyRows, RecordError, TextLines
 
@@ -29,13 +28,6 @@ async def settle(condition: Callable[[], bool], rounds: int = 300) -> bool:
             return True
         await anyio.sleep(0.01)
     return condition()
-
-
-def free_port() -> int:
-    """A port with nothing listening on it (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # --------------------------------------------------------------------------- reading
