@@ -7,8 +7,9 @@ A map-style dataset may define ``__getitem__`` (and optionally ``__getitems__``)
 or as ``async def``; an iterable dataset may define ``__iter__`` or ``__aiter__``. The wrappers
 (:class:`Subset`, :class:`ConcatDataset`, :class:`StackDataset`, :class:`ChainDataset`) work over
 either kind: they call each child as :func:`fetch_mode` says, the very answer a loader's
-:meth:`~aloader._pipeline.FetchPlan.for_dataset` builds its plan on, and tell the loader how to
-call them through the same function.
+:meth:`~aloader._pipeline.FetchPlan.for_dataset` builds its plan on, through the same fetch
+calls as the plan (:mod:`aloader._fetch`), and tell the loader how to call them through
+:func:`fetch_mode` too.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ pipeline runs in a background task (see :mod:`aloader._backend`) and has three p
 Two kinds of epoch share it: :class:`MapEpoch` walks a sampler's keys (index batches or
 indices), :class:`IterableEpoch` cuts an iterable dataset's samples into batches. How a job
 turns into a batch is the epoch's :class:`FetchPlan`, decided in one place
-(:meth:`FetchPlan.for_dataset`) for the loader and its worker processes alike.
+(:meth:`FetchPlan.for_dataset`) for the loader and its worker processes alike; the fetch calls
+themselves are :mod:`aloader._fetch`'s, shared with the wrapper datasets.
 
 With worker processes (``mode="process"``) the same pipeline runs; a job's fetch sends its key
 to a worker and awaits the batch the worker collated (see :mod:`aloader._pool`), and the plan's
