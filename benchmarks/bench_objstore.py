@@ -30,17 +30,21 @@ import sys
 from typing import Any
 
 import anyio
-from common import RUNS, best, serve_shards
+from common import (
+    BATCH,
+    CONCURRENCY,
+    LATENCY,
+    RECORDS,
+    RUNS,
+    SHARDS,
+    TOTAL,
+    best,
+    serve_shards,
+)
 
 from aloader import DataLoader, JsonLines
 from aloader._demo import make_jsonl_shards
 
-SHARDS = 64
-RECORDS = 1000
-LATENCY = float(os.environ.get("BENCH_LATENCY", "0.02"))
-CONCURRENCY = 16
-BATCH = 256
-TOTAL = SHARDS * RECORDS
 BUCKET = "bench"
 
 
@@ -94,7 +98,7 @@ def main() -> None:
     stop = context.Event()
     processes = [context.Process(target=_serve_s3, args=(queue, stop), daemon=True),
                  context.Process(target=serve_shards,
-                                 args=(queue, stop, SHARDS, RECORDS, LATENCY), daemon=True)]
+                                 args=(queue, stop), daemon=True)]
     processes[0].start()
     env = queue.get(timeout=120)
     processes[1].start()

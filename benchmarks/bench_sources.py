@@ -31,18 +31,21 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-from common import RUNS, best, serve_shards
+from common import (
+    BATCH,
+    CONCURRENCY,
+    LATENCY,
+    RECORDS,
+    RUNS,
+    SHARDS,
+    TOTAL,
+    best,
+    serve_shards,
+)
 
 from aloader import DataLoader, JsonLines, TextLines, default_collate
 from aloader._demo import make_jsonl_shards
 from aloader._formats import BadRecords, JsonLinesDecoder, SourceStats
-
-SHARDS = 64
-RECORDS = 1000
-LATENCY = float(os.environ.get("BENCH_LATENCY", "0.02"))
-CONCURRENCY = 16
-BATCH = 256
-TOTAL = SHARDS * RECORDS
 
 
 def run_aloader(urls: list[str]) -> int:
@@ -190,7 +193,7 @@ def main() -> None:
     port_queue = context.Queue()
     stop = context.Event()
     process = context.Process(target=serve_shards,
-                              args=(port_queue, stop, SHARDS, RECORDS, LATENCY), daemon=True)
+                              args=(port_queue, stop), daemon=True)
     process.start()
     port = port_queue.get(timeout=60)
     names = sorted(make_jsonl_shards(SHARDS, RECORDS))

@@ -1,19 +1,39 @@
-"""Helpers the source benchmarks share: the timing loop and the shard server's process.
+"""What the source benchmarks share: their shard workload, the timing loop, the server process.
 
-Imported by the scripts as ``common`` (a script run as ``python benchmarks/bench_x.py`` has
-``benchmarks/`` on its path); the spawned server process imports it the same way.
+``bench_sources.py`` and ``bench_objstore.py`` measure the same workload (:data:`SHARDS`
+shards of :data:`RECORDS` JSON Lines records, :data:`LATENCY` seconds per request, read
+with :data:`CONCURRENCY` requests in flight in batches of :data:`BATCH`). Imported by the
+scripts as ``common`` (a script run as ``python benchmarks/bench_x.py`` has ``benchmarks/`` on
+its path); the spawned server process imports it the same way.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 from aloader._demo import ShardServer, make_jsonl_shards
 
-__all__ = ("RUNS", "best", "serve_shards")
+__all__ = (
+    "BATCH",
+    "CONCURRENCY",
+    "LATENCY",
+    "RECORDS",
+    "RUNS",
+    "SHARDS",
+    "TOTAL",
+    "best",
+    "serve_shards",
+)
 
+SHARDS = 64
+RECORDS = 1000
+LATENCY = float(os.environ.get("BENCH_LATENCY", "0.02"))
+CONCURRENCY = 16
+BATCH = 256
+TOTAL = SHARDS * RECORDS
 # Each figure is the best of this many runs.
 RUNS = 3
 
@@ -29,11 +49,10 @@ def best(fn: Callable[[], int], runs: int = RUNS) -> tuple[float, int]:
     return min(times), items
 
 
-def serve_shards(port_queue: Any, stop: Any, shards: int, records: int, latency: float) -> None:
-    """Server process: serve ``shards`` JSON Lines shards of ``records`` records each (the demo's
-    :class:`ShardServer`, ``latency`` seconds per request), put its port on ``port_queue``, and
-    serve until ``stop`` is set."""
-    server = ShardServer(make_jsonl_shards(shards, records), latency=latency).start()
+def serve_shards(port_queue: Any, stop: Any) -> None:
+    """Server process: serve the workload's shards (the demo's :class:`ShardServer`, with its
+    latency per request), put its port on ``port_queue``, and serve until ``stop`` is set."""
+    server = ShardServer(make_jsonl_shards(SHARDS, RECORDS), latency=LATENCY).start()
     port_queue.put(server.port)
     stop.wait()
     server.close()

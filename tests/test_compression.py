@@ -69,7 +69,6 @@ CODECS: dict[str, tuple[str, Callable[[bytes], bytes]]] = {
 }
 
 
-
 def jsonl(count: int) -> bytes:
     return b"".join(json.dumps({"i": i, "pad": "x" * (i % 50)}).encode() + b"\n"
                     for i in range(count))

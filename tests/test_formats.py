@@ -42,7 +42,6 @@ from aloader._formats import (
 pytestmark = pytest.mark.anyio
 
 
-
 # --------------------------------------------------------------------------- through the sources
 
 

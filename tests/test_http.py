@@ -134,7 +134,6 @@ def jsonl(count: int) -> bytes:
                     for i in range(count))
 
 
-
 def ids(records: list[Any]) -> list[int]:
     return [record["i"] for record in records]
 

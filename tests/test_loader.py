@@ -102,7 +102,6 @@ class Failing(aloader.Dataset[int]):
         return index
 
 
-
 def as_lists(batches: list[Any]) -> list[list[int]]:
     return [np.asarray(b).tolist() for b in batches]
 

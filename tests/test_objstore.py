@@ -70,7 +70,6 @@ def url(key: str, bucket: str = BUCKET) -> str:
 SHARD_URLS = [url(f"data/{name}") for name in sorted(SHARDS)]
 
 
-
 # --------------------------------------------------------------------------- reading
 
 

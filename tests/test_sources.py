@@ -45,7 +45,6 @@ def write_jsonl(directory: Path, shards: int, per_shard: int) -> list[Path]:
     return paths
 
 
-
 def open_handles(directory: Path) -> int:
     """File descriptors of this process open on files under ``directory``."""
     count = 0

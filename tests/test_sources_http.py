@@ -18,8 +18,6 @@ from aloader import DataLoader, JsonLines, NpyRows, RecordError, TextLines
 pytestmark = pytest.mark.anyio
 
 
-
-
 async def settle(condition: Callable[[], bool], rounds: int = 300) -> bool:
     for _ in range(rounds):
         gc.collect()

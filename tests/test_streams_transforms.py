@@ -19,7 +19,6 @@ from aloader import DataLoader, IterableDataset, Stream, TextLines, as_stream, i
 pytestmark = pytest.mark.anyio
 
 
-
 class Counted(Stream[int]):
     """``range(n)`` in blocks of ``block``, counting what it has produced."""
 

@@ -49,7 +49,6 @@ def samples(start: int, count: int, prefix: str = "") -> list[tuple[tarfile.TarI
     return out
 
 
-
 def write(tmp_path: Path, name: str, data: bytes) -> str:
     path = tmp_path / name
     path.write_bytes(data)
