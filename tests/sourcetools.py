@@ -1,5 +1,5 @@
-"""Helpers the source tests share: drain an async source, pretend to be a loader worker, and
-find a port nothing listens on.
+"""Helpers the source tests share: drain an async source, pretend to be a loader worker (or
+every consumer of ranks x workers in turn), and find a port nothing listens on.
 
 Sources shard by :func:`aloader.get_worker_info`; the tests simulate worker ``w`` of ``W`` in
 this process instead of starting workers, so exactly-once reads can be checked directly.
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import AsyncIterable, Iterator
+from collections.abc import AsyncIterable, Callable, Iterator
 from typing import Any, TypeVar
 
 from aloader._workerinfo import WorkerInfo, _set_worker_info
 
-__all__ = ("as_worker", "collect", "free_port")
+__all__ = ("as_worker", "collect", "free_port", "read_as_consumers")
 
 T = TypeVar("T")
 
@@ -48,3 +48,16 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+async def read_as_consumers(make: Callable[[int], Any], world_size: int,
+                            num_workers: int) -> list[Any]:
+    """What every consumer reads, each worker of each rank in turn (``make(rank)`` builds that
+    rank's source; the worker is simulated with seed 0), all in one list."""
+    seen: list[Any] = []
+    for rank in range(world_size):
+        for worker in range(num_workers):
+            source = make(rank)
+            with as_worker(worker, num_workers, dataset=source, seed=0):
+                seen.extend(await collect(source))
+    return seen

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from faulty_server import FaultyServer, make_jsonl_shards
-from sourcetools import as_worker, collect
+from sourcetools import collect, read_as_consumers
 
 from aloader import (
     BinaryRecords,
@@ -148,13 +148,10 @@ async def test_sharding_exactly_once(tmp_path: Path, anyio_backend: str) -> None
     for index, (name, body) in enumerate(sorted(shards.items())):
         suffix, compress = CODECS[("gzip", "bz2", "zstd")[index % 3]]
         write(tmp_path, name + suffix, compress(body))
-    seen: list[int] = []
-    for rank in range(2):
-        for worker in range(4):  # 8 consumers, 5 shards
-            source = JsonLines(str(tmp_path), rank=rank, world_size=2, shuffle_shards=True,
-                               seed=3)
-            with as_worker(worker, 4, dataset=source, seed=0):
-                seen.extend(r["id"] for r in await collect(source))
+    records = await read_as_consumers(  # 8 consumers, 5 shards
+        lambda rank: JsonLines(str(tmp_path), rank=rank, world_size=2, shuffle_shards=True,
+                               seed=3), 2, 4)
+    seen = [r["id"] for r in records]
     assert sorted(seen) == list(range(200))
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sourcetools import as_worker, collect, free_port
+from sourcetools import collect, free_port, read_as_consumers
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
@@ -135,16 +135,16 @@ async def test_ranks_and_workers_read_each_record_once(s3: LocalS3,
     store = s3.store(BUCKET)
     monkeypatch.setenv("WORLD_SIZE", "3")
     for epoch in range(2):
-        seen: list[int] = []
-        for rank in range(3):
+
+        def make(rank: int, epoch: int = epoch) -> JsonLines:
             monkeypatch.setenv("RANK", str(rank))
-            for worker in range(2):
-                source = JsonLines(url("data/*.jsonl"), store=store, shuffle_shards=True,
-                                   seed=5)
-                assert source.rank == rank and source.world_size == 3
-                source.set_epoch(epoch)
-                with as_worker(worker, 2, dataset=source, seed=0):
-                    seen.extend(r["id"] for r in await collect(source))
+            source = JsonLines(url("data/*.jsonl"), store=store, shuffle_shards=True,
+                               seed=5)
+            assert source.rank == rank and source.world_size == 3
+            source.set_epoch(epoch)
+            return source
+
+        seen = [r["id"] for r in await read_as_consumers(make, 3, 2)]
         assert sorted(seen) == list(range(200))
 
 

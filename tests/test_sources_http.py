@@ -11,7 +11,7 @@ import anyio
 import numpy as np
 import pytest
 from faulty_server import FaultyServer, make_jsonl_shards
-from sourcetools import as_worker, collect
+from sourcetools import collect, read_as_consumers
 
 from aloader import DataLoader, JsonLines, NpyRows, RecordError, TextLines
 
@@ -55,14 +55,11 @@ async def test_npy_over_http(serve: Callable[..., FaultyServer], anyio_backend: 
 async def test_url_sharding_exactly_once(serve: Callable[..., FaultyServer],
                                          anyio_backend: str) -> None:
     server = serve(make_jsonl_shards(5, 20))
-    seen: list[int] = []
     world_size, num_workers = 2, 4  # 8 consumers, 5 shards
-    for rank in range(world_size):
-        for worker in range(num_workers):
-            source = JsonLines(server.urls, rank=rank, world_size=world_size,
-                               shuffle_shards=True, seed=11)
-            with as_worker(worker, num_workers, dataset=source, seed=0):
-                seen.extend(r["id"] for r in await collect(source))
+    records = await read_as_consumers(
+        lambda rank: JsonLines(server.urls, rank=rank, world_size=world_size,
+                               shuffle_shards=True, seed=11), world_size, num_workers)
+    seen = [r["id"] for r in records]
     assert sorted(seen) == list(range(100))
     assert len(server.requests) == 5  # each shard fetched exactly once
 

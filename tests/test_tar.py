@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from faulty_server import FaultyServer
-from sourcetools import as_worker, collect
+from sourcetools import collect, read_as_consumers
 
 from aloader import DataLoader, RecordError, TarShards
 from aloader._tar import split_key
@@ -141,13 +141,10 @@ async def test_exactly_once_across_ranks_and_workers(tmp_path: Path,
                                                      anyio_backend: str) -> None:
     for shard in range(5):
         write(tmp_path, f"s{shard}.tar", make_tar(samples(shard * 20, 20)))
-    seen: list[str] = []
-    for rank in range(2):
-        for worker in range(4):  # 8 consumers, 5 shards
-            source = TarShards(str(tmp_path), rank=rank, world_size=2, shuffle_shards=True,
-                               seed=5)
-            with as_worker(worker, 4, dataset=source, seed=0):
-                seen.extend(s["__key__"] for s in await collect(source))
+    read = await read_as_consumers(  # 8 consumers, 5 shards
+        lambda rank: TarShards(str(tmp_path), rank=rank, world_size=2, shuffle_shards=True,
+                               seed=5), 2, 4)
+    seen = [s["__key__"] for s in read]
     assert sorted(seen) == [f"{i:06d}" for i in range(100)]
 
 
