@@ -30,17 +30,7 @@ import sys
 from typing import Any
 
 import anyio
-from common import (
-    BATCH,
-    CONCURRENCY,
-    LATENCY,
-    RECORDS,
-    RUNS,
-    SHARDS,
-    TOTAL,
-    best,
-    serve_shards,
-)
+from common import BATCH, CONCURRENCY, LATENCY, RECORDS, RUNS, SHARDS, TOTAL, best, serve_shards
 
 from aloader import DataLoader, JsonLines
 from aloader._demo import make_jsonl_shards

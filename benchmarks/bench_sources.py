@@ -31,17 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-from common import (
-    BATCH,
-    CONCURRENCY,
-    LATENCY,
-    RECORDS,
-    RUNS,
-    SHARDS,
-    TOTAL,
-    best,
-    serve_shards,
-)
+from common import BATCH, CONCURRENCY, LATENCY, RECORDS, RUNS, SHARDS, TOTAL, best, serve_shards
 
 from aloader import DataLoader, JsonLines, TextLines, default_collate
 from aloader._demo import make_jsonl_shards

@@ -1,5 +1,5 @@
 """Helpers the source tests share: drain an async source, pretend to be a loader worker (or
-every consumer of ranks x workers in turn), and find a port nothing listens on.
+every consumer of ranks x workers in turn), write a file, and find a port nothing listens on.
 
 Sources shard by :func:`aloader.get_worker_info`; the tests simulate worker ``w`` of ``W`` in
 this process instead of starting workers, so exactly-once reads can be checked directly.
@@ -10,11 +10,12 @@ from __future__ import annotations
 import contextlib
 import socket
 from collections.abc import AsyncIterable, Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 from aloader._workerinfo import WorkerInfo, _set_worker_info
 
-__all__ = ("as_worker", "collect", "free_port", "read_as_consumers")
+__all__ = ("as_worker", "collect", "free_port", "read_as_consumers", "write")
 
 T = TypeVar("T")
 
@@ -61,3 +62,10 @@ async def read_as_consumers(make: Callable[[int], Any], world_size: int,
             with as_worker(worker, num_workers, dataset=source, seed=0):
                 seen.extend(await collect(source))
     return seen
+
+
+def write(tmp_path: Path, name: str, data: bytes) -> str:
+    """Write ``data`` to ``tmp_path / name``; the file's path, as a string."""
+    path = tmp_path / name
+    path.write_bytes(data)
+    return str(path)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from faulty_server import FaultyServer, make_jsonl_shards
-from sourcetools import collect, read_as_consumers
+from sourcetools import collect, read_as_consumers, write
 
 from aloader import (
     BinaryRecords,
@@ -72,12 +72,6 @@ CODECS: dict[str, tuple[str, Callable[[bytes], bytes]]] = {
 def jsonl(count: int) -> bytes:
     return b"".join(json.dumps({"i": i, "pad": "x" * (i % 50)}).encode() + b"\n"
                     for i in range(count))
-
-
-def write(tmp_path: Path, name: str, data: bytes) -> str:
-    path = tmp_path / name
-    path.write_bytes(data)
-    return str(path)
 
 
 # --------------------------------------------------------------------------- every format

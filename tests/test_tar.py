@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from faulty_server import FaultyServer
-from sourcetools import collect, read_as_consumers
+from sourcetools import collect, read_as_consumers, write
 
 from aloader import DataLoader, RecordError, TarShards
 from aloader._tar import split_key
@@ -47,12 +47,6 @@ def samples(start: int, count: int, prefix: str = "") -> list[tuple[tarfile.TarI
         out.append(member(f"{key}.cls", str(i % 10).encode()))
         out.append(member(f"{key}.JSON", json.dumps({"i": i}).encode()))
     return out
-
-
-def write(tmp_path: Path, name: str, data: bytes) -> str:
-    path = tmp_path / name
-    path.write_bytes(data)
-    return str(path)
 
 
 @pytest.fixture
