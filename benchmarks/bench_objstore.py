@@ -29,10 +29,21 @@ import os
 import sys
 from typing import Any
 
-import anyio
-from common import BATCH, CONCURRENCY, LATENCY, RECORDS, RUNS, SHARDS, TOTAL, best, serve_shards
+from common import (
+    BATCH,
+    CONCURRENCY,
+    LATENCY,
+    RECORDS,
+    RUNS,
+    SHARDS,
+    TOTAL,
+    best,
+    count_torch,
+    run_aloader,
+    serve_shards,
+)
 
-from aloader import DataLoader, JsonLines
+from aloader import JsonLines
 from aloader._demo import make_jsonl_shards
 
 BUCKET = "bench"
@@ -45,17 +56,6 @@ def _serve_s3(queue: Any, stop: Any) -> None:
         server.put(BUCKET, make_jsonl_shards(SHARDS, RECORDS))
         queue.put(server.env())
         stop.wait()
-
-
-def run_aloader(urls: list[str], backend: str = "asyncio") -> int:
-    async def epoch() -> int:
-        count = 0
-        async for batch in DataLoader(JsonLines(urls, concurrency=CONCURRENCY),
-                                      batch_size=BATCH):
-            count += len(batch["id"])
-        return count
-
-    return anyio.run(epoch, backend=backend)
 
 
 def run_torch_boto3(keys: list[str], env: dict[str, str], workers: int) -> int:
@@ -76,10 +76,7 @@ def run_torch_boto3(keys: list[str], env: dict[str, str], workers: int) -> int:
                 for line in body.iter_lines():
                     yield json.loads(line)
 
-    count = 0
-    for batch in tud.DataLoader(S3JsonLines(), batch_size=BATCH, num_workers=workers):
-        count += len(batch["id"])
-    return count
+    return count_torch(tud.DataLoader(S3JsonLines(), batch_size=BATCH, num_workers=workers))
 
 
 def main() -> None:

@@ -31,22 +31,23 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-from common import BATCH, CONCURRENCY, LATENCY, RECORDS, RUNS, SHARDS, TOTAL, best, serve_shards
+from common import (
+    BATCH,
+    CONCURRENCY,
+    LATENCY,
+    RECORDS,
+    RUNS,
+    SHARDS,
+    TOTAL,
+    best,
+    count_torch,
+    run_aloader,
+    serve_shards,
+)
 
 from aloader import DataLoader, JsonLines, TextLines, default_collate
 from aloader._demo import make_jsonl_shards
 from aloader._formats import BadRecords, JsonLinesDecoder, SourceStats
-
-
-def run_aloader(urls: list[str]) -> int:
-    async def epoch() -> int:
-        count = 0
-        async for batch in DataLoader(JsonLines(urls, concurrency=CONCURRENCY),
-                                      batch_size=BATCH):
-            count += len(batch["id"])
-        return count
-
-    return anyio.run(epoch)
 
 
 def aloader_workers(urls: list[str]) -> Callable[[], int]:
@@ -87,13 +88,6 @@ def torch_loader(urls: list[str], workers: int, persistent: bool = False) -> Any
 
 def run_torch(urls: list[str], workers: int) -> int:
     return count_torch(torch_loader(urls, workers))
-
-
-def count_torch(loader: Any) -> int:
-    count = 0
-    for batch in loader:
-        count += len(batch["id"])
-    return count
 
 
 def parse_floor(bodies: list[bytes]) -> float:

@@ -1,4 +1,5 @@
-"""What the source benchmarks share: their shard workload, the timing loop, the server process.
+"""What the source benchmarks share: their shard workload, the timing loop, the server process
+and the aloader epoch they measure.
 
 ``bench_sources.py`` and ``bench_objstore.py`` measure the same workload (:data:`SHARDS`
 shards of :data:`RECORDS` JSON Lines records, :data:`LATENCY` seconds per request, read
@@ -14,6 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import anyio
+
+from aloader import DataLoader, JsonLines
 from aloader._demo import ShardServer, make_jsonl_shards
 
 __all__ = (
@@ -25,6 +29,8 @@ __all__ = (
     "SHARDS",
     "TOTAL",
     "best",
+    "count_torch",
+    "run_aloader",
     "serve_shards",
 )
 
@@ -56,3 +62,25 @@ def serve_shards(port_queue: Any, stop: Any) -> None:
     port_queue.put(server.port)
     stop.wait()
     server.close()
+
+
+def run_aloader(urls: list[str], backend: str = "asyncio") -> int:
+    """One epoch of ``DataLoader(JsonLines(urls, concurrency=CONCURRENCY), batch_size=BATCH)``
+    on ``backend``; the records seen."""
+
+    async def epoch() -> int:
+        count = 0
+        async for batch in DataLoader(JsonLines(urls, concurrency=CONCURRENCY),
+                                      batch_size=BATCH):
+            count += len(batch["id"])
+        return count
+
+    return anyio.run(epoch, backend=backend)
+
+
+def count_torch(loader: Any) -> int:
+    """One epoch of a torch DataLoader of the workload's records; the records seen."""
+    count = 0
+    for batch in loader:
+        count += len(batch["id"])
+    return count
