@@ -1,5 +1,9 @@
 """aloader: an asyncio-native streaming data loader with torch.utils.data's semantics.
 
+This module owns the public namespace and nothing else: every public name is defined in a
+private module (``aloader._loader``, ``aloader._dataset``, ``aloader._sources``...) and
+re-exported here, listed in ``__all__``.
+
 Quick start::
 
     loader = aloader.DataLoader(dataset, batch_size=32, shuffle=True, generator=0)

@@ -7,8 +7,9 @@ A map-style dataset may define ``__getitem__`` (and optionally ``__getitems__``)
 or as ``async def``; an iterable dataset may define ``__iter__`` or ``__aiter__``. The wrappers
 (:class:`Subset`, :class:`ConcatDataset`, :class:`StackDataset`, :class:`ChainDataset`) work over
 either kind: they call each child as :func:`fetch_mode` says, the very answer a loader's
-:meth:`~aloader._pipeline.FetchPlan.for_dataset` builds its plan on, and tell the loader how to
-call them through the same function.
+:meth:`~aloader._pipeline.FetchPlan.for_dataset` builds its plan on, through the same fetch
+calls as the plan (:mod:`aloader._fetch`), and tell the loader how to call them through
+:func:`fetch_mode` too.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import functools
 import itertools
 import math
 import numbers
-import operator
 import sys
 import warnings
 from collections.abc import (
@@ -30,14 +30,13 @@ from collections.abc import (
 )
 from typing import Any, Generic, Literal, TypeAlias, TypeVar, cast
 
-import anyio
-import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
 
 from ._collate import ColumnBatch
+from ._fetch import fetch_many, fetch_many_sync, fetch_one, gather, getitems_of
 from ._random import GeneratorLike, as_generator, permutation
-from ._util import close_iterator, is_async_callable, resolve, single_error
+from ._util import close_iterator, is_async_callable
 
 __all__ = (
     "ArrayDataset",
@@ -207,61 +206,6 @@ def _wrapper_modes(obj: object, base: type, child_modes: Iterable[FetchMode]) ->
         return any(is_async_callable(method) for method in own), False
     modes = list(child_modes)
     return "async" in modes, all(mode == "inline" for mode in modes)
-
-
-async def _gather(calls: Sequence[Callable[[], Any]]) -> list[Any]:
-    """Run ``calls`` (each returning a value or an awaitable) concurrently; results in order.
-
-    A failing call re-raises its own exception (not an exception group), so the loader reports
-    the dataset's error type unchanged.
-    """
-    if len(calls) <= 1:
-        return [await resolve(call()) for call in calls]
-    results: list[Any] = [None] * len(calls)
-
-    async def run(position: int) -> None:
-        results[position] = await resolve(calls[position]())
-
-    error: BaseException | None = None
-    try:
-        async with anyio.create_task_group() as group:
-            for position in range(len(calls)):
-                group.start_soon(run, position)
-    except BaseExceptionGroup as exc_group:
-        error = single_error(exc_group)
-        if error is None or isinstance(error, anyio.get_cancelled_exc_class()):
-            raise
-    if error is not None:
-        # Raised outside the except block so the error keeps its own cause and context.
-        raise error
-    return results
-
-
-def _fetch_many_sync(dataset: Any, indices: Sequence[int]) -> Sequence[Any]:
-    getitems = getattr(dataset, "__getitems__", None)
-    if callable(getitems):
-        return cast(Sequence[Any], getitems(indices))
-    return [dataset[index] for index in indices]
-
-
-async def _fetch_many(dataset: Any, indices: Sequence[int], mode: FetchMode) -> Sequence[Any]:
-    """Fetch ``indices`` from a child of any mode, from async code."""
-    if mode == "thread":
-        return await anyio.to_thread.run_sync(_fetch_many_sync, dataset, indices)
-    if mode == "inline":
-        return _fetch_many_sync(dataset, indices)
-    getitems = getattr(dataset, "__getitems__", None)
-    if callable(getitems):
-        return cast(Sequence[Any], await resolve(getitems(indices)))
-    getitem = dataset.__getitem__
-    return await _gather([functools.partial(getitem, index) for index in indices])
-
-
-async def _fetch_one(dataset: Any, index: Any, mode: FetchMode) -> Any:
-    """Fetch one sample from a child of any mode, from async code."""
-    if mode == "thread":
-        return await anyio.to_thread.run_sync(operator.getitem, dataset, index)
-    return await resolve(dataset[index])
 
 
 async def _resolved(value: Any) -> Any:
@@ -478,9 +422,9 @@ class StackDataset(Dataset[Any]):
 
     async def _agetitem(self, children: list[Any], modes: list[FetchMode], index: Any) -> Any:
         calls = [
-            functools.partial(_fetch_one, d, index, m) for d, m in zip(children, modes, strict=True)
+            functools.partial(fetch_one, d, index, m) for d, m in zip(children, modes, strict=True)
         ]
-        return self._assemble(await _gather(calls))
+        return self._assemble(await gather(calls))
 
     def __getitems__(self, indices: IndicesLike) -> Any:
         """The samples at ``indices``, forwarding to each child's ``__getitems__`` if it has one.
@@ -494,11 +438,8 @@ class StackDataset(Dataset[Any]):
             return self._agetitems(children, modes, indices)
         columns = []
         for dataset in children:
-            if callable(getattr(dataset, "__getitems__", None)):
-                items = dataset.__getitems__(indices)
-                _check_size(items, len(indices))
-            else:
-                items = [dataset[index] for index in indices]
+            items = fetch_many_sync(dataset, getitems_of(dataset), indices)
+            _check_size(items, len(indices))
             columns.append(items)
         return self._transpose(columns, len(indices))
 
@@ -507,10 +448,10 @@ class StackDataset(Dataset[Any]):
     ) -> Any:
         index_list = indices.tolist() if isinstance(indices, np.ndarray) else list(indices)
         calls = [
-            functools.partial(_fetch_many, d, index_list, m)
+            functools.partial(fetch_many, d, getitems_of(d), index_list, m)
             for d, m in zip(children, modes, strict=True)
         ]
-        columns = await _gather(calls)
+        columns = await gather(calls)
         for items in columns:
             _check_size(items, len(index_list))
         return self._transpose(columns, len(index_list))
@@ -627,7 +568,7 @@ class ConcatDataset(Dataset[T_co]):
         mode = self._child_modes[dataset_idx]
         if mode != "async" and self._any_async:
             # Every fetch of an async dataset must be awaitable, whichever child answers it.
-            return cast(T_co, _fetch_one(child, sample_idx, mode))
+            return cast(T_co, fetch_one(child, sample_idx, mode))
         return cast(T_co, child[sample_idx])
 
     def _plan(self, indices: IndicesLike) -> tuple[int, list[_Step]]:
@@ -676,24 +617,26 @@ class ConcatDataset(Dataset[T_co]):
             # must keep seeing every fetch.
             if self._async_fetch:
                 calls = [functools.partial(self.__getitem__, i) for i in indices]
-                return cast(Sequence[T_co], _gather(calls))
+                return cast(Sequence[T_co], gather(calls))
             return [self[i] for i in indices]
         size, plan = self._plan(indices)
         if size == 0:
             return cast(Sequence[T_co], _resolved([])) if self._any_async else []
         if self._any_async:
             return cast(Sequence[T_co], self._agetitems(size, plan))
-        results = [
-            _fetch_many_sync(self.datasets[child], local) for child, _positions, local in plan
-        ]
+        results = []
+        for child, _positions, local in plan:
+            dataset = self.datasets[child]
+            results.append(fetch_many_sync(dataset, getitems_of(dataset), local))
         return cast(Sequence[T_co], _merge(size, plan, results))
 
     async def _agetitems(self, size: int, plan: list[_Step]) -> Sequence[T_co]:
-        calls = [
-            functools.partial(_fetch_many, self.datasets[child], local, self._child_modes[child])
-            for child, _positions, local in plan
-        ]
-        return cast(Sequence[T_co], _merge(size, plan, await _gather(calls)))
+        calls = []
+        for child, _positions, local in plan:
+            dataset = self.datasets[child]
+            mode = self._child_modes[child]
+            calls.append(functools.partial(fetch_many, dataset, getitems_of(dataset), local, mode))
+        return cast(Sequence[T_co], _merge(size, plan, await gather(calls)))
 
 
 def _same_columns(batches: list[ColumnBatch]) -> bool:
@@ -890,7 +833,7 @@ class Subset(Dataset[T_co]):
             return cast(Sequence[T_co], getitems(parent))
         mode = fetch_mode(self.dataset)
         if mode == "async":
-            return cast(Sequence[T_co], _fetch_many(self.dataset, parent, mode))
+            return cast(Sequence[T_co], fetch_many(self.dataset, None, parent, mode))
         return [self.dataset[i] for i in parent]
 
     def __len__(self) -> int:

@@ -1,4 +1,9 @@
-"""DistributedSampler: one rank's shard of a map-style dataset, with torch's padding rules."""
+"""DistributedSampler: one rank's shard of a map-style dataset, with torch's padding rules.
+
+This module owns :class:`DistributedSampler` and the reading of a rank's place from the
+environment (``RANK``, ``WORLD_SIZE``; :func:`_env_int`), which the sources' sharding
+(:mod:`aloader._sharding`) uses too.
+"""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ from ._util import Closing
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ("HttpOptions", "http_chunks", "make_client", "retry_delay")
+__all__ = ("HttpOptions", "http_chunks", "make_client", "retry_delay", "split_chunks")
 
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 # Statuses worth retrying: server errors, request timeout, too many requests.
@@ -417,8 +417,7 @@ async def http_chunks(
                             piece = piece[skip:]
                             skip = 0
                         failures = 0
-                        for start in range(0, len(piece), size):
-                            chunk = piece[start : start + size] if len(piece) > size else piece
+                        for chunk in split_chunks(piece, size):
                             offset += len(chunk)
                             yield chunk
                 if skip:
@@ -452,6 +451,13 @@ async def http_chunks(
             )
         stats.retries += 1
         await anyio.sleep(retry_delay(options, failures, retry_after))
+
+
+def split_chunks(piece: bytes, size: int) -> Iterator[bytes]:
+    """``piece`` as chunks of at most ``size`` bytes (``piece`` itself when it fits; nothing
+    when it is empty): how a network read is handed on as a source's chunks."""
+    for start in range(0, len(piece), size):
+        yield piece[start : start + size] if len(piece) > size else piece
 
 
 def retry_delay(options: HttpOptions, failures: int, retry_after: float | None = None) -> float:

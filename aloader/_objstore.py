@@ -64,7 +64,7 @@ from ._exceptions import (
     ObjectNotFoundError,
 )
 from ._formats import SourceStats
-from ._http import HttpOptions, retry_delay
+from ._http import HttpOptions, retry_delay, split_chunks
 
 __all__ = ("ObjectAccess", "is_object_url", "runtime_started")
 
@@ -446,8 +446,7 @@ class ObjectAccess:
                 stream = result.stream(min_chunk_size=size)
                 while (piece := await calls.next(stream)) is not None:
                     failures = 0
-                    for begin in range(0, len(piece), size):
-                        chunk = piece[begin : begin + size] if len(piece) > size else piece
+                    for chunk in split_chunks(piece, size):
                         offset += len(chunk)
                         yield chunk
                 if offset < total:

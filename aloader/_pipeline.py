@@ -15,7 +15,8 @@ pipeline runs in a background task (see :mod:`aloader._backend`) and has three p
 Two kinds of epoch share it: :class:`MapEpoch` walks a sampler's keys (index batches or
 indices), :class:`IterableEpoch` cuts an iterable dataset's samples into batches. How a job
 turns into a batch is the epoch's :class:`FetchPlan`, decided in one place
-(:meth:`FetchPlan.for_dataset`) for the loader and its worker processes alike.
+(:meth:`FetchPlan.for_dataset`) for the loader and its worker processes alike; the fetch calls
+themselves are :mod:`aloader._fetch`'s, shared with the wrapper datasets.
 
 With worker processes (``mode="process"``) the same pipeline runs; a job's fetch sends its key
 to a worker and awaits the batch the worker collated (see :mod:`aloader._pool`), and the plan's
@@ -33,6 +34,7 @@ waits for the fetches in threads to return, unless the epoch has abandoned its t
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import queue
@@ -50,6 +52,7 @@ import numpy as np
 from ._backend import Detached, threadsafe_caller
 from ._dataset import aiter_of, fetch_mode
 from ._exceptions import LoaderClosedError
+from ._fetch import fetch_many, fetch_many_sync, fetch_one
 from ._util import Signal, close_iterator, is_async_callable, resolve
 
 __all__ = (
@@ -537,9 +540,7 @@ class FetchPlan:
     def fetch_sync(self, key: Any) -> Any:
         if not self.auto_batch:
             return self.dataset[key]
-        if self._getitems is not None:
-            return self._getitems(self.indices(key))
-        return [self.dataset[i] for i in self.indices(key)]
+        return fetch_many_sync(self.dataset, self._getitems, self.indices(key))
 
     def collate_sync(self, samples: Any) -> Any:
         batch = self.collate_fn(samples)
@@ -569,23 +570,21 @@ class FetchPlan:
         """The samples of job ``seq``, fetched in one call (a collated batch from a remote)."""
         if self.remote is not None:
             return await self.remote.fetch(key, seq)
-        if self.mode == "thread":
-            samples = await self.in_thread(self.fetch_sync, key, limiter=limiter)
-        else:
-            samples = self.fetch_sync(key)
-        samples = await resolve(samples)
-        if self.auto_batch and isinstance(samples, list):
+        in_thread = functools.partial(self.in_thread, limiter=limiter)
+        if not self.auto_batch:
+            return await fetch_one(self.dataset, key, self.mode, in_thread)
+        samples = await fetch_many(
+            self.dataset, self._getitems, self.indices(key), self.mode, in_thread
+        )
+        if isinstance(samples, list):
             for position, sample in enumerate(samples):
                 if inspect.isawaitable(sample):
                     samples[position] = await sample
         return samples
 
     async def fetch_item(self, index: Any, limiter: anyio.CapacityLimiter) -> Any:
-        if self.mode == "thread":
-            value = await self.in_thread(self.dataset.__getitem__, index, limiter=limiter)
-        else:
-            value = self.dataset[index]
-        return await resolve(value)
+        in_thread = functools.partial(self.in_thread, limiter=limiter)
+        return await fetch_one(self.dataset, index, self.mode, in_thread)
 
     async def load(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
         """Fetch and collate one job in a single thread call (``collate_in_thread`` plans)."""

@@ -27,22 +27,25 @@ import json
 import multiprocessing
 import os
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
-import anyio
+from common import (
+    BATCH,
+    CONCURRENCY,
+    LATENCY,
+    RECORDS,
+    RUNS,
+    SHARDS,
+    TOTAL,
+    best,
+    count_torch,
+    run_aloader,
+    serve_shards,
+)
 
-from aloader import DataLoader, JsonLines
-from aloader._demo import ShardServer, make_jsonl_shards
+from aloader import JsonLines
+from aloader._demo import make_jsonl_shards
 
-SHARDS = 64
-RECORDS = 1000
-LATENCY = float(os.environ.get("BENCH_LATENCY", "0.02"))
-CONCURRENCY = 16
-BATCH = 256
-RUNS = 3
-TOTAL = SHARDS * RECORDS
 BUCKET = "bench"
 
 
@@ -53,34 +56,6 @@ def _serve_s3(queue: Any, stop: Any) -> None:
         server.put(BUCKET, make_jsonl_shards(SHARDS, RECORDS))
         queue.put(server.env())
         stop.wait()
-
-
-def _serve_http(queue: Any, stop: Any) -> None:
-    server = ShardServer(make_jsonl_shards(SHARDS, RECORDS), latency=LATENCY).start()
-    queue.put(server.port)
-    stop.wait()
-    server.close()
-
-
-def best(fn: Callable[[], int], runs: int = RUNS) -> tuple[float, int]:
-    times = []
-    items = 0
-    for _ in range(runs):
-        start = time.perf_counter()
-        items = fn()
-        times.append(time.perf_counter() - start)
-    return min(times), items
-
-
-def run_aloader(urls: list[str], backend: str = "asyncio") -> int:
-    async def epoch() -> int:
-        count = 0
-        async for batch in DataLoader(JsonLines(urls, concurrency=CONCURRENCY),
-                                      batch_size=BATCH):
-            count += len(batch["id"])
-        return count
-
-    return anyio.run(epoch, backend=backend)
 
 
 def run_torch_boto3(keys: list[str], env: dict[str, str], workers: int) -> int:
@@ -101,18 +76,16 @@ def run_torch_boto3(keys: list[str], env: dict[str, str], workers: int) -> int:
                 for line in body.iter_lines():
                     yield json.loads(line)
 
-    count = 0
-    for batch in tud.DataLoader(S3JsonLines(), batch_size=BATCH, num_workers=workers):
-        count += len(batch["id"])
-    return count
+    return count_torch(tud.DataLoader(S3JsonLines(), batch_size=BATCH, num_workers=workers))
 
 
 def main() -> None:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     stop = context.Event()
-    processes = [context.Process(target=target, args=(queue, stop), daemon=True)
-                 for target in (_serve_s3, _serve_http)]
+    processes = [context.Process(target=_serve_s3, args=(queue, stop), daemon=True),
+                 context.Process(target=serve_shards,
+                                 args=(queue, stop), daemon=True)]
     processes[0].start()
     env = queue.get(timeout=120)
     processes[1].start()

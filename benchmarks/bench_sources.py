@@ -27,53 +27,27 @@ import multiprocessing
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
 import anyio
+from common import (
+    BATCH,
+    CONCURRENCY,
+    LATENCY,
+    RECORDS,
+    RUNS,
+    SHARDS,
+    TOTAL,
+    best,
+    count_torch,
+    run_aloader,
+    serve_shards,
+)
 
 from aloader import DataLoader, JsonLines, TextLines, default_collate
-from aloader._demo import ShardServer, make_jsonl_shards
+from aloader._demo import make_jsonl_shards
 from aloader._formats import BadRecords, JsonLinesDecoder, SourceStats
-
-SHARDS = 64
-RECORDS = 1000
-LATENCY = float(os.environ.get("BENCH_LATENCY", "0.02"))
-CONCURRENCY = 16
-BATCH = 256
-RUNS = 3
-TOTAL = SHARDS * RECORDS
-
-
-def _serve(port_queue: Any, stop: Any) -> None:
-    """Server process: serve the shards until told to stop."""
-    server = ShardServer(make_jsonl_shards(SHARDS, RECORDS), latency=LATENCY).start()
-    port_queue.put(server.port)
-    stop.wait()
-    server.close()
-
-
-def best(fn: Callable[[], int], runs: int = RUNS) -> tuple[float, int]:
-    """(best seconds, items) over ``runs`` calls of ``fn`` (which returns the items seen)."""
-    times = []
-    items = 0
-    for _ in range(runs):
-        start = time.perf_counter()
-        items = fn()
-        times.append(time.perf_counter() - start)
-    return min(times), items
-
-
-def run_aloader(urls: list[str]) -> int:
-    async def epoch() -> int:
-        count = 0
-        async for batch in DataLoader(JsonLines(urls, concurrency=CONCURRENCY),
-                                      batch_size=BATCH):
-            count += len(batch["id"])
-        return count
-
-    return anyio.run(epoch)
 
 
 def aloader_workers(urls: list[str]) -> Callable[[], int]:
@@ -114,13 +88,6 @@ def torch_loader(urls: list[str], workers: int, persistent: bool = False) -> Any
 
 def run_torch(urls: list[str], workers: int) -> int:
     return count_torch(torch_loader(urls, workers))
-
-
-def count_torch(loader: Any) -> int:
-    count = 0
-    for batch in loader:
-        count += len(batch["id"])
-    return count
 
 
 def parse_floor(bodies: list[bytes]) -> float:
@@ -209,7 +176,8 @@ def main() -> None:
     context = multiprocessing.get_context("spawn")
     port_queue = context.Queue()
     stop = context.Event()
-    process = context.Process(target=_serve, args=(port_queue, stop), daemon=True)
+    process = context.Process(target=serve_shards,
+                              args=(port_queue, stop), daemon=True)
     process.start()
     port = port_queue.get(timeout=60)
     names = sorted(make_jsonl_shards(SHARDS, RECORDS))

@@ -126,8 +126,8 @@ def _payload(i: int) -> npt.NDArray[np.float32]:
     return np.full(16, i, dtype=np.float32)
 
 
-class AsyncIODataset(Dataset[npt.NDArray[np.float32]]):
-    """The io workload: each fetch waits ``latency`` seconds on the event loop."""
+class _IODataset(Dataset[npt.NDArray[np.float32]]):
+    """``n`` payloads, each fetch waiting ``latency`` seconds (how it waits: the subclass's)."""
 
     def __init__(self, n: int, latency: float = LATENCY) -> None:
         self.n = n
@@ -135,21 +135,18 @@ class AsyncIODataset(Dataset[npt.NDArray[np.float32]]):
 
     def __len__(self) -> int:
         return self.n
+
+
+class AsyncIODataset(_IODataset):
+    """The io workload: each fetch waits ``latency`` seconds on the event loop."""
 
     async def __getitem__(self, i: int) -> npt.NDArray[np.float32]:
         await asyncio.sleep(self.latency)
         return _payload(i)
 
 
-class BlockingIODataset(Dataset[npt.NDArray[np.float32]]):
+class BlockingIODataset(_IODataset):
     """The io workload as blocking I/O: each fetch sleeps ``latency`` seconds in its thread."""
-
-    def __init__(self, n: int, latency: float = LATENCY) -> None:
-        self.n = n
-        self.latency = latency
-
-    def __len__(self) -> int:
-        return self.n
 
     def __getitem__(self, i: int) -> npt.NDArray[np.float32]:
         time.sleep(self.latency)

@@ -11,13 +11,14 @@ import json
 import struct
 import tracemalloc
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from faulty_server import FaultyServer, make_jsonl_shards
+from sourcetools import collect, read_as_consumers, write
 
 from aloader import (
     BinaryRecords,
@@ -29,7 +30,6 @@ from aloader import (
     TextLines,
 )
 from aloader._compression import Decompressor, shard_compression
-from aloader._workerinfo import WorkerInfo, _set_worker_info
 
 zstandard = pytest.importorskip("zstandard")
 
@@ -69,33 +69,9 @@ CODECS: dict[str, tuple[str, Callable[[bytes], bytes]]] = {
 }
 
 
-async def collect(source: Any) -> list[Any]:
-    return [item async for item in source]
-
-
 def jsonl(count: int) -> bytes:
     return b"".join(json.dumps({"i": i, "pad": "x" * (i % 50)}).encode() + b"\n"
                     for i in range(count))
-
-
-def write(tmp_path: Path, name: str, data: bytes) -> str:
-    path = tmp_path / name
-    path.write_bytes(data)
-    return str(path)
-
-
-@pytest.fixture
-def serve() -> Iterator[Callable[..., FaultyServer]]:
-    servers: list[FaultyServer] = []
-
-    def start(files: dict[str, bytes], **kwargs: Any) -> FaultyServer:
-        server = FaultyServer(files, **kwargs).start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.close()
 
 
 # --------------------------------------------------------------------------- every format
@@ -166,16 +142,10 @@ async def test_sharding_exactly_once(tmp_path: Path, anyio_backend: str) -> None
     for index, (name, body) in enumerate(sorted(shards.items())):
         suffix, compress = CODECS[("gzip", "bz2", "zstd")[index % 3]]
         write(tmp_path, name + suffix, compress(body))
-    seen: list[int] = []
-    for rank in range(2):
-        for worker in range(4):  # 8 consumers, 5 shards
-            source = JsonLines(str(tmp_path), rank=rank, world_size=2, shuffle_shards=True,
-                               seed=3)
-            _set_worker_info(WorkerInfo(id=worker, num_workers=4, seed=0, dataset=source))
-            try:
-                seen.extend(r["id"] for r in await collect(source))
-            finally:
-                _set_worker_info(None)
+    records = await read_as_consumers(  # 8 consumers, 5 shards
+        lambda rank: JsonLines(str(tmp_path), rank=rank, world_size=2, shuffle_shards=True,
+                               seed=3), 2, 4)
+    seen = [r["id"] for r in records]
     assert sorted(seen) == list(range(200))
 
 

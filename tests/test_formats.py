@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from sourcetools import collect
 
 from aloader import (
     BinaryRecords,
@@ -39,10 +40,6 @@ from aloader._formats import (
 )
 
 pytestmark = pytest.mark.anyio
-
-
-async def collect(source: Any) -> list[Any]:
-    return [item async for item in source]
 
 
 # --------------------------------------------------------------------------- through the sources

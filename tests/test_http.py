@@ -2,8 +2,10 @@
 
 Coded or truncated HTTP bodies, redirects out of http(s), headers promising more than the body
 holds: each must be decoded, resumed or refused with an error naming the URL, never a hang,
-unbounded memory, or records silently lost. Most tests read through the public sources; the
-last ones call :func:`aloader._http.http_chunks` directly."""
+unbounded memory, or records silently lost; statuses that are not retried (404), transient ones
+retried until the retries run out, refused connections, timeouts, resumption after a cut body
+and a resource that changed meanwhile. Most tests read through the public sources; the last
+ones call :func:`aloader._http.http_chunks` directly."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from faulty_server import FaultyServer, make_jsonl_shards
+from sourcetools import collect, free_port
 from test_formats import npy_with_rows  # the same .npy bytes whose header lies
 
 from aloader import (
@@ -128,10 +132,6 @@ def server() -> Iterator[Scripted]:
 def jsonl(count: int) -> bytes:
     return b"".join(json.dumps({"i": i, "pad": "x" * 20}).encode() + b"\n"
                     for i in range(count))
-
-
-async def collect(source: Any) -> list[Any]:
-    return [item async for item in source]
 
 
 def ids(records: list[Any]) -> list[int]:
@@ -376,6 +376,109 @@ async def test_redirect_followed_and_resumed(server: Scripted, anyio_backend: st
     assert ids(await collect(JsonLines(url, **FAST))) == list(range(500))
     assert server.requests == [("moved.jsonl", None), ("real.jsonl", None),
                                ("moved.jsonl", "bytes=900-"), ("real.jsonl", "bytes=900-")]
+
+
+# ------------------------------------------------------------- statuses, retries, resumption
+# Through the sources, against the tests' FaultyServer (the ``serve`` fixture).
+
+
+async def test_404_fails_at_once(serve: Callable[..., FaultyServer], anyio_backend: str) -> None:
+    server = serve(make_jsonl_shards(1, 10))
+    url = server.url("missing.jsonl")
+    with pytest.raises(FetchError) as info:
+        await collect(JsonLines([server.urls[0], url], retries=5, **FAST))
+    assert info.value.status_code == 404
+    assert info.value.source == url
+    assert f"{url}: HTTP 404 Not Found (not retried)" in str(info.value)
+    assert [name for name, _ in server.requests].count("missing.jsonl") == 1
+
+
+async def test_transient_503_retried(serve: Callable[..., FaultyServer],
+                                     anyio_backend: str) -> None:
+    server = serve(make_jsonl_shards(2, 50))
+    name = sorted(server.files)[1]
+    server.fail(name, 503, times=2)
+    source = JsonLines(server.urls, retries=3, **FAST)
+    assert [r["id"] for r in await collect(source)] == list(range(100))
+    assert [n for n, _ in server.requests].count(name) == 3
+    assert source.stats.retries == 2
+
+
+async def test_503_until_retries_run_out(serve: Callable[..., FaultyServer],
+                                         anyio_backend: str) -> None:
+    server = serve(make_jsonl_shards(1, 5))
+    name = next(iter(server.files))
+    server.fail(name, 503, times=10)
+    with pytest.raises(FetchError, match=r"giving up after 3 failed attempts; last error: "
+                                         r"HTTP 503 Service Unavailable") as info:
+        await collect(JsonLines(server.urls, retries=2, **FAST))
+    assert info.value.status_code == 503
+    assert len(server.requests) == 3
+
+
+async def test_connection_refused(anyio_backend: str) -> None:
+    url = f"http://127.0.0.1:{free_port()}/shard.jsonl"
+    with pytest.raises(FetchError, match="giving up after 3 failed attempts; last error: "
+                                         "ConnectError") as info:
+        await collect(JsonLines(url, retries=2, **FAST))
+    assert info.value.source == url and info.value.status_code is None
+    assert isinstance(info.value, OSError)
+
+
+async def test_timeout(serve: Callable[..., FaultyServer], anyio_backend: str) -> None:
+    server = serve(make_jsonl_shards(1, 5))
+    name = next(iter(server.files))
+    server.stall(name, 2.5, times=2)
+    # Two stalled attempts time out; the third answers.
+    source = JsonLines(server.urls, retries=2, backoff=0.01, timeout=0.5)
+    assert len(await collect(source)) == 5
+    assert source.stats.retries == 2
+    server.stall(name, 2.5, times=2)
+    with pytest.raises(FetchError, match="last error: ReadTimeout"):
+        await collect(JsonLines(server.urls, retries=1, backoff=0.01, timeout=0.5))
+
+
+@pytest.mark.parametrize("ranges", [True, False])
+async def test_resume_after_cut(serve: Callable[..., FaultyServer], anyio_backend: str,
+                                ranges: bool) -> None:
+    files = make_jsonl_shards(1, 400)
+    server = serve(files, ranges=ranges)
+    name = next(iter(files))
+    cut = len(files[name]) // 3 + 7  # in the middle of a line
+    server.cut(name, cut, times=2)
+    source = JsonLines(server.urls, chunk_size=1000, **FAST)
+    records = await collect(source)
+    assert [r["id"] for r in records] == list(range(400))
+    # The second attempt asked for the rest only; the third for what was still missing.
+    assert server.requests[0] == (name, None)
+    assert server.requests[1] == (name, f"bytes={cut}-")
+    assert server.requests[2][1] is not None and source.stats.retries == 2
+    assert source.stats.bytes == len(files[name])
+
+
+async def test_error_location_after_resume(serve: Callable[..., FaultyServer],
+                                           anyio_backend: str) -> None:
+    lines = [json.dumps({"i": i}).encode() for i in range(100)]
+    lines[80] = b"{oops"
+    body = b"\n".join(lines) + b"\n"
+    server = serve({"x.jsonl": body})
+    server.cut("x.jsonl", 300)
+    with pytest.raises(RecordError) as info:
+        await collect(JsonLines(server.url("x.jsonl"), chunk_size=64, **FAST))
+    offset = sum(len(line) + 1 for line in lines[:80])
+    assert info.value.line == 81 and info.value.offset == offset
+    assert f"{server.url('x.jsonl')}: line 81 (byte offset {offset}): invalid JSON" in str(
+        info.value)
+
+
+async def test_changed_resource_detected(serve: Callable[..., FaultyServer],
+                                         anyio_backend: str) -> None:
+    server = serve({"c.txt": b"a\n" * 1000})
+    server.cut("c.txt", 100)
+    server.replace("c.txt", b"b\n" * 1000)  # a new version (new ETag) for the retry
+    with pytest.raises(FetchError, match=r"c\.txt: the resource changed on the server while "
+                                         r"it was being read .* at byte offset 100"):
+        await collect(TextLines(server.url("c.txt"), **FAST))
 
 
 # --------------------------------------------------------------------------- http_chunks, directly

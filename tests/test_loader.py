@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from sourcetools import collect
 
 import aloader
 from aloader import DataLoader
@@ -99,10 +100,6 @@ class Failing(aloader.Dataset[int]):
         if index in self.bad:
             raise self.exc(f"bad index {index}")
         return index
-
-
-async def collect(loader: DataLoader[Any]) -> list[Any]:
-    return [batch async for batch in loader]
 
 
 def as_lists(batches: list[Any]) -> list[list[int]]:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from sourcetools import collect, free_port, read_as_consumers
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
@@ -33,7 +33,6 @@ from aloader import (
 )
 from aloader._demo import make_jsonl_shards
 from aloader._demo._s3 import LocalS3
-from aloader._workerinfo import WorkerInfo, _set_worker_info
 
 pytestmark = pytest.mark.anyio
 
@@ -69,16 +68,6 @@ def url(key: str, bucket: str = BUCKET) -> str:
 
 
 SHARD_URLS = [url(f"data/{name}") for name in sorted(SHARDS)]
-
-
-async def collect(source: Any) -> list[Any]:
-    return [item async for item in source]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # --------------------------------------------------------------------------- reading
@@ -146,19 +135,16 @@ async def test_ranks_and_workers_read_each_record_once(s3: LocalS3,
     store = s3.store(BUCKET)
     monkeypatch.setenv("WORLD_SIZE", "3")
     for epoch in range(2):
-        seen: list[int] = []
-        for rank in range(3):
+
+        def make(rank: int, epoch: int = epoch) -> JsonLines:
             monkeypatch.setenv("RANK", str(rank))
-            for worker in range(2):
-                source = JsonLines(url("data/*.jsonl"), store=store, shuffle_shards=True,
-                                   seed=5)
-                assert source.rank == rank and source.world_size == 3
-                source.set_epoch(epoch)
-                _set_worker_info(WorkerInfo(id=worker, num_workers=2, seed=0, dataset=source))
-                try:
-                    seen.extend(r["id"] for r in await collect(source))
-                finally:
-                    _set_worker_info(None)
+            source = JsonLines(url("data/*.jsonl"), store=store, shuffle_shards=True,
+                               seed=5)
+            assert source.rank == rank and source.world_size == 3
+            source.set_epoch(epoch)
+            return source
+
+        seen = [r["id"] for r in await read_as_consumers(make, 3, 2)]
         assert sorted(seen) == list(range(200))
 
 

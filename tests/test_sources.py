@@ -3,12 +3,10 @@ locations, skipping bad records, cleanup of file handles."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import os
 import pickle
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sourcetools import as_worker, collect
 
 import aloader
 from aloader import (
@@ -28,23 +27,11 @@ from aloader import (
     TextLines,
 )
 from aloader._sharding import assign_shards, expand_shards
-from aloader._workerinfo import WorkerInfo, _set_worker_info
 
 pytestmark = pytest.mark.anyio
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-@contextlib.contextmanager
-def as_worker(worker_id: int, num_workers: int) -> Iterator[None]:
-    """Pretend to be loader worker ``worker_id`` of ``num_workers`` (workers are simulated)."""
-    _set_worker_info(WorkerInfo(id=worker_id, num_workers=num_workers, seed=worker_id,
-                                dataset=None))
-    try:
-        yield
-    finally:
-        _set_worker_info(None)
 
 
 def write_jsonl(directory: Path, shards: int, per_shard: int) -> list[Path]:
@@ -56,10 +43,6 @@ def write_jsonl(directory: Path, shards: int, per_shard: int) -> list[Path]:
                 f.write(json.dumps({"id": shard * per_shard + i, "shard": shard}) + "\n")
         paths.append(path)
     return paths
-
-
-async def collect(source: Any) -> list[Any]:
-    return [item async for item in source]
 
 
 def open_handles(directory: Path) -> int:

@@ -1,43 +1,21 @@
-"""HTTP sources against a real HTTP server on 127.0.0.1: counts, sharding, retries, resumption,
-error messages, backpressure and connection cleanup."""
+"""HTTP sources against a real HTTP server on 127.0.0.1: counts, sharding, backpressure and
+connection cleanup (statuses, retries and resumption are _http's: tests/test_http.py)."""
 
 from __future__ import annotations
 
 import gc
 import json
-import socket
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import anyio
 import numpy as np
 import pytest
 from faulty_server import FaultyServer, make_jsonl_shards
+from sourcetools import collect, read_as_consumers
 
-from aloader import DataLoader, FetchError, JsonLines, NpyRows, RecordError, TextLines
-from aloader._workerinfo import WorkerInfo, _set_worker_info
+from aloader import DataLoader, JsonLines, NpyRows, RecordError, TextLines
 
 pytestmark = pytest.mark.anyio
-
-FAST = {"backoff": 0.01, "max_backoff": 0.05, "timeout": 10.0}
-
-
-@pytest.fixture
-def serve() -> Iterator[Callable[..., FaultyServer]]:
-    servers: list[FaultyServer] = []
-
-    def start(files: dict[str, bytes], **kwargs: Any) -> FaultyServer:
-        server = FaultyServer(files, **kwargs).start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.close()
-
-
-async def collect(source: Any) -> list[Any]:
-    return [item async for item in source]
 
 
 async def settle(condition: Callable[[], bool], rounds: int = 300) -> bool:
@@ -47,13 +25,6 @@ async def settle(condition: Callable[[], bool], rounds: int = 300) -> bool:
             return True
         await anyio.sleep(0.01)
     return condition()
-
-
-def free_port() -> int:
-    """A port with nothing listening on it (bound, then released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # --------------------------------------------------------------------------- reading
@@ -84,18 +55,11 @@ async def test_npy_over_http(serve: Callable[..., FaultyServer], anyio_backend: 
 async def test_url_sharding_exactly_once(serve: Callable[..., FaultyServer],
                                          anyio_backend: str) -> None:
     server = serve(make_jsonl_shards(5, 20))
-    seen: list[int] = []
     world_size, num_workers = 2, 4  # 8 consumers, 5 shards
-    for rank in range(world_size):
-        for worker in range(num_workers):
-            source = JsonLines(server.urls, rank=rank, world_size=world_size,
-                               shuffle_shards=True, seed=11)
-            _set_worker_info(WorkerInfo(id=worker, num_workers=num_workers, seed=0,
-                                        dataset=source))
-            try:
-                seen.extend(r["id"] for r in await collect(source))
-            finally:
-                _set_worker_info(None)
+    records = await read_as_consumers(
+        lambda rank: JsonLines(server.urls, rank=rank, world_size=world_size,
+                               shuffle_shards=True, seed=11), world_size, num_workers)
+    seen = [r["id"] for r in records]
     assert sorted(seen) == list(range(100))
     assert len(server.requests) == 5  # each shard fetched exactly once
 
@@ -107,108 +71,6 @@ async def test_loader_over_http(serve: Callable[..., FaultyServer], anyio_backen
     async for batch in DataLoader(source, batch_size=64):
         ids.extend(batch["id"].tolist())
     assert sorted(ids) == list(range(1000))
-
-
-# --------------------------------------------------------------------------- failures
-
-
-async def test_404_fails_at_once(serve: Callable[..., FaultyServer], anyio_backend: str) -> None:
-    server = serve(make_jsonl_shards(1, 10))
-    url = server.url("missing.jsonl")
-    with pytest.raises(FetchError) as info:
-        await collect(JsonLines([server.urls[0], url], retries=5, **FAST))
-    assert info.value.status_code == 404
-    assert info.value.source == url
-    assert f"{url}: HTTP 404 Not Found (not retried)" in str(info.value)
-    assert [name for name, _ in server.requests].count("missing.jsonl") == 1
-
-
-async def test_transient_503_retried(serve: Callable[..., FaultyServer],
-                                     anyio_backend: str) -> None:
-    server = serve(make_jsonl_shards(2, 50))
-    name = sorted(server.files)[1]
-    server.fail(name, 503, times=2)
-    source = JsonLines(server.urls, retries=3, **FAST)
-    assert [r["id"] for r in await collect(source)] == list(range(100))
-    assert [n for n, _ in server.requests].count(name) == 3
-    assert source.stats.retries == 2
-
-
-async def test_503_until_retries_run_out(serve: Callable[..., FaultyServer],
-                                         anyio_backend: str) -> None:
-    server = serve(make_jsonl_shards(1, 5))
-    name = next(iter(server.files))
-    server.fail(name, 503, times=10)
-    with pytest.raises(FetchError, match=r"giving up after 3 failed attempts; last error: "
-                                         r"HTTP 503 Service Unavailable") as info:
-        await collect(JsonLines(server.urls, retries=2, **FAST))
-    assert info.value.status_code == 503
-    assert len(server.requests) == 3
-
-
-async def test_connection_refused(anyio_backend: str) -> None:
-    url = f"http://127.0.0.1:{free_port()}/shard.jsonl"
-    with pytest.raises(FetchError, match="giving up after 3 failed attempts; last error: "
-                                         "ConnectError") as info:
-        await collect(JsonLines(url, retries=2, **FAST))
-    assert info.value.source == url and info.value.status_code is None
-    assert isinstance(info.value, OSError)
-
-
-async def test_timeout(serve: Callable[..., FaultyServer], anyio_backend: str) -> None:
-    server = serve(make_jsonl_shards(1, 5))
-    name = next(iter(server.files))
-    server.stall(name, 2.5, times=2)
-    # Two stalled attempts time out; the third answers.
-    source = JsonLines(server.urls, retries=2, backoff=0.01, timeout=0.5)
-    assert len(await collect(source)) == 5
-    assert source.stats.retries == 2
-    server.stall(name, 2.5, times=2)
-    with pytest.raises(FetchError, match="last error: ReadTimeout"):
-        await collect(JsonLines(server.urls, retries=1, backoff=0.01, timeout=0.5))
-
-
-@pytest.mark.parametrize("ranges", [True, False])
-async def test_resume_after_cut(serve: Callable[..., FaultyServer], anyio_backend: str,
-                                ranges: bool) -> None:
-    files = make_jsonl_shards(1, 400)
-    server = serve(files, ranges=ranges)
-    name = next(iter(files))
-    cut = len(files[name]) // 3 + 7  # in the middle of a line
-    server.cut(name, cut, times=2)
-    source = JsonLines(server.urls, chunk_size=1000, **FAST)
-    records = await collect(source)
-    assert [r["id"] for r in records] == list(range(400))
-    # The second attempt asked for the rest only; the third for what was still missing.
-    assert server.requests[0] == (name, None)
-    assert server.requests[1] == (name, f"bytes={cut}-")
-    assert server.requests[2][1] is not None and source.stats.retries == 2
-    assert source.stats.bytes == len(files[name])
-
-
-async def test_error_location_after_resume(serve: Callable[..., FaultyServer],
-                                           anyio_backend: str) -> None:
-    lines = [json.dumps({"i": i}).encode() for i in range(100)]
-    lines[80] = b"{oops"
-    body = b"\n".join(lines) + b"\n"
-    server = serve({"x.jsonl": body})
-    server.cut("x.jsonl", 300)
-    with pytest.raises(RecordError) as info:
-        await collect(JsonLines(server.url("x.jsonl"), chunk_size=64, **FAST))
-    offset = sum(len(line) + 1 for line in lines[:80])
-    assert info.value.line == 81 and info.value.offset == offset
-    assert f"{server.url('x.jsonl')}: line 81 (byte offset {offset}): invalid JSON" in str(
-        info.value)
-
-
-async def test_changed_resource_detected(serve: Callable[..., FaultyServer],
-                                         anyio_backend: str) -> None:
-    server = serve({"c.txt": b"a\n" * 1000})
-    server.cut("c.txt", 100)
-    server.replace("c.txt", b"b\n" * 1000)  # a new version (new ETag) for the retry
-    with pytest.raises(FetchError, match=r"c\.txt: the resource changed on the server while "
-                                         r"it was being read .* at byte offset 100"):
-        await collect(TextLines(server.url("c.txt"), **FAST))
 
 
 # --------------------------------------------------------------------------- bounds, cleanup

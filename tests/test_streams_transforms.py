@@ -12,14 +12,11 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 import pytest
+from sourcetools import collect
 
 from aloader import DataLoader, IterableDataset, Stream, TextLines, as_stream, interleave
 
 pytestmark = pytest.mark.anyio
-
-
-async def collect(source: Any) -> list[Any]:
-    return [item async for item in source]
 
 
 class Counted(Stream[int]):

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 from faulty_server import FaultyServer
+from sourcetools import collect, read_as_consumers, write
 
 from aloader import DataLoader, RecordError, TarShards
 from aloader._tar import split_key
-from aloader._workerinfo import WorkerInfo, _set_worker_info
 
 pytestmark = pytest.mark.anyio
 
@@ -47,16 +47,6 @@ def samples(start: int, count: int, prefix: str = "") -> list[tuple[tarfile.TarI
         out.append(member(f"{key}.cls", str(i % 10).encode()))
         out.append(member(f"{key}.JSON", json.dumps({"i": i}).encode()))
     return out
-
-
-async def collect(source: Any) -> list[Any]:
-    return [item async for item in source]
-
-
-def write(tmp_path: Path, name: str, data: bytes) -> str:
-    path = tmp_path / name
-    path.write_bytes(data)
-    return str(path)
 
 
 @pytest.fixture
@@ -145,16 +135,10 @@ async def test_exactly_once_across_ranks_and_workers(tmp_path: Path,
                                                      anyio_backend: str) -> None:
     for shard in range(5):
         write(tmp_path, f"s{shard}.tar", make_tar(samples(shard * 20, 20)))
-    seen: list[str] = []
-    for rank in range(2):
-        for worker in range(4):  # 8 consumers, 5 shards
-            source = TarShards(str(tmp_path), rank=rank, world_size=2, shuffle_shards=True,
-                               seed=5)
-            _set_worker_info(WorkerInfo(id=worker, num_workers=4, seed=0, dataset=source))
-            try:
-                seen.extend(s["__key__"] for s in await collect(source))
-            finally:
-                _set_worker_info(None)
+    read = await read_as_consumers(  # 8 consumers, 5 shards
+        lambda rank: TarShards(str(tmp_path), rank=rank, world_size=2, shuffle_shards=True,
+                               seed=5), 2, 4)
+    seen = [s["__key__"] for s in read]
     assert sorted(seen) == [f"{i:06d}" for i in range(100)]
 
 

@@ -1,0 +1,71 @@
+"""Helpers the source tests share: drain an async source, pretend to be a loader worker (or
+every consumer of ranks x workers in turn), write a file, and find a port nothing listens on.
+
+Sources shard by :func:`aloader.get_worker_info`; the tests simulate worker ``w`` of ``W`` in
+this process instead of starting workers, so exactly-once reads can be checked directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import AsyncIterable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from aloader._workerinfo import WorkerInfo, _set_worker_info
+
+__all__ = ("as_worker", "collect", "free_port", "read_as_consumers", "write")
+
+T = TypeVar("T")
+
+
+async def collect(source: AsyncIterable[T]) -> list[T]:
+    """Every item of ``source``, in order."""
+    return [item async for item in source]
+
+
+@contextlib.contextmanager
+def as_worker(worker_id: int, num_workers: int, *, dataset: Any = None,
+              seed: int | None = None) -> Iterator[None]:
+    """Pretend to be loader worker ``worker_id`` of ``num_workers`` (workers are simulated).
+
+    Args:
+        worker_id: The worker's id.
+        num_workers: How many workers there are.
+        dataset: What ``get_worker_info().dataset`` holds.
+        seed: The worker's seed; ``worker_id`` when not given.
+    """
+    _set_worker_info(WorkerInfo(id=worker_id, num_workers=num_workers,
+                                seed=worker_id if seed is None else seed, dataset=dataset))
+    try:
+        yield
+    finally:
+        _set_worker_info(None)
+
+
+def free_port() -> int:
+    """A port with nothing listening on it (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def read_as_consumers(make: Callable[[int], Any], world_size: int,
+                            num_workers: int) -> list[Any]:
+    """What every consumer reads, each worker of each rank in turn (``make(rank)`` builds that
+    rank's source; the worker is simulated with seed 0), all in one list."""
+    seen: list[Any] = []
+    for rank in range(world_size):
+        for worker in range(num_workers):
+            source = make(rank)
+            with as_worker(worker, num_workers, dataset=source, seed=0):
+                seen.extend(await collect(source))
+    return seen
+
+
+def write(tmp_path: Path, name: str, data: bytes) -> str:
+    """Write ``data`` to ``tmp_path / name``; the file's path, as a string."""
+    path = tmp_path / name
+    path.write_bytes(data)
+    return str(path)
