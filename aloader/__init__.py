@@ -35,12 +35,14 @@ from ._exceptions import (
     ObjectNotFoundError,
     QueueFullError,
     RecordError,
+    SampleRngError,
     SourceError,
     WorkerError,
 )
 from ._formats import SourceStats
 from ._http import HttpOptions
 from ._loader import AsyncDataLoaderIter, DataLoader, DataLoaderIter
+from ._sample_rng import sample_rng
 from ._sampler import (
     BatchSampler,
     RandomSampler,
@@ -63,6 +65,7 @@ __all__ = (
     "DataLoaderIter",
     "WorkerInfo",
     "get_worker_info",
+    "sample_rng",
     # datasets
     "ArrayDataset",
     "ChainDataset",
@@ -120,6 +123,7 @@ __all__ = (
     "ObjectNotFoundError",
     "QueueFullError",
     "RecordError",
+    "SampleRngError",
     "SourceError",
     "WorkerError",
 )
