@@ -16,6 +16,7 @@ import os
 import threading
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeGuard, TypeVar, cast, overload
@@ -835,6 +836,10 @@ class AsyncDataLoaderIter(Generic[T_co]):
             kind.epoch_length() if isinstance(kind, MapEpochs) else None, self._skip,
         )
         self.num_yielded: int = 0
+        # Under the synchronous facade, which runs ahead of its consumer, a batch counts as
+        # received only once the consumer takes it (DataLoaderIter confirms it).
+        self._deferred: deque[int] | None = None
+        self._ended = False  # the epoch's last batch was handed out
         self._timeout = loader.timeout
         self._len_called = loader._kind.reported_length()
         self._epoch: Epoch | None = None
@@ -884,7 +889,9 @@ class AsyncDataLoaderIter(Generic[T_co]):
         except StopAsyncIteration:
             # Hand back control only once the pipeline's tasks have all returned.
             self._closed = True
-            self._record.done = True
+            self._ended = True
+            if self._deferred is None:
+                self._record.done = True
             await epoch.done.wait()
             raise
         except anyio.get_cancelled_exc_class():
@@ -898,7 +905,11 @@ class AsyncDataLoaderIter(Generic[T_co]):
                     f"the dataset raised {type(error).__name__} while loading a batch"
                 ) from error
             raise error
-        self._record.received(self._skip.global_number(epoch.results.last))
+        number = self._skip.global_number(epoch.results.last)
+        if self._deferred is None:
+            self._record.received(number)
+        else:
+            self._deferred.append(number)
         self.num_yielded += 1
         self._warn_length()
         return cast(T_co, value)
@@ -942,17 +953,33 @@ class DataLoaderIter(Iterator[T_co]):
     """
 
     def __init__(self, loader: DataLoader[T_co]) -> None:
+        received: deque[int] = deque()
+
+        def open_() -> AsyncDataLoaderIter[T_co]:
+            source = loader.__aiter__()
+            source._deferred = received  # before the pump asks for its first batch
+            return source
+
         # Composition, not inheritance: the facade's iterator is private machinery.
-        self._sync = SyncIterator(loader.__aiter__, loop_of(loader))
+        self._sync = SyncIterator(open_, loop_of(loader))
         source = self._sync.source
         assert isinstance(source, AsyncDataLoaderIter)
         self._source: AsyncDataLoaderIter[T_co] = source
+        self._received = received
 
     def __iter__(self) -> DataLoaderIter[T_co]:
         return self
 
     def __next__(self) -> T_co:
-        return next(self._sync)
+        try:
+            value = next(self._sync)
+        except StopIteration:
+            if self._source._ended and not self._received:
+                self._source._record.done = True
+            raise
+        # Only a batch, not an error, was recorded by the source.
+        self._source._record.received(self._received.popleft())
+        return value
 
     def close(self) -> None:
         """Stop the epoch and wait until it has stopped (see :meth:`DataLoader.aclose`)."""
