@@ -230,6 +230,10 @@ class MapEpochs:
             indices = epoch_indices(sampler)
             if indices is not None:
                 return iter(cast(list[Any], indices[skip:].tolist()))
+        if skip and type(sampler) is BatchSampler:
+            after = sampler._batches_after(skip)
+            if after is not None:
+                return after
         # Async samplers (and batch samplers over them) are walked with async iteration.
         aiter_ = getattr(sampler, "__aiter__", None)
         if aiter_ is not None:

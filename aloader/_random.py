@@ -227,14 +227,15 @@ def _numpy_state(value: Any) -> Any:
 
 
 def rng_state(rng: np.random.Generator) -> dict[str, Any]:
-    """``rng``'s state as JSON builtins: its bit generator's, and a torch generator's bytes.
+    """``rng``'s state as JSON builtins: its bit generator's, and a torch generator's bytes as
+    a hex string (immutable, so a checkpoint holding it is copied for free).
 
     Restored by :func:`restore_rng`; taking it never advances ``rng``.
     """
     state: dict[str, Any] = {"numpy": _plain(rng.bit_generator.state)}
     tg = torch_generator(rng)
     if tg is not None:
-        state["torch"] = tg.get_state().tolist()
+        state["torch"] = tg.get_state().numpy().tobytes().hex()
     return state
 
 
@@ -259,10 +260,15 @@ def restore_rng(rng: np.random.Generator, state: Any, *, apply: bool = True) -> 
     if (tg is None) != (torch_state is None):
         raise ValueError("generator state: torch generator "
                          f"{'missing' if torch_state is None else 'unexpected'}")
-    if torch_state is not None and not (
-        isinstance(torch_state, list) and all(isinstance(b, int) for b in torch_state)
-    ):
-        raise ValueError("generator state: 'torch' should be a list of byte values")
+    if tg is not None:
+        size = 2 * int(tg.get_state().numel())
+        if not isinstance(torch_state, str) or len(torch_state) != size:
+            raise ValueError(f"generator state: 'torch' should be a hex string of {size} "
+                             "digits")
+        try:
+            raw = bytes.fromhex(torch_state)
+        except ValueError:
+            raise ValueError("generator state: 'torch' should be a hex string") from None
     if not apply:
         # Applying to a scratch bit generator checks the rest without touching rng.
         scratch = type(rng.bit_generator)()
@@ -274,4 +280,4 @@ def restore_rng(rng: np.random.Generator, state: Any, *, apply: bool = True) -> 
     rng.bit_generator.state = _numpy_state(numpy_state)
     if tg is not None:
         torch = _torch()
-        tg.set_state(torch.tensor(torch_state, dtype=torch.uint8))
+        tg.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))

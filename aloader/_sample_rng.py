@@ -12,7 +12,7 @@ else a digest of the generator's state when the loader was built (so a seeded nu
 generator gives a reproducible one; ``generator=None`` without torch gives a random one per
 process). :meth:`DataLoader.state_dict` records it, so a resume reproduces it.
 
-The generator is a PCG64 seeded by a splitmix64 mix of the triple, through a minimal
+The generator is a PCG64 seeded by an integer mix of the triple, through a minimal
 ``ISeedSequence`` (numpy's ``SeedSequence`` costs ten times as much): a few microseconds.
 Within one sample's fetch, repeated calls return the same generator (the stream continues).
 """
@@ -38,11 +38,11 @@ BATCH: Any = object()
 
 
 def _mix(x: int) -> int:
-    """splitmix64's finaliser: a bijection of 64-bit ints that spreads every input bit."""
-    x = (x + _GOLDEN) & _M
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M
-    return x ^ (x >> 31)
+    """A 64-bit multiply-xorshift mix (two rounds): every input bit reaches every output bit."""
+    x = (x * 0x9E3779B97F4A7C15) & _M
+    x ^= x >> 32
+    x = (x * 0xD6E8FEB86659FD93) & _M
+    return x ^ (x >> 32)
 
 
 def index_key(index: Any) -> int:
@@ -80,13 +80,14 @@ class Scope:
     samples one after the other reuses one scope, setting :attr:`index` (and clearing the cached
     generator with :meth:`at`) for each."""
 
-    __slots__ = ("_base", "_cache", "_last", "epoch", "index", "seed")
+    __slots__ = ("_base", "_buf", "_cache", "_last", "epoch", "index", "seed")
 
     def __init__(self, seed: int, epoch: int, index: Any = BATCH) -> None:
         self.seed = seed
         self.epoch = epoch
         self.index = index
-        self._base = _mix(_mix(seed) ^ (epoch & _M))
+        self._base = _mix(_mix(seed ^ _GOLDEN) ^ (epoch & _M))
+        self._buf: np.ndarray[Any, np.dtype[np.uint64]] | None = None
         self._last: np.random.Generator | None = None
         self._cache: dict[int, np.random.Generator] | None = None
 
@@ -117,9 +118,16 @@ class Scope:
         return found
 
     def _make(self, key: int) -> np.random.Generator:
-        a = _mix(self._base ^ key)
-        b = _mix(a ^ _GOLDEN)
-        words = np.array((a, b, _mix(b), _mix(a ^ self._base) | 1), dtype=np.uint64)
+        # PCG64's state is the mixed key (and the key), its increment (its stream) the
+        # epoch's base and the key: distinct samples and epochs give distinct streams.
+        words = self._buf
+        if words is None:
+            words = self._buf = np.empty(4, dtype=np.uint64)
+        mixed = _mix(self._base ^ key)
+        words[0] = mixed
+        words[1] = key
+        words[2] = self._base
+        words[3] = key ^ mixed
         return np.random.Generator(np.random.PCG64(cast(Any, _Words(words))))
 
 

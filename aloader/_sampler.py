@@ -741,9 +741,22 @@ class BatchSampler(_Stateful, Sampler[list[int]]):
             return
         yield from self._generic_batches()
 
-    def _generic_batches(self) -> Iterator[list[int]]:
+    def _batches_after(self, skip: int) -> Iterator[list[int]] | None:
+        """The epoch's batches after the first ``skip``, the skipped indices drawn from the
+        inner sampler and discarded without making batches of them (None when the inner
+        sampler is only async iterable)."""
+        batches = self._epoch_batches(skip)
+        if batches is not None:
+            return (batch.tolist() for batch in batches)
+        if not isinstance(self.sampler, Iterable):
+            return None
+        return self._generic_batches(skip * self.batch_size)
+
+    def _generic_batches(self, skip: int = 0) -> Iterator[list[int]]:
         try:
             sampler_iter = iter(cast("Iterable[int]", self.sampler))
+            if skip:
+                sampler_iter = itertools.islice(sampler_iter, skip, None)
         except TypeError:
             if isinstance(self.sampler, AsyncIterable):
                 raise TypeError(
