@@ -91,8 +91,9 @@ class _EpochRecord:
         self.beyond = set(self.skip.delivered)
         self.yielded = self.prefix + len(self.beyond)
 
-    def received(self, number: int) -> None:
+    def received(self, number: int, meta: Any = None) -> None:
         self.yielded += 1
+        self.meta = meta
         if number != self.prefix:
             self.beyond.add(number)
             return
@@ -153,6 +154,12 @@ class DataLoader(Generic[T_co]):
     library's semantics: ``spawn`` and ``forkserver`` import the main module in each worker, so
     a script needs the guard there.
 
+    Checkpoints: :meth:`state_dict` (at any point, from ``async for`` or ``for``, or between
+    epochs) and :meth:`load_state_dict` on a loader built with the same arguments resume
+    exactly: the rest of the interrupted epoch, then the epochs the uninterrupted run would
+    have had, with any ``num_workers``. Randomness that must not depend on the worker that
+    fetches a sample comes from :func:`aloader.sample_rng`, seeded by :attr:`sample_seed`.
+
     The arguments, defaults, checks and error messages are those of
     ``torch.utils.data.DataLoader``, with two differences: ``generator`` also takes an int seed
     or a :class:`numpy.random.Generator`, and ``prefetch_factor`` is accepted without worker
@@ -192,6 +199,10 @@ class DataLoader(Generic[T_co]):
     dataset: Any
     batch_size: int | None
     drop_last: bool
+    #: The seed of :func:`aloader.sample_rng`: ``generator`` when it is an int, else a digest
+    #: of the generator's state when the loader was built (random per process with
+    #: ``generator=None`` and no torch); :meth:`load_state_dict` sets the checkpoint's.
+    sample_seed: int
     sampler: Any
     batch_sampler: Any
     persistent_workers: bool
@@ -841,7 +852,8 @@ class AsyncDataLoaderIter(Generic[T_co]):
         self.num_yielded: int = 0
         # Under the synchronous facade, which runs ahead of its consumer, a batch counts as
         # received only once the consumer takes it (DataLoaderIter confirms it).
-        self._deferred: deque[int] | None = None
+        self._deferred: deque[tuple[int, Any]] | None = None
+        self._last_meta: Any = None  # the metadata of the batch handed out last (iterable)
         self._ended = False  # the epoch's last batch was handed out
         self._timeout = loader.timeout
         self._len_called = loader._kind.reported_length()
@@ -910,9 +922,9 @@ class AsyncDataLoaderIter(Generic[T_co]):
             raise error
         number = self._skip.global_number(epoch.results.last)
         if self._deferred is None:
-            self._record.received(number)
+            self._record.received(number, self._last_meta)
         else:
-            self._deferred.append(number)
+            self._deferred.append((number, self._last_meta))
         self.num_yielded += 1
         self._warn_length()
         return cast(T_co, value)
@@ -956,7 +968,7 @@ class DataLoaderIter(Iterator[T_co]):
     """
 
     def __init__(self, loader: DataLoader[T_co]) -> None:
-        received: deque[int] = deque()
+        received: deque[tuple[int, Any]] = deque()
 
         def open_() -> AsyncDataLoaderIter[T_co]:
             source = loader.__aiter__()
@@ -981,7 +993,7 @@ class DataLoaderIter(Iterator[T_co]):
                 self._source._record.done = True
             raise
         # Only a batch, not an error, was recorded by the source.
-        self._source._record.received(self._received.popleft())
+        self._source._record.received(*self._received.popleft())
         return value
 
     def close(self) -> None:

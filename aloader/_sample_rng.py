@@ -86,7 +86,7 @@ class Scope:
         self.seed = seed
         self.epoch = epoch
         self.index = index
-        self._base = _mix(_mix(seed ^ _GOLDEN) ^ (epoch & _M))
+        self._base: int | None = None  # the (seed, epoch) key, mixed when first needed
         self._buf: np.ndarray[Any, np.dtype[np.uint64]] | None = None
         self._last: np.random.Generator | None = None
         self._cache: dict[int, np.random.Generator] | None = None
@@ -120,13 +120,16 @@ class Scope:
     def _make(self, key: int) -> np.random.Generator:
         # PCG64's state is the mixed key (and the key), its increment (its stream) the
         # epoch's base and the key: distinct samples and epochs give distinct streams.
+        base = self._base
+        if base is None:
+            base = self._base = _mix(_mix(self.seed ^ _GOLDEN) ^ (self.epoch & _M))
         words = self._buf
         if words is None:
             words = self._buf = np.empty(4, dtype=np.uint64)
-        mixed = _mix(self._base ^ key)
+        mixed = _mix(base ^ key)
         words[0] = mixed
         words[1] = key
-        words[2] = self._base
+        words[2] = base
         words[3] = key ^ mixed
         return np.random.Generator(np.random.PCG64(cast(Any, _Words(words))))
 
