@@ -138,9 +138,13 @@ def bench_sample_rng() -> None:
     try:
         new = per_call(lambda i: (scope.at(i), aloader.sample_rng()))
         again = per_call(lambda i: aloader.sample_rng())
-        # A fresh batch scope per run: every index a new sample.
-        indexed = per_call(lambda i: aloader.sample_rng(i),
-                           setup=lambda: scope_var.set(Scope(12345, 3)))
+        # A batch of 64 per scope, as __getitems__ sees it: every index a new sample.
+        def batch_call(i: int) -> Any:
+            if i % 64 == 0:
+                scope_var.set(Scope(12345, 3))
+            return aloader.sample_rng(i)
+
+        indexed = per_call(batch_call)
     finally:
         scope_var.reset(token)
     draw = per_call(lambda i: np.random.Generator(np.random.PCG64(i)))
