@@ -39,6 +39,7 @@ from ._exceptions import (
     ObjectNotFoundError,
     QueueFullError,
     RecordError,
+    SampleRngError,
     SourceError,
     WorkerError,
 )
@@ -47,6 +48,7 @@ from ._http import HttpOptions
 from ._loader import AsyncDataLoaderIter, DataLoader, DataLoaderIter
 from ._mix import mix
 from ._parquet import ParquetRows
+from ._sample_rng import sample_rng
 from ._sampler import (
     BatchSampler,
     RandomSampler,
@@ -69,6 +71,7 @@ __all__ = (
     "DataLoaderIter",
     "WorkerInfo",
     "get_worker_info",
+    "sample_rng",
     # datasets
     "ArrayDataset",
     "ChainDataset",
@@ -128,6 +131,7 @@ __all__ = (
     "ObjectNotFoundError",
     "QueueFullError",
     "RecordError",
+    "SampleRngError",
     "SourceError",
     "WorkerError",
 )

@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator, Sized
+from typing import Any
 
 import numpy as np
 
 from ._random import IndexArray, permutation
-from ._sampler import _EPOCH_MAX, Sampler, _blocks, _concat, _iter_chunks
+from ._sampler import _EPOCH_MAX, Sampler, _blocks, _concat, _iter_chunks, _Stateful
 
 __all__ = ("DistributedSampler",)
 
@@ -33,7 +34,7 @@ def _env_int(name: str, default: int) -> int:
         ) from None
 
 
-class DistributedSampler(Sampler[int]):
+class DistributedSampler(_Stateful, Sampler[int]):
     """Sampler that restricts data loading to one rank's share of the dataset.
 
     Every rank builds the same order (a permutation seeded by ``seed + epoch`` when shuffling,
@@ -48,6 +49,17 @@ class DistributedSampler(Sampler[int]):
     Index ``j`` of the shard is ``order[(rank + j * num_replicas) % N]``, computed a block at a
     time: without shuffling, a shard of a huge dataset starts at once in bounded memory (with
     shuffling the permutation of ``N`` is built first, as torch builds it).
+
+    State (``state_dict()``, torchdata's protocol, which the DataLoader records at each epoch's
+    start): the epoch, the seed and the world it was drawn for. Elastic resume: a state of a
+    job on ``W`` ranks loaded by a DataLoader whose DistributedSampler has ``W'`` ranks resumes
+    the same global order. Ranks are assumed to progress in lockstep, as DDP's do: every rank
+    has consumed the same batches, so the global order's first ``consumed * W`` positions (and
+    the positions of batches delivered out of order) are done. The rest of the global order,
+    without the old world's padding, is partitioned among the ``W'`` ranks by the same rule
+    (every ``W'``-th position, padded by repeating its start, or truncated with ``drop_last``):
+    across the new ranks no sample of the epoch is skipped, and none is delivered twice beyond
+    that padding. The epochs after it are ordinary ``W'`` epochs.
 
     Args:
         dataset: the dataset to sample from (only its ``len()`` is used).
@@ -104,6 +116,8 @@ class DistributedSampler(Sampler[int]):
         self.total_size = self.num_samples * self.num_replicas
         self.shuffle = shuffle
         self.seed = seed
+        # An elastic resume's rest of the epoch, to be drawn next (see the class docstring).
+        self._remaining: dict[str, Any] | None = None
 
     def _epoch_chunks(self) -> Iterator[IndexArray]:
         """This epoch's shard as consecutive int64 arrays; the order is drawn now."""
@@ -122,7 +136,91 @@ class DistributedSampler(Sampler[int]):
             # Like torch.manual_seed, a negative seed wraps around to an unsigned one.
             rng = np.random.default_rng(seed % _UINT64 if seed < 0 else seed)
             order = permutation(rng, n)
+        remaining, self._remaining = self._remaining, None
+        if remaining is not None:
+            return self._elastic(order, n, remaining)
         return self._shard(order, n)
+
+    def _elastic_size(self, remaining: dict[str, Any]) -> int:
+        """This rank's share of an elastic resume's rest of the epoch."""
+        m = int(remaining["size"])
+        world = self.num_replicas
+        if self.drop_last and m % world != 0:
+            return max(0, math.ceil((m - world) / world))
+        return math.ceil(m / world)
+
+    def _elastic(self, order: IndexArray | None, n: int, remaining: dict[str, Any]
+                 ) -> Iterator[IndexArray]:
+        world0 = int(remaining["num_replicas"])
+        positions = np.arange(int(remaining["start"]), int(remaining["stop"]), dtype=np.int64)
+        excluded = remaining["excluded"]
+        if excluded:
+            done = np.zeros(len(positions), dtype=bool)
+            rank_pos = positions // world0
+            for a, b in excluded:
+                done |= (rank_pos >= a) & (rank_pos < b)
+            positions = positions[~done]
+        rest = positions if order is None else order[positions]
+        m = len(rest)
+        size = self._elastic_size(remaining)
+        if size == 0 or m == 0:
+            return iter(())
+        picks = np.arange(size, dtype=np.int64) * self.num_replicas + self.rank
+        picks %= m
+        return iter((rest[picks],))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch, seed and world this sampler draws its next epoch for (JSON builtins)."""
+        return {
+            "epoch": int(self.epoch), "seed": int(self.seed), "shuffle": bool(self.shuffle),
+            "drop_last": bool(self.drop_last), "num_replicas": int(self.num_replicas),
+            "rank": int(self.rank), "length": len(self.dataset),
+            "remaining": None if self._remaining is None else dict(self._remaining),
+        }
+
+    def _load_state(self, state: Any, *, apply: bool) -> None:
+        if not isinstance(state, dict):
+            raise ValueError(f"DistributedSampler state should be a dict, "
+                             f"but got {type(state).__name__}")
+        for name, kind in (("epoch", int), ("seed", int), ("shuffle", bool), ("length", int),
+                           ("num_replicas", int), ("drop_last", bool)):
+            value = state.get(name)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ValueError(f"DistributedSampler state: field {name!r} should be "
+                                 f"{kind.__name__}, but got {value!r}")
+        for name, mine in (("seed", self.seed), ("shuffle", self.shuffle),
+                           ("length", len(self.dataset))):
+            if state[name] != mine:
+                raise ValueError(f"DistributedSampler state: {name} differs: the state has "
+                                 f"{state[name]!r}, this sampler {mine!r}")
+        remaining = state.get("remaining")
+        if remaining is not None and state["num_replicas"] != self.num_replicas:
+            raise ValueError("DistributedSampler state: an epoch already resumed on another "
+                             "world size cannot be resumed on a third one")
+        if apply:
+            self.epoch = state["epoch"]
+            self._remaining = None if remaining is None else dict(remaining)
+
+    def _resume_elastic(self, state: dict[str, Any], consumed: int,
+                        excluded: list[list[int]]) -> None:
+        """Make the next epoch the rest of the epoch a job on ``state["num_replicas"]`` ranks
+        was in, each of its ranks having consumed ``consumed`` indices and the ranges
+        ``excluded`` of its shard (see the class docstring)."""
+        world0 = int(state["num_replicas"])
+        n = len(self.dataset)
+        if state["drop_last"] and n % world0 != 0:
+            total0 = math.ceil((n - world0) / world0) * world0
+        else:
+            total0 = math.ceil(n / world0) * world0
+        start = min(consumed * world0, n)
+        stop = min(n, total0)
+        start = min(start, stop)
+        size = stop - start
+        for a, b in excluded:
+            lo, hi = max(a * world0, start), min(b * world0, stop)
+            size -= max(0, hi - lo)
+        self._remaining = {"num_replicas": world0, "start": start, "stop": stop,
+                           "excluded": [[int(a), int(b)] for a, b in excluded], "size": size}
 
     def _shard(self, order: IndexArray | None, n: int) -> Iterator[IndexArray]:
         for start, size in _blocks(self.num_samples):
@@ -134,7 +232,7 @@ class DistributedSampler(Sampler[int]):
             yield positions if order is None else order[positions]
 
     def _epoch_indices(self) -> IndexArray | None:
-        if self.num_samples > _EPOCH_MAX:
+        if self.num_samples > _EPOCH_MAX and self._remaining is None:
             return None
         return _concat(self._epoch_chunks())
 
@@ -145,7 +243,10 @@ class DistributedSampler(Sampler[int]):
         return _iter_chunks(self._epoch_chunks())
 
     def __len__(self) -> int:
-        """``num_samples``: the number of indices this rank gets per epoch."""
+        """``num_samples``: the number of indices this rank gets per epoch (this rank's share
+        of the rest of the epoch when an elastic resume is pending)."""
+        if self._remaining is not None:
+            return self._elastic_size(self._remaining)
         return self.num_samples
 
     def set_epoch(self, epoch: int) -> None:

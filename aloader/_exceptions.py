@@ -7,6 +7,7 @@ derive from it, shown after the name), so code written against torch catches the
     +-- LoaderTimeoutError  (RuntimeError)   no batch within the loader's ``timeout``
     +-- LoaderClosedError   (RuntimeError)   the epoch's iterator was closed or has failed
     +-- WorkerError         (RuntimeError)   a worker process died or the workers stopped
+    +-- SampleRngError      (RuntimeError)   sample_rng() outside a fetch (or without index)
     +-- SourceError                          a streaming source could not produce records
     |   +-- RecordError     (ValueError)     a malformed record
     |   +-- FetchError      (OSError)        reading a file or URL failed
@@ -39,6 +40,7 @@ __all__ = (
     "ObjectNotFoundError",
     "QueueFullError",
     "RecordError",
+    "SampleRngError",
     "SourceError",
     "WorkerError",
 )
@@ -71,6 +73,11 @@ class WorkerError(AloaderError, RuntimeError):
     The message is torch's ("DataLoader worker (pid N) is killed by signal: ..."), and like
     torch's it is a RuntimeError.
     """
+
+
+class SampleRngError(AloaderError, RuntimeError):
+    """:func:`aloader.sample_rng` was called outside a DataLoader's fetch of a sample, or
+    inside ``__getitems__`` without the sample's index."""
 
 
 # --------------------------------------------------------------------------- sources

@@ -16,20 +16,23 @@ import os
 import threading
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
-from typing import Any, Generic, TypeVar, cast, overload
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeGuard, TypeVar, cast, overload
 
 import anyio
 import numpy as np
 
 from ._collate import default_collate, default_convert
 from ._dataset import is_iterable_dataset
-from ._epochs import EpochKind, IterableEpochs, MapEpochs
+from ._epochs import EpochKind, IterableEpochs, MapEpochs, Progress, Skip
 from ._exceptions import LoaderTimeoutError
 from ._facade import PrivateLoop, SyncIterator, forbid_running_loop, loop_of
 from ._pipeline import Epoch, FetchPlan, Results
 from ._pool import PoolEpoch, WorkerPool, default_context, prepare_context, resolve_context
-from ._random import as_generator, draw_seed
+from ._random import as_generator, draw_seed, restore_rng, rng_state
+from ._sample_rng import seed_of
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler
 from ._streams import Stream
 from ._worker import WorkerSetup
@@ -41,6 +44,69 @@ T_co = TypeVar("T_co", covariant=True)
 DEFAULT_PREFETCH_FACTOR = 2
 
 _FROZEN = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
+
+STATE_FORMAT = "aloader.DataLoader"
+STATE_VERSION = 1
+
+
+def _json_copy(value: Any) -> Any:
+    """A copy of a state made of JSON builtins (tuples become lists)."""
+    if isinstance(value, dict):
+        return {key: _json_copy(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        # A torch generator's state is 5056 ints: copied at C speed.
+        if value and type(value[0]) is int and type(value[-1]) is int:
+            return list(value)
+        return [_json_copy(item) for item in value]
+    return value
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(eq=False)
+class _EpochRecord:
+    """What a checkpoint says about the latest epoch: what it was drawn from and what the
+    consumer received of it. The loader keeps it (not the epoch's iterator, which must stay
+    droppable); the iterator updates it as it hands out batches.
+
+    Invariant: ``prefix`` is the number of batches from the epoch's start all received, and
+    ``beyond`` holds the numbers of those received after it; ``yielded`` is their total.
+    """
+
+    epoch: int
+    rng: dict[str, Any]  # the loader generator's state before this epoch drew anything
+    base_seed: int | None  # the epoch's base seed when not drawn (persistent workers' one)
+    length: int | None  # the epoch's batches (map-style), or None
+    skip: Skip  # what a resumed epoch leaves out
+    prefix: int = 0
+    beyond: set[int] = field(default_factory=set)
+    yielded: int = 0
+    meta: Any = None  # the metadata of the latest batch received (iterable datasets)
+    done: bool = False  # the iterator reached the end of the epoch
+
+    def __post_init__(self) -> None:
+        self.prefix = self.skip.prefix
+        self.beyond = set(self.skip.delivered)
+        self.yielded = self.prefix + len(self.beyond)
+
+    def received(self, number: int, meta: Any = None) -> None:
+        self.yielded += 1
+        self.meta = meta
+        if number != self.prefix:
+            self.beyond.add(number)
+            return
+        prefix = number + 1
+        beyond = self.beyond
+        while prefix in beyond:
+            beyond.discard(prefix)
+            prefix += 1
+        self.prefix = prefix
+
+    @property
+    def at_end(self) -> bool:
+        return self.done or (self.length is not None and self.prefix >= self.length)
 
 
 class DataLoader(Generic[T_co]):
@@ -88,6 +154,12 @@ class DataLoader(Generic[T_co]):
     library's semantics: ``spawn`` and ``forkserver`` import the main module in each worker, so
     a script needs the guard there.
 
+    Checkpoints: :meth:`state_dict` (at any point, from ``async for`` or ``for``, or between
+    epochs) and :meth:`load_state_dict` on a loader built with the same arguments resume
+    exactly: the rest of the interrupted epoch, then the epochs the uninterrupted run would
+    have had, with any ``num_workers``. Randomness that must not depend on the worker that
+    fetches a sample comes from :func:`aloader.sample_rng`, seeded by :attr:`sample_seed`.
+
     The arguments, defaults, checks and error messages are those of
     ``torch.utils.data.DataLoader``, with two differences: ``generator`` also takes an int seed
     or a :class:`numpy.random.Generator`, and ``prefetch_factor`` is accepted without worker
@@ -127,6 +199,10 @@ class DataLoader(Generic[T_co]):
     dataset: Any
     batch_size: int | None
     drop_last: bool
+    #: The seed of :func:`aloader.sample_rng`: ``generator`` when it is an int, else a digest
+    #: of the generator's state when the loader was built (random per process with
+    #: ``generator=None`` and no torch); :meth:`load_state_dict` sets the checkpoint's.
+    sample_seed: int
     sampler: Any
     batch_sampler: Any
     persistent_workers: bool
@@ -305,6 +381,7 @@ class DataLoader(Generic[T_co]):
         # One Generator for the loader: it seeds the random sampler and every base_seed.
         self.generator = generator
         self._rng = as_generator(generator)
+        self.sample_seed: int = seed_of(generator, self._rng)
         kind: EpochKind
         if iterable:
             kind = IterableEpochs(dataset, batch_size, drop_last)
@@ -338,7 +415,12 @@ class DataLoader(Generic[T_co]):
         self._iterators: weakref.WeakSet[AsyncDataLoaderIter[Any]] = weakref.WeakSet()
         self._epochs: set[Epoch] = set()  # started and maybe not yet wound down
         self._pool: WorkerPool | None = None
-        self._epochs_started = 0  # numbers the epochs of datasets other than streams
+        self._epochs_started = 0  # numbers the epochs (a stream's own counter aside)
+        # Checkpoints: the latest epoch's record, and a loaded state the next epoch resumes.
+        self._record: _EpochRecord | None = None
+        self._resume_state: dict[str, Any] | None = None
+        self._resume_skip: Skip | None = None
+        self._resume_seed: int | None = None  # the persistent workers' seed of a resumed run
         if num_workers > 0:
             prepare_context(self._context(), warm=True)
         self.__initialized = True
@@ -473,8 +555,8 @@ class DataLoader(Generic[T_co]):
         await self.aclose()
 
     # The epoch's plan ------------------------------------------------------------------------
-    def _plan(self, transform: Callable[[Any], Any] | None, remote: PoolEpoch | None = None
-              ) -> FetchPlan:
+    def _plan(self, transform: Callable[[Any], Any] | None, remote: PoolEpoch | None = None,
+              epoch: int = 0) -> FetchPlan:
         """The plan of an epoch in this process (or a worker's), or whose jobs go to ``remote``."""
         return FetchPlan.for_dataset(
             self.dataset,
@@ -487,28 +569,187 @@ class DataLoader(Generic[T_co]):
             remote=remote,
             num_workers=self.num_workers,
             prefetch_factor=self.prefetch_factor,
+            seed=None if isinstance(self._kind, IterableEpochs) else self.sample_seed,
+            epoch=epoch,
         )
 
-    def _claim_epoch(self) -> int:
-        """This epoch's number, as the workers see it (:attr:`WorkerInfo.epoch`).
+    def _claim_epoch(self, count: int) -> int:
+        """Epoch ``count``'s number, as the workers see it (:attr:`WorkerInfo.epoch`).
 
         A stream claims it from its own copy as iterating it here would (so its counter
         advances, and ``set_epoch`` holds); other datasets get the loader's epoch count.
         """
-        count = self._epochs_started
-        self._epochs_started = count + 1
         if isinstance(self.dataset, Stream):
             return self.dataset._claim_epoch()
         return count
 
-    def _base_seed(self) -> int:
-        """This epoch's ``base_seed``: drawn from the generator, except by an epoch that the
-        live persistent workers will serve, which keep their first epoch's seeds; torch resets
-        its one iterator then and draws nothing, so the sampler's draws stay torch's."""
+    def _base_seed(self) -> tuple[int, bool]:
+        """This epoch's ``base_seed``, and whether it was drawn: drawn from the generator,
+        except by an epoch that the live persistent workers will serve, which keep their first
+        epoch's seeds; torch resets its one iterator then and draws nothing, so the sampler's
+        draws stay torch's. A run resumed from persistent workers' epoch keeps their seed."""
         pool = self._pool
         if pool is not None and not (pool.closed or pool.broken):
-            return int(pool.setup.base_seed)
-        return draw_seed(self._rng)
+            return int(pool.setup.base_seed), False
+        if self._resume_seed is not None:
+            return self._resume_seed, False
+        return draw_seed(self._rng), True
+
+    # Checkpoints -----------------------------------------------------------------------------
+    def _kind_name(self) -> str:
+        return "map" if isinstance(self._kind, MapEpochs) else "iterable"
+
+    def _dataset_length(self) -> int | None:
+        try:
+            return len(self.dataset)
+        except TypeError:
+            return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """A checkpoint of where the consumer is: JSON builtins (``json`` and ``pickle`` take
+        it), without sample data, costing well under a millisecond whatever the dataset.
+
+        Callable at any point: during an epoch (``async for`` or ``for``) it describes the
+        batches the consumer has received, never those prefetched; after an epoch's last batch
+        and between epochs, the start of the next epoch. Resume with :meth:`load_state_dict` on
+        a loader built with the same arguments (``num_workers`` may differ; so may a
+        DistributedSampler's world size, see :class:`DistributedSampler`).
+
+        The state: ``{"format": "aloader.DataLoader", "version": 1, "kind": "map" or
+        "iterable", "epoch": E, "yielded": K, "loader": {...}, "map" or "iterable": {...}}``:
+        the epoch (the loader's epoch count, :attr:`WorkerInfo.epoch`), the batches received
+        in it, the loader generator's state when the epoch started (a numpy bit generator's
+        state; a torch generator's bytes as ints), the base seed when it was not drawn
+        (persistent workers keep theirs), :attr:`sample_seed`, and what the epoch kind records
+        (map-style: the index sampler's ``state_dict()`` at the epoch's start, and the batches
+        received beyond the contiguous prefix). The epoch's order is not stored: a resume
+        draws it again from those states.
+
+        With ``generator=None`` the loader's draws come from fresh entropy (torch's global
+        generator when torch is imported): the state records that generator's state, and
+        :meth:`load_state_dict` sets it (torch's global generator included).
+        """
+        pending = self._resume_state
+        if pending is not None:
+            return cast(dict[str, Any], _json_copy(pending))
+        record = self._record
+        if record is None or record.at_end:
+            pool = self._pool
+            seed = self._resume_seed
+            if pool is not None and pool.persistent and not (pool.closed or pool.broken):
+                seed = int(pool.setup.base_seed)
+            epoch = self._epochs_started if record is None else record.epoch + 1
+            progress = Progress(epoch, 0, frozenset(), None, True)
+            rng: dict[str, Any] = rng_state(self._rng)
+        else:
+            seed = record.base_seed
+            progress = Progress(record.epoch, record.yielded, frozenset(record.beyond),
+                                record.meta, False)
+            rng = cast(dict[str, Any], _json_copy(record.rng))
+        kind = self._kind_name()
+        if isinstance(self._kind, MapEpochs):
+            sub = self._kind.state_dict(progress)
+        else:
+            sub = cast(Any, self._kind).state_dict(progress)
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "kind": kind,
+            "epoch": progress.epoch,
+            "yielded": progress.yielded,
+            "loader": {
+                "rng": rng,
+                "base_seed": seed,
+                "sample_seed": self.sample_seed,
+                "batch_size": self.batch_size,
+                "drop_last": self.drop_last,
+                "dataset_length": self._dataset_length(),
+            },
+            kind: _json_copy(sub),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from a :meth:`state_dict`: the next epoch (``async for`` or ``for``) yields
+        the rest of the interrupted one, and every later epoch is the uninterrupted run's.
+
+        Everything is checked before anything is applied.
+
+        Raises:
+            ValueError: the state is of another format or version, another kind of dataset,
+                another dataset length, batch size or ``drop_last`` (the message names the
+                field and both values), or does not fit the samplers.
+            TypeError: a field has the wrong type.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state should be a dict, but got {type(state).__name__}")
+        kind = self._kind_name()
+        expected = {"format": STATE_FORMAT, "version": STATE_VERSION, "kind": kind}
+        for name, value in expected.items():
+            if state.get(name) != value:
+                raise ValueError(f"state field {name!r} differs: the state has "
+                                 f"{state.get(name)!r}, this loader expects {value!r}")
+        for name in ("epoch", "yielded"):
+            value = state.get(name)
+            if not _is_int(value):
+                raise TypeError(f"state field {name!r} should be an int, but got {value!r}")
+            if value < 0:
+                raise ValueError(f"state field {name!r} should be non-negative, "
+                                 f"but got {value}")
+        loader = state.get("loader")
+        if not isinstance(loader, Mapping):
+            raise TypeError(f"state field 'loader' should be a dict, "
+                            f"but got {type(loader).__name__}")
+        mine = {"batch_size": self.batch_size, "drop_last": self.drop_last,
+                "dataset_length": self._dataset_length()}
+        for name, value in mine.items():
+            if name not in loader:
+                raise ValueError(f"state field 'loader.{name}' is missing")
+            if loader[name] != value or type(loader[name]) is not type(value):
+                raise ValueError(f"state field 'loader.{name}' differs: the state has "
+                                 f"{loader[name]!r}, this loader has {value!r}")
+        seed = loader.get("base_seed")
+        if seed is not None and not (_is_int(seed) and seed >= 0):
+            raise TypeError(f"state field 'loader.base_seed' should be None or a "
+                            f"non-negative int, but got {seed!r}")
+        sample_seed = loader.get("sample_seed")
+        if not (_is_int(sample_seed) and sample_seed >= 0):
+            raise TypeError(f"state field 'loader.sample_seed' should be a non-negative int, "
+                            f"but got {sample_seed!r}")
+        try:
+            restore_rng(self._rng, loader.get("rng"), apply=False)
+        except ValueError as exc:
+            raise ValueError(f"state field 'loader.rng': {exc}") from None
+        if kind not in state:
+            raise ValueError(f"state field {kind!r} is missing")
+        sub = _json_copy(state[kind])
+        skip: Skip | None = None
+        if isinstance(self._kind, MapEpochs):
+            if isinstance(sub, dict):
+                delivered = sub.get("delivered")
+                prefix = sub.get("prefix")
+                if (_is_int(prefix) and isinstance(delivered, list)
+                        and prefix + len(delivered) != state["yielded"]):
+                    raise ValueError(
+                        f"state field 'yielded' ({state['yielded']}) differs from the map "
+                        f"part's prefix and delivered batches ({prefix} + {len(delivered)})"
+                    )
+            # Checks all of its part before applying any.
+            self._kind.load_state_dict(sub)
+            skip = self._kind.loaded_skip
+        else:
+            cast(Any, self._kind).load_state_dict(sub)
+        # Everything is checked: apply. Live persistent workers have the old seeds.
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        restore_rng(self._rng, loader["rng"])
+        self.sample_seed = sample_seed
+        self._resume_seed = seed
+        self._epochs_started = state["epoch"]
+        self._resume_skip = skip
+        self._record = None
+        copy = cast(dict[str, Any], _json_copy(dict(state)))
+        self._resume_state = copy
 
     def _remote(self, base_seed: int, epoch: int) -> PoolEpoch:
         """This epoch's use of the worker processes: the persistent pool when it is free."""
@@ -593,9 +834,27 @@ class AsyncDataLoaderIter(Generic[T_co]):
         self._loader = loader
         # Explicit epoch state, so that a resume can restore it: the RNG state this epoch
         # started from, the base seed it drew, and the batches yielded so far.
+        self.epoch = loader._epochs_started
+        loader._epochs_started = self.epoch + 1
+        kind = loader._kind
+        if isinstance(kind, MapEpochs):
+            kind.begin()  # what the epoch is drawn from, before it draws anything
         self.rng_state: Mapping[str, Any] = loader._rng.bit_generator.state
-        self.base_seed: int = loader._base_seed()
+        start = rng_state(loader._rng)
+        self.base_seed, drawn = loader._base_seed()
+        self._skip = loader._resume_skip or Skip(0)
+        loader._resume_skip = None
+        loader._resume_state = None
+        self._record = loader._record = _EpochRecord(
+            self.epoch, start, None if drawn else self.base_seed,
+            kind.epoch_length() if isinstance(kind, MapEpochs) else None, self._skip,
+        )
         self.num_yielded: int = 0
+        # Under the synchronous facade, which runs ahead of its consumer, a batch counts as
+        # received only once the consumer takes it (DataLoaderIter confirms it).
+        self._deferred: deque[tuple[int, Any]] | None = None
+        self._last_meta: Any = None  # the metadata of the batch handed out last (iterable)
+        self._ended = False  # the epoch's last batch was handed out
         self._timeout = loader.timeout
         self._len_called = loader._kind.reported_length()
         self._epoch: Epoch | None = None
@@ -610,11 +869,14 @@ class AsyncDataLoaderIter(Generic[T_co]):
         results = Results(loader.prefetch_factor, loader.in_order)
         transform = _pin_memory_transform(loader)
         # Workers or not: decided here, once per epoch (num_workers may change between epochs).
+        if isinstance(kind, MapEpochs):
+            kind.resume = self._skip  # taken by the keys() that local/on_workers call now
         if loader.num_workers > 0:
-            remote = loader._remote(self.base_seed, loader._claim_epoch())
-            epoch = kind.on_workers(loader._plan(transform, remote), results, remote)
+            remote = loader._remote(self.base_seed, loader._claim_epoch(self.epoch))
+            epoch = kind.on_workers(loader._plan(transform, remote, self.epoch), results,
+                                    remote)
         else:
-            epoch = kind.local(loader._plan(transform), results)
+            epoch = kind.local(loader._plan(transform, epoch=self.epoch), results)
         epoch.start()
         loader._epochs = {e for e in loader._epochs if not e.done.is_set()}
         loader._epochs.add(epoch)
@@ -642,6 +904,9 @@ class AsyncDataLoaderIter(Generic[T_co]):
         except StopAsyncIteration:
             # Hand back control only once the pipeline's tasks have all returned.
             self._closed = True
+            self._ended = True
+            if self._deferred is None:
+                self._record.done = True
             await epoch.done.wait()
             raise
         except anyio.get_cancelled_exc_class():
@@ -655,6 +920,11 @@ class AsyncDataLoaderIter(Generic[T_co]):
                     f"the dataset raised {type(error).__name__} while loading a batch"
                 ) from error
             raise error
+        number = self._skip.global_number(epoch.results.last)
+        if self._deferred is None:
+            self._record.received(number, self._last_meta)
+        else:
+            self._deferred.append((number, self._last_meta))
         self.num_yielded += 1
         self._warn_length()
         return cast(T_co, value)
@@ -698,17 +968,33 @@ class DataLoaderIter(Iterator[T_co]):
     """
 
     def __init__(self, loader: DataLoader[T_co]) -> None:
+        received: deque[tuple[int, Any]] = deque()
+
+        def open_() -> AsyncDataLoaderIter[T_co]:
+            source = loader.__aiter__()
+            source._deferred = received  # before the pump asks for its first batch
+            return source
+
         # Composition, not inheritance: the facade's iterator is private machinery.
-        self._sync = SyncIterator(loader.__aiter__, loop_of(loader))
+        self._sync = SyncIterator(open_, loop_of(loader))
         source = self._sync.source
         assert isinstance(source, AsyncDataLoaderIter)
         self._source: AsyncDataLoaderIter[T_co] = source
+        self._received = received
 
     def __iter__(self) -> DataLoaderIter[T_co]:
         return self
 
     def __next__(self) -> T_co:
-        return next(self._sync)
+        try:
+            value = next(self._sync)
+        except StopIteration:
+            if self._source._ended and not self._received:
+                self._source._record.done = True
+            raise
+        # Only a batch, not an error, was recorded by the source.
+        self._source._record.received(*self._received.popleft())
+        return value
 
     def close(self) -> None:
         """Stop the epoch and wait until it has stopped (see :meth:`DataLoader.aclose`)."""

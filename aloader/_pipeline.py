@@ -34,7 +34,6 @@ waits for the fetches in threads to return, unless the epoch has abandoned its t
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 import queue
@@ -52,7 +51,7 @@ import numpy as np
 from ._backend import Detached, threadsafe_caller
 from ._dataset import aiter_of, fetch_mode
 from ._exceptions import LoaderClosedError
-from ._fetch import fetch_many, fetch_many_sync, fetch_one
+from ._sample_rng import BATCH, Scope, scope_var
 from ._util import Signal, close_iterator, is_async_callable, resolve
 
 __all__ = (
@@ -105,7 +104,9 @@ class Results:
         self._in_order = in_order
         self._ready: dict[int, tuple[Any, BaseException | None]] = {}
         self._fifo: deque[tuple[Any, BaseException | None]] = deque()
+        self._fifo_seqs: deque[int] = deque()  # the jobs of _fifo's batches, in _fifo's order
         self.taken = 0
+        self.last = -1  # the job whose batch (or error) was handed out last
         self._reserved = 0
         self._total: int | None = None
         self._closed: BaseException | None = None
@@ -126,6 +127,7 @@ class Results:
             self._ready[seq] = (value, error)
         else:
             self._fifo.append((value, error))
+            self._fifo_seqs.append(seq)
         self._changed.notify()
 
     def finish(self, total: int) -> None:
@@ -147,12 +149,15 @@ class Results:
         while True:
             if self._in_order:
                 item = self._ready.pop(self.taken, None)
+                seq = self.taken
             else:
                 item = self._fifo.popleft() if self._fifo else None
                 if item is not None:
                     self._reserved -= 1
+                    seq = self._fifo_seqs.popleft()
             if item is None:
                 return None
+            self.last = seq
             self.taken += 1
             self._changed.notify()
             if item[0] is not SKIP:
@@ -286,8 +291,8 @@ class _FetchThreads:
     A thread starts only when there are more unfinished items than threads, up to ``count``.
     """
 
-    def __init__(self, dataset: Any, count: int, abandon: _Abandon) -> None:
-        self._dataset = dataset
+    def __init__(self, get_item: Callable[[Any], Any], count: int, abandon: _Abandon) -> None:
+        self._get_item = get_item
         self._count = count
         self._abandon = abandon
         self._work: queue.SimpleQueue[tuple[_Job, int, Any] | None] = queue.SimpleQueue()
@@ -315,7 +320,7 @@ class _FetchThreads:
             error: BaseException | None = None
             if job.error is None and not self._stopping:
                 try:
-                    job.samples[position] = self._dataset[index]
+                    job.samples[position] = self._get_item(index)
                 except Exception as exc:
                     error = _note(exc, f"raised while fetching index {index!r} "
                                        f"of batch {job.seq}")
@@ -388,6 +393,8 @@ class FetchPlan:
         array_indices: the dataset takes numpy index arrays as well as lists.
         transform: applied to every finished batch (pin_memory), or None.
         remote: the worker processes of a "process" plan.
+        seed: the loader's sample seed, for :func:`aloader.sample_rng` (None: no scope).
+        epoch: the loader's epoch (set per request in a worker process).
     """
 
     dataset: Any
@@ -400,6 +407,8 @@ class FetchPlan:
     array_indices: bool = False
     transform: Callable[[Any], Any] | None = None
     remote: Remote | None = None
+    seed: int | None = None
+    epoch: int = 0
 
     @classmethod
     def for_dataset(
@@ -415,6 +424,8 @@ class FetchPlan:
         remote: Remote | None = None,
         num_workers: int = 0,
         prefetch_factor: int = 2,
+        seed: int | None = None,
+        epoch: int = 0,
     ) -> FetchPlan:
         """The one place that decides how an epoch fetches: mode, granularity, concurrency, window.
 
@@ -440,6 +451,8 @@ class FetchPlan:
             remote: the worker processes that fetch, or None to fetch here.
             num_workers: how many worker processes ``remote`` has.
             prefetch_factor: the loader's ``prefetch_factor``.
+            seed: the loader's sample seed (see :mod:`aloader._sample_rng`), or None.
+            epoch: the loader's epoch number.
         """
         if remote is not None:
             window = max(1, prefetch_factor) * num_workers
@@ -453,6 +466,8 @@ class FetchPlan:
                 window=window,
                 transform=transform,
                 remote=remote,
+                seed=seed,
+                epoch=epoch,
             )
         if iterable:
             mode: FetchMode = "async" if aiter_of(dataset) is not None else "thread"
@@ -491,6 +506,8 @@ class FetchPlan:
             window=window,
             array_indices=bool(getattr(dataset, "_array_indices", False)),
             transform=transform,
+            seed=seed,
+            epoch=epoch,
         )
 
     def __post_init__(self) -> None:
@@ -536,11 +553,40 @@ class FetchPlan:
             return [key]
         return key.tolist() if isinstance(key, np.ndarray) else list(key)
 
+    # sample_rng: every fetch of the dataset runs in a Scope naming the sample.
+    def _scope(self, index: Any = BATCH) -> Scope | None:
+        return None if self.seed is None else Scope(self.seed, self.epoch, index)
+
+    def get_item(self, index: Any) -> Any:
+        """``dataset[index]`` in the sample's scope (synchronous datasets)."""
+        scope = self._scope(index)
+        if scope is None:
+            return self.dataset[index]
+        token = scope_var.set(scope)
+        try:
+            return self.dataset[index]
+        finally:
+            scope_var.reset(token)
+
     # Synchronous halves, run inline on the loop or in a worker thread.
     def fetch_sync(self, key: Any) -> Any:
-        if not self.auto_batch:
-            return self.dataset[key]
-        return fetch_many_sync(self.dataset, self._getitems, self.indices(key))
+        scope = self._scope()
+        if scope is None:
+            if not self.auto_batch:
+                return self.dataset[key]
+            if self._getitems is not None:
+                return self._getitems(self.indices(key))
+            return [self.dataset[i] for i in self.indices(key)]
+        token = scope_var.set(scope)
+        try:
+            if not self.auto_batch:
+                return self.dataset[scope.at(key).index]
+            if self._getitems is not None:
+                return self._getitems(self.indices(key))
+            dataset = self.dataset
+            return [dataset[scope.at(i).index] for i in self.indices(key)]
+        finally:
+            scope_var.reset(token)
 
     def collate_sync(self, samples: Any) -> Any:
         batch = self.collate_fn(samples)
@@ -570,21 +616,35 @@ class FetchPlan:
         """The samples of job ``seq``, fetched in one call (a collated batch from a remote)."""
         if self.remote is not None:
             return await self.remote.fetch(key, seq)
-        in_thread = functools.partial(self.in_thread, limiter=limiter)
-        if not self.auto_batch:
-            return await fetch_one(self.dataset, key, self.mode, in_thread)
-        samples = await fetch_many(
-            self.dataset, self._getitems, self.indices(key), self.mode, in_thread
-        )
-        if isinstance(samples, list):
-            for position, sample in enumerate(samples):
-                if inspect.isawaitable(sample):
-                    samples[position] = await sample
-        return samples
+        if self.mode == "thread":
+            return await self.in_thread(self.fetch_sync, key, limiter=limiter)
+        # An async fetch runs when awaited: the scope must span the awaits too.
+        scope = self._scope(BATCH if self.auto_batch else key)
+        token = None if scope is None else scope_var.set(scope)
+        try:
+            samples = await resolve(self.fetch_sync(key))
+            if self.auto_batch and isinstance(samples, list):
+                items = self.items_of(key) if self._getitems is None else None
+                for position, sample in enumerate(samples):
+                    if inspect.isawaitable(sample):
+                        if items is not None and scope is not None:
+                            scope.at(items[position])
+                        samples[position] = await sample
+            return samples
+        finally:
+            if token is not None:
+                scope_var.reset(token)
 
     async def fetch_item(self, index: Any, limiter: anyio.CapacityLimiter) -> Any:
-        in_thread = functools.partial(self.in_thread, limiter=limiter)
-        return await fetch_one(self.dataset, index, self.mode, in_thread)
+        if self.mode == "thread":
+            return await self.in_thread(self.get_item, index, limiter=limiter)
+        scope = self._scope(index)
+        token = None if scope is None else scope_var.set(scope)
+        try:
+            return await resolve(self.dataset[index])
+        finally:
+            if token is not None:
+                scope_var.reset(token)
 
     async def load(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
         """Fetch and collate one job in a single thread call (``collate_in_thread`` plans)."""
@@ -734,6 +794,7 @@ class MapEpoch(Epoch):
             return None, _note(exc, f"raised while loading batch {seq} (indices "
                                     f"{_describe(key)})")
         finally:
+            self.results.last = seq
             self.results.taken += 1
         # Keep the loop responsive even if the consumer never awaits anything else.
         now = time.monotonic()
@@ -748,7 +809,7 @@ class MapEpoch(Epoch):
         limiter = anyio.CapacityLimiter(plan.concurrency)
         threads = None
         if plan.granularity == "item" and plan.mode == "thread":
-            threads = _FetchThreads(plan.dataset, plan.concurrency, plan.abandon)
+            threads = _FetchThreads(plan.get_item, plan.concurrency, plan.abandon)
         workers = plan.concurrency if plan.granularity == "item" and threads is None else (
             plan.window
         )

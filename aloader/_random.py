@@ -37,6 +37,8 @@ __all__ = (
     "integers",
     "permutation",
     "reseeded",
+    "restore_rng",
+    "rng_state",
     "torch_generator",
 )
 
@@ -201,3 +203,81 @@ def permutation(rng: np.random.Generator, n: int) -> IndexArray:
         rng.shuffle(order[start:end])
         start = end
     return order
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with numpy arrays and scalars as lists and ints (JSON builtins)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, np.ndarray):
+        return {"dtype": value.dtype.str, "data": value.tolist()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+def _numpy_state(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"dtype", "data"}:
+            return np.asarray(value["data"], dtype=np.dtype(value["dtype"]))
+        return {k: _numpy_state(v) for k, v in value.items()}
+    return value
+
+
+def rng_state(rng: np.random.Generator) -> dict[str, Any]:
+    """``rng``'s state as JSON builtins: its bit generator's, and a torch generator's bytes as
+    a hex string (immutable, so a checkpoint holding it is copied for free).
+
+    Restored by :func:`restore_rng`; taking it never advances ``rng``.
+    """
+    state: dict[str, Any] = {"numpy": _plain(rng.bit_generator.state)}
+    tg = torch_generator(rng)
+    if tg is not None:
+        state["torch"] = tg.get_state().numpy().tobytes().hex()
+    return state
+
+
+def restore_rng(rng: np.random.Generator, state: Any, *, apply: bool = True) -> None:
+    """Set ``rng`` to a :func:`rng_state` (with ``apply=False``, only check that it fits).
+
+    Raises:
+        ValueError: the state is of another kind of generator (numpy's bit generator, or a
+            torch generator where ``rng`` has none and the reverse), or malformed.
+    """
+    if not isinstance(state, dict) or not isinstance(state.get("numpy"), dict):
+        raise ValueError(f"a generator state should be a dict with a 'numpy' entry, "
+                         f"but got {type(state).__name__}")
+    numpy_state = state["numpy"]
+    mine = type(rng.bit_generator).__name__
+    theirs = numpy_state.get("bit_generator")
+    if theirs != mine:
+        raise ValueError(f"generator state: bit_generator is {theirs!r}, this generator's is "
+                         f"{mine!r}")
+    tg = torch_generator(rng)
+    torch_state = state.get("torch")
+    if (tg is None) != (torch_state is None):
+        raise ValueError("generator state: torch generator "
+                         f"{'missing' if torch_state is None else 'unexpected'}")
+    if tg is not None:
+        size = 2 * int(tg.get_state().numel())
+        if not isinstance(torch_state, str) or len(torch_state) != size:
+            raise ValueError(f"generator state: 'torch' should be a hex string of {size} "
+                             "digits")
+        try:
+            raw = bytes.fromhex(torch_state)
+        except ValueError:
+            raise ValueError("generator state: 'torch' should be a hex string") from None
+    if not apply:
+        # Applying to a scratch bit generator checks the rest without touching rng.
+        scratch = type(rng.bit_generator)()
+        try:
+            scratch.state = _numpy_state(numpy_state)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ValueError(f"generator state: {exc}") from None
+        return
+    rng.bit_generator.state = _numpy_state(numpy_state)
+    if tg is not None:
+        torch = _torch()
+        tg.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))

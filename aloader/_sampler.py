@@ -30,7 +30,7 @@ import itertools
 import numbers
 import sys
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence, Sized
-from typing import Generic, TypeGuard, TypeVar, cast
+from typing import Any, Generic, TypeGuard, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -42,13 +42,16 @@ from ._random import (
     integers,
     permutation,
     reseeded,
+    restore_rng,
+    rng_state,
     torch_generator,
 )
 from ._util import close_iterator
 
 __all__ = (
     "BatchSampler", "RandomSampler", "Sampler", "SequentialSampler", "SubsetRandomSampler",
-    "WeightedRandomSampler", "epoch_batches", "epoch_chunks", "epoch_indices",
+    "WeightedRandomSampler", "epoch_batches", "epoch_chunks", "epoch_indices", "is_stateful",
+    "load_sampler_state", "sampler_state",
 )
 
 T_co = TypeVar("T_co", covariant=True)
@@ -193,20 +196,99 @@ def epoch_chunks(sampler: object) -> Iterator[IndexArray] | None:
     return None if indices is None else iter((indices,))
 
 
-def epoch_batches(batch_sampler: object) -> Iterator[IndexArray] | None:
+def epoch_batches(batch_sampler: object, skip: int = 0) -> Iterator[IndexArray] | None:
     """One epoch of ``batch_sampler`` as int64 array batches, or ``None`` without an array form.
 
     Args:
         batch_sampler: any batch sampler; only a :class:`BatchSampler` (or anything else with
             ``_epoch_batches``) over an array-capable sampler has an array form.
+        skip: leave out the epoch's first ``skip`` batches (a resume): a :class:`BatchSampler`
+            drops their indices from its chunks without cutting them into batches.
 
     Returns:
         An iterator over the epoch's batches (array views), or ``None``.
     """
     if _fast_path_matches_iter(batch_sampler, "_epoch_batches"):
+        if skip and _owner(type(batch_sampler), "_epoch_batches") is BatchSampler:
+            return cast(BatchSampler, batch_sampler)._epoch_batches(skip)
         result = batch_sampler._epoch_batches()  # type: ignore[attr-defined]
+        if result is not None and skip:
+            return itertools.islice(cast("Iterator[IndexArray]", result), skip, None)
         return cast("Iterator[IndexArray] | None", result)
     return None
+
+
+def _skip_chunks(chunks: Iterable[IndexArray], count: int) -> Iterator[IndexArray]:
+    """``chunks`` without their first ``count`` indices (whole chunks dropped, one sliced)."""
+    for chunk in chunks:
+        if count >= len(chunk):
+            count -= len(chunk)
+            continue
+        yield chunk[count:]
+        count = 0
+
+
+# Sampler state (torchdata's protocol) -------------------------------------------------------------
+def is_stateful(obj: object) -> bool:
+    """Whether ``obj`` has torchdata's ``state_dict()`` / ``load_state_dict(state)``."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def sampler_state(obj: object) -> Any:
+    """``obj.state_dict()`` if ``obj`` is stateful, else None."""
+    return cast(Any, obj).state_dict() if is_stateful(obj) else None
+
+
+def load_sampler_state(obj: object, state: Any, *, apply: bool = True) -> None:
+    """Load a :func:`sampler_state` into ``obj``; with ``apply=False`` only check what aloader's
+    samplers can check (a user's sampler is trusted with its own state).
+
+    Raises:
+        ValueError: the state does not fit ``obj`` (aloader's samplers name the field).
+    """
+    if state is None:
+        if isinstance(obj, _Stateful):
+            raise ValueError(f"sampler state: missing for {type(obj).__name__}")
+        return
+    if not is_stateful(obj):
+        raise ValueError(f"sampler state given for {type(obj).__name__}, which has no "
+                         "load_state_dict")
+    if isinstance(obj, _Stateful):
+        obj._load_state(state, apply=apply)
+    elif apply:
+        cast(Any, obj).load_state_dict(state)
+
+
+class _Stateful:
+    """aloader's samplers: their state is what the next epoch is drawn from (their generator,
+    a DistributedSampler's epoch); they keep no position inside an epoch (the DataLoader skips
+    what was consumed, without drawing it twice)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """This sampler's state as JSON builtins: what its next epoch is drawn from."""
+        generator = getattr(self, "generator", None)
+        return {} if generator is None else {"generator": rng_state(generator)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (checked first: never half-applied).
+
+        Raises:
+            ValueError: if the state does not fit this sampler.
+        """
+        self._load_state(state, apply=False)
+        self._load_state(state, apply=True)
+
+    def _load_state(self, state: Any, *, apply: bool) -> None:
+        if not isinstance(state, dict):
+            raise ValueError(f"{type(self).__name__} state should be a dict, "
+                             f"but got {type(state).__name__}")
+        generator = getattr(self, "generator", None)
+        if generator is not None:
+            if "generator" not in state:
+                raise ValueError(f"{type(self).__name__} state: missing field 'generator'")
+            restore_rng(generator, state["generator"], apply=apply)
 
 
 def _is_int(value: object) -> TypeGuard[numbers.Integral]:
@@ -237,7 +319,7 @@ class Sampler(Generic[T_co]):
     # missing, and len() raises TypeError.
 
 
-class _ArraySampler(Sampler[int]):
+class _ArraySampler(_Stateful, Sampler[int]):
     """A sampler whose epochs subclasses draw as int64 chunks with ``_draw()``.
 
     Subclasses define ``_epoch_size()`` (the indices in the next epoch) and ``_draw()`` (a
@@ -388,7 +470,7 @@ class RandomSampler(_ArraySampler):
         return self.num_samples
 
 
-class SubsetRandomSampler(Sampler[int]):
+class SubsetRandomSampler(_Stateful, Sampler[int]):
     """Samples elements randomly from a given sequence of indices, without replacement.
 
     With a ``torch.Generator`` each epoch is ``torch.randperm(len(indices), generator=g)``,
@@ -577,7 +659,7 @@ def _slices(
         yield carry
 
 
-class BatchSampler(Sampler[list[int]]):
+class BatchSampler(_Stateful, Sampler[list[int]]):
     """Wraps another sampler to yield mini-batches of indices.
 
     The inner sampler may be any iterable of ints (a range, a list, a sampler) or any async
@@ -620,11 +702,31 @@ class BatchSampler(Sampler[list[int]]):
         self.batch_size = int(batch_size)
         self.drop_last = drop_last
 
-    def _epoch_batches(self) -> Iterator[IndexArray] | None:
+    def _epoch_batches(self, skip: int = 0) -> Iterator[IndexArray] | None:
         chunks = epoch_chunks(self.sampler)
         if chunks is None:
             return None
+        if skip:  # the skipped batches are all full ones
+            chunks = _skip_chunks(chunks, skip * self.batch_size)
         return _slices(chunks, self.batch_size, self.drop_last)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner sampler's state (None if it has none): see :func:`sampler_state`."""
+        return {"sampler": sampler_state(self.sampler)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` into the inner sampler (checked first).
+
+        Raises:
+            ValueError: if the state does not fit.
+        """
+        self._load_state(state, apply=False)
+        self._load_state(state, apply=True)
+
+    def _load_state(self, state: Any, *, apply: bool) -> None:
+        if not isinstance(state, dict) or "sampler" not in state:
+            raise ValueError("BatchSampler state should be a dict with field 'sampler'")
+        load_sampler_state(self.sampler, state["sampler"], apply=apply)
 
     def __iter__(self) -> Iterator[list[int]]:
         """Iterate over one epoch of batches, each a list of ints.
@@ -639,9 +741,22 @@ class BatchSampler(Sampler[list[int]]):
             return
         yield from self._generic_batches()
 
-    def _generic_batches(self) -> Iterator[list[int]]:
+    def _batches_after(self, skip: int) -> Iterator[list[int]] | None:
+        """The epoch's batches after the first ``skip``, the skipped indices drawn from the
+        inner sampler and discarded without making batches of them (None when the inner
+        sampler is only async iterable)."""
+        batches = self._epoch_batches(skip)
+        if batches is not None:
+            return (batch.tolist() for batch in batches)
+        if not isinstance(self.sampler, Iterable):
+            return None
+        return self._generic_batches(skip * self.batch_size)
+
+    def _generic_batches(self, skip: int = 0) -> Iterator[list[int]]:
         try:
             sampler_iter = iter(cast("Iterable[int]", self.sampler))
+            if skip:
+                sampler_iter = itertools.islice(sampler_iter, skip, None)
         except TypeError:
             if isinstance(self.sampler, AsyncIterable):
                 raise TypeError(

@@ -318,6 +318,7 @@ class _WorkerServer:
         if request.released:
             self.codec.release(request.released)
         _workerinfo._set_served_epoch(request.loader_epoch)
+        self.setup.plan.epoch = request.loader_epoch  # sample_rng's epoch
         return request
 
     async def areceive(self) -> Request | None:

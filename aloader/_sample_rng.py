@@ -1,0 +1,164 @@
+"""Per-sample randomness that does not depend on who fetches the sample.
+
+Invariant: inside a fetch, :func:`sample_rng` returns a generator whose stream is a function of
+``(loader seed, epoch, sample index)`` only. The pipeline (:mod:`aloader._pipeline`) opens a
+:class:`Scope` around every fetch of a dataset's ``__getitem__`` (one sample: its index) or
+``__getitems__`` (a batch: the index is passed to :func:`sample_rng`), in this process, in a
+fetch thread or in a worker process alike, so augmentations drawn from it are the same for any
+``num_workers``, ``max_concurrency``, ``in_order``, and across a resume.
+
+The loader's seed (:attr:`DataLoader.sample_seed`) is the ``generator`` argument when it is an int,
+else a digest of the generator's state when the loader was built (so a seeded numpy or torch
+generator gives a reproducible one; ``generator=None`` without torch gives a random one per
+process). :meth:`DataLoader.state_dict` records it, so a resume reproduces it.
+
+The generator is a PCG64 seeded by an integer mix of the triple, through a minimal
+``ISeedSequence`` (numpy's ``SeedSequence`` costs ten times as much): a few microseconds.
+Within one sample's fetch, repeated calls return the same generator (the stream continues).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+from typing import Any, cast
+
+import numpy as np
+from numpy.random.bit_generator import ISeedSequence
+
+from ._exceptions import SampleRngError
+
+__all__ = ("BATCH", "Scope", "index_key", "sample_rng", "scope_var", "seed_of")
+
+_M = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+# The index of a batch fetch (``__getitems__``): sample_rng needs the index passed.
+BATCH: Any = object()
+
+
+def _mix(x: int) -> int:
+    """A 64-bit multiply-xorshift mix (two rounds): every input bit reaches every output bit."""
+    x = (x * 0x9E3779B97F4A7C15) & _M
+    x ^= x >> 32
+    x = (x * 0xD6E8FEB86659FD93) & _M
+    return x ^ (x >> 32)
+
+
+def index_key(index: Any) -> int:
+    """A 64-bit key of a sample index: the int itself, else a digest of its repr (stable across
+    processes, unlike ``hash``)."""
+    if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+        return int(index) & _M
+    digest = hashlib.blake2b(repr(index).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def seed_of(generator: Any, rng: np.random.Generator) -> int:
+    """The loader's sample seed: ``generator`` if an int, else a digest of ``rng``'s state."""
+    if isinstance(generator, (int, np.integer)) and not isinstance(generator, bool):
+        return int(generator) & _M
+    text = repr(rng.bit_generator.state).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
+class _Words(ISeedSequence):
+    """Four ready-made 64-bit words: PCG64's seed and increment, without SeedSequence."""
+
+    __slots__ = ("_words",)
+
+    def __init__(self, words: np.ndarray[Any, np.dtype[np.uint64]]) -> None:
+        self._words = words
+
+    def generate_state(self, n_words: int, dtype: Any = np.uint32) -> Any:
+        return self._words[:n_words]
+
+
+class Scope:
+    """What a fetch tells :func:`sample_rng`: the loader's seed, the epoch, and the index of the
+    sample being fetched (:data:`BATCH` in ``__getitems__``). A fetch path that fetches several
+    samples one after the other reuses one scope, setting :attr:`index` (and clearing the cached
+    generator with :meth:`at`) for each."""
+
+    __slots__ = ("_base", "_buf", "_cache", "_last", "epoch", "index", "seed")
+
+    def __init__(self, seed: int, epoch: int, index: Any = BATCH) -> None:
+        self.seed = seed
+        self.epoch = epoch
+        self.index = index
+        self._base: int | None = None  # the (seed, epoch) key, mixed when first needed
+        self._buf: np.ndarray[Any, np.dtype[np.uint64]] | None = None
+        self._last: np.random.Generator | None = None
+        self._cache: dict[int, np.random.Generator] | None = None
+
+    def at(self, index: Any) -> Scope:
+        """This scope, now fetching ``index`` (a fresh stream for it)."""
+        self.index = index
+        self._last = None
+        return self
+
+    def generator(self, index: Any) -> np.random.Generator:
+        if index is None:
+            if self.index is BATCH:
+                raise SampleRngError(
+                    "sample_rng() inside __getitems__ needs the sample's index: "
+                    "sample_rng(index)"
+                )
+            last = self._last
+            if last is None:
+                last = self._last = self._make(index_key(self.index))
+            return last
+        key = index_key(index)
+        cache = self._cache
+        if cache is None:
+            cache = self._cache = {}
+        found = cache.get(key)
+        if found is None:
+            found = cache[key] = self._make(key)
+        return found
+
+    def _make(self, key: int) -> np.random.Generator:
+        # PCG64's state is the mixed key (and the key), its increment (its stream) the
+        # epoch's base and the key: distinct samples and epochs give distinct streams.
+        base = self._base
+        if base is None:
+            base = self._base = _mix(_mix(self.seed ^ _GOLDEN) ^ (self.epoch & _M))
+        words = self._buf
+        if words is None:
+            words = self._buf = np.empty(4, dtype=np.uint64)
+        mixed = _mix(base ^ key)
+        words[0] = mixed
+        words[1] = key
+        words[2] = base
+        words[3] = key ^ mixed
+        return np.random.Generator(np.random.PCG64(cast(Any, _Words(words))))
+
+
+scope_var: contextvars.ContextVar[Scope | None] = contextvars.ContextVar(
+    "aloader_sample_scope", default=None
+)
+
+
+def sample_rng(index: Any = None) -> np.random.Generator:
+    """A numpy Generator for the sample being fetched, the same whoever fetches it.
+
+    Its stream depends only on the loader's seed (:attr:`DataLoader.sample_seed`), the epoch
+    and the sample's index: not on ``num_workers``, ``max_concurrency``, ``in_order``, the
+    worker or thread that fetches it, nor on a resume. Each epoch and each sample gets its own
+    stream; calls during the same sample's fetch return the same generator.
+
+    Args:
+        index: the sample's index; needed inside ``__getitems__`` (which fetches several), and
+            optional inside ``__getitem__`` (the index being fetched).
+
+    Raises:
+        SampleRngError: outside a DataLoader's fetch (a RuntimeError), or inside
+            ``__getitems__`` without ``index``.
+    """
+    scope = scope_var.get()
+    if scope is None:
+        raise SampleRngError(
+            "sample_rng() is only available while a DataLoader fetches a sample (inside the "
+            "dataset's __getitem__ or __getitems__)"
+        )
+    return scope.generator(index)
