@@ -1,0 +1,278 @@
+"""Resume of iterable datasets and streams (issue 11): Stream.state_dict/load_state_dict for
+every source and transform, and the loader's per-batch positions."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aloader import JsonLines, Stream, TextLines, as_stream, interleave
+
+Make = Callable[[], Stream[Any]]
+
+
+def write_shards(root: Path, shards: int = 3, records: int = 40, *, compress: bool = False
+                 ) -> list[str]:
+    paths = []
+    for s in range(shards):
+        lines = "".join(json.dumps({"s": s, "r": r, "pad": "x" * (r % 7)}) + "\n"
+                        for r in range(records))
+        path = root / f"part-{s}.jsonl{'.gz' if compress else ''}"
+        if compress:
+            path.write_bytes(gzip.compress(lines.encode()))
+        else:
+            path.write_text(lines)
+        paths.append(str(path))
+    return paths
+
+
+def roundtrip(state: dict[str, Any]) -> dict[str, Any]:
+    out = json.loads(json.dumps(state))
+    assert pickle.loads(pickle.dumps(out)) == out
+    return out  # type: ignore[no-any-return]
+
+
+async def interrupted(make: Make, k: int, epochs_before: int = 0) -> tuple[list[Any], Any]:
+    """Items after the first ``k`` of epoch ``epochs_before``, read by a fresh stream resumed
+    from the state taken after them; and that state."""
+    stream = make()
+    for _ in range(epochs_before):
+        _ = [item async for item in stream]
+    iterator = stream.__aiter__()
+    for _ in range(k):
+        await iterator.__anext__()
+    state = roundtrip(stream.state_dict())
+    await iterator.aclose()  # type: ignore[attr-defined]
+    fresh = make()
+    fresh.load_state_dict(state)
+    return [item async for item in fresh], state
+
+
+async def check_resume(make: Make, ks: list[int] | None = None, epochs_before: int = 0
+                       ) -> None:
+    stream = make()
+    for _ in range(epochs_before):
+        _ = [item async for item in stream]
+    full = [item async for item in stream]
+    assert full
+    for k in ks if ks is not None else [0, 1, len(full) // 3, len(full) // 2, len(full) - 1,
+                                         len(full)]:
+        rest, _ = await interrupted(make, k, epochs_before)
+        assert rest == full[k:], f"k={k}"
+
+
+# --------------------------------------------------------------------------- sources
+
+
+async def test_jsonlines_resume_at_every_kind_of_point(tmp_path: Path, anyio_backend: str
+                                                      ) -> None:
+    paths = write_shards(tmp_path)
+
+    def make() -> Stream[Any]:
+        return JsonLines(paths, chunk_size=64, concurrency=2)
+
+    # 40 records a shard: 40 is a shard boundary, 7 and 95 are inside shards.
+    await check_resume(make, [0, 7, 39, 40, 41, 95, 119, 120])
+
+
+async def test_state_names_the_record_and_its_byte_offset(tmp_path: Path, anyio_backend: str
+                                                         ) -> None:
+    paths = write_shards(tmp_path)
+    rest, state = await interrupted(lambda: JsonLines(paths, chunk_size=64), 45)
+    position = state["position"]
+    assert position["stage"] == "shards" and position["shard"] == 1
+    assert position["name"] == paths[1]
+    # The block's first record starts at that offset of the shard; skip more records reach
+    # record 5 of shard 1.
+    lines = Path(paths[1]).read_bytes().split(b"\n")
+    offset = sum(len(line) + 1 for line in lines[: position["counter"]])
+    assert position["offset"] == offset and position["counter"] + position["skip"] == 5
+    assert rest[0] == {"s": 1, "r": 5, "pad": "x" * 5}
+    assert state["epoch"] == 0 and state["next_epoch"] == 1
+    assert len(json.dumps(state)) < 500
+
+
+async def test_compressed_shards_resume_by_skipping(tmp_path: Path, anyio_backend: str
+                                                   ) -> None:
+    paths = write_shards(tmp_path, compress=True)
+    await check_resume(lambda: JsonLines(paths, chunk_size=64), [0, 13, 40, 77, 120])
+
+
+async def test_text_lines_with_shuffled_shards_in_a_later_epoch(tmp_path: Path,
+                                                               anyio_backend: str) -> None:
+    paths = write_shards(tmp_path, shards=4, records=10)
+    await check_resume(lambda: TextLines(paths, chunk_size=50, shuffle_shards=True, seed=3),
+                       [0, 5, 10, 23, 40], epochs_before=2)
+
+
+async def test_state_between_epochs_starts_the_next_one(tmp_path: Path, anyio_backend: str
+                                                       ) -> None:
+    paths = write_shards(tmp_path, shards=3, records=5)
+
+    def make() -> Stream[Any]:
+        return JsonLines(paths, shuffle_shards=True, seed=1)
+
+    stream = make()
+    first = [item async for item in stream]
+    state = roundtrip(stream.state_dict())
+    assert state["epoch"] is None and state["next_epoch"] == 1
+    second = [item async for item in stream]
+    fresh = make()
+    fresh.load_state_dict(state)
+    assert [item async for item in fresh] == second != first
+
+
+# --------------------------------------------------------------------------- transforms
+
+
+async def test_shuffle_continues_exactly(tmp_path: Path, anyio_backend: str) -> None:
+    paths = write_shards(tmp_path, shards=3, records=60)
+
+    def make() -> Stream[Any]:
+        return JsonLines(paths, chunk_size=100).shuffle(16, seed=5)
+
+    await check_resume(make, [0, 1, 15, 16, 17, 50, 100, 163, 164, 170, 179, 180])
+    await check_resume(make, [3, 90], epochs_before=1)
+
+
+async def test_shuffle_state_is_small_and_replays_little(anyio_backend: str) -> None:
+    data = list(range(20_000))
+    consumed: list[int] = []
+
+    class Counting(Stream[int]):
+        async def _blocks(self, ctx: Any) -> Any:
+            for start in range(0, len(data), 100):
+                block = data[start : start + 100]
+                consumed.extend(block)
+                yield block
+
+    def make() -> Stream[Any]:
+        return as_stream(list(range(20_000))).shuffle(1000, seed=0)
+
+    full = [x async for x in make()]
+    rest, state = await interrupted(make, 15_000)
+    assert rest == full[15_000:]
+    assert len(json.dumps(state)) < 1000  # no item, whatever the buffer holds
+    # The replay starts at a checkpoint, not at the epoch's start.
+    assert state["position"]["ingested"] > 5000
+
+
+async def test_shuffle_over_a_sync_iterable_counts(anyio_backend: str) -> None:
+    await check_resume(lambda: as_stream(range(500)).shuffle(50, seed=2))
+
+
+async def test_map_and_filter(tmp_path: Path, anyio_backend: str) -> None:
+    paths = write_shards(tmp_path)
+    calls: list[Any] = []
+
+    def double(record: dict[str, Any]) -> int:
+        calls.append(record)
+        return int(record["r"]) * 2 + int(record["s"]) * 1000
+
+    def make() -> Stream[Any]:
+        return (JsonLines(paths, chunk_size=64).map(double)
+                .filter(lambda x: x % 3 != 0).shuffle(8, seed=1))
+
+    await check_resume(make, [0, 5, 40, 79, 80])
+    items = [x async for x in make()]
+    stream = make()
+    iterator = stream.__aiter__()
+    _ = [await iterator.__anext__() for _ in range(70)]
+    state = roundtrip(stream.state_dict())
+    await iterator.aclose()  # type: ignore[attr-defined]
+    calls.clear()
+    fresh = make()
+    fresh.load_state_dict(state)
+    rest = [x async for x in fresh]
+    assert rest == items[70:] and len(rest) > 0
+    # The resumed map starts at the shuffle's checkpoint, not at the shards' start.
+    assert len(calls) < 120
+
+
+async def test_map_with_concurrency(tmp_path: Path, anyio_backend: str) -> None:
+    paths = write_shards(tmp_path)
+
+    async def slow(record: dict[str, Any]) -> tuple[int, int]:
+        return (record["s"], record["r"])
+
+    await check_resume(lambda: JsonLines(paths, chunk_size=64).map(slow, concurrency=4),
+                       [0, 3, 40, 61, 119])
+    await check_resume(lambda: JsonLines(paths, chunk_size=64).map(
+        lambda r: r["r"], concurrency=3), [17, 64])
+
+
+async def test_map_unordered_cannot_save_a_position(anyio_backend: str) -> None:
+    stream = as_stream(range(100)).map(lambda x: x, concurrency=4, ordered=False)
+    iterator = stream.__aiter__()
+    await iterator.__anext__()
+    with pytest.raises(ValueError, match="ordered=False"):
+        stream.state_dict()
+    await iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def test_interleave_round_robin_and_weighted(tmp_path: Path, anyio_backend: str
+                                                  ) -> None:
+    paths = write_shards(tmp_path, shards=2, records=150)
+
+    def make() -> Stream[Any]:
+        return interleave(JsonLines(paths[0], chunk_size=64), as_stream(range(40)),
+                          JsonLines(paths[1]).map(lambda r: r["r"]))
+
+    await check_resume(make, [0, 2, 100, 130, 256, 257, 300, 339])
+
+    def weighted() -> Stream[Any]:
+        return interleave(as_stream(range(300)), JsonLines(paths[1], chunk_size=64),
+                          weights=[1, 2], seed=4).shuffle(10, seed=0)
+
+    await check_resume(weighted, [0, 1, 256, 270, 449])
+
+
+async def test_stream_resume_on_trio_too(tmp_path: Path, anyio_backend: str) -> None:
+    paths = write_shards(tmp_path, shards=2, records=30)
+    await check_resume(lambda: JsonLines(paths, chunk_size=64).shuffle(5, seed=1), [0, 31, 59])
+
+
+# --------------------------------------------------------------------------- bad states
+
+
+async def test_bad_states_name_the_field_and_apply_nothing(tmp_path: Path, anyio_backend: str
+                                                          ) -> None:
+    paths = write_shards(tmp_path)
+    _, state = await interrupted(lambda: JsonLines(paths, chunk_size=64).shuffle(4, seed=1),
+                                 50)
+    cases: list[tuple[Any, str]] = [
+        ({**state, "version": 2}, "version"),
+        ({**state, "format": "x"}, "format"),
+        ({**state, "stream": "Other"}, "stream"),
+        ({**state, "worker": [1, 2]}, "worker"),
+        ({**state, "epoch": "0"}, "epoch"),
+        ({**state, "position": {**state["position"], "seed": 2}}, "seed"),
+        ({**state, "position": {**state["position"], "buffer_size": 5}}, "buffer_size"),
+        ({**state, "position": {**state["position"], "stage": "map"}}, "stage"),
+        ({**state, "position": {**state["position"], "rng": {"x": 1}}}, "rng"),
+        ({**state, "position": {**state["position"], "skip": -1}}, "skip"),
+        ({**state, "position": {**state["position"], "upstream": {
+            **state["position"]["upstream"], "name": "/elsewhere.jsonl"}}}, "name"),
+        ({**state, "position": {**state["position"], "upstream": {
+            **state["position"]["upstream"], "shard": 9}}}, "shard"),
+        ({**state, "position": {**state["position"], "upstream": {
+            **state["position"]["upstream"], "offset": True}}}, "offset"),
+    ]
+    for bad, field in cases:
+        fresh = JsonLines(paths, chunk_size=64).shuffle(4, seed=1)
+        with pytest.raises(ValueError, match=repr(field)):
+            fresh.load_state_dict(bad)
+        # Nothing applied: the stream starts at epoch 0 from the start.
+        assert fresh.epoch == 0
+        assert [x async for x in fresh] == [x async for x in
+                                            JsonLines(paths, chunk_size=64).shuffle(4, seed=1)]
+    with pytest.raises(ValueError, match="'stream'"):
+        JsonLines(paths).load_state_dict(state)  # a shuffle's state for a bare source
+    with pytest.raises(TypeError):
+        JsonLines(paths).load_state_dict([])  # type: ignore[arg-type]
