@@ -276,3 +276,32 @@ async def test_bad_states_name_the_field_and_apply_nothing(tmp_path: Path, anyio
         JsonLines(paths).load_state_dict(state)  # a shuffle's state for a bare source
     with pytest.raises(TypeError):
         JsonLines(paths).load_state_dict([])  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+async def test_http_resume_asks_for_a_byte_range(anyio_backend: str) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from faulty_server import FaultyServer, make_jsonl_shards
+
+    server = FaultyServer(make_jsonl_shards(3, 200)).start()
+    try:
+        def make() -> Stream[Any]:
+            return JsonLines(server.urls, chunk_size=256, concurrency=1)
+
+        full = [r async for r in make()]
+        rest, state = await interrupted(make, 250)  # record 50 of shard 1
+        assert rest == full[250:]
+        position = state["position"]
+        assert position["shard"] == 1 and position["offset"] > 0
+        name = server.urls[1].rsplit("/", 1)[1]
+        last = [r for n, r in server.requests if n == name][-1]
+        # The resumed read of shard 1 asked for its rest only, not for byte 0 on.
+        assert last == f"bytes={position['offset']}-"
+        later = [n for n, r in server.requests[-3:]]
+        assert later[-1] == server.urls[2].rsplit("/", 1)[1]
+    finally:
+        server.close()
