@@ -596,6 +596,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         self.rng_state: Mapping[str, Any] = loader._rng.bit_generator.state
         self.base_seed: int = loader._base_seed()
         self.num_yielded: int = 0
+        self._last_meta: Any = None
         self._timeout = loader.timeout
         self._len_called = loader._kind.reported_length()
         self._epoch: Epoch | None = None
@@ -656,6 +657,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
                 ) from error
             raise error
         self.num_yielded += 1
+        self._last_meta = epoch.results.meta  # an iterable's position after this batch
         self._warn_length()
         return cast(T_co, value)
 

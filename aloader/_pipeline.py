@@ -95,7 +95,17 @@ class Results:
 
     The same buffer orders the results of ``Stream.map`` with concurrency (see
     :mod:`aloader._streams`), where a job is one item and a batch is its mapped value.
+
+    Batches of an iterable dataset come with metadata (where the dataset was once the batch's
+    samples were drawn, for a resume): when ``metas`` is set (a mapping from job number to
+    metadata, with ``pop``), taking job ``k`` pops its entry into :attr:`meta`. Without it
+    (map-style epochs) nothing of this runs.
     """
+
+    #: The metadata of the batch taken last (None without ``metas``).
+    meta: Any = None
+    #: Job number -> metadata of the jobs published, popped as they are taken (or None).
+    metas: Any = None
 
     def __init__(self, capacity: int, in_order: bool) -> None:
         self._capacity = max(1, capacity)
@@ -121,6 +131,8 @@ class Results:
     def publish(self, seq: int, value: Any, error: BaseException | None = None) -> None:
         if self._in_order:
             self._ready[seq] = (value, error)
+        elif self.metas is not None:  # the job number goes along, for its metadata
+            self._fifo.append((value, error, seq))  # type: ignore[arg-type]
         else:
             self._fifo.append((value, error))
         self._changed.notify()
@@ -150,6 +162,10 @@ class Results:
                     self._reserved -= 1
             if item is None:
                 return None
+            if self.metas is not None:
+                seq = self.taken if self._in_order else item[2]  # type: ignore[misc]
+                self.meta = self.metas.pop(seq, None)
+                item = item[:2]
             self.taken += 1
             self._changed.notify()
             if item[0] is not SKIP:
@@ -883,11 +899,17 @@ class IterableEpoch(Epoch):
         source: Iterator[Any] | AsyncIterator[Any],
         batch_size: int | None,
         drop_last: bool,
+        snapshot: Callable[[int, bool], Any] | None = None,
     ) -> None:
         super().__init__(plan, results)
         self._source = source
         self._batch_size = batch_size
         self._drop_last = drop_last
+        # Called once a batch's samples are drawn, with the samples drawn so far and whether
+        # the source ended: where the dataset is then travels with the batch (Results.meta).
+        self._snapshot = snapshot
+        if snapshot is not None and results.metas is None:
+            results.metas = {}
 
     async def _run(self) -> None:
         try:
@@ -905,6 +927,8 @@ class IterableEpoch(Epoch):
         size = self._batch_size
         seq = 0
         ended = False
+        snapshot = self._snapshot
+        drawn = 0  # samples drawn (exact but for the last batch, which ends the source)
         while not ended:
             await self.results.reserve(seq)
             try:
@@ -929,6 +953,9 @@ class IterableEpoch(Epoch):
                                                             "of the iterable dataset"))
                 seq += 1
                 break
+            if snapshot is not None:
+                drawn += 1 if size is None else size
+                self.results.metas[seq] = snapshot(drawn, ended)
             self.results.publish(seq, batch)
             seq += 1
         self.results.finish(seq)

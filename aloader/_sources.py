@@ -427,13 +427,12 @@ class ShardedSource(Stream[T_co]):
                              f"{len(names)} shards in this epoch")
         check_same(at, "name", names[shard], "shards")
 
-    def _check(self, at: dict[str, Any], epoch: int) -> None:
+    def _check(self, at: dict[str, Any], slot: tuple[int, int, int]) -> None:
         check_stage(at, "shards", "shards")
         for field in ("offset", "counter", "records"):
             check_field(at, field, int, "shards")
         check_field(at, "name", str, "shards")
-        worker_id, num_workers = worker_slot()
-        self._check_shard(at, self.shards_for(epoch, worker_id, num_workers))
+        self._check_shard(at, self.shards_for(*slot))
 
     def _state(self, token: Any, skip: int) -> dict[str, Any]:
         index, name, offset, counter, records = token

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast, overload
 
@@ -38,7 +38,6 @@ import numpy as np
 from ._backend import Detached
 from ._dataset import IterableDataset
 from ._exceptions import FetchError, RecordError, SourceError
-from ._facade import PrivateLoop, SyncIterator, forbid_running_loop
 from ._pipeline import Results
 from ._random import GeneratorLike, as_generator, draw_seed, permutation
 from ._sharding import worker_slot
@@ -78,6 +77,7 @@ STATE_FORMAT = "aloader.Stream"
 STATE_VERSION = 1
 
 _START: Any = None  # the token of an iterator that has received no block yet
+_END: dict[str, Any] = {"stage": "end", "skip": 0}  # an epoch's position after its last item
 _UNORDERED: Any = "unordered"  # the token of map(ordered=False)'s blocks: no position
 
 
@@ -135,11 +135,11 @@ async def _discard(
             yield block, token
 
 
-def _check_upstream(upstream: Stream[Any], at: dict[str, Any], epoch: int,
+def _check_upstream(upstream: Stream[Any], at: dict[str, Any], slot: tuple[int, int, int],
                     field: str = "upstream") -> None:
     inner = check_field(at, field, (dict, type(None)), at.get("stage", "?"))
     if inner is not None:
-        upstream._check(inner, epoch)
+        upstream._check(inner, slot)
 
 
 def _bad_state(where: str, field: str, message: str) -> ValueError:
@@ -484,6 +484,8 @@ class Stream(IterableDataset[T_co]):
         at = self._resume_at
         epoch = self._claim_epoch()
         iterator = _StreamIterator(self, epoch, self._prefetch_blocks, at)
+        if at == _END:
+            iterator._finished = True
         self._live = weakref.ref(iterator)
         return iterator
 
@@ -509,8 +511,9 @@ class Stream(IterableDataset[T_co]):
         """The position at item ``skip`` of the block ``token`` names, as JSON builtins."""
         return {"stage": "count", "skip": int(token) + skip}
 
-    def _check(self, at: dict[str, Any], epoch: int) -> None:
-        """Validate a position of this stage (and its inputs) before anything is applied."""
+    def _check(self, at: dict[str, Any], slot: tuple[int, int, int]) -> None:
+        """Validate a position of this stage (and its inputs) before anything is applied, for
+        ``slot``: (epoch, worker id, num_workers)."""
         check_stage(at, "count", type(self).__name__)
 
     def state_dict(self) -> dict[str, Any]:
@@ -528,9 +531,12 @@ class Stream(IterableDataset[T_co]):
         return self._state_from(snapshot)
 
     def _state_from(self, snapshot: tuple[Any, ...] | None, *,
-                    counters: Stream[Any] | None = None) -> dict[str, Any]:
+                    counters: Stream[Any] | None = None, at_end: bool = False
+                    ) -> dict[str, Any]:
         """The state for an iterator's ``_snapshot()`` (None: no epoch under way); the epoch
-        counters are those of ``counters`` (by default this stream)."""
+        counters are those of ``counters`` (by default this stream). A finished iterator
+        means no epoch under way, or with ``at_end`` (a loader's epoch that has not ended
+        yet) its epoch at its end, which resumes with nothing left."""
         owner = self if counters is None else counters
         state: dict[str, Any] = {
             "format": STATE_FORMAT, "version": STATE_VERSION, "stream": type(self).__name__,
@@ -540,7 +546,9 @@ class Stream(IterableDataset[T_co]):
         if snapshot is not None:
             epoch, token, pos, finished, at, slot = snapshot
             state["worker"] = [slot[0], slot[1]]
-            if not finished:
+            if finished and at_end:
+                state["epoch"], state["position"] = epoch, _END
+            elif not finished:
                 state["epoch"] = epoch
                 state["position"] = at if token is _START else _state_of(self, token, pos)
         return state
@@ -553,7 +561,12 @@ class Stream(IterableDataset[T_co]):
             ValueError: a state of another format or version, of another kind of stream,
                 stage or shard list, or taken by another loader worker; it names the field.
                 Nothing is applied then.
+            TypeError: ``state`` is not a dict.
         """
+        self._apply_state(self._parse_state(state, worker_slot()))
+
+    def _parse_state(self, state: Any, slot: tuple[int, int]) -> tuple[Any, ...]:
+        """The validated parts of a state meant for worker ``slot`` (id, num_workers)."""
         where = type(self).__name__
         if not isinstance(state, dict):
             raise TypeError(f"load_state_dict needs a dict, but got {type(state).__name__}")
@@ -565,33 +578,19 @@ class Stream(IterableDataset[T_co]):
         epoch = check_field(state, "epoch", (int, type(None)), where)
         position = check_field(state, "position", (dict, type(None)), where)
         worker = check_field(state, "worker", list, where)
-        slot = list(worker_slot())
-        if worker != slot:
+        if worker != list(slot):
             raise _bad_state(where, "worker", f"is {worker!r} ([worker id, num_workers]), but "
-                             f"this process is worker {slot}: a stream's state resumes in the "
+                             f"this is worker {list(slot)}: a stream's state resumes in the "
                              "same worker of a loader with the same num_workers")
         if position is not None:
             if epoch is None:
                 raise _bad_state(where, "epoch", "is None, but a position is given")
-            self._check(position, epoch)
-        self._next_epoch = next_epoch
-        self._fixed_epoch = fixed
-        self._resume_epoch = epoch
-        self._resume_at = position
+            if position != _END:
+                self._check(position, (epoch, slot[0], slot[1]))
+        return next_epoch, fixed, epoch, position
 
-    def __iter__(self) -> Iterator[T_co]:
-        """One epoch for synchronous code: what ``async for`` over the stream yields.
-
-        The epoch runs on an event loop of its own in a background thread (see
-        :mod:`aloader._facade`), closed with the iterator; leaving the ``for`` early (``break``,
-        an exception) closes the stream's iterator and so its files and connections, as
-        leaving an ``async for`` does.
-
-        Raises:
-            RuntimeError: a ``for`` inside a running event loop, which it would block.
-        """
-        forbid_running_loop("Stream", "item in stream")
-        return SyncIterator(self.__aiter__, PrivateLoop(), owns_loop=True)
+    def _apply_state(self, parsed: tuple[Any, ...]) -> None:
+        self._next_epoch, self._fixed_epoch, self._resume_epoch, self._resume_at = parsed
 
     def _claim_epoch(self) -> int:
         """The epoch of an iteration starting now; advances the counter as iterating does.
@@ -802,7 +801,7 @@ class _Shuffled(Stream[T_co]):
             "fill": fill, "ingested": cp_ingested, "skip": emitted - cp_emitted + skip,
         }
 
-    def _check(self, at: dict[str, Any], epoch: int) -> None:
+    def _check(self, at: dict[str, Any], slot: tuple[int, int, int]) -> None:
         check_stage(at, "shuffle", "shuffle")
         check_same(at, "buffer_size", self.buffer_size, "shuffle")
         check_same(at, "seed", self.seed, "shuffle")
@@ -815,7 +814,7 @@ class _Shuffled(Stream[T_co]):
             np.random.default_rng().bit_generator.state = rng_state
         except (TypeError, ValueError, KeyError) as exc:
             raise _bad_state("shuffle", "rng", f"is not a PCG64 state: {exc}") from None
-        _check_upstream(self.upstream, at, epoch)
+        _check_upstream(self.upstream, at, slot)
 
 
 _PLACEHOLDER: Any = object()  # a buffered item of a resumed shuffle, emitted before the resume
@@ -970,12 +969,12 @@ class _Mapped(Stream[U]):
             )
         return {"stage": "map", "upstream": _state_of(self.upstream, token, skip), "skip": 0}
 
-    def _check(self, at: dict[str, Any], epoch: int) -> None:
+    def _check(self, at: dict[str, Any], slot: tuple[int, int, int]) -> None:
         check_stage(at, "map", "map")
         if not self.ordered:
             raise _bad_state("map", "stage", "names a map stage, but this one has "
                                              "ordered=False, which cannot resume")
-        _check_upstream(self.upstream, at, epoch)
+        _check_upstream(self.upstream, at, slot)
 
     async def _mapped(
         self, ctx: _Context, upstream: AsyncGenerator[tuple[list[Any], Any], None]
@@ -1088,9 +1087,9 @@ class _Filtered(Stream[T_co]):
         # The upstream at the start of the input block, and the kept items to discard.
         return {"stage": "filter", "upstream": _state_of(self.upstream, token, 0), "skip": skip}
 
-    def _check(self, at: dict[str, Any], epoch: int) -> None:
+    def _check(self, at: dict[str, Any], slot: tuple[int, int, int]) -> None:
         check_stage(at, "filter", "filter")
-        _check_upstream(self.upstream, at, epoch)
+        _check_upstream(self.upstream, at, slot)
 
 
 # --------------------------------------------------------------------------- interleave
@@ -1267,7 +1266,7 @@ class _Interleaved(Stream[Any]):
         return {"stage": "interleave", "inputs": inputs, "running": list(running),
                 "rng": rng_state, "skip": skip}
 
-    def _check(self, at: dict[str, Any], epoch: int) -> None:
+    def _check(self, at: dict[str, Any], slot: tuple[int, int, int]) -> None:
         check_stage(at, "interleave", "interleave")
         inputs = check_field(at, "inputs", list, "interleave")
         running = check_field(at, "running", list, "interleave")
@@ -1284,7 +1283,7 @@ class _Interleaved(Stream[Any]):
             if start is not None:
                 if not isinstance(start, dict):
                     raise _bad_state("interleave", "inputs", f"holds {start!r}, not a state")
-                stream._check(start, epoch)
+                stream._check(start, slot)
 
 
 def interleave(
