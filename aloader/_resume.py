@@ -9,7 +9,8 @@ offers:
 * ``"stream"``: an aloader :class:`~aloader.Stream`: its iterator's position, a few references
   (encoded by :meth:`Stream._state_from` only when a state is asked for);
 * ``"protocol"``: a dataset with torchdata's ``state_dict()`` / ``load_state_dict()`` (and, as
-  torchdata, an iterator that has them too): asked after every batch;
+  torchdata, an iterator that has them too): asked after every batch, and loaded before the
+  resumed epoch's ``iter()`` (the iterator's after it);
 * ``"count"``: any other iterable: the samples drawn. Resuming iterates it anew and discards
   that many samples (torchdata's fast-forward): it costs reading them again.
 
@@ -43,7 +44,7 @@ def snapshotter(dataset: Any, source: Any, before: int = 0) -> Callable[[int, bo
         own = dataset.state_dict if _has_protocol(dataset) else None
         of_iterator = source.state_dict if _has_protocol(source) else None
         return lambda drawn, ended: ("protocol", None if own is None else own(),
-                                     None if of_iterator is None else of_iterator())
+                                     None if of_iterator is None else of_iterator(), ended)
     return lambda drawn, ended: ("count", before + drawn, ended)
 
 
@@ -75,7 +76,8 @@ def encode(dataset: Any, snapshot: Any, counters: Any = None) -> dict[str, Any] 
         return {"kind": "stream", "state": dataset._state_from(
             snapshot[1], counters=counters, at_end=True)}
     if kind == "protocol":
-        return {"kind": "protocol", "dataset": snapshot[1], "iterator": snapshot[2]}
+        return {"kind": "protocol", "dataset": snapshot[1], "iterator": snapshot[2],
+                "ended": snapshot[3]}
     return {"kind": "count", "drawn": snapshot[1], "ended": snapshot[2]}
 
 
@@ -93,7 +95,8 @@ def parse(dataset: Any, state: Any, slot: tuple[int, int]) -> Any:
     if kind == "stream":
         return ("stream", dataset._parse_state(state.get("state"), slot))
     if kind == "protocol":
-        return ("protocol", state.get("dataset"), state.get("iterator"))
+        return ("protocol", state.get("dataset"), state.get("iterator"),
+                check_field(state, "ended", bool, where))
     drawn = check_field(state, "drawn", int, where)
     ended = check_field(state, "ended", bool, where)
     return ("count", drawn, ended)
@@ -109,6 +112,8 @@ def resume(dataset: Any, parsed: Any) -> Iterator[Any] | AsyncIterator[Any]:
         dataset._apply_state(parsed[1])
         return iterate(dataset)
     if kind == "protocol":
+        if parsed[3]:  # the last batch drew the replica's last samples: nothing is left
+            return _skip(iter(()), 0, True)
         if parsed[1] is not None and _has_protocol(dataset):
             dataset.load_state_dict(parsed[1])
         source = iterate(dataset)

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import pytest
 
 from aloader import JsonLines, Stream, TextLines, as_stream, interleave
@@ -305,3 +307,190 @@ async def test_http_resume_asks_for_a_byte_range(anyio_backend: str) -> None:
         assert later[-1] == server.urls[2].rsplit("/", 1)[1]
     finally:
         server.close()
+
+
+# --------------------------------------------------------------------------- the loader
+#
+# DataLoader.state_dict is the other half of issue 11 (written beside this one): until the two
+# meet, these tests build the loader's "iterable" entry as it does, from the epoch's progress.
+
+
+from types import SimpleNamespace  # noqa: E402
+
+from aloader import DataLoader, IterableDataset  # noqa: E402
+
+
+def as_list(samples: list[Any]) -> list[Any]:
+    return list(samples)
+
+
+def iterable_state(loader: DataLoader[Any], iterator: Any, *, done: bool = False
+                   ) -> dict[str, Any]:
+    source = getattr(iterator, "_source", iterator)  # DataLoaderIter wraps the async one
+    progress = SimpleNamespace(epoch=0, yielded=0 if done else source.num_yielded,
+                               delivered=frozenset(),
+                               batch_meta=None if done else source._last_meta,
+                               epoch_done=done)
+    return roundtrip(loader._kind.state_dict(progress))  # type: ignore[union-attr]
+
+
+async def loader_rest(make: Callable[[], DataLoader[Any]], k: int, *, sync: bool = False,
+                      epochs_before: int = 0) -> tuple[list[Any], list[Any], dict[str, Any]]:
+    """(the uninterrupted epoch, the rest after k batches read by a resumed loader, the
+    iterable state)."""
+    whole = make()
+    for _ in range(epochs_before):
+        _ = [b async for b in whole]
+    full = [b async for b in whole]
+    loader = make()
+    for _ in range(epochs_before):
+        _ = [b async for b in loader]
+    if sync:
+        iterator: Any = iter(loader)
+        for _ in range(k):
+            next(iterator)
+        state = iterable_state(loader, iterator)
+        iterator.close()
+    else:
+        iterator = loader.__aiter__()
+        for _ in range(k):
+            await iterator.__anext__()
+        state = iterable_state(loader, iterator)
+        await iterator.aclose()
+    fresh = make()
+    fresh._kind.load_state_dict(state)  # type: ignore[union-attr]
+    if sync:
+        rest = list(fresh)
+    else:
+        rest = [b async for b in fresh]
+    await loader.aclose()
+    await fresh.aclose()
+    await whole.aclose()
+    return full, rest, state
+
+
+async def test_loader_over_a_stream_in_process(tmp_path: Path, anyio_backend: str) -> None:
+    paths = write_shards(tmp_path, shards=3, records=40)
+
+    def make() -> DataLoader[Any]:
+        stream = JsonLines(paths, chunk_size=64, shuffle_shards=True, seed=2).shuffle(9, seed=3)
+        return DataLoader(stream, batch_size=7, collate_fn=as_list, prefetch_factor=4)
+
+    for k in (0, 1, 8, 17, 18):  # 120 samples: 18 batches, the last one of 1
+        full, rest, state = await loader_rest(make, k)
+        assert rest == full[k:], k
+        # Before the first batch is asked for, no epoch has begun: the state is between epochs.
+        assert state["mode"] == ("local" if k else "between") and len(json.dumps(state)) < 1500
+    full, rest, _ = await loader_rest(make, 5, epochs_before=1)
+    assert rest == full[5:]
+
+
+def test_loader_plain_for(tmp_path: Path) -> None:
+    paths = write_shards(tmp_path, shards=2, records=30)
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(JsonLines(paths, chunk_size=64).map(lambda r: r["r"]).shuffle(
+            5, seed=0), batch_size=4)
+
+    full = [b.tolist() for b in make()]
+    for k in (3, 7, 15):
+        loader = make()
+        iterator = iter(loader)
+        for _ in range(k):
+            next(iterator)
+        state = iterable_state(loader, iterator)
+        iterator.close()
+        fresh = make()
+        fresh._kind.load_state_dict(state)  # type: ignore[union-attr]
+        assert [b.tolist() for b in fresh] == full[k:], k
+        loader.close()
+        fresh.close()
+
+
+async def test_loader_between_epochs(tmp_path: Path, anyio_backend: str) -> None:
+    paths = write_shards(tmp_path, shards=3, records=10)
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(JsonLines(paths, shuffle_shards=True, seed=1), batch_size=4,
+                          collate_fn=as_list)
+
+    loader = make()
+    _ = [b async for b in loader]
+    state = iterable_state(loader, None, done=True)
+    assert state["mode"] == "between" and state["stream"]["next_epoch"] == 1
+    second = [b async for b in loader]
+    fresh = make()
+    fresh._kind.load_state_dict(state)  # type: ignore[union-attr]
+    assert [b async for b in fresh] == second
+
+
+class Counting(IterableDataset[int]):
+    """No protocol: resumed by counting."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        return iter(range(self.n))
+
+
+class Stateful(IterableDataset[int]):
+    """torchdata's protocol on the dataset: asked after every batch."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.next = 0
+        self.asked = 0
+
+    def __iter__(self) -> Any:
+        while self.next < self.n:
+            self.next += 1
+            yield self.next - 1
+        self.next = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        self.asked += 1
+        return {"next": self.next}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.next = state["next"]
+
+
+async def test_iterable_datasets_with_and_without_the_protocol(anyio_backend: str) -> None:
+    for make_dataset, kind in ((lambda: Counting(50), "count"), (lambda: Stateful(50),
+                                                                   "protocol")):
+        def make(make_dataset: Any = make_dataset) -> DataLoader[Any]:
+            return DataLoader(make_dataset(), batch_size=6, collate_fn=as_list)
+
+        for k in (0, 3, 8, 9):
+            full, rest, state = await loader_rest(make, k)
+            assert rest == full[k:], (kind, k)
+            assert k == 0 or state["replicas"][0]["kind"] == kind
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def test_loader_with_two_workers(tmp_path: Path) -> None:
+    paths = write_shards(tmp_path, shards=4, records=25)
+
+    def make(persistent: bool = False) -> DataLoader[Any]:
+        stream = JsonLines(paths, chunk_size=64, shuffle_shards=True, seed=4).shuffle(6, seed=1)
+        return DataLoader(stream, batch_size=5, num_workers=2, collate_fn=as_list,
+                          persistent_workers=persistent)
+
+    async def run() -> None:
+        for k, persistent in ((0, False), (7, True), (19, False)):
+            full, rest, state = await loader_rest(lambda p=persistent: make(p), k)
+            assert rest == full[k:], k
+            assert state["mode"] == ("workers" if k else "between")
+        # Another number of workers during an epoch is refused, by name.
+        _, _, state = await loader_rest(make, 3)
+        other = DataLoader(
+            JsonLines(paths, chunk_size=64, shuffle_shards=True, seed=4).shuffle(6, seed=1),
+            batch_size=5, num_workers=0, collate_fn=as_list)
+        other._kind.load_state_dict(state)  # type: ignore[union-attr]
+        with pytest.raises(ValueError, match="num_workers=2"):
+            _ = [b async for b in other]
+
+    anyio.run(run)
