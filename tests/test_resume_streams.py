@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import anyio.to_thread
 import pytest
 
 from aloader import JsonLines, Stream, TextLines, as_stream, interleave
@@ -334,7 +333,7 @@ def iterable_state(loader: DataLoader[Any], iterator: Any, *, done: bool = False
     return roundtrip(loader._kind.state_dict(progress))  # type: ignore[union-attr]
 
 
-async def loader_rest(make: Callable[[], DataLoader[Any]], k: int, *, sync: bool = False,
+async def loader_rest(make: Callable[[], DataLoader[Any]], k: int, *,
                       epochs_before: int = 0) -> tuple[list[Any], list[Any], dict[str, Any]]:
     """(the uninterrupted epoch, the rest after k batches read by a resumed loader, the
     iterable state)."""
@@ -345,24 +344,14 @@ async def loader_rest(make: Callable[[], DataLoader[Any]], k: int, *, sync: bool
     loader = make()
     for _ in range(epochs_before):
         _ = [b async for b in loader]
-    if sync:
-        iterator: Any = iter(loader)
-        for _ in range(k):
-            next(iterator)
-        state = iterable_state(loader, iterator)
-        iterator.close()
-    else:
-        iterator = loader.__aiter__()
-        for _ in range(k):
-            await iterator.__anext__()
-        state = iterable_state(loader, iterator)
-        await iterator.aclose()
+    iterator = loader.__aiter__()
+    for _ in range(k):
+        await iterator.__anext__()
+    state = iterable_state(loader, iterator)
+    await iterator.aclose()
     fresh = make()
     fresh._kind.load_state_dict(state)  # type: ignore[union-attr]
-    if sync:
-        rest = list(fresh)
-    else:
-        rest = [b async for b in fresh]
+    rest = [b async for b in fresh]
     await loader.aclose()
     await fresh.aclose()
     await whole.aclose()
