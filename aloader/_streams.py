@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast, overload
 
@@ -38,6 +38,7 @@ import numpy as np
 from ._backend import Detached
 from ._dataset import IterableDataset
 from ._exceptions import FetchError, RecordError, SourceError
+from ._facade import PrivateLoop, SyncIterator, forbid_running_loop
 from ._pipeline import Results
 from ._random import GeneratorLike, as_generator, draw_seed, permutation
 from ._sharding import worker_slot
@@ -591,6 +592,20 @@ class Stream(IterableDataset[T_co]):
 
     def _apply_state(self, parsed: tuple[Any, ...]) -> None:
         self._next_epoch, self._fixed_epoch, self._resume_epoch, self._resume_at = parsed
+
+    def __iter__(self) -> Iterator[T_co]:
+        """One epoch for synchronous code: what ``async for`` over the stream yields.
+
+        The epoch runs on an event loop of its own in a background thread (see
+        :mod:`aloader._facade`), closed with the iterator; leaving the ``for`` early (``break``,
+        an exception) closes the stream's iterator and so its files and connections, as
+        leaving an ``async for`` does.
+
+        Raises:
+            RuntimeError: a ``for`` inside a running event loop, which it would block.
+        """
+        forbid_running_loop("Stream", "item in stream")
+        return SyncIterator(self.__aiter__, PrivateLoop(), owns_loop=True)
 
     def _claim_epoch(self) -> int:
         """The epoch of an iteration starting now; advances the counter as iterating does.
