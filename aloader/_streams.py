@@ -749,7 +749,7 @@ class _Shuffled(Stream[T_co]):
             checkpoints.append((ingested, (_Encoded(at["upstream"]), at["rng"], dummies, 0,
                                            ingested)))
         ids = np.full(size, ingested, dtype=np.int64)
-        every = max(1, size // 4)  # input items between checkpoints
+        every = max(_BLOCK, size)  # input items between checkpoints
         oldest = ingested  # a lower bound of the oldest buffered item's number
         upstream = self.upstream._blocks_at(ctx, None if at is None else at["upstream"])
 
