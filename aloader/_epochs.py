@@ -86,6 +86,14 @@ class MapEpochs:
 class IterableEpochs:
     """The epochs of a loader over an iterable dataset.
 
+    Resume (:meth:`state_dict`, :meth:`load_state_dict`): each batch carries where its
+    replica was once its samples were drawn (:mod:`aloader._resume`); the state holds the
+    position after the last batch the consumer received, of every worker's replica with
+    workers, and the worker asked next. A state taken during an epoch resumes with the same
+    ``num_workers``, exactly; another count raises a ValueError naming ``num_workers`` when
+    the epoch starts (a stream's shards and shuffles are split by worker, and exactly once
+    across another split is not implemented). A state taken between epochs resumes with any.
+
     Args:
         dataset: the iterable dataset.
         batch_size: samples per batch, or None without auto-batching.

@@ -265,6 +265,15 @@ class ShardedSource(Stream[T_co]):
             one record, ending the shard, with ``skip_errors=True``). See
             :mod:`aloader._compression`.
 
+    Resume (:meth:`~aloader.Stream.state_dict`): the state names this worker's shard (its
+    number in the epoch's list and its name, checked on load), the byte offset and line or
+    record number where the consumer's block starts, and the records to skip from there. A
+    resumed shard is read from that offset: a seek for files, ``Range: bytes=offset-`` over
+    HTTP, a ranged GET on object stores, so at most one chunk is read again. Compressed
+    shards, ``.npy`` arrays and tar shards (whose header and pax records come first) are read
+    again from their start, their delivered records skipped: offsets into a compressed stream
+    cannot be seeked.
+
     HTTP bodies sent with a ``Content-Encoding`` (gzip, deflate; br and zstd when their
     package is installed) are decoded; any other coding is a :class:`FetchError` (see
     :mod:`aloader._http`).

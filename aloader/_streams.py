@@ -445,6 +445,16 @@ class Stream(IterableDataset[T_co]):
     Streams compose: ``source.shuffle(1000, seed=0).map(parse, concurrency=16).filter(ok)``,
     and :func:`interleave` mixes several. Memory stays bounded: an epoch reads at most a couple
     of blocks ahead of its consumer, and every stage documents what it holds.
+
+    Streams resume (torchdata's protocol): :meth:`state_dict` says where the consumer of the
+    current epoch is, and :meth:`load_state_dict` on an equal stream makes its next iteration
+    yield exactly the rest of that epoch, then the same later epochs. Sources resume inside a
+    shard at the record (a seek, a ``Range`` request), ``shuffle`` by replaying its input from
+    a checkpoint, ``map`` and ``filter`` through their input, ``interleave`` from each input's
+    position; a stage of your own that only defines ``_blocks`` is replayed from its start
+    and the items the consumer had discarded. ``map(..., ordered=False)`` has no position to
+    save (:meth:`state_dict` raises ValueError). A state belongs to one loader worker of one
+    rank (``worker`` in it): resume it in the same place, with the same ``num_workers``.
     """
 
     # Class-level defaults keep subclasses free of any required __init__ call.
@@ -590,6 +600,12 @@ class Stream(IterableDataset[T_co]):
                 self._check(position, (epoch, slot[0], slot[1]))
         return next_epoch, fixed, epoch, position
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The latest iterator is this process's (and a weak reference does not pickle).
+        state = self.__dict__.copy()
+        state.pop("_live", None)
+        return state
+
     def _apply_state(self, parsed: tuple[Any, ...]) -> None:
         self._next_epoch, self._fixed_epoch, self._resume_epoch, self._resume_at = parsed
 
@@ -639,6 +655,12 @@ class Stream(IterableDataset[T_co]):
         emitted in random order. The stage never holds more than ``buffer_size`` items. The
         order depends only on the input order, the seed, the epoch and the worker, so it is
         reproducible.
+
+        Its saved state holds no item: a checkpoint (the input's position, the random state
+        and how full the buffer was, taken every ``max(256, buffer_size)`` input items)
+        older than every buffered item, and the outputs to discard. Resuming replays the input
+        from there, about ``buffer_size * (ln(buffer_size) + 1)`` items (measured: 940 for
+        100, 9 900 for 1 000, 100 000 for 10 000), and continues exactly.
 
         Args:
             buffer_size: items held at most (1 keeps the order).

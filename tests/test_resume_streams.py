@@ -483,3 +483,40 @@ def test_loader_with_two_workers(tmp_path: Path) -> None:
             _ = [b async for b in other]
 
     anyio.run(run)
+
+
+async def test_an_iterated_stream_still_pickles(tmp_path: Path, anyio_backend: str) -> None:
+    paths = write_shards(tmp_path, shards=1, records=5)
+    stream = JsonLines(paths).shuffle(2, seed=0)
+    iterator = stream.__aiter__()
+    await iterator.__anext__()
+    copy = pickle.loads(pickle.dumps(stream))  # as the loader sends it to its workers
+    again = JsonLines(paths).shuffle(2, seed=0)
+    again.set_epoch(1)  # the copy's next epoch: epoch 0 was claimed
+    assert [x async for x in copy] == [x async for x in again]
+    await iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def test_bad_loader_states(tmp_path: Path, anyio_backend: str) -> None:
+    paths = write_shards(tmp_path, shards=2, records=10)
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(JsonLines(paths), batch_size=3, collate_fn=as_list)
+
+    _, _, state = await loader_rest(make, 2)
+    cases: list[tuple[Any, str]] = [
+        ({**state, "mode": "other"}, "mode"),
+        ({**state, "num_workers": 2}, "num_workers"),
+        ({**state, "replicas": [{**state["replicas"][0], "kind": "count"}]}, "kind"),
+        ({**state, "stream": None}, "stream"),
+        ({**state, "replicas": [{**state["replicas"][0], "state": {
+            **state["replicas"][0]["state"], "version": 7}}]}, "version"),
+    ]
+    for bad, field in cases:
+        loader = make()
+        with pytest.raises(ValueError, match=repr(field)):
+            loader._kind.load_state_dict(bad)  # type: ignore[union-attr]
+        assert [b async for b in loader] == [b async for b in make()]  # nothing applied
+    counting = DataLoader(Counting(10), batch_size=3, collate_fn=as_list)
+    with pytest.raises(ValueError, match="'stream'"):  # a stream's state for another dataset
+        counting._kind.load_state_dict(state)  # type: ignore[union-attr]
