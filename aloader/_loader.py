@@ -11,6 +11,7 @@ epoch's :class:`AsyncDataLoaderIter` (``async for``) or :class:`DataLoaderIter` 
 
 from __future__ import annotations
 
+import collections
 import operator
 import os
 import threading
@@ -597,6 +598,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         self.base_seed: int = loader._base_seed()
         self.num_yielded: int = 0
         self._last_meta: Any = None
+        self._metas: collections.deque[Any] | None = None
         self._timeout = loader.timeout
         self._len_called = loader._kind.reported_length()
         self._epoch: Epoch | None = None
@@ -658,6 +660,8 @@ class AsyncDataLoaderIter(Generic[T_co]):
             raise error
         self.num_yielded += 1
         self._last_meta = epoch.results.meta  # an iterable's position after this batch
+        if self._metas is not None:  # plain for: the consumer takes it later (DataLoaderIter)
+            self._metas.append(self._last_meta)
         self._warn_length()
         return cast(T_co, value)
 
@@ -701,16 +705,29 @@ class DataLoaderIter(Iterator[T_co]):
 
     def __init__(self, loader: DataLoader[T_co]) -> None:
         # Composition, not inheritance: the facade's iterator is private machinery.
-        self._sync = SyncIterator(loader.__aiter__, loop_of(loader))
+        # The pump runs ahead of the consumer: each batch's metadata waits in ``metas`` until
+        # the consumer takes the batch (then ``_last_meta`` is the consumer's).
+        metas: collections.deque[Any] = collections.deque()
+
+        def open_() -> AsyncDataLoaderIter[T_co]:
+            source = loader.__aiter__()
+            source._metas = metas
+            return source
+
+        self._sync = SyncIterator(open_, loop_of(loader))
         source = self._sync.source
         assert isinstance(source, AsyncDataLoaderIter)
         self._source: AsyncDataLoaderIter[T_co] = source
+        self._pending_metas = metas
+        self._last_meta: Any = None
 
     def __iter__(self) -> DataLoaderIter[T_co]:
         return self
 
     def __next__(self) -> T_co:
-        return next(self._sync)
+        value = next(self._sync)
+        self._last_meta = self._pending_metas.popleft()
+        return value
 
     def close(self) -> None:
         """Stop the epoch and wait until it has stopped (see :meth:`DataLoader.aclose`)."""
