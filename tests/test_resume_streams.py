@@ -533,3 +533,44 @@ async def test_bad_loader_states(tmp_path: Path, anyio_backend: str) -> None:
     counting = DataLoader(Counting(10), batch_size=3, collate_fn=as_list)
     with pytest.raises(ValueError, match="'stream'"):  # a stream's state for another dataset
         counting._kind.load_state_dict(state)  # type: ignore[union-attr]
+
+
+async def test_binary_npy_and_tar_shards(tmp_path: Path, anyio_backend: str) -> None:
+    import io
+    import struct
+    import tarfile
+
+    import numpy as np
+
+    from aloader import BinaryRecords, NpyRows, TarShards
+
+    binaries, arrays, tars = [], [], []
+    for s in range(2):
+        path = tmp_path / f"b{s}.bin"
+        path.write_bytes(b"".join(struct.pack("<I", r % 5) + bytes([s]) * (r % 5)
+                                  for r in range(30)))
+        binaries.append(str(path))
+        npy = tmp_path / f"a{s}.npy"
+        np.save(npy, np.arange(60, dtype=np.int32).reshape(30, 2) + 100 * s)
+        arrays.append(str(npy))
+        tar = tmp_path / f"t{s}.tar"
+        with tarfile.open(tar, "w") as archive:
+            for r in range(12):
+                for ext, data in (("txt", f"{s}-{r}".encode()), ("bin", bytes([r]))):
+                    info = tarfile.TarInfo(f"sample{r:03d}.{ext}")
+                    info.size = len(data)
+                    archive.addfile(info, io.BytesIO(data))
+        tars.append(str(tar))
+    await check_resume(lambda: BinaryRecords(binaries, chunk_size=16), [0, 7, 30, 45, 60])
+    rest, state = await interrupted(lambda: BinaryRecords(binaries, chunk_size=16), 37)
+    assert state["position"]["offset"] > 0  # read from the record, not from byte 0
+
+    def rows() -> Stream[Any]:
+        return NpyRows(arrays, chunk_size=40).map(lambda row: row.tolist())
+
+    await check_resume(rows, [0, 11, 30, 59])
+
+    def samples() -> Stream[Any]:
+        return TarShards(tars, chunk_size=700).map(lambda x: (x["__key__"], x["txt"]))
+
+    await check_resume(samples, [0, 5, 12, 19, 24])
