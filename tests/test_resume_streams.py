@@ -562,7 +562,7 @@ async def test_binary_npy_and_tar_shards(tmp_path: Path, anyio_backend: str) -> 
                     archive.addfile(info, io.BytesIO(data))
         tars.append(str(tar))
     await check_resume(lambda: BinaryRecords(binaries, chunk_size=16), [0, 7, 30, 45, 60])
-    rest, state = await interrupted(lambda: BinaryRecords(binaries, chunk_size=16), 37)
+    _, state = await interrupted(lambda: BinaryRecords(binaries, chunk_size=16), 37)
     assert state["position"]["offset"] > 0  # read from the record, not from byte 0
 
     def rows() -> Stream[Any]:
