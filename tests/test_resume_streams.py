@@ -574,3 +574,35 @@ async def test_binary_npy_and_tar_shards(tmp_path: Path, anyio_backend: str) -> 
         return TarShards(tars, chunk_size=700).map(lambda x: (x["__key__"], x["txt"]))
 
     await check_resume(samples, [0, 5, 12, 19, 24])
+
+
+async def test_object_store_resume_asks_for_a_byte_range(anyio_backend: str) -> None:
+    pytest.importorskip("obstore")
+    pytest.importorskip("moto.server")
+    pytest.importorskip("boto3")
+    from aloader._demo import make_jsonl_shards
+    from aloader._demo._s3 import LocalS3
+
+    shards = make_jsonl_shards(2, 100)
+    with LocalS3() as server:
+        server.put("resume", {f"d/{name}": body for name, body in shards.items()})
+        urls = [f"s3://resume/d/{name}" for name in sorted(shards)]
+
+        def make() -> Stream[Any]:
+            return JsonLines(urls, store=server.store("resume"), chunk_size=300, concurrency=1)
+
+        full = [r async for r in make()]
+        stream = make()
+        iterator = stream.__aiter__()
+        for _ in range(130):
+            await iterator.__anext__()
+        state = roundtrip(stream.state_dict())
+        await iterator.aclose()  # type: ignore[attr-defined]
+        server.proxy.reset()
+        fresh = make()
+        fresh.load_state_dict(state)
+        assert [r async for r in fresh] == full[130:]
+        offset = state["position"]["offset"]
+        gets = [(path, range_) for method, path, range_ in server.proxy.requests
+                if method == "GET" and path.endswith(sorted(shards)[1])]
+        assert offset > 0 and gets and all(r == f"bytes={offset}-" for _, r in gets)
