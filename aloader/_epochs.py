@@ -36,10 +36,10 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeAlias, cast
 
-from ._dataset import iterate
 from ._distributed import DistributedSampler
 from ._pipeline import Epoch, FetchPlan, IterableEpoch, MapEpoch, Results
 from ._pool import MapPoolEpoch, PoolEpoch, ReplicaPoolEpoch
+from ._resume import encode, open_replica, parse, start_snapshot
 from ._sampler import (
     BatchSampler,
     epoch_batches,
@@ -47,6 +47,7 @@ from ._sampler import (
     load_sampler_state,
     sampler_state,
 )
+from ._streams import Stream, check_field
 from ._worker import ServeReplica, ServeTasks
 
 __all__ = ("EpochKind", "IterableEpochs", "MapEpochs", "Progress", "Skip")
@@ -253,6 +254,14 @@ class MapEpochs:
 class IterableEpochs:
     """The epochs of a loader over an iterable dataset.
 
+    Resume (:meth:`state_dict`, :meth:`load_state_dict`): each batch carries where its
+    replica was once its samples were drawn (:mod:`aloader._resume`); the state holds the
+    position after the last batch the consumer received, of every worker's replica with
+    workers, and the worker asked next. A state taken during an epoch resumes with the same
+    ``num_workers``, exactly; another count raises a ValueError naming ``num_workers`` when
+    the epoch starts (a stream's shards and shuffles are split by worker, and exactly once
+    across another split is not implemented). A state taken between epochs resumes with any.
+
     Args:
         dataset: the iterable dataset.
         batch_size: samples per batch, or None without auto-batching.
@@ -288,15 +297,119 @@ class IterableEpochs:
         return self._len_called
 
     def local(self, plan: FetchPlan, results: Results) -> Epoch:
-        """An epoch iterating the dataset in this process."""
-        return IterableEpoch(plan, results, iterate(self.dataset), self.batch_size,
-                             self.drop_last)
+        """An epoch iterating the dataset in this process (from a loaded state, if any)."""
+        replicas, _ = self._resumed(0)
+        source, snapshot = open_replica(self.dataset, replicas[0])
+        self._begin = snapshot(0, False)
+        self._pending = None
+        return IterableEpoch(plan, results, source, self.batch_size, self.drop_last, snapshot)
 
     def on_workers(self, plan: FetchPlan, results: Results, remote: PoolEpoch) -> Epoch:
         """An epoch asking the workers' replicas for batches (``remote`` is a
         :class:`ReplicaPoolEpoch`, whose requests are the jobs' keys)."""
         assert isinstance(remote, ReplicaPoolEpoch)
+        count = remote.pool.num_workers
+        _, turn = self._resumed(count)
+        states = self._pending["replicas"] if self._pending is not None else [None] * count
+        begin = [("encoded", state) if state is not None else
+                 start_snapshot(self.dataset, remote.loader_epoch, (w, count))
+                 for w, state in enumerate(states)]
+        remote.resume(turn, states, begin)
+        results.metas = remote.delivered
+        self._begin = ("workers", tuple(begin), turn)
+        self._pending = None
         return MapEpoch(plan, results, remote.keys())
+
+    # Resume (see aloader._resume) ----------------------------------------------------------
+    # The sub-state (the loader's "iterable" entry): {"mode": "between" | "local" | "workers",
+    # "num_workers": W (0 in this process), "turn": the worker asked for the next batch,
+    # "replicas": one state per replica (None: its start), "stream": the epoch counters of a
+    # Stream (None for other datasets)}. A state taken during an epoch resumes with the same
+    # num_workers (a stream's shards and shuffles are split by worker); one taken between
+    # epochs with any.
+
+    _begin: Any = None  # the snapshot of the epoch begun last, before its first batch
+    _pending: dict[str, Any] | None = None  # a loaded sub-state, for the next epoch
+
+    def state_dict(self, progress: Any) -> dict[str, Any]:
+        """The ``"iterable"`` entry of the loader's state for ``progress`` (see _loader)."""
+        if self._pending is not None:
+            return dict(self._pending)
+        dataset = self.dataset
+        counters = dataset._state_from(None) if isinstance(dataset, Stream) else None
+        meta = getattr(progress, "batch_meta", None)
+        if getattr(progress, "epoch_done", False) or (meta is None and self._begin is None):
+            return {"mode": "between", "num_workers": None, "turn": 0, "replicas": None,
+                    "stream": counters}
+        if meta is None:
+            meta = self._begin
+        if meta[0] == "workers":
+            _, replicas, turn = meta
+            if counters is not None:
+                counters["epoch"] = self._epoch_of(replicas)
+            return {"mode": "workers", "num_workers": len(replicas), "turn": turn,
+                    "replicas": [encode(dataset, r) for r in replicas], "stream": counters}
+        return {"mode": "local", "num_workers": 0, "turn": 0,
+                "replicas": [encode(dataset, meta)], "stream": counters}
+
+    @staticmethod
+    def _epoch_of(replicas: Any) -> int | None:
+        for replica in replicas:
+            if replica is not None and replica[0] == "stream":
+                return int(replica[1][0])
+            if replica is not None and replica[0] == "encoded":
+                return int(replica[1]["state"]["epoch"])
+        return None
+
+    def load_state_dict(self, sub: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`'s entry: validated whole, then applied.
+
+        Raises:
+            ValueError: a field of another kind of dataset, stream or worker count.
+        """
+        where = "iterable"
+        mode = check_field(sub, "mode", str, where)
+        if mode not in ("between", "local", "workers"):
+            raise ValueError(f"cannot load this state: field 'mode' is {mode!r}")
+        dataset = self.dataset
+        counters = check_field(sub, "stream", (dict, type(None)), where)
+        if isinstance(dataset, Stream) != (counters is not None):
+            raise ValueError("cannot load this state: field 'stream' does not match the "
+                             f"dataset ({type(dataset).__name__})")
+        main = None if counters is None else dataset._parse_state(counters, (0, 1))
+        pending: dict[str, Any] | None = None
+        if mode != "between":
+            count = check_field(sub, "num_workers", int, where)
+            turn = check_field(sub, "turn", int, where)
+            replicas = check_field(sub, "replicas", list, where)
+            if len(replicas) != max(1, count) or (mode == "local") != (count == 0) \
+                    or (count and turn >= count):
+                raise ValueError(f"cannot load this state: fields 'num_workers' ({count}), "
+                                 f"'turn' ({turn}) and 'replicas' ({len(replicas)}) disagree")
+            for w, replica in enumerate(replicas):
+                parse(dataset, replica, (w, count) if count else (0, 1))
+            pending = {"mode": mode, "num_workers": count, "turn": turn, "replicas": replicas,
+                       "stream": counters}
+        if main is not None and mode != "local":
+            dataset._apply_state(main)  # the epoch counters (and the epoch under way)
+        self._pending = pending
+        self._begin = None
+
+    def _resumed(self, count: int) -> tuple[list[Any], int]:
+        """The parsed replica states for an epoch on ``count`` workers (0: this process)."""
+        pending = self._pending
+        if pending is None:
+            return [None] * max(1, count), 0
+        if pending["num_workers"] != count:
+            raise ValueError(
+                f"this loader's state was taken during an epoch with num_workers="
+                f"{pending['num_workers']}; resume it with the same num_workers (now "
+                f"{count}): a stream's shards and shuffles are split by worker. A state taken "
+                "between epochs resumes with any num_workers"
+            )
+        slots = [(w, count) if count else (0, 1) for w in range(max(1, count))]
+        return ([parse(self.dataset, r, slot) for r, slot in
+                 zip(pending["replicas"], slots, strict=True)], pending["turn"])
 
 
 EpochKind: TypeAlias = MapEpochs | IterableEpochs

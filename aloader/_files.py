@@ -33,7 +33,7 @@ async def _open(path: str) -> tuple[Any, bool]:
 
 
 async def file_chunks(
-    path: str, chunk_size: int, on_size: Callable[[int], None] | None = None
+    path: str, chunk_size: int, on_size: Callable[[int], None] | None = None, start: int = 0
 ) -> AsyncGenerator[bytes, None]:
     """The bytes of the file at ``path``, ``chunk_size`` bytes at a time.
 
@@ -41,6 +41,7 @@ async def file_chunks(
         path: a local file.
         chunk_size: bytes per read (the last chunk may be shorter).
         on_size: called with the file's size once it is open, before the first chunk.
+        start: the byte to start at (a seek: a resumed shard is not read again).
     """
     # Shielded: a cancelled open could leave the file open in its thread, unreachable.
     with anyio.CancelScope(shield=True):
@@ -49,7 +50,9 @@ async def file_chunks(
         size = os.fstat((handle.wrapped if is_anyio else handle).fileno()).st_size
         if on_size is not None:
             on_size(size)
-        left = size
+        left = size - start
+        if start:
+            await handle.seek(start)
         while True:
             # A read allocates its whole size up front: ask for no more than the file holds
             # (plus a margin, should it grow), whatever chunk_size says.

@@ -134,6 +134,16 @@ class Decoder(Generic[T]):
         self.pending: RecordError | None = None
         #: The shard's length in bytes, when its file or response tells it (else None).
         self.size: int | None = None
+        #: (byte offset, record counter) where the first record of the latest block starts.
+        self.mark: tuple[int, int] = (0, 0)
+
+    #: Whether the decoder can start at a record's byte offset (``start_at``), for a resume
+    #: that reads a shard from there; others are read from the start, skipping records.
+    seekable = False
+
+    def start_at(self, offset: int, counter: int) -> None:
+        """Decode from byte ``offset`` of the shard, a ``mark`` (only if ``seekable``)."""
+        raise NotImplementedError
 
     def set_size(self, size: int) -> None:
         """The shard holds ``size`` bytes in all: formats whose headers promise a length check
@@ -178,6 +188,11 @@ class _LineDecoder(Decoder[T]):
         self._line = 0  # lines parsed so far
         self._discarding = False  # skipping the rest of an oversized line
 
+    seekable = True
+
+    def start_at(self, offset: int, counter: int) -> None:
+        self._offset, self._line = offset, counter
+
     @staticmethod
     def _where(line: int, offset: int) -> str:
         return f"line {line} (byte offset {offset})"
@@ -194,6 +209,7 @@ class _LineDecoder(Decoder[T]):
         enabled = gc.isenabled()
         if enabled:
             gc.disable()
+        self.mark = (self._offset, self._line)
         try:
             records, lines = self._parse(body, self._line, self._offset)
         finally:
@@ -418,9 +434,15 @@ class BinaryDecoder(Decoder[bytes]):
         self._dead = False  # the rest of the shard cannot be framed
         self._count = 0
 
+    seekable = True
+
+    def start_at(self, offset: int, counter: int) -> None:
+        self._offset, self._count = offset, counter
+
     def feed(self, data: bytes) -> list[bytes]:
         if self._dead:
             return []
+        self.mark = (self._offset, self._count)
         buffer = self._buffer
         buffer += data
         size = self._header.size

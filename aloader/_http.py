@@ -308,6 +308,7 @@ async def http_chunks(
     options: HttpOptions,
     stats: SourceStats,
     on_size: Callable[[int], None] | None = None,
+    start: int = 0,
 ) -> AsyncGenerator[bytes, None]:
     """The body of ``url``, chunk by chunk (decoded), retried and resumed as the module
     describes.
@@ -319,6 +320,8 @@ async def http_chunks(
         stats: counts the retries.
         on_size: called with the body's length when a response tells it (a plain body's
             ``Content-Length`` or ``Content-Range``), before the chunks it announces.
+        start: the byte to start at: the body from there, asked for as a resumption is
+            (``Range: bytes=start-``), so a resumed shard is not read again from byte 0.
 
     Raises:
         FetchError: an error status that is not transient (at once), a redirect to a URL that
@@ -334,7 +337,7 @@ async def http_chunks(
     if parsed.scheme not in ("http", "https") or not parsed.host:
         raise FetchError(f"{url}: not a valid http(s) URL", source=url)
 
-    offset = 0  # decoded bytes delivered so far
+    offset = start  # decoded bytes delivered so far (those before ``start`` count as such)
     failures = 0  # failed attempts since the last new byte delivered
     etag: str | None = None
     total: int | None = None  # the plain body's length, once a response told it

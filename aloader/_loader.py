@@ -920,6 +920,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
                     f"the dataset raised {type(error).__name__} while loading a batch"
                 ) from error
             raise error
+        self._last_meta = epoch.results.meta  # an iterable's position after this batch
         number = self._skip.global_number(epoch.results.last)
         if self._deferred is None:
             self._record.received(number, self._last_meta)

@@ -404,7 +404,8 @@ class ObjectAccess:
             time.sleep(retry_delay(self.options, failures))
 
     async def chunks(
-        self, url: str, stats: SourceStats, on_size: Callable[[int], None] | None = None
+        self, url: str, stats: SourceStats, on_size: Callable[[int], None] | None = None,
+        start: int = 0,
     ) -> AsyncGenerator[bytes, None]:
         """The bytes of the object at ``url``, chunk by chunk, retried and resumed as the
         module describes.
@@ -413,6 +414,7 @@ class ObjectAccess:
             url: an object store URL.
             stats: counts the retries.
             on_size: called with the object's size before its first chunk.
+            start: the byte to start at (a ranged GET: a resumed shard is not read again).
 
         Raises:
             FetchError: (or a subclass) the object cannot be read, as the module describes.
@@ -422,7 +424,7 @@ class ObjectAccess:
         calls = _Calls(obstore, threaded=current_backend() == "trio")
         options = self.options
         size = options.chunk_size
-        offset = 0  # bytes handed on
+        offset = start  # bytes handed on (those before ``start`` count as such)
         failures = 0  # failed attempts since the last byte handed on
         etag: str | None = None
         total: int | None = None

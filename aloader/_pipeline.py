@@ -97,7 +97,17 @@ class Results:
 
     The same buffer orders the results of ``Stream.map`` with concurrency (see
     :mod:`aloader._streams`), where a job is one item and a batch is its mapped value.
+
+    Batches of an iterable dataset come with metadata (where the dataset was once the batch's
+    samples were drawn, for a resume): when ``metas`` is set (a mapping from job number to
+    metadata, with ``pop``), taking job ``k`` pops its entry into :attr:`meta`. Without it
+    (map-style epochs) nothing of this runs.
     """
+
+    #: The metadata of the batch taken last (None without ``metas``).
+    meta: Any = None
+    #: Job number -> metadata of the jobs published, popped as they are taken (or None).
+    metas: Any = None
 
     def __init__(self, capacity: int, in_order: bool) -> None:
         self._capacity = max(1, capacity)
@@ -158,6 +168,8 @@ class Results:
             if item is None:
                 return None
             self.last = seq
+            if self.metas is not None:
+                self.meta = self.metas.pop(seq, None)
             self.taken += 1
             self._changed.notify()
             if item[0] is not SKIP:
@@ -943,11 +955,17 @@ class IterableEpoch(Epoch):
         source: Iterator[Any] | AsyncIterator[Any],
         batch_size: int | None,
         drop_last: bool,
+        snapshot: Callable[[int, bool], Any] | None = None,
     ) -> None:
         super().__init__(plan, results)
         self._source = source
         self._batch_size = batch_size
         self._drop_last = drop_last
+        # Called once a batch's samples are drawn, with the samples drawn so far and whether
+        # the source ended: where the dataset is then travels with the batch (Results.meta).
+        self._snapshot = snapshot
+        if snapshot is not None and results.metas is None:
+            results.metas = {}
 
     async def _run(self) -> None:
         try:
@@ -965,6 +983,8 @@ class IterableEpoch(Epoch):
         size = self._batch_size
         seq = 0
         ended = False
+        snapshot = self._snapshot
+        drawn = 0  # samples drawn (exact but for the last batch, which ends the source)
         while not ended:
             await self.results.reserve(seq)
             try:
@@ -989,6 +1009,9 @@ class IterableEpoch(Epoch):
                                                             "of the iterable dataset"))
                 seq += 1
                 break
+            if snapshot is not None:
+                drawn += 1 if size is None else size
+                self.results.metas[seq] = snapshot(drawn, ended)
             self.results.publish(seq, batch)
             seq += 1
         self.results.finish(seq)

@@ -495,7 +495,12 @@ class PoolEpoch:
             return SKIP
         if reply.status == Status.ERROR:
             raise reply.value.rebuild()
+        if reply.meta is not None:
+            self.note_meta(seq, worker_id, reply.meta)
         return reply.value
+
+    def note_meta(self, seq: int, worker_id: int, meta: Any) -> None:
+        """Job ``seq``'s batch came with metadata (an iterable replica's position)."""
 
     def stop(self) -> None:
         """The epoch is stopping (any thread): a next epoch may wait for this one to let go."""
@@ -650,9 +655,24 @@ class ReplicaPoolEpoch(PoolEpoch):
         self._assigned = [0] * count  # requests assigned to each worker
         self._requests = 0  # requests assigned in all
         self._tickets: dict[int, int] = {}  # job sequence number -> ticket
+        self._resume_states: list[Any] = [None] * count  # sent with each worker's ticket 0
+        #: The replicas' positions as the consumer takes the batches (Results.metas).
+        self.delivered = _Delivered([None] * count, 0)
+
+    def resume(self, turn: int, states: list[Any], begin: list[Any]) -> None:
+        """Start where a saved epoch was: worker ``turn`` is asked first, and worker ``w``'s
+        replica resumes from ``states[w]`` (None: its start); ``begin`` are the replicas'
+        positions until they deliver."""
+        self._turn = turn
+        self._resume_states = list(states)
+        self.delivered = _Delivered(list(begin), turn)
+
+    def note_meta(self, seq: int, worker_id: int, meta: Any) -> None:
+        self.delivered.got[seq] = (worker_id, meta)
 
     def route(self, key: Any, seq: int) -> tuple[int, int, Kind, Any]:
-        return key, self._tickets.pop(seq), Kind.NEXT, None
+        ticket = self._tickets.pop(seq)
+        return key, ticket, Kind.NEXT, self._resume_states[key] if ticket == 0 else None
 
     def keys(self) -> AsyncIterator[int]:
         """The worker asked for each next batch, in turn."""
@@ -673,3 +693,29 @@ class ReplicaPoolEpoch(PoolEpoch):
                 self._requests += 1
                 return worker
         raise StopAsyncIteration
+
+
+class _Delivered:
+    """The replicas' positions after the batches the consumer took (a ``Results.metas``).
+
+    Each batch's position arrives with the worker's reply (:meth:`note_meta`); taking the
+    batch pops it, which records it as its worker's last and returns what the loader's state
+    needs then: every worker's last position, and the worker asked next (batches are asked
+    of the workers in turn).
+    """
+
+    __slots__ = ("got", "states", "turn")
+
+    def __init__(self, states: list[Any], turn: int) -> None:
+        self.got: dict[int, tuple[int, Any]] = {}
+        self.states = states
+        self.turn = turn
+
+    def pop(self, seq: int, default: Any = None) -> Any:
+        got = self.got.pop(seq, None)
+        if got is None:
+            return default
+        worker_id, meta = got
+        self.states[worker_id] = meta
+        self.turn = (worker_id + 1) % len(self.states)
+        return ("workers", tuple(self.states), self.turn)

@@ -18,6 +18,7 @@ import anyio
 from ._compression import (
     Compression,
     CorruptStream,
+    Decompressor,
     check_compression,
     decompressed,
     decompressor_for,
@@ -36,7 +37,16 @@ from ._formats import (
 from ._http import HttpOptions, http_chunks, make_client
 from ._objstore import ObjectAccess, is_object_url
 from ._sharding import ShardsLike, assign_shards, expand_shards, is_url, resolve_world, worker_slot
-from ._streams import Stream, _Channel, _Context
+from ._streams import (
+    Stream,
+    _bad_state,
+    _Channel,
+    _Context,
+    _discard,
+    check_field,
+    check_same,
+    check_stage,
+)
 from ._util import Closing, Signal, check_int, check_seconds
 
 if TYPE_CHECKING:
@@ -84,21 +94,21 @@ class SourceOptions(TypedDict, total=False):
 
 async def _read_ahead(
     ctx: _Context,
-    readers: Sequence[Callable[[], AsyncGenerator[list[Any], None]]],
+    readers: Sequence[Callable[[], AsyncGenerator[Any, None]]],
     concurrency: int,
     depth: int,
-) -> AsyncGenerator[list[Any], None]:
+) -> AsyncGenerator[Any, None]:
     """The blocks of ``readers`` in order, with up to ``concurrency`` of them reading at once.
 
     Reader ``i + concurrency`` starts once reader ``i`` has been consumed to its end. Each
     running reader holds at most ``depth`` finished blocks plus the one it is handing over.
     """
-    channels: list[_Channel[list[Any]] | None] = [None] * len(readers)
+    channels: list[_Channel[Any] | None] = [None] * len(readers)
     slots = anyio.Semaphore(concurrency)
     signal = Signal()
     scope = anyio.CancelScope()
 
-    async def read(index: int, channel: _Channel[list[Any]]) -> None:
+    async def read(index: int, channel: _Channel[Any]) -> None:
         try:
             async with Closing(readers[index]()) as blocks:
                 async for block in blocks:
@@ -116,7 +126,7 @@ async def _read_ahead(
                 async with anyio.create_task_group() as group:
                     for index in range(len(readers)):
                         await slots.acquire()
-                        channel: _Channel[list[Any]] = _Channel(depth)
+                        channel: _Channel[Any] = _Channel(depth)
                         channels[index] = channel
                         signal.notify()
                         group.start_soon(read, index, channel)
@@ -255,6 +265,15 @@ class ShardedSource(Stream[T_co]):
             one record, ending the shard, with ``skip_errors=True``). See
             :mod:`aloader._compression`.
 
+    Resume (:meth:`~aloader.Stream.state_dict`): the state names this worker's shard (its
+    number in the epoch's list and its name, checked on load), the byte offset and line or
+    record number where the consumer's block starts, and the records to skip from there. A
+    resumed shard is read from that offset: a seek for files, ``Range: bytes=offset-`` over
+    HTTP, a ranged GET on object stores, so at most one chunk is read again. Compressed
+    shards, ``.npy`` arrays and tar shards (whose header and pax records come first) are read
+    again from their start, their delivered records skipped: offsets into a compressed stream
+    cannot be seeked.
+
     HTTP bodies sent with a ``Content-Encoding`` (gzip, deflate; br and zstd when their
     package is installed) are decoded; any other coding is a :class:`FetchError` (see
     :mod:`aloader._http`).
@@ -360,19 +379,40 @@ class ShardedSource(Stream[T_co]):
         return (f"{type(self).__name__}({len(self.shards)} shards, rank {self.rank} of "
                 f"{self.world_size}, shuffle_shards={self.shuffle_shards})")
 
-    async def _blocks(self, ctx: _Context) -> AsyncGenerator[list[T_co], None]:
+    # Resume: a block's token is (shard number in this epoch's list, its name, the byte
+    # offset and record counter where the block's first record starts, the records of the
+    # shard before it). A resumed shard is read from that offset (a seek, a Range request),
+    # except a compressed shard and formats that need the shard's start (.npy headers, tar
+    # members), which are read from their start, skipping the records already delivered.
+
+    def _blocks_at(
+        self, ctx: _Context, at: dict[str, Any] | None
+    ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
+        return _discard(self._shard_blocks(ctx, at), 0 if at is None else at["skip"])
+
+    async def _shard_blocks(
+        self, ctx: _Context, at: dict[str, Any] | None
+    ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
         names = self.shards_for(ctx.epoch, ctx.worker_id, ctx.num_workers)
-        slots = min(self.concurrency, len(names))
+        first = 0
+        resume: tuple[int, int, int] | None = None
+        if at is not None:
+            first = at["shard"]
+            self._check_shard(at, names)
+            resume = (at["offset"], at["counter"], at["records"])
+        slots = min(self.concurrency, len(names) - first)
         clients: list[httpx.AsyncClient] = []
-        if any(is_url(name) for name in names):
+        if any(is_url(name) for name in names[first:]):
             # One single-connection client per read-ahead slot: shard i reuses the keep-alive
             # connection of shard i - concurrency, and no pool has to scan the others.
             count = 1 if self.http.client_factory is not None else slots
             clients = [make_client(self.http, 1) for _ in range(count)]
         try:
             readers = [
-                functools.partial(self._read, name, clients[i % len(clients)] if clients else None)
-                for i, name in enumerate(names)
+                functools.partial(self._read, index, names[index],
+                                  clients[i % len(clients)] if clients else None,
+                                  resume if index == first else None)
+                for i, index in enumerate(range(first, len(names)))
             ]
             if slots <= 1:
                 for reader in readers:
@@ -389,23 +429,57 @@ class ShardedSource(Stream[T_co]):
                     for client in clients:
                         await client.aclose()
 
-    async def _read(
-        self, name: str, client: httpx.AsyncClient | None
-    ) -> AsyncGenerator[list[T_co], None]:
-        """One shard's records, block by block (a block per chunk)."""
-        stats = self.stats
-        decoder = self._decoder(name, BadRecords(self.skip_errors, stats))
+    def _check_shard(self, at: dict[str, Any], names: list[str]) -> None:
+        shard = check_field(at, "shard", int, "shards")
+        if shard >= len(names):
+            raise _bad_state("shards", "shard", f"is {shard}, but this worker reads "
+                             f"{len(names)} shards in this epoch")
+        check_same(at, "name", names[shard], "shards")
+
+    def _check(self, at: dict[str, Any], slot: tuple[int, int, int]) -> None:
+        check_stage(at, "shards", "shards")
+        for field in ("offset", "counter", "records"):
+            check_field(at, field, int, "shards")
+        check_field(at, "name", str, "shards")
+        self._check_shard(at, self.shards_for(*slot))
+
+    def _state(self, token: Any, skip: int) -> dict[str, Any]:
+        index, name, offset, counter, records = token
+        return {"stage": "shards", "shard": index, "name": name, "offset": offset,
+                "counter": counter, "records": records, "skip": skip}
+
+    def _read(
+        self, index: int, name: str, client: httpx.AsyncClient | None,
+        resume: tuple[int, int, int] | None = None,
+    ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
+        """One shard's records, block by block (a block per chunk), with their tokens; from
+        ``resume`` (offset, counter, records before) if given."""
+        decoder = self._decoder(name, BadRecords(self.skip_errors, self.stats))
         inflate = decompressor_for(name, self.compression, self.chunk_size)
+        if resume is None:
+            return self._records(index, name, client, decoder, inflate, 0, 0)
+        offset, counter, records = resume
+        if decoder.seekable and inflate is None:
+            decoder.start_at(offset, counter)
+            return self._records(index, name, client, decoder, inflate, offset, records)
+        return _discard(self._records(index, name, client, decoder, inflate, 0, 0), records)
+
+    async def _records(
+        self, index: int, name: str, client: httpx.AsyncClient | None, decoder: Decoder[T_co],
+        inflate: Decompressor | None, start: int, records_before: int,
+    ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
+        stats = self.stats
         # A compressed shard's size says nothing of the length its formats check.
         on_size = decoder.set_size if inflate is None else None
         if client is not None and is_url(name):
-            chunks = http_chunks(client, name, self.http, stats, on_size)
+            chunks = http_chunks(client, name, self.http, stats, on_size, start)
         elif is_object_url(name):
-            chunks = self._objects.chunks(name, stats, on_size)
+            chunks = self._objects.chunks(name, stats, on_size, start)
         else:
-            chunks = file_chunks(name, self.chunk_size, on_size)
+            chunks = file_chunks(name, self.chunk_size, on_size, start)
         if inflate is not None:
             chunks = decompressed(chunks, inflate)
+        done = records_before
         try:
             async with Closing(chunks) as pieces:
                 async for chunk in pieces:
@@ -413,7 +487,8 @@ class ShardedSource(Stream[T_co]):
                     records = decoder.feed(chunk)
                     if records:
                         stats.records += len(records)
-                        yield records
+                        yield records, (index, name, *decoder.mark, done)
+                        done += len(records)
                     if decoder.pending is not None:
                         raise decoder.pending
         except CorruptStream as exc:
@@ -424,7 +499,8 @@ class ShardedSource(Stream[T_co]):
             return
         while records := decoder.finish():
             stats.records += len(records)
-            yield records
+            yield records, (index, name, *decoder.mark, done)
+            done += len(records)
         if decoder.pending is not None:
             raise decoder.pending
         stats.shards += 1

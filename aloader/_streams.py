@@ -23,6 +23,8 @@ cancels the background task, which closes every file and connection the stages o
 from __future__ import annotations
 
 import contextlib
+import weakref
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast, overload
@@ -59,6 +61,126 @@ U = TypeVar("U")
 _UINT64 = 1 << 64
 # Items per block when a stage builds blocks itself (sync iterables, interleave).
 _BLOCK = 256
+
+
+# --------------------------------------------------------------------------- resume
+#
+# Every stage hands on (block, token) pairs (:meth:`Stream._blocks_at`). A token is small,
+# immutable data (no items) that, with a count ``skip``, names a position in the stage's
+# output: "resume at the start of this token's block, then discard ``skip`` items".
+# :meth:`Stream._state` turns (token, skip) into a JSON-able dict; ``_blocks_at(ctx, state)``
+# resumes there. Encoding happens only when a state is asked for, so following the consumer
+# costs a reference and a counter per batch. The invariant each stage keeps: resuming its
+# output from ``_state(token, skip)`` yields exactly what the uninterrupted epoch yields after
+# that position (the epoch, worker and seeds being the same).
+
+STATE_FORMAT = "aloader.Stream"
+STATE_VERSION = 1
+
+_START: Any = None  # the token of an iterator that has received no block yet
+_END: dict[str, Any] = {"stage": "end", "skip": 0}  # an epoch's position after its last item
+_UNORDERED: Any = "unordered"  # the token of map(ordered=False)'s blocks: no position
+
+
+class _Skip:
+    """The token of a block whose first ``skip`` items were discarded (on resume)."""
+
+    __slots__ = ("skip", "token")
+
+    def __init__(self, token: Any, skip: int) -> None:
+        self.token = token
+        self.skip = skip
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Skip, (self.token, self.skip))
+
+
+class _Encoded:
+    """A token that is already a state (where a resumed stage started; None: its start)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: dict[str, Any] | None) -> None:
+        self.state = state
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Encoded, (self.state,))
+
+
+def _state_of(stage: Stream[Any], token: Any, skip: int) -> dict[str, Any] | None:
+    """The state of ``stage`` at item ``skip`` of the block ``token`` names."""
+    while type(token) is _Skip:
+        token, skip = token.token, token.skip + skip
+    if type(token) is _Encoded:
+        state = token.state
+        if state is None:
+            if skip:
+                raise AssertionError("a stage's start has no items before its first block")
+            return None
+        return {**state, "skip": state["skip"] + skip} if skip else state
+    return stage._state(token, skip)
+
+
+async def _discard(
+    pairs: AsyncGenerator[tuple[list[T], Any], None], count: int
+) -> AsyncGenerator[tuple[list[T], Any], None]:
+    """``pairs`` without their first ``count`` items (what the resumed consumer had)."""
+    async with Closing(pairs) as blocks:
+        async for block, token in blocks:
+            if count:
+                if len(block) <= count:
+                    count -= len(block)
+                    continue
+                block, token = block[count:], _Skip(token, count)
+                count = 0
+            yield block, token
+
+
+def _check_upstream(upstream: Stream[Any], at: dict[str, Any], slot: tuple[int, int, int],
+                    field: str = "upstream") -> None:
+    inner = check_field(at, field, (dict, type(None)), at.get("stage", "?"))
+    if inner is not None:
+        upstream._check(inner, slot)
+
+
+def _bad_state(where: str, field: str, message: str) -> ValueError:
+    return ValueError(f"cannot load this stream state: {where}: field {field!r} {message}")
+
+
+def check_field(state: Any, field: str, kind: type | tuple[type, ...], where: str) -> Any:
+    """``state[field]``, checked to be of ``kind`` (an int is never a bool, nor negative)."""
+    if not isinstance(state, dict):
+        raise _bad_state(where, field, f"is missing: the state is not a dict but {state!r}")
+    if field not in state:
+        raise _bad_state(where, field, "is missing")
+    value = state[field]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise _bad_state(where, field, f"should be {_kind_name(kind)}, but is {value!r}")
+    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        raise _bad_state(where, field, f"should be non-negative, but is {value!r}")
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+
+
+def check_stage(state: Any, stage: str, where: str) -> None:
+    """``state`` is a position of a stage of kind ``stage`` (with its ``skip``)."""
+    found = check_field(state, "stage", str, where)
+    if found != stage:
+        raise _bad_state(where, "stage", f"is {found!r}, but this stage is {stage!r}: the "
+                                         "state comes from another stream")
+    check_field(state, "skip", int, where)
+
+
+def check_same(state: dict[str, Any], field: str, expected: Any, where: str) -> None:
+    """``state[field] == expected``, else a ValueError naming the field and both values."""
+    found = state.get(field)
+    if found != expected:
+        raise _bad_state(where, field, f"is {found!r}, but this stream has {expected!r}")
 
 
 # --------------------------------------------------------------------------- plumbing
@@ -154,10 +276,11 @@ class _Driver:
     Holds no reference to the iterator, so dropping the iterator lets ``__del__`` stop it.
     """
 
-    def __init__(self, stream: Stream[Any], epoch: int, capacity: int) -> None:
+    def __init__(self, stream: Stream[Any], epoch: int, capacity: int, at: Any) -> None:
         self.stream = stream
         self.epoch = epoch
-        self.channel: _Channel[list[Any]] = _Channel(capacity)
+        self.at = at
+        self.channel: _Channel[tuple[list[Any], Any]] = _Channel(capacity)
         self.done = anyio.Event()
         self._task = Detached()
 
@@ -192,10 +315,10 @@ class _Driver:
     async def _pump(self, ctx: _Context) -> BaseException | None:
         channel = self.channel
         try:
-            async with Closing(self.stream._blocks(ctx)) as blocks:
-                async for block in blocks:
-                    if block:
-                        await channel.put(block)
+            async with Closing(self.stream._blocks_at(ctx, self.at)) as blocks:
+                async for pair in blocks:
+                    if pair[0]:
+                        await channel.put(pair)
         except _Abandoned:
             return None
         except Exception as exc:
@@ -206,9 +329,10 @@ class _Driver:
 class _StreamIterator(AsyncIterator[T]):
     """One epoch of a stream, item by item, from the blocks the driver prefetches."""
 
-    __slots__ = ("_block", "_capacity", "_driver", "_epoch", "_finished", "_pos", "_stream")
+    __slots__ = ("__weakref__", "_at", "_block", "_capacity", "_driver", "_epoch", "_finished",
+                 "_pos", "_slot", "_stream", "_token")
 
-    def __init__(self, stream: Stream[T], epoch: int, capacity: int) -> None:
+    def __init__(self, stream: Stream[T], epoch: int, capacity: int, at: Any = None) -> None:
         self._stream = stream
         self._epoch = epoch
         self._capacity = capacity
@@ -216,6 +340,15 @@ class _StreamIterator(AsyncIterator[T]):
         self._block: list[T] = []
         self._pos = 0
         self._finished = False
+        # Where the consumer is: item _pos of the block whose token is _token; before the
+        # first block, the position the epoch started from (_at: None for its start).
+        self._at = at
+        self._token: Any = _START
+        self._slot = worker_slot()
+
+    def _snapshot(self) -> tuple[Any, ...]:
+        """The consumer's position now, cheaply (encoded only when a state is asked for)."""
+        return (self._epoch, self._token, self._pos, self._finished, self._at, self._slot)
 
     def __aiter__(self) -> _StreamIterator[T]:
         return self
@@ -233,10 +366,10 @@ class _StreamIterator(AsyncIterator[T]):
             raise StopAsyncIteration
         driver = self._driver
         if driver is None:
-            driver = self._driver = _Driver(self._stream, self._epoch, self._capacity)
+            driver = self._driver = _Driver(self._stream, self._epoch, self._capacity, self._at)
             driver.start()
         try:
-            block: list[T] = await driver.channel.get()
+            block, token = await driver.channel.get()
         except anyio.get_cancelled_exc_class():
             # The consumer is gone (as the DataLoader treats it): stop reading for it now,
             # rather than when this iterator is garbage-collected.
@@ -250,8 +383,9 @@ class _StreamIterator(AsyncIterator[T]):
                 await driver.done.wait()
             raise
         self._block = block
+        self._token = token
         self._pos = 1
-        return block[0]
+        return cast(T, block[0])
 
     async def _take(self, n: int) -> list[T]:
         """Up to ``n`` items (fewer only at the end), sliced from the prefetched blocks.
@@ -311,6 +445,16 @@ class Stream(IterableDataset[T_co]):
     Streams compose: ``source.shuffle(1000, seed=0).map(parse, concurrency=16).filter(ok)``,
     and :func:`interleave` mixes several. Memory stays bounded: an epoch reads at most a couple
     of blocks ahead of its consumer, and every stage documents what it holds.
+
+    Streams resume (torchdata's protocol): :meth:`state_dict` says where the consumer of the
+    current epoch is, and :meth:`load_state_dict` on an equal stream makes its next iteration
+    yield exactly the rest of that epoch, then the same later epochs. Sources resume inside a
+    shard at the record (a seek, a ``Range`` request), ``shuffle`` by replaying its input from
+    a checkpoint, ``map`` and ``filter`` through their input, ``interleave`` from each input's
+    position; a stage of your own that only defines ``_blocks`` is replayed from its start
+    and the items the consumer had discarded. ``map(..., ordered=False)`` has no position to
+    save (:meth:`state_dict` raises ValueError). A state belongs to one loader worker of one
+    rank (``worker`` in it): resume it in the same place, with the same ``num_workers``.
     """
 
     # Class-level defaults keep subclasses free of any required __init__ call.
@@ -318,6 +462,10 @@ class Stream(IterableDataset[T_co]):
     _next_epoch: int = 0
     #: Blocks the background task may read ahead of the consumer.
     _prefetch_blocks: int = 2
+    # The latest iterator (for state_dict), and what load_state_dict left for the next one.
+    _live: weakref.ref[Any] | None = None
+    _resume_epoch: int | None = None
+    _resume_at: dict[str, Any] | None = None
 
     def _blocks(self, ctx: _Context) -> AsyncGenerator[list[T_co], None]:
         """This epoch's items, in blocks (lists); subclasses implement it."""
@@ -343,8 +491,123 @@ class Stream(IterableDataset[T_co]):
 
     def __aiter__(self) -> AsyncIterator[T_co]:
         """Start one epoch: items one by one, read in the background at most a few blocks
-        ahead of the consumer."""
-        return _StreamIterator(self, self._claim_epoch(), self._prefetch_blocks)
+        ahead of the consumer; after :meth:`load_state_dict`, the rest of the epoch it saved."""
+        at = self._resume_at
+        epoch = self._claim_epoch()
+        iterator = _StreamIterator(self, epoch, self._prefetch_blocks, at)
+        if at == _END:
+            iterator._finished = True
+        self._live = weakref.ref(iterator)
+        return iterator
+
+    # Resume (torchdata's protocol) -------------------------------------------------------
+    def _blocks_at(
+        self, ctx: _Context, at: dict[str, Any] | None
+    ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
+        """This epoch's (block, token) pairs from position ``at`` (None: the start); see
+        ``_state``. A stage that only defines ``_blocks`` is resumed by counting: its epoch
+        is replayed from the start and the items the consumer had are discarded."""
+        if at is not None:
+            check_stage(at, "count", type(self).__name__)
+        return _discard(self._counted(ctx), 0 if at is None else at["skip"])
+
+    async def _counted(self, ctx: _Context) -> AsyncGenerator[tuple[list[T_co], Any], None]:
+        count = 0
+        async with Closing(self._blocks(ctx)) as blocks:
+            async for block in blocks:
+                yield block, count
+                count += len(block)
+
+    def _state(self, token: Any, skip: int) -> dict[str, Any]:
+        """The position at item ``skip`` of the block ``token`` names, as JSON builtins."""
+        return {"stage": "count", "skip": int(token) + skip}
+
+    def _check(self, at: dict[str, Any], slot: tuple[int, int, int]) -> None:
+        """Validate a position of this stage (and its inputs) before anything is applied, for
+        ``slot``: (epoch, worker id, num_workers)."""
+        check_stage(at, "count", type(self).__name__)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this stream is: the epoch counter and, during an epoch, the position of the
+        consumer of its latest iterator (what it received, not what was read ahead).
+
+        The state is small, JSON builtins only (no items): shard, byte offset and record
+        numbers of the sources, the shuffle buffer's random state and where its input must
+        be replayed from, ... :meth:`load_state_dict` on an equal stream (same arguments,
+        same shards) resumes it exactly. A :class:`~aloader.DataLoader` records the position
+        of each batch it cuts, so its own ``state_dict`` reflects the batches delivered.
+        """
+        live = self._live() if self._live is not None else None
+        snapshot = live._snapshot() if isinstance(live, _StreamIterator) else None
+        return self._state_from(snapshot)
+
+    def _state_from(self, snapshot: tuple[Any, ...] | None, *,
+                    counters: Stream[Any] | None = None, at_end: bool = False
+                    ) -> dict[str, Any]:
+        """The state for an iterator's ``_snapshot()`` (None: no epoch under way); the epoch
+        counters are those of ``counters`` (by default this stream). A finished iterator
+        means no epoch under way, or with ``at_end`` (a loader's epoch that has not ended
+        yet) its epoch at its end, which resumes with nothing left."""
+        owner = self if counters is None else counters
+        state: dict[str, Any] = {
+            "format": STATE_FORMAT, "version": STATE_VERSION, "stream": type(self).__name__,
+            "next_epoch": owner._next_epoch, "fixed_epoch": owner._fixed_epoch,
+            "epoch": None, "position": None, "worker": [0, 1],
+        }
+        if snapshot is not None:
+            epoch, token, pos, finished, at, slot = snapshot
+            state["worker"] = [slot[0], slot[1]]
+            if finished and at_end:
+                state["epoch"], state["position"] = epoch, _END
+            elif not finished:
+                state["epoch"] = epoch
+                state["position"] = at if token is _START else _state_of(self, token, pos)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next iteration continues the saved epoch
+        where its consumer was (or starts the next one, if none was under way).
+
+        Raises:
+            ValueError: a state of another format or version, of another kind of stream,
+                stage or shard list, or taken by another loader worker; it names the field.
+                Nothing is applied then.
+            TypeError: ``state`` is not a dict.
+        """
+        self._apply_state(self._parse_state(state, worker_slot()))
+
+    def _parse_state(self, state: Any, slot: tuple[int, int]) -> tuple[Any, ...]:
+        """The validated parts of a state meant for worker ``slot`` (id, num_workers)."""
+        where = type(self).__name__
+        if not isinstance(state, dict):
+            raise TypeError(f"load_state_dict needs a dict, but got {type(state).__name__}")
+        check_same(state, "format", STATE_FORMAT, where)
+        check_same(state, "version", STATE_VERSION, where)
+        check_same(state, "stream", type(self).__name__, where)
+        next_epoch = check_field(state, "next_epoch", int, where)
+        fixed = check_field(state, "fixed_epoch", (int, type(None)), where)
+        epoch = check_field(state, "epoch", (int, type(None)), where)
+        position = check_field(state, "position", (dict, type(None)), where)
+        worker = check_field(state, "worker", list, where)
+        if worker != list(slot):
+            raise _bad_state(where, "worker", f"is {worker!r} ([worker id, num_workers]), but "
+                             f"this is worker {list(slot)}: a stream's state resumes in the "
+                             "same worker of a loader with the same num_workers")
+        if position is not None:
+            if epoch is None:
+                raise _bad_state(where, "epoch", "is None, but a position is given")
+            if position != _END:
+                self._check(position, (epoch, slot[0], slot[1]))
+        return next_epoch, fixed, epoch, position
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The latest iterator is this process's (and a weak reference does not pickle).
+        state = self.__dict__.copy()
+        state.pop("_live", None)
+        return state
+
+    def _apply_state(self, parsed: tuple[Any, ...]) -> None:
+        self._next_epoch, self._fixed_epoch, self._resume_epoch, self._resume_at = parsed
 
     def __iter__(self) -> Iterator[T_co]:
         """One epoch for synchronous code: what ``async for`` over the stream yields.
@@ -365,6 +628,7 @@ class Stream(IterableDataset[T_co]):
 
         The loader calls it on its copy when its workers iterate the stream instead.
         """
+        resumed, self._resume_epoch, self._resume_at = self._resume_epoch, None, None
         served = served_epoch()
         if served is not None:  # in a loader worker
             info = get_worker_info()
@@ -373,6 +637,8 @@ class Stream(IterableDataset[T_co]):
             if self._fixed_epoch is None:
                 self._next_epoch = served + 1
                 return served
+        if resumed is not None:  # the epoch a state was saved in (already counted)
+            return resumed
         if self._fixed_epoch is not None:
             return self._fixed_epoch
         epoch = self._next_epoch
@@ -389,6 +655,12 @@ class Stream(IterableDataset[T_co]):
         emitted in random order. The stage never holds more than ``buffer_size`` items. The
         order depends only on the input order, the seed, the epoch and the worker, so it is
         reproducible.
+
+        Its saved state holds no item: a checkpoint (the input's position, the random state
+        and how full the buffer was, taken every ``max(256, buffer_size)`` input items)
+        older than every buffered item, and the outputs to discard. Resuming replays the input
+        from there, about ``buffer_size * (ln(buffer_size) + 1)`` items (measured: 940 for
+        100, 9 900 for 1 000, 100 000 for 10 000), and continues exactly.
 
         Args:
             buffer_size: items held at most (1 keeps the order).
@@ -463,29 +735,130 @@ class _Shuffled(Stream[T_co]):
     def _upstreams(self) -> Sequence[Stream[Any]]:
         return (self.upstream,)
 
-    async def _blocks(self, ctx: _Context) -> AsyncGenerator[list[T_co], None]:
+    # Resume. The buffer's items are not recorded: its output from any point is a function
+    # of the input from some earlier point (a checkpoint: the input's position, the random
+    # state, how full the buffer was) as long as every item buffered at that checkpoint has
+    # been emitted since. So a state names the latest such checkpoint and how many outputs
+    # to discard; resuming replays the input from there, buffered items standing in as
+    # placeholders, all of them emitted among the discarded outputs. ``ids`` holds a lower
+    # bound of the input number of each buffered item (exact but for slots picked twice in a
+    # block), so its minimum bounds the oldest item still buffered: checkpoints older than
+    # that are dropped. The replay reads back about ``buffer_size * ln(buffer_size)`` items,
+    # what it takes for the buffer to turn over.
+
+    def _blocks_at(
+        self, ctx: _Context, at: dict[str, Any] | None
+    ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
+        return self._shuffled(ctx, at)
+
+    async def _shuffled(
+        self, ctx: _Context, at: dict[str, Any] | None
+    ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
         rng = ctx.rng(self.seed)
         size = self.buffer_size
-        buffer: list[T_co] = []
-        async with Closing(self.upstream._blocks(ctx)) as blocks:
-            async for block in blocks:
+        buffer: list[Any] = []
+        ingested = 0  # input items taken so far (numbered from the epoch's start)
+        emitted = 0  # output items so far, in this run
+        discard = 0  # outputs the resumed consumer already had
+        dummies = 0  # placeholders still in the buffer
+        checkpoints: deque[tuple[int, tuple[Any, ...]]] = deque()
+        if at is not None:
+            rng.bit_generator.state = at["rng"]
+            dummies = at["fill"]
+            buffer = [_PLACEHOLDER] * dummies
+            ingested = at["ingested"]
+            discard = at["skip"]
+            checkpoints.append((ingested, (_Encoded(at["upstream"]), at["rng"], dummies, 0,
+                                           ingested)))
+        ids = np.full(size, ingested, dtype=np.int64)
+        every = max(_BLOCK, size)  # input items between checkpoints
+        oldest = ingested  # a lower bound of the oldest buffered item's number
+        upstream = self.upstream._blocks_at(ctx, None if at is None else at["upstream"])
+
+        def cut(out: list[Any]) -> tuple[list[Any], Any] | None:
+            nonlocal emitted, discard, dummies
+            token: Any = (checkpoints[0][1], emitted)
+            emitted += len(out)
+            if discard:
+                if len(out) <= discard:
+                    discard -= len(out)
+                    dummies -= _count_placeholders(out) if dummies else 0
+                    return None
+                dropped, out = out[:discard], out[discard:]
+                if dummies:
+                    dummies -= _count_placeholders(dropped)
+                token, discard = _Skip(token, discard), 0
+            if dummies and _count_placeholders(out):
+                raise ValueError("cannot resume this shuffle: its state does not fit its input "
+                                 "(a buffered item would be emitted twice)")
+            return out, token
+
+        async with Closing(upstream) as blocks:
+            async for block, up_token in blocks:
+                if not checkpoints or ingested - checkpoints[-1][0] >= every:
+                    if buffer:
+                        oldest = max(oldest, int(ids[: len(buffer)].min()))
+                    while len(checkpoints) > 1 and checkpoints[1][0] <= oldest:
+                        checkpoints.popleft()
+                    checkpoints.append((ingested, (up_token, rng.bit_generator.state,
+                                                   len(buffer), emitted, ingested)))
                 room = size - len(buffer)
                 if room > 0:
-                    buffer.extend(block[:room])
+                    taken = block[:room]
+                    ids[len(buffer) : len(buffer) + len(taken)] = np.arange(
+                        ingested, ingested + len(taken))
+                    buffer.extend(taken)
+                    ingested += len(taken)
                     self.max_buffered = max(self.max_buffered, len(buffer))
                     if len(block) <= room:
                         continue
                     block = block[room:]
-                picks = rng.integers(0, size, size=len(block)).tolist()
+                drawn = rng.integers(0, size, size=len(block))
+                ids[drawn] = np.arange(ingested, ingested + len(block))
+                ingested += len(block)
                 out: list[T_co] = []
                 append = out.append
-                for slot, item in zip(picks, block, strict=True):
+                for slot, item in zip(drawn.tolist(), block, strict=True):
                     append(buffer[slot])
                     buffer[slot] = item
-                yield out
+                pair = cut(out)
+                if pair is not None:
+                    yield pair
         if buffer:
             order = permutation(rng, len(buffer)).tolist()
-            yield [buffer[i] for i in order]
+            pair = cut([buffer[i] for i in order])
+            if pair is not None:
+                yield pair
+
+    def _state(self, token: Any, skip: int) -> dict[str, Any]:
+        (up_token, rng_state, fill, cp_emitted, cp_ingested), emitted = token
+        return {
+            "stage": "shuffle", "buffer_size": self.buffer_size, "seed": self.seed,
+            "upstream": _state_of(self.upstream, up_token, 0), "rng": rng_state,
+            "fill": fill, "ingested": cp_ingested, "skip": emitted - cp_emitted + skip,
+        }
+
+    def _check(self, at: dict[str, Any], slot: tuple[int, int, int]) -> None:
+        check_stage(at, "shuffle", "shuffle")
+        check_same(at, "buffer_size", self.buffer_size, "shuffle")
+        check_same(at, "seed", self.seed, "shuffle")
+        fill = check_field(at, "fill", int, "shuffle")
+        if fill > self.buffer_size:
+            raise _bad_state("shuffle", "fill", f"is {fill}, more than the buffer_size")
+        check_field(at, "ingested", int, "shuffle")
+        rng_state = check_field(at, "rng", dict, "shuffle")
+        try:
+            np.random.default_rng().bit_generator.state = rng_state
+        except (TypeError, ValueError, KeyError) as exc:
+            raise _bad_state("shuffle", "rng", f"is not a PCG64 state: {exc}") from None
+        _check_upstream(self.upstream, at, slot)
+
+
+_PLACEHOLDER: Any = object()  # a buffered item of a resumed shuffle, emitted before the resume
+
+
+def _count_placeholders(items: list[Any]) -> int:
+    return sum(1 for item in items if item is _PLACEHOLDER)
 
 
 # --------------------------------------------------------------------------- map
@@ -506,7 +879,7 @@ class _ConcurrentMap(Generic[T, U]):
 
     def __init__(
         self,
-        upstream: AsyncGenerator[list[T], None],
+        upstream: AsyncGenerator[tuple[list[T], Any], None],
         call: Callable[[T], Awaitable[U]],
         concurrency: int,
         ordered: bool,
@@ -520,6 +893,8 @@ class _ConcurrentMap(Generic[T, U]):
         self.pos = 0
         self.exhausted = False
         self.next_seq = 0
+        # (number of the first item, token) of each input block not yet all handed on.
+        self.spans: deque[tuple[int, Any]] = deque()
         self.scope = anyio.CancelScope()
         self.group: anyio.abc.TaskGroup | None = None
         self.workers = 0  # started and not returned
@@ -535,7 +910,7 @@ class _ConcurrentMap(Generic[T, U]):
             await self.results.reserve(seq)
             while self.pos >= len(self.block):
                 try:
-                    self.block = await self.upstream.__anext__()
+                    self.block, token = await self.upstream.__anext__()
                 except StopAsyncIteration:
                     self.exhausted = True
                     self.results.finish(seq)
@@ -547,6 +922,8 @@ class _ConcurrentMap(Generic[T, U]):
                     self.results.finish(seq + 1)
                     return None
                 self.pos = 0
+                if self.block:
+                    self.spans.append((seq, token))
             item = self.block[self.pos]
             self.pos += 1
             self.next_seq = seq + 1
@@ -613,12 +990,36 @@ class _Mapped(Stream[U]):
     def _upstreams(self) -> Sequence[Stream[Any]]:
         return (self.upstream,)
 
-    async def _blocks(self, ctx: _Context) -> AsyncGenerator[list[U], None]:
+    def _blocks_at(
+        self, ctx: _Context, at: dict[str, Any] | None
+    ) -> AsyncGenerator[tuple[list[U], Any], None]:
+        # Item k out is item k in: the upstream resumes where the consumer was, and items the
+        # consumer had are never mapped again.
+        upstream = self.upstream._blocks_at(ctx, None if at is None else at["upstream"])
+        return _discard(self._mapped(ctx, upstream), 0 if at is None else at["skip"])
+
+    def _state(self, token: Any, skip: int) -> dict[str, Any]:
+        if token is _UNORDERED:
+            raise ValueError(
+                "map(..., ordered=False) hands on results as they finish, in no reproducible "
+                "order: a stream with such a stage cannot save its position (use ordered=True)"
+            )
+        return {"stage": "map", "upstream": _state_of(self.upstream, token, skip), "skip": 0}
+
+    def _check(self, at: dict[str, Any], slot: tuple[int, int, int]) -> None:
+        check_stage(at, "map", "map")
+        if not self.ordered:
+            raise _bad_state("map", "stage", "names a map stage, but this one has "
+                                             "ordered=False, which cannot resume")
+        _check_upstream(self.upstream, at, slot)
+
+    async def _mapped(
+        self, ctx: _Context, upstream: AsyncGenerator[tuple[list[Any], Any], None]
+    ) -> AsyncGenerator[tuple[list[U], Any], None]:
         fn = self.fn
-        upstream = self.upstream._blocks(ctx)
         if self.concurrency == 1:
             async with Closing(upstream) as blocks:
-                async for block in blocks:
+                async for block, token in blocks:
                     # The results before a failing item are delivered before its error, as
                     # with concurrency: a block is not all or nothing.
                     done: list[U] = []
@@ -635,7 +1036,7 @@ class _Mapped(Stream[U]):
                     except Exception as exc:
                         error = exc
                     if done:
-                        yield done
+                        yield done, token
                     if error is not None:
                         raise error
             return
@@ -653,6 +1054,8 @@ class _Mapped(Stream[U]):
                                                          self.ordered)
         ctx.group.start_soon(mapping.run)
         results = mapping.results
+        spans = mapping.spans
+        emitted = 0  # results handed on: the input number of the next one, in order
         try:
             while True:
                 # A block of every result ready now: the first one waited for, then the rest.
@@ -660,17 +1063,25 @@ class _Mapped(Stream[U]):
                     ready: tuple[Any, BaseException | None] | None = await results.take()
                 except StopAsyncIteration:
                     return
+                if self.ordered:
+                    while len(spans) > 1 and spans[1][0] <= emitted:
+                        spans.popleft()
+                    first, token = spans[0]
+                    token = _Skip(token, emitted - first) if emitted > first else token
+                else:
+                    token = _UNORDERED
                 out: list[U] = []
                 while ready is not None:
                     value, failure = ready
                     if failure is not None:
                         if out:
-                            yield out
+                            yield out, token
                         raise failure
                     out.append(value)
                     ready = results.poll()
+                emitted += len(out)
                 self.max_running = max(self.max_running, mapping.max_running)
-                yield out
+                yield out, token
         finally:
             self.max_running = max(self.max_running, mapping.max_running)
             mapping.scope.cancel()
@@ -690,42 +1101,67 @@ class _Filtered(Stream[T_co]):
     def _upstreams(self) -> Sequence[Stream[Any]]:
         return (self.upstream,)
 
-    async def _blocks(self, ctx: _Context) -> AsyncGenerator[list[T_co], None]:
+    def _blocks_at(
+        self, ctx: _Context, at: dict[str, Any] | None
+    ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
+        upstream = self.upstream._blocks_at(ctx, None if at is None else at["upstream"])
+        return _discard(self._kept(upstream), 0 if at is None else at["skip"])
+
+    async def _kept(
+        self, upstream: AsyncGenerator[tuple[list[T_co], Any], None]
+    ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
         predicate = self.predicate
-        async with Closing(self.upstream._blocks(ctx)) as blocks:
-            async for block in blocks:
+        async with Closing(upstream) as blocks:
+            async for block, token in blocks:
                 if self.is_async:
                     kept = [item for item in block if await predicate(item)]
                 else:
                     kept = [item for item in block if predicate(item)]
                 if kept:
-                    yield kept
+                    yield kept, token
+
+    def _state(self, token: Any, skip: int) -> dict[str, Any]:
+        # The upstream at the start of the input block, and the kept items to discard.
+        return {"stage": "filter", "upstream": _state_of(self.upstream, token, 0), "skip": skip}
+
+    def _check(self, at: dict[str, Any], slot: tuple[int, int, int]) -> None:
+        check_stage(at, "filter", "filter")
+        _check_upstream(self.upstream, at, slot)
 
 
 # --------------------------------------------------------------------------- interleave
 
 
 class _Cursor(Generic[T]):
-    """One input of an interleave: its blocks and the position in the current one."""
+    """One input of an interleave: its blocks, the position in the current one, and that
+    block's token (where the input is, for a state)."""
 
-    __slots__ = ("block", "blocks", "pos")
+    __slots__ = ("block", "blocks", "pos", "token")
 
-    def __init__(self, blocks: AsyncGenerator[list[T], None]) -> None:
+    def __init__(self, blocks: AsyncGenerator[tuple[list[T], Any], None], token: Any) -> None:
         self.blocks = blocks
         self.block: list[T] = []
         self.pos = 0
+        self.token = token
 
     async def refill(self) -> bool:
         """Load the next non-empty block; False at the end of the input."""
         while True:
             try:
-                self.block = await self.blocks.__anext__()
+                self.block, self.token = await self.blocks.__anext__()
             except StopAsyncIteration:
                 self.block = []
                 return False
             self.pos = 0
             if self.block:
                 return True
+
+
+async def _no_blocks() -> AsyncGenerator[tuple[list[Any], Any], None]:
+    """The blocks of an input that had ended when a state was saved."""
+    none: tuple[tuple[list[Any], Any], ...] = ()
+    for pair in none:
+        yield pair
 
 
 class _Interleaved(Stream[Any]):
@@ -757,12 +1193,32 @@ class _Interleaved(Stream[Any]):
     def _upstreams(self) -> Sequence[Stream[Any]]:
         return self.streams
 
-    async def _blocks(self, ctx: _Context) -> AsyncGenerator[list[Any], None]:
-        cursors = [_Cursor(stream._blocks(ctx)) for stream in self.streams]
+    # A block is cut after a whole round (round-robin) or a whole draw (weighted): its token
+    # is where each input then was, which inputs were still running, and the random state.
+
+    def _blocks_at(
+        self, ctx: _Context, at: dict[str, Any] | None
+    ) -> AsyncGenerator[tuple[list[Any], Any], None]:
+        return _discard(self._mixed(ctx, at), 0 if at is None else at["skip"])
+
+    async def _mixed(
+        self, ctx: _Context, at: dict[str, Any] | None
+    ) -> AsyncGenerator[tuple[list[Any], Any], None]:
+        count = len(self.streams)
+        starts: list[dict[str, Any] | None] = [None] * count if at is None else at["inputs"]
+        running = [True] * count if at is None else list(at["running"])
+        # One cursor per input; those that had ended when the state was saved stay closed.
+        cursors = [
+            _Cursor(stream._blocks_at(ctx, start) if live else _no_blocks(), _Encoded(start))
+            for stream, start, live in zip(self.streams, starts, running, strict=True)
+        ]
+        rng = ctx.rng(self.seed)
+        if at is not None and at["rng"] is not None:
+            rng.bit_generator.state = at["rng"]
         if self.weights is None:
-            mixed = self._round_robin(cursors)
+            mixed = self._round_robin(cursors, running)
         else:
-            mixed = self._weighted(cursors, ctx.rng(self.seed), self.weights)
+            mixed = self._weighted(cursors, rng, running)
         try:
             async with Closing(mixed) as blocks:
                 async for block in blocks:
@@ -772,33 +1228,49 @@ class _Interleaved(Stream[Any]):
                 for cursor in cursors:
                     await cursor.blocks.aclose()
 
-    async def _round_robin(self, cursors: list[_Cursor[Any]]) -> AsyncGenerator[list[Any], None]:
-        active = list(cursors)
+    @staticmethod
+    def _mark(cursors: list[_Cursor[Any]], running: list[bool],
+              rng: np.random.Generator | None) -> tuple[Any, ...]:
+        """Where every input is now (the token of the next block cut)."""
+        marks = tuple((c.token, c.pos) if live else None
+                      for c, live in zip(cursors, running, strict=True))
+        return (marks, tuple(running), None if rng is None else rng.bit_generator.state)
+
+    async def _round_robin(
+        self, cursors: list[_Cursor[Any]], running: list[bool]
+    ) -> AsyncGenerator[tuple[list[Any], Any], None]:
+        active = [i for i, live in enumerate(running) if live]
+        token = self._mark(cursors, running, None)
         out: list[Any] = []
         while active:
-            still: list[_Cursor[Any]] = []
-            for cursor in active:
+            still: list[int] = []
+            for i in active:
+                cursor = cursors[i]
                 if cursor.pos >= len(cursor.block) and not await cursor.refill():
                     if self.stop_on_first:
                         if out:
-                            yield out
+                            yield out, token
                         return
+                    running[i] = False
                     continue
                 out.append(cursor.block[cursor.pos])
                 cursor.pos += 1
-                still.append(cursor)
+                still.append(i)
             active = still
             if len(out) >= _BLOCK:
-                yield out
+                yield out, token
                 out = []
+                token = self._mark(cursors, running, None)
         if out:
-            yield out
+            yield out, token
 
     async def _weighted(
-        self, cursors: list[_Cursor[Any]], rng: np.random.Generator, weights: list[float]
-    ) -> AsyncGenerator[list[Any], None]:
-        live = np.array([w > 0 for w in weights])
-        base = np.array(weights, dtype=np.float64)
+        self, cursors: list[_Cursor[Any]], rng: np.random.Generator, running: list[bool]
+    ) -> AsyncGenerator[tuple[list[Any], Any], None]:
+        assert self.weights is not None
+        live = np.array([w > 0 and flag for w, flag in zip(self.weights, running, strict=True)])
+        base = np.array(self.weights, dtype=np.float64)
+        token = self._mark(cursors, running, rng)
         out: list[Any] = []
         while live.any():
             p = np.where(live, base, 0.0)
@@ -808,17 +1280,47 @@ class _Interleaved(Stream[Any]):
                 if cursor.pos >= len(cursor.block) and not await cursor.refill():
                     if self.stop_on_first:
                         if out:
-                            yield out
+                            yield out, token
                         return
                     live[index] = False
+                    running[index] = False
                     break  # redraw without the finished input
                 out.append(cursor.block[cursor.pos])
                 cursor.pos += 1
             if len(out) >= _BLOCK:
-                yield out
+                yield out, token
                 out = []
+                token = self._mark(cursors, running, rng)
         if out:
-            yield out
+            yield out, token
+
+    def _state(self, token: Any, skip: int) -> dict[str, Any]:
+        marks, running, rng_state = token
+        inputs = [
+            None if mark is None else _state_of(stream, mark[0], mark[1])
+            for stream, mark in zip(self.streams, marks, strict=True)
+        ]
+        return {"stage": "interleave", "inputs": inputs, "running": list(running),
+                "rng": rng_state, "skip": skip}
+
+    def _check(self, at: dict[str, Any], slot: tuple[int, int, int]) -> None:
+        check_stage(at, "interleave", "interleave")
+        inputs = check_field(at, "inputs", list, "interleave")
+        running = check_field(at, "running", list, "interleave")
+        if len(inputs) != len(self.streams) or len(running) != len(self.streams):
+            raise _bad_state("interleave", "inputs", f"has {len(inputs)} inputs, but this "
+                             f"interleave has {len(self.streams)}")
+        if not all(isinstance(flag, bool) for flag in running):
+            raise _bad_state("interleave", "running", f"should be booleans, not {running!r}")
+        rng_state = check_field(at, "rng", (dict, type(None)), "interleave")
+        if (rng_state is None) != (self.weights is None):
+            raise _bad_state("interleave", "rng", "does not match the weights of this "
+                                                  "interleave")
+        for stream, start in zip(self.streams, inputs, strict=True):
+            if start is not None:
+                if not isinstance(start, dict):
+                    raise _bad_state("interleave", "inputs", f"holds {start!r}, not a state")
+                stream._check(start, slot)
 
 
 def interleave(

@@ -20,10 +20,13 @@ The protocol (every message a :class:`Request` or a :class:`Reply`):
   maps, for the worker to write its next batches into.
 * Worker to parent: once set up, ``Reply(SETUP_JOB, Status.READY, None)`` or
   ``Reply(SETUP_JOB, Status.FAILED, error)``; then one answer per request,
-  ``Reply(job, Status.OK, batch, stats)``, ``Reply(job, Status.ERROR, error, stats)`` or
+  ``Reply(job, Status.OK, batch, stats, meta)``, ``Reply(job, Status.ERROR, error, stats)`` or
   ``Reply(job, Status.END, None, stats)`` (replica exhausted), where ``error`` is a
-  :class:`RemoteError` and ``stats`` is what the worker's sources counted since its previous
-  answer (:class:`~aloader._sources.StatsReporter`), or None.
+  :class:`RemoteError`, ``stats`` is what the worker's sources counted since its previous
+  answer (:class:`~aloader._sources.StatsReporter`), or None, and ``meta`` where the
+  iterable replica was once the batch was drawn (:mod:`aloader._resume`), or None. The first
+  ``NEXT`` request of an epoch may carry, as its ``key``, the saved state its replica
+  resumes from.
 
 On the socket a message is a plain tuple with int codes (:meth:`Request.wire`,
 :meth:`Reply.wire`), rebuilt on receipt (:meth:`Request.of`, :meth:`Reply.of`): a NamedTuple
@@ -59,8 +62,8 @@ import anyio
 import numpy as np
 
 from . import _shm, _spawn, _workerinfo
-from ._dataset import iterate
 from ._pipeline import FetchPlan, IterableEpoch, MapEpoch, Results
+from ._resume import open_replica, parse
 from ._sources import StatsReporter
 from ._workerinfo import WorkerInfo, _set_worker_info, get_worker_info
 
@@ -130,15 +133,16 @@ class Reply(NamedTuple):
     status: Status
     value: Any  # the batch (OK), a RemoteError (ERROR, FAILED), or None
     stats: Any = None  # the worker's source statistics since its previous reply, or None
+    meta: Any = None  # iterable: where the replica was once the batch was drawn, or None
 
     def wire(self) -> tuple[Any, ...]:
         """The message as it crosses the socket: a plain tuple, the status as an int."""
-        return (self.job, int(self.status), self.value, self.stats)
+        return (self.job, int(self.status), self.value, self.stats, self.meta)
 
     @classmethod
     def of(cls, wire: tuple[Any, ...]) -> Reply:
         """The message :meth:`wire` made."""
-        return cls._make((wire[0], _STATUSES[wire[1]], wire[2], wire[3]))
+        return cls._make((wire[0], _STATUSES[wire[1]], wire[2], wire[3], wire[4]))
 
 
 # Errors ------------------------------------------------------------------------------------------
@@ -295,8 +299,8 @@ class _WorkerServer:
                                 recycle=2 * max(1, setup.prefetch) + 2)
         self.stats = StatsReporter(setup.plan.dataset)
 
-    def send(self, job: int, status: Status, value: Any) -> None:
-        reply = Reply(job, status, value, self.stats.report())
+    def send(self, job: int, status: Status, value: Any, meta: Any = None) -> None:
+        reply = Reply(job, status, value, self.stats.report(), meta)
         try:
             # By value only what plain pickling cannot take (a class the setup brought by
             # value): what is importable by name resolves to the loader's own object.
@@ -377,12 +381,14 @@ class _WorkerServer:
                         await epoch.done.wait()
                         epoch = None
                     try:
-                        source = iterate(dataset)
+                        # The first request of an epoch may carry a saved position.
+                        parsed = parse(dataset, request.key, (self.id, setup.num_workers))
+                        source, snapshot = open_replica(dataset, parsed)
                     except Exception as exc:  # __iter__ failed: this replica is done
                         self.fail(job, exc)
                         continue
                     epoch = IterableEpoch(setup.plan, Results(1, True), source,
-                                          serve.batch_size, serve.drop_last)
+                                          serve.batch_size, serve.drop_last, snapshot)
                     epoch.start()
                 if epoch is None:
                     self.send(job, Status.END, None)
@@ -395,7 +401,7 @@ class _WorkerServer:
                 if error is not None:
                     self.fail(job, error)
                 else:
-                    self.send(job, Status.OK, batch)
+                    self.send(job, Status.OK, batch, epoch.results.meta)
         finally:
             if epoch is not None:
                 epoch.stop()
