@@ -33,6 +33,7 @@ import numpy as np
 
 from ._random import GeneratorLike, as_generator, draw_seed
 from ._streams import Stream, _Context, as_stream
+from ._util import Closing
 
 __all__ = ("MixPosition", "StopRule", "mix")
 
@@ -67,6 +68,15 @@ class MixPosition:
     done: list[bool]
 
 
+async def _blocks_of(
+    pairs: AsyncGenerator[tuple[list[Any], Any], None],
+) -> AsyncGenerator[list[Any], None]:
+    """An input's blocks without their resume tokens (a mix is resumed by counting)."""
+    async with Closing(pairs) as blocks:
+        async for block, _token in blocks:
+            yield block
+
+
 class _Input:
     """One source of a mix: its current pass, its block and the position in it.
 
@@ -96,7 +106,7 @@ class _Input:
         ctx = self.ctx
         if self.passes:
             ctx = dataclasses.replace(ctx, epoch=ctx.epoch + self.passes)
-        self.blocks = self.stream._blocks(ctx)
+        self.blocks = _blocks_of(self.stream._blocks_at(ctx, None))
         self.block = []
         self.pos = 0
         self.taken = 0

@@ -26,7 +26,7 @@ from ._exceptions import RecordError, SourceError
 from ._formats import BadRecords
 from ._sharding import ShardsLike, assign_shards, is_url, worker_slot
 from ._sources import ShardedSource, _read_ahead
-from ._streams import _Context
+from ._streams import Stream, _Context
 from ._util import Closing, check_int
 
 __all__ = ("ParquetRows", "open_parquet_shard")
@@ -179,6 +179,12 @@ class ParquetRows(ShardedSource[Any]):
         self.batch_rows = check_int("batch_rows", batch_rows)
         self.as_batches = bool(as_batches)
         self._row_groups: list[int] | None = None  # per file, once every footer was read
+
+    # Resumed by counting, Stream's default (replay the epoch, drop what was delivered), not
+    # by the shard offsets of the byte-stream sources: a row group is read whole anyway.
+    _blocks_at = Stream._blocks_at
+    _state = Stream._state
+    _check = Stream._check
 
     def __repr__(self) -> str:
         return (f"ParquetRows({len(self.shards)} files, rank {self.rank} of {self.world_size}, "
