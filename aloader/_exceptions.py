@@ -7,6 +7,7 @@ derive from it, shown after the name), so code written against torch catches the
     +-- LoaderTimeoutError  (RuntimeError)   no batch within the loader's ``timeout``
     +-- LoaderClosedError   (RuntimeError)   the epoch's iterator was closed or has failed
     +-- WorkerError         (RuntimeError)   a worker process died or the workers stopped
+    +-- FailureBudgetExceeded                more samples failed than ``max_failures`` allows
     +-- SourceError                          a streaming source could not produce records
     |   +-- RecordError     (ValueError)     a malformed record
     |   +-- FetchError      (OSError)        reading a file or URL failed
@@ -33,6 +34,7 @@ __all__ = (
     "BatcherTimeoutError",
     "BucketNotFoundError",
     "EndpointUnreachableError",
+    "FailureBudgetExceeded",
     "FetchError",
     "LoaderClosedError",
     "LoaderTimeoutError",
@@ -71,6 +73,28 @@ class WorkerError(AloaderError, RuntimeError):
     The message is torch's ("DataLoader worker (pid N) is killed by signal: ..."), and like
     torch's it is a RuntimeError.
     """
+
+
+class FailureBudgetExceeded(AloaderError):
+    """More samples of an epoch failed than the loader's ``max_failures`` allows.
+
+    Its ``__cause__`` is the last sample's error (with its own type and notes).
+
+    Attributes:
+        count: the samples that failed in the epoch.
+        budget: the ``max_failures`` exceeded (a count, or a fraction of the samples).
+        errors: the last errors (at most 16), the cause last.
+        indices: the failed samples' indices, in the order they failed.
+    """
+
+    def __init__(self, message: str, *, count: int = 0, budget: float = 0,
+                 errors: list[BaseException] | None = None,
+                 indices: list[object] | None = None) -> None:
+        super().__init__(message)
+        self.count = count
+        self.budget = budget
+        self.errors = errors or []
+        self.indices = indices or []
 
 
 # --------------------------------------------------------------------------- sources

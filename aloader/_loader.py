@@ -11,6 +11,7 @@ epoch's :class:`AsyncDataLoaderIter` (``async for``) or :class:`DataLoaderIter` 
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 import threading
@@ -25,8 +26,9 @@ import numpy as np
 from ._collate import default_collate, default_convert
 from ._dataset import is_iterable_dataset
 from ._epochs import EpochKind, IterableEpochs, MapEpochs
-from ._exceptions import LoaderTimeoutError
+from ._exceptions import FailureBudgetExceeded, LoaderTimeoutError
 from ._facade import PrivateLoop, SyncIterator, forbid_running_loop, loop_of
+from ._failures import Failures, check_max_failures
 from ._pipeline import Epoch, FetchPlan, Results
 from ._pool import PoolEpoch, WorkerPool, default_context, prepare_context, resolve_context
 from ._random import as_generator, draw_seed
@@ -122,6 +124,13 @@ class DataLoader(Generic[T_co]):
         max_concurrency: fetch calls in flight. Async datasets default to 64; synchronous
             datasets default to one batch call at a time in a worker thread, and with a value
             fetch that many items at once in threads (for blocking I/O).
+        max_failures: the failure budget of each epoch: an int is a count of samples, a
+            float in (0, 1) a fraction of the epoch's samples. With a budget, a sample whose
+            fetch raises is left out of its batch (a batch left with no sample is skipped),
+            counted and logged to ``aloader.loader``; once the failures exceed the budget the
+            epoch fails with :class:`FailureBudgetExceeded`. 0 (the default) raises the first
+            error with its own type, as torch does. See :mod:`aloader._failures` for
+            ``__getitems__``, iterable datasets, streams and workers.
     """
 
     dataset: Any
@@ -157,6 +166,7 @@ class DataLoader(Generic[T_co]):
         pin_memory_device: str = ...,
         in_order: bool = ...,
         max_concurrency: int | None = ...,
+        max_failures: int | float = ...,
     ) -> None: ...
     @overload
     def __init__(
@@ -180,6 +190,7 @@ class DataLoader(Generic[T_co]):
         pin_memory_device: str = ...,
         in_order: bool = ...,
         max_concurrency: int | None = ...,
+        max_failures: int | float = ...,
     ) -> None: ...
     @overload
     def __init__(
@@ -203,6 +214,7 @@ class DataLoader(Generic[T_co]):
         pin_memory_device: str = ...,
         in_order: bool = ...,
         max_concurrency: int | None = ...,
+        max_failures: int | float = ...,
     ) -> None: ...
     def __init__(
         self,
@@ -225,6 +237,7 @@ class DataLoader(Generic[T_co]):
         pin_memory_device: str = "",
         in_order: bool = True,
         max_concurrency: int | None = None,
+        max_failures: int | float = 0,
     ) -> None:
         if num_workers < 0:
             raise ValueError(
@@ -263,6 +276,7 @@ class DataLoader(Generic[T_co]):
         self.worker_init_fn = worker_init_fn
         self.in_order = in_order
         self.max_concurrency = max_concurrency
+        self.max_failures = check_max_failures(max_failures)
 
         iterable = is_iterable_dataset(dataset)
         if iterable:
@@ -379,6 +393,18 @@ class DataLoader(Generic[T_co]):
     @property
     def _index_sampler(self) -> Any:
         return self.batch_sampler if self._auto_collation else self.sampler
+
+    def _epoch_samples(self) -> int | None:
+        """The samples of one epoch, the base of a fractional failure budget: the sampler's
+        length (map-style), the dataset's, or None when unknown."""
+        if isinstance(self.max_failures, int):
+            return None
+        for sized in (self.sampler, self.dataset):
+            try:
+                return len(sized)
+            except TypeError:
+                continue
+        return None
 
     def __len__(self) -> int:
         """Batches in one epoch, by torch's rules (computed at each call)."""
@@ -518,8 +544,11 @@ class DataLoader(Generic[T_co]):
             pool = self._pool = None
         if pool is not None and (pool.holder is None or pool.holder.stopping):
             return self._kind.pool_epoch(pool, epoch)
+        plan = self._plan(None)
+        if self.max_failures:  # a worker reports its failures; the budget is counted here
+            plan.failures = Failures(math.inf)
         setup = WorkerSetup(
-            plan=self._plan(None),
+            plan=plan,
             serve=self._kind.serve,
             base_seed=base_seed,
             num_workers=self.num_workers,
@@ -587,6 +616,8 @@ class AsyncDataLoaderIter(Generic[T_co]):
         rng_state: the state of the loader's generator when this epoch started.
         base_seed: this epoch's ``base_seed`` (the workers' seeds are ``base_seed + id``).
         num_yielded: batches delivered so far.
+        failures: the epoch's failure budget and record (:class:`aloader._failures.Failures`:
+            ``count``, ``indices`` of the failed samples), or None without ``max_failures``.
     """
 
     def __init__(self, loader: DataLoader[T_co]) -> None:
@@ -596,6 +627,8 @@ class AsyncDataLoaderIter(Generic[T_co]):
         self.rng_state: Mapping[str, Any] = loader._rng.bit_generator.state
         self.base_seed: int = loader._base_seed()
         self.num_yielded: int = 0
+        # The epoch's failure budget and record (None without max_failures).
+        self.failures: Failures | None = None
         self._timeout = loader.timeout
         self._len_called = loader._kind.reported_length()
         self._epoch: Epoch | None = None
@@ -614,7 +647,13 @@ class AsyncDataLoaderIter(Generic[T_co]):
             remote = loader._remote(self.base_seed, loader._claim_epoch())
             epoch = kind.on_workers(loader._plan(transform, remote), results, remote)
         else:
+            remote = None
             epoch = kind.local(loader._plan(transform), results)
+        if loader.max_failures:
+            self.failures = epoch.plan.failures = Failures(loader.max_failures,
+                                                           loader._epoch_samples())
+            if remote is not None:
+                remote.failures = self.failures
         epoch.start()
         loader._epochs = {e for e in loader._epochs if not e.done.is_set()}
         loader._epochs.add(epoch)
@@ -649,6 +688,8 @@ class AsyncDataLoaderIter(Generic[T_co]):
             self._shutdown()
             raise
         if error is not None:
+            if isinstance(error, FailureBudgetExceeded):
+                self._shutdown()  # the budget is spent: the epoch ends here
             if isinstance(error, (StopIteration, StopAsyncIteration)):
                 # Raised as is, it would end the epoch silently and lose the rest.
                 raise RuntimeError(

@@ -49,7 +49,8 @@ import numpy as np
 
 from ._backend import Detached, threadsafe_caller
 from ._dataset import aiter_of, fetch_mode
-from ._exceptions import LoaderClosedError
+from ._exceptions import FailureBudgetExceeded, LoaderClosedError
+from ._failures import Failures, resumable
 from ._util import Signal, close_iterator, is_async_callable, resolve
 
 __all__ = (
@@ -82,6 +83,9 @@ Granularity = Literal["job", "item"]
 # it keeps its place in the order and is passed over by the consumer.
 SKIP: Any = object()
 
+# A sample whose fetch failed within the failure budget (see aloader._failures): left out.
+_FAILED: Any = object()
+
 
 _CLOSED = LoaderClosedError()  # never raised itself: a fresh one is, without a traceback
 
@@ -97,9 +101,10 @@ class Results:
     :mod:`aloader._streams`), where a job is one item and a batch is its mapped value.
     """
 
-    def __init__(self, capacity: int, in_order: bool) -> None:
+    def __init__(self, capacity: int, in_order: bool, skips: bool = False) -> None:
         self._capacity = max(1, capacity)
         self._in_order = in_order
+        self._skips = skips  # hand over SKIP too (a worker answers every job)
         self._ready: dict[int, tuple[Any, BaseException | None]] = {}
         self._fifo: deque[tuple[Any, BaseException | None]] = deque()
         self.taken = 0
@@ -152,7 +157,7 @@ class Results:
                 return None
             self.taken += 1
             self._changed.notify()
-            if item[0] is not SKIP:
+            if item[0] is not SKIP or self._skips:
                 return item
 
     async def take(self) -> tuple[Any, BaseException | None]:
@@ -232,7 +237,8 @@ class _Job:
 
 
 def _note(error: BaseException, text: str) -> BaseException:
-    error.add_note(text)
+    if not isinstance(error, FailureBudgetExceeded):  # one object for every job after it
+        error.add_note(text)
     return error
 
 
@@ -283,8 +289,10 @@ class _FetchThreads:
     A thread starts only when there are more unfinished items than threads, up to ``count``.
     """
 
-    def __init__(self, dataset: Any, count: int, abandon: _Abandon) -> None:
+    def __init__(self, dataset: Any, count: int, abandon: _Abandon,
+                 absorb: Callable[[Any, BaseException], BaseException | None]) -> None:
         self._dataset = dataset
+        self._absorb = absorb
         self._count = count
         self._abandon = abandon
         self._work: queue.SimpleQueue[tuple[_Job, int, Any] | None] = queue.SimpleQueue()
@@ -314,8 +322,10 @@ class _FetchThreads:
                 try:
                     job.samples[position] = self._dataset[index]
                 except Exception as exc:
-                    error = _note(exc, f"raised while fetching index {index!r} "
-                                       f"of batch {job.seq}")
+                    error = self._absorb(index, _note(exc, f"raised while fetching index "
+                                                           f"{index!r} of batch {job.seq}"))
+                    if error is None:
+                        job.samples[position] = _FAILED
                 except BaseException as exc:  # ends the epoch: see Epoch._worker
                     error = exc
             with self._lock:
@@ -385,6 +395,8 @@ class FetchPlan:
         array_indices: the dataset takes numpy index arrays as well as lists.
         transform: applied to every finished batch (pin_memory), or None.
         remote: the worker processes of a "process" plan.
+        failures: the epoch's failure budget (see :mod:`aloader._failures`), or None (the
+            first error is the batch's error).
     """
 
     dataset: Any
@@ -397,6 +409,7 @@ class FetchPlan:
     array_indices: bool = False
     transform: Callable[[Any], Any] | None = None
     remote: Remote | None = None
+    failures: Failures | None = None
 
     @classmethod
     def for_dataset(
@@ -533,8 +546,47 @@ class FetchPlan:
             return [key]
         return key.tolist() if isinstance(key, np.ndarray) else list(key)
 
+    def absorb(self, index: Any, error: BaseException) -> BaseException | None:
+        """None when the failure budget absorbs the failure of sample ``index`` (the sample
+        is left out), else the error the job fails with (``error``, or the budget's)."""
+        failures = self.failures
+        if failures is None or not isinstance(error, Exception) or isinstance(
+            error, FailureBudgetExceeded
+        ):
+            return error
+        try:
+            failures.record(index, error)
+        except FailureBudgetExceeded as exc:
+            return exc
+        return None
+
     # Synchronous halves, run inline on the loop or in a worker thread.
     def fetch_sync(self, key: Any) -> Any:
+        """The samples of ``key``; with a failure budget, those that did not fail (a failing
+        batch call retried item by item), or :data:`SKIP` when none is left."""
+        if self.failures is None:
+            return self._fetch_sync(key)
+        try:
+            return self._fetch_sync(key)
+        except Exception as exc:
+            if not self.auto_batch:
+                return self._absorbed(key, exc)
+        samples = []
+        for index in self.items_of(key):
+            try:
+                samples.append(self._fetch_sync([index])[0])
+            except Exception as exc:
+                self._absorbed(index, exc)
+        return samples if samples else SKIP
+
+    def _absorbed(self, index: Any, error: Exception) -> Any:
+        """:data:`SKIP` when the budget absorbs ``error``; else raise the job's error."""
+        final = self.absorb(index, _note(error, f"raised while fetching index {index!r}"))
+        if final is not None:
+            raise final
+        return SKIP
+
+    def _fetch_sync(self, key: Any) -> Any:
         if not self.auto_batch:
             return self.dataset[key]
         if self._getitems is not None:
@@ -542,6 +594,8 @@ class FetchPlan:
         return [self.dataset[i] for i in self.indices(key)]
 
     def collate_sync(self, samples: Any) -> Any:
+        if samples is SKIP:  # every sample failed within the budget
+            return SKIP
         batch = self.collate_fn(samples)
         return batch if self.transform is None else self.transform(batch)
 
@@ -549,7 +603,10 @@ class FetchPlan:
         return self.collate_sync(self.fetch_sync(key))
 
     def pull_sync(self, source: Iterator[Any], size: int | None, drop_last: bool) -> Any:
-        samples, ended = _pull_sync(source, size)
+        if self.failures is None:
+            samples, ended = _pull_sync(source, size)
+        else:
+            samples, ended = _pull_sync_tolerant(source, size, self)
         if samples is _NOTHING or (size is not None and drop_last and len(samples) < size):
             return _NOTHING, True
         return self.collate_sync(samples), ended
@@ -569,10 +626,26 @@ class FetchPlan:
         """The samples of job ``seq``, fetched in one call (a collated batch from a remote)."""
         if self.remote is not None:
             return await self.remote.fetch(key, seq)
+        if self.failures is None:
+            return await self._fetch(key, limiter)
+        try:
+            return await self._fetch(key, limiter)
+        except Exception as exc:
+            if not self.auto_batch:
+                return self._absorbed(key, exc)
+        samples = []
+        for index in self.items_of(key):
+            try:
+                samples.append((await self._fetch([index], limiter))[0])
+            except Exception as exc:
+                self._absorbed(index, exc)
+        return samples if samples else SKIP
+
+    async def _fetch(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
         if self.mode == "thread":
-            samples = await self.in_thread(self.fetch_sync, key, limiter=limiter)
+            samples = await self.in_thread(self._fetch_sync, key, limiter=limiter)
         else:
-            samples = self.fetch_sync(key)
+            samples = self._fetch_sync(key)
         samples = await resolve(samples)
         if self.auto_batch and isinstance(samples, list):
             for position, sample in enumerate(samples):
@@ -595,10 +668,10 @@ class FetchPlan:
     async def collate(self, samples: Any, limiter: anyio.CapacityLimiter) -> Any:
         if self.collate_in_thread:
             return await self.in_thread(self.collate_sync, samples, limiter=limiter)
+        if samples is SKIP:  # every sample failed within the budget, or none came
+            return SKIP
         if self.remote is not None:  # collated by the worker
             batch = samples
-            if batch is SKIP:
-                return batch
         else:
             batch = await resolve(self.collate_fn(samples))
         return batch if self.transform is None else self.transform(batch)
@@ -722,20 +795,23 @@ class MapEpoch(Epoch):
         """The next batch (value, error); StopAsyncIteration at the end of the epoch."""
         if not self.inline:
             return await self.results.take()
-        try:
-            key = await self._inline_keys.__anext__()
-        except StopAsyncIteration:
-            raise
-        except Exception as exc:
-            return None, _note(exc, "raised by the sampler")
-        seq = self.results.taken
-        try:
-            batch = await self.plan.collate(self.plan.fetch_sync(key), _NO_LIMITER)
-        except Exception as exc:
-            return None, _note(exc, f"raised while loading batch {seq} (indices "
-                                    f"{_describe(key)})")
-        finally:
-            self.results.taken += 1
+        while True:
+            try:
+                key = await self._inline_keys.__anext__()
+            except StopAsyncIteration:
+                raise
+            except Exception as exc:
+                return None, _note(exc, "raised by the sampler")
+            seq = self.results.taken
+            try:
+                batch = await self.plan.collate(self.plan.fetch_sync(key), _NO_LIMITER)
+            except Exception as exc:
+                return None, _note(exc, f"raised while loading batch {seq} (indices "
+                                        f"{_describe(key)})")
+            finally:
+                self.results.taken += 1
+            if batch is not SKIP:
+                break
         # Keep the loop responsive even if the consumer never awaits anything else.
         now = time.monotonic()
         if now - self._last_yield > _YIELD_EVERY:
@@ -749,7 +825,7 @@ class MapEpoch(Epoch):
         limiter = anyio.CapacityLimiter(plan.concurrency)
         threads = None
         if plan.granularity == "item" and plan.mode == "thread":
-            threads = _FetchThreads(plan.dataset, plan.concurrency, plan.abandon)
+            threads = _FetchThreads(plan.dataset, plan.concurrency, plan.abandon, plan.absorb)
         workers = plan.concurrency if plan.granularity == "item" and threads is None else (
             plan.window
         )
@@ -824,8 +900,12 @@ class MapEpoch(Epoch):
                 try:
                     job.samples[position] = await self.plan.fetch_item(index, limiter)
                 except Exception as exc:
-                    job.error = _note(exc, f"raised while fetching index {index!r} "
-                                           f"of batch {job.seq}")
+                    error = self.plan.absorb(index, _note(exc, f"raised while fetching index "
+                                                               f"{index!r} of batch {job.seq}"))
+                    if error is None:
+                        job.samples[position] = _FAILED
+                    else:
+                        job.error = error
             job.remaining -= 1
             if job.remaining == 0:
                 await self._complete(job, limiter)
@@ -858,11 +938,14 @@ class MapEpoch(Epoch):
     async def _complete(self, job: _Job, limiter: anyio.CapacityLimiter) -> None:
         """Collate a job whose items are all in (or publish its first error)."""
         await self.results.reserve(job.seq)
+        samples: Any = job.samples
+        if self.plan.failures is not None and job.error is None and _FAILED in samples:
+            samples = [sample for sample in samples if sample is not _FAILED] or SKIP
         if job.error is not None:
             self.results.publish(job.seq, None, job.error)
         else:
             try:
-                batch = await self.plan.collate(job.samples, limiter)
+                batch = await self.plan.collate(samples, limiter)
             except Exception as exc:
                 self.results.publish(job.seq, None, _note(exc, f"raised while collating batch "
                                                                 f"{job.seq}"))
@@ -890,6 +973,8 @@ class IterableEpoch(Epoch):
         self._drop_last = drop_last
 
     async def _run(self) -> None:
+        if self.plan.failures is not None:
+            self.plan.failures.watch_sources(self.plan.dataset)
         try:
             await self._guard(self._pull_batches)
         finally:
@@ -909,7 +994,10 @@ class IterableEpoch(Epoch):
             await self.results.reserve(seq)
             try:
                 if isinstance(source, AsyncIterator):
-                    samples, ended = await _pull(source, size)
+                    if plan.failures is None:
+                        samples, ended = await _pull(source, size)
+                    else:
+                        samples, ended = await _pull_tolerant(source, size, plan)
                     if samples is _NOTHING or (size is not None and self._drop_last
                                                and len(samples) < size):
                         break
@@ -956,6 +1044,58 @@ def _pull_sync(source: Any, size: int | None) -> tuple[Any, bool]:
         if len(samples) == size:
             return samples, False
     return (samples if samples else _NOTHING), True
+
+
+def _pull_sync_tolerant(source: Iterator[Any], size: int | None, plan: FetchPlan
+                        ) -> tuple[Any, bool]:
+    """:func:`_pull_sync` with a failure budget: a sample whose ``__next__`` raises is
+    counted (its index: its number in the epoch) and pulling goes on, unless the iterator
+    cannot go on after raising (a generator), whose error is raised as is."""
+    failures = plan.failures
+    assert failures is not None
+    want = 1 if size is None else size
+    samples: list[Any] = []
+    while len(samples) < want:
+        number = failures.seen
+        failures.attempted(1)
+        try:
+            samples.append(next(source))
+        except StopIteration:
+            failures.seen -= 1
+            return (samples if samples else _NOTHING), True
+        except Exception as exc:
+            if not resumable(source):
+                raise
+            plan._absorbed(number, exc)
+    return (samples[0] if size is None else samples), False
+
+
+async def _pull_tolerant(source: AsyncIterator[Any], size: int | None, plan: FetchPlan
+                         ) -> tuple[Any, bool]:
+    """:func:`_pull` with a failure budget (see :func:`_pull_sync_tolerant`)."""
+    failures = plan.failures
+    assert failures is not None
+    if not resumable(source):  # a stream: its errors end it, its sources' skips count
+        samples, ended = await _pull(source, size)
+        if samples is not _NOTHING:
+            failures.attempted(1 if size is None else len(samples))
+        failures.check_skipped()
+        return samples, ended
+    want = 1 if size is None else size
+    out: list[Any] = []
+    while len(out) < want:
+        number = failures.seen
+        failures.attempted(1)
+        try:
+            out.append(await source.__anext__())
+        except StopAsyncIteration:
+            failures.seen -= 1
+            return (out if out else _NOTHING), True
+        except Exception as exc:
+            if not resumable(source):
+                raise
+            plan._absorbed(number, exc)
+    return (out[0] if size is None else out), False
 
 
 async def _pull(source: AsyncIterator[Any], size: int | None) -> tuple[Any, bool]:

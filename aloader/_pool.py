@@ -61,6 +61,7 @@ import anyio.from_thread
 
 from . import _shm, _spawn
 from ._exceptions import WorkerError
+from ._failures import Failures
 from ._pipeline import SKIP
 from ._sources import merge_stats, source_stats
 from ._util import Signal
@@ -437,6 +438,7 @@ class PoolEpoch:
         self._exhausted: set[int] = set()  # workers whose replica has ended
         self._sent = [0] * pool.num_workers  # each worker's next ticket to send
         self._stats: list[Any] | None = None  # the loader's sources, found at the first report
+        self.failures: Failures | None = None  # the epoch's failure budget, set by the loader
 
     # The FetchPlan's remote protocol ---------------------------------------------------------
     async def serve(self) -> None:
@@ -489,6 +491,10 @@ class PoolEpoch:
         self._sent[worker_id] += 1
         self._changed.notify()  # the worker's next ticket may go once this one is sent
         reply = await self._call(workers[worker_id], kind, payload)
+        if reply.extra is not None:
+            self._absorb(reply.extra)
+            if reply.extra[3]:  # every sample failed within the failure budget
+                return SKIP
         if reply.status == Status.END:
             self._exhausted.add(worker_id)
             self._changed.notify()  # its later requests need not wait for their turn
@@ -496,6 +502,14 @@ class PoolEpoch:
         if reply.status == Status.ERROR:
             raise reply.value.rebuild()
         return reply.value
+
+    def _absorb(self, extra: Any) -> None:
+        """Record what a worker counted besides its sources: failed samples, timings."""
+        failed, attempted, _timings, _empty = extra
+        if self.failures is not None:
+            self.failures.attempted(attempted)
+            for index, error in failed:
+                self.failures.record(index, error.rebuild())
 
     def stop(self) -> None:
         """The epoch is stopping (any thread): a next epoch may wait for this one to let go."""

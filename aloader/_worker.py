@@ -22,8 +22,14 @@ The protocol (every message a :class:`Request` or a :class:`Reply`):
   ``Reply(SETUP_JOB, Status.FAILED, error)``; then one answer per request,
   ``Reply(job, Status.OK, batch, stats)``, ``Reply(job, Status.ERROR, error, stats)`` or
   ``Reply(job, Status.END, None, stats)`` (replica exhausted), where ``error`` is a
-  :class:`RemoteError` and ``stats`` is what the worker's sources counted since its previous
-  answer (:class:`~aloader._sources.StatsReporter`), or None.
+  :class:`RemoteError`, ``stats`` is what the worker's sources counted since its previous
+  answer (:class:`~aloader._sources.StatsReporter`), or None, and a fifth field ``extra``
+  carries what else the worker counted since then: ``(failures, attempted, timings,
+  empty)``: the samples that failed within the failure budget as ``[(index, RemoteError),
+  ...]`` and the samples of an iterable replica attempted (see :mod:`aloader._failures`),
+  the worker's stage timings (see :mod:`aloader._stats`) or None, and whether an OK answer
+  has no batch because every sample of it failed within the budget; ``extra`` is None when
+  there is nothing to report.
 
 On the socket a message is a plain tuple with int codes (:meth:`Request.wire`,
 :meth:`Reply.wire`), rebuilt on receipt (:meth:`Request.of`, :meth:`Reply.of`): a NamedTuple
@@ -60,7 +66,7 @@ import numpy as np
 
 from . import _shm, _spawn, _workerinfo
 from ._dataset import iterate
-from ._pipeline import FetchPlan, IterableEpoch, MapEpoch, Results
+from ._pipeline import SKIP, FetchPlan, IterableEpoch, MapEpoch, Results
 from ._sources import StatsReporter
 from ._workerinfo import WorkerInfo, _set_worker_info, get_worker_info
 
@@ -130,15 +136,16 @@ class Reply(NamedTuple):
     status: Status
     value: Any  # the batch (OK), a RemoteError (ERROR, FAILED), or None
     stats: Any = None  # the worker's source statistics since its previous reply, or None
+    extra: Any = None  # (failures, timings) since its previous reply, or None
 
     def wire(self) -> tuple[Any, ...]:
         """The message as it crosses the socket: a plain tuple, the status as an int."""
-        return (self.job, int(self.status), self.value, self.stats)
+        return (self.job, int(self.status), self.value, self.stats, self.extra)
 
     @classmethod
     def of(cls, wire: tuple[Any, ...]) -> Reply:
         """The message :meth:`wire` made."""
-        return cls._make((wire[0], _STATUSES[wire[1]], wire[2], wire[3]))
+        return cls._make((wire[0], _STATUSES[wire[1]], wire[2], wire[3], wire[4]))
 
 
 # Errors ------------------------------------------------------------------------------------------
@@ -294,9 +301,21 @@ class _WorkerServer:
         self.codec = _shm.Codec(setup.owner, os.getpid(), tensors=True,
                                 recycle=2 * max(1, setup.prefetch) + 2)
         self.stats = StatsReporter(setup.plan.dataset)
+        self.failures = setup.plan.failures
+
+    def _extra(self, empty: bool) -> Any:
+        report = None if self.failures is None else self.failures.take_unreported()
+        if report is None and not empty:
+            return None
+        failed, seen = report or ([], 0)
+        return ([(index, RemoteError.capture(_strip_pipeline_notes(error), self.where))
+                 for index, error in failed], seen, None, empty)
 
     def send(self, job: int, status: Status, value: Any) -> None:
-        reply = Reply(job, status, value, self.stats.report())
+        empty = value is SKIP  # every sample failed within the budget: no batch
+        if empty:
+            value = None
+        reply = Reply(job, status, value, self.stats.report(), self._extra(empty))
         try:
             # By value only what plain pickling cannot take (a class the setup brought by
             # value): what is importable by name resolves to the loader's own object.
@@ -344,7 +363,8 @@ class _WorkerServer:
                 jobs.append(request.job)
                 yield request.key
 
-        epoch = MapEpoch(self.setup.plan, Results(self.setup.prefetch, True), keys())
+        epoch = MapEpoch(self.setup.plan, Results(self.setup.prefetch, True, skips=True),
+                         keys())
         epoch.start()
         try:
             while True:
