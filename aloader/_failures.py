@@ -116,13 +116,18 @@ class Failures:
 
     @property
     def limit(self) -> float:
-        """The failures allowed: the count, or the fraction of the samples (rounded down)."""
+        """The failures allowed now: the count, or the fraction of the samples (rounded down;
+        of the samples attempted so far once they number ``1 / fraction``, else no limit)."""
+        return self._limit(final=False)
+
+    def _limit(self, final: bool) -> float:
         budget = self.budget
         if isinstance(budget, int) or math.isinf(budget):
             return budget
-        if self.samples is not None:
-            return math.floor(budget * self.samples)
-        return max(math.floor(budget * self.seen), 0) if self.seen >= 1 / budget else math.inf
+        base = self.samples if self.samples is not None else self.seen
+        if self.samples is None and not final and self.seen < 1 / budget:
+            return math.inf
+        return math.floor(budget * base)
 
     def attempted(self, count: int) -> None:
         """``count`` more samples were attempted (for a fraction without a known length)."""
@@ -155,9 +160,9 @@ class Failures:
     def _exceed(self, error: BaseException) -> FailureBudgetExceeded:
         budget = self.budget
         if isinstance(budget, float) and not math.isinf(budget):
-            base = ("the samples attempted so far" if self.samples is None
+            base = (f"the {self.seen} samples attempted" if self.samples is None
                     else f"{self.samples} samples")
-            allowed = f"max_failures={budget!r}: {self.limit:g} of {base}"
+            allowed = f"max_failures={budget!r}: {self._limit(final=True):g} of {base}"
         else:
             allowed = f"max_failures={budget}"
         exc = FailureBudgetExceeded(
@@ -168,6 +173,19 @@ class Failures:
         )
         exc.__cause__ = error
         return exc
+
+    def finish(self) -> None:
+        """The epoch has ended: a fraction of samples only known now may be exceeded.
+
+        Raises:
+            FailureBudgetExceeded: the failures exceed the budget.
+        """
+        with self._lock:
+            exceeded = self._exceeded is None and self.count > self._limit(final=True)
+        if exceeded and self.errors:
+            self._exceeded = self._exceed(self.errors[-1])
+            loader_log.error("%s", self._exceeded)
+            raise self._exceeded
 
     def watch_sources(self, dataset: object) -> None:
         """From now on, count the records that ``dataset``'s sources skip (``skip_errors``)."""

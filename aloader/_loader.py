@@ -682,6 +682,8 @@ class AsyncDataLoaderIter(Generic[T_co]):
             # Hand back control only once the pipeline's tasks have all returned.
             self._closed = True
             await epoch.done.wait()
+            if self.failures is not None:
+                self.failures.finish()  # a fraction of samples counted as they came
             raise
         except anyio.get_cancelled_exc_class():
             # The consumer is gone: stop fetching for it.
