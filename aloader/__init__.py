@@ -51,6 +51,7 @@ from ._sampler import (
     WeightedRandomSampler,
 )
 from ._sources import BinaryRecords, JsonLines, NpyRows, ShardedSource, SourceOptions, TextLines
+from ._stats import LoaderStats, StageStats
 from ._streams import Stream, as_stream, interleave
 from ._tar import TarShards
 from ._workerinfo import WorkerInfo, get_worker_info
@@ -62,6 +63,8 @@ __all__ = (
     "AsyncDataLoaderIter",
     "DataLoader",
     "DataLoaderIter",
+    "LoaderStats",
+    "StageStats",
     "WorkerInfo",
     "get_worker_info",
     # datasets

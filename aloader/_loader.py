@@ -15,6 +15,7 @@ import math
 import operator
 import os
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
@@ -29,14 +30,18 @@ from ._epochs import EpochKind, IterableEpochs, MapEpochs
 from ._exceptions import FailureBudgetExceeded, LoaderTimeoutError
 from ._facade import PrivateLoop, SyncIterator, forbid_running_loop, loop_of
 from ._failures import Failures, check_max_failures
+from ._log import SLOW_FIRST_BATCH, loader_log, worker_log
 from ._pipeline import Epoch, FetchPlan, Results
 from ._pool import PoolEpoch, WorkerPool, default_context, prepare_context, resolve_context
 from ._random import as_generator, draw_seed
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler
+from ._stats import Collector, LoaderStats
 from ._streams import Stream
 from ._worker import WorkerSetup
 
 __all__ = ("AsyncDataLoaderIter", "DataLoader", "DataLoaderIter")
+
+_now = time.perf_counter_ns
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -353,6 +358,8 @@ class DataLoader(Generic[T_co]):
         self._epochs: set[Epoch] = set()  # started and maybe not yet wound down
         self._pool: WorkerPool | None = None
         self._epochs_started = 0  # numbers the epochs of datasets other than streams
+        self._stats: Collector | None = None  # the statistics of the latest epoch
+        self._stats_epochs = 0
         if num_workers > 0:
             prepare_context(self._context(), warm=True)
         self.__initialized = True
@@ -405,6 +412,18 @@ class DataLoader(Generic[T_co]):
             except TypeError:
                 continue
         return None
+
+    def stats(self) -> LoaderStats:
+        """A snapshot of the statistics of the current or last epoch, with its verdict.
+
+        Per stage (sampling, fetch, collate, transfer from workers, the consumer's wait and its
+        own time): count, busy time, latency percentiles; fetches in flight and batches ready
+        against their limits; items, batches, failures, items/s; and ``bottleneck``, the
+        limiting stage in one sentence with the change that would help. See
+        :mod:`aloader._stats`. Before the first epoch, a snapshot with nothing counted.
+        """
+        collector = self._stats if self._stats is not None else Collector()
+        return collector.snapshot()
 
     def __len__(self) -> int:
         """Batches in one epoch, by torch's rules (computed at each call)."""
@@ -540,6 +559,8 @@ class DataLoader(Generic[T_co]):
         """This epoch's use of the worker processes: the persistent pool when it is free."""
         pool = self._pool
         if pool is not None and (pool.closed or pool.broken):
+            if pool.broken:
+                worker_log.warning("restarting the persistent workers after an earlier error")
             pool.shutdown()
             pool = self._pool = None
         if pool is not None and (pool.holder is None or pool.holder.stopping):
@@ -629,6 +650,8 @@ class AsyncDataLoaderIter(Generic[T_co]):
         self.num_yielded: int = 0
         # The epoch's failure budget and record (None without max_failures).
         self.failures: Failures | None = None
+        self.stats: Collector | None = None  # the epoch's statistics, from its start
+        self._returned = 0  # when the last batch was handed to the consumer (ns)
         self._timeout = loader.timeout
         self._len_called = loader._kind.reported_length()
         self._epoch: Epoch | None = None
@@ -649,11 +672,21 @@ class AsyncDataLoaderIter(Generic[T_co]):
         else:
             remote = None
             epoch = kind.local(loader._plan(transform), results)
+        plan = epoch.plan
         if loader.max_failures:
-            self.failures = epoch.plan.failures = Failures(loader.max_failures,
-                                                           loader._epoch_samples())
+            self.failures = plan.failures = Failures(loader.max_failures,
+                                                     loader._epoch_samples())
             if remote is not None:
                 remote.failures = self.failures
+        stats = self.stats = plan.stats = Collector(
+            plan.mode, plan.concurrency if plan.granularity == "item" else plan.window,
+            max(1, loader.prefetch_factor), loader._stats_epochs, loader.num_workers,
+        )
+        stats.failures, stats.dataset = self.failures, loader.dataset
+        loader._stats_epochs += 1
+        loader._stats = stats
+        if remote is not None:
+            remote.stats = stats
         epoch.start()
         loader._epochs = {e for e in loader._epochs if not e.done.is_set()}
         loader._epochs.add(epoch)
@@ -665,6 +698,11 @@ class AsyncDataLoaderIter(Generic[T_co]):
         epoch = self._epoch
         if epoch is None:
             epoch = self._epoch = self._start()
+        asked = _now()
+        stats = self.stats
+        assert stats is not None
+        if self._returned:
+            stats.consumer.add(asked - self._returned)
         try:
             if self._timeout > 0:
                 try:
@@ -681,6 +719,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         except StopAsyncIteration:
             # Hand back control only once the pipeline's tasks have all returned.
             self._closed = True
+            stats.ended = _now()
             await epoch.done.wait()
             if self.failures is not None:
                 self.failures.finish()  # a fraction of samples counted as they came
@@ -699,6 +738,11 @@ class AsyncDataLoaderIter(Generic[T_co]):
                 ) from error
             raise error
         self.num_yielded += 1
+        now = self._returned = _now()
+        stats.delivered(now - asked, epoch.results.ready(), now)
+        if stats.batches == 1 and now - stats.started > SLOW_FIRST_BATCH * 1e9:
+            loader_log.warning("the first batch took %.1f s (a cold start, or a stall: "
+                               "see DataLoader.stats())", (now - stats.started) / 1e9)
         self._warn_length()
         return cast(T_co, value)
 

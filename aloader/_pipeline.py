@@ -51,6 +51,7 @@ from ._backend import Detached, threadsafe_caller
 from ._dataset import aiter_of, fetch_mode
 from ._exceptions import FailureBudgetExceeded, LoaderClosedError
 from ._failures import Failures, resumable
+from ._stats import Collector
 from ._util import Signal, close_iterator, is_async_callable, resolve
 
 __all__ = (
@@ -86,6 +87,9 @@ SKIP: Any = object()
 # A sample whose fetch failed within the failure budget (see aloader._failures): left out.
 _FAILED: Any = object()
 
+
+_now = time.perf_counter_ns
+_cpu = time.thread_time_ns
 
 _CLOSED = LoaderClosedError()  # never raised itself: a fresh one is, without a traceback
 
@@ -129,6 +133,10 @@ class Results:
         else:
             self._fifo.append((value, error))
         self._changed.notify()
+
+    def ready(self) -> int:
+        """Batches published and not yet taken (the statistics' occupancy)."""
+        return len(self._ready) if self._in_order else len(self._fifo)
 
     def finish(self, total: int) -> None:
         """No job numbered ``total`` or above will be published."""
@@ -290,9 +298,11 @@ class _FetchThreads:
     """
 
     def __init__(self, dataset: Any, count: int, abandon: _Abandon,
-                 absorb: Callable[[Any, BaseException], BaseException | None]) -> None:
+                 absorb: Callable[[Any, BaseException], BaseException | None],
+                 stats: Collector) -> None:
         self._dataset = dataset
         self._absorb = absorb
+        self._stats = stats
         self._count = count
         self._abandon = abandon
         self._work: queue.SimpleQueue[tuple[_Job, int, Any] | None] = queue.SimpleQueue()
@@ -319,6 +329,10 @@ class _FetchThreads:
             job, position, index = work
             error: BaseException | None = None
             if job.error is None and not self._stopping:
+                stats = self._stats
+                started, cpu = _now(), _cpu()
+                with stats.lock:
+                    stats.in_flight.change(1, started)
                 try:
                     job.samples[position] = self._dataset[index]
                 except Exception as exc:
@@ -328,6 +342,12 @@ class _FetchThreads:
                         job.samples[position] = _FAILED
                 except BaseException as exc:  # ends the epoch: see Epoch._worker
                     error = exc
+                finally:
+                    now = _now()
+                    with stats.lock:
+                        stats.in_flight.change(-1, now)
+                        stats.fetch.add(now - started)
+                        stats.fetch_cpu += _cpu() - cpu
             with self._lock:
                 if error is not None and job.error is None:
                     job.error = error
@@ -397,6 +417,7 @@ class FetchPlan:
         remote: the worker processes of a "process" plan.
         failures: the epoch's failure budget (see :mod:`aloader._failures`), or None (the
             first error is the batch's error).
+        stats: the epoch's statistics (see :mod:`aloader._stats`).
     """
 
     dataset: Any
@@ -410,6 +431,7 @@ class FetchPlan:
     transform: Callable[[Any], Any] | None = None
     remote: Remote | None = None
     failures: Failures | None = None
+    stats: Collector = field(default_factory=Collector)
 
     @classmethod
     def for_dataset(
@@ -596,17 +618,25 @@ class FetchPlan:
     def collate_sync(self, samples: Any) -> Any:
         if samples is SKIP:  # every sample failed within the budget
             return SKIP
+        started = _now()
         batch = self.collate_fn(samples)
-        return batch if self.transform is None else self.transform(batch)
+        batch = batch if self.transform is None else self.transform(batch)
+        self.stats.collated_in_thread(samples, _now() - started)
+        return batch
 
     def load_sync(self, key: Any) -> Any:
-        return self.collate_sync(self.fetch_sync(key))
+        started, cpu = _now(), _cpu()
+        samples = self.fetch_sync(key)
+        self.stats.fetched_in_thread(_now() - started, _cpu() - cpu)
+        return self.collate_sync(samples)
 
     def pull_sync(self, source: Iterator[Any], size: int | None, drop_last: bool) -> Any:
+        started, cpu = _now(), _cpu()
         if self.failures is None:
             samples, ended = _pull_sync(source, size)
         else:
             samples, ended = _pull_sync_tolerant(source, size, self)
+        self.stats.fetched_in_thread(_now() - started, _cpu() - cpu)
         if samples is _NOTHING or (size is not None and drop_last and len(samples) < size):
             return _NOTHING, True
         return self.collate_sync(samples), ended
@@ -625,7 +655,12 @@ class FetchPlan:
     async def fetch(self, key: Any, limiter: anyio.CapacityLimiter, seq: int = 0) -> Any:
         """The samples of job ``seq``, fetched in one call (a collated batch from a remote)."""
         if self.remote is not None:
-            return await self.remote.fetch(key, seq)
+            in_flight = self.stats.in_flight
+            in_flight.change(1, _now())
+            try:
+                return await self.remote.fetch(key, seq)
+            finally:
+                in_flight.change(-1, _now())
         if self.failures is None:
             return await self._fetch(key, limiter)
         try:
@@ -642,27 +677,48 @@ class FetchPlan:
         return samples if samples else SKIP
 
     async def _fetch(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
-        if self.mode == "thread":
-            samples = await self.in_thread(self._fetch_sync, key, limiter=limiter)
-        else:
-            samples = self._fetch_sync(key)
-        samples = await resolve(samples)
-        if self.auto_batch and isinstance(samples, list):
-            for position, sample in enumerate(samples):
-                if inspect.isawaitable(sample):
-                    samples[position] = await sample
+        stats = self.stats
+        started = _now()
+        stats.in_flight.change(1, started)
+        try:
+            if self.mode == "thread":
+                samples = await self.in_thread(self._fetch_sync, key, limiter=limiter)
+            else:
+                samples = self._fetch_sync(key)
+            samples = await resolve(samples)
+            if self.auto_batch and isinstance(samples, list):
+                for position, sample in enumerate(samples):
+                    if inspect.isawaitable(sample):
+                        samples[position] = await sample
+        finally:
+            now = _now()
+            stats.in_flight.change(-1, now)
+            stats.fetch.add(now - started)
         return samples
 
     async def fetch_item(self, index: Any, limiter: anyio.CapacityLimiter) -> Any:
-        if self.mode == "thread":
-            value = await self.in_thread(self.dataset.__getitem__, index, limiter=limiter)
-        else:
-            value = self.dataset[index]
-        return await resolve(value)
+        stats = self.stats
+        started = _now()
+        stats.in_flight.change(1, started)
+        try:
+            if self.mode == "thread":
+                value = await self.in_thread(self.dataset.__getitem__, index, limiter=limiter)
+            else:
+                value = self.dataset[index]
+            return await resolve(value)
+        finally:
+            now = _now()
+            stats.in_flight.change(-1, now)
+            stats.fetch.add(now - started)
 
     async def load(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
         """Fetch and collate one job in a single thread call (``collate_in_thread`` plans)."""
-        batch = await self.in_thread(self.load_sync, key, limiter=limiter)
+        in_flight = self.stats.in_flight
+        in_flight.change(1, _now())
+        try:
+            batch = await self.in_thread(self.load_sync, key, limiter=limiter)
+        finally:
+            in_flight.change(-1, _now())
         return await resolve(batch)
 
     async def collate(self, samples: Any, limiter: anyio.CapacityLimiter) -> Any:
@@ -673,7 +729,9 @@ class FetchPlan:
         if self.remote is not None:  # collated by the worker
             batch = samples
         else:
+            started = _now()
             batch = await resolve(self.collate_fn(samples))
+            self.stats.collated(samples, _now() - started)
         return batch if self.transform is None else self.transform(batch)
 
 
@@ -796,15 +854,17 @@ class MapEpoch(Epoch):
         if not self.inline:
             return await self.results.take()
         while True:
+            started = _now()
             try:
                 key = await self._inline_keys.__anext__()
             except StopAsyncIteration:
                 raise
             except Exception as exc:
                 return None, _note(exc, "raised by the sampler")
+            self.plan.stats.sampling.add(_now() - started)
             seq = self.results.taken
             try:
-                batch = await self.plan.collate(self.plan.fetch_sync(key), _NO_LIMITER)
+                batch = await self.plan.collate(self._fetch_inline(key), _NO_LIMITER)
             except Exception as exc:
                 return None, _note(exc, f"raised while loading batch {seq} (indices "
                                         f"{_describe(key)})")
@@ -819,13 +879,22 @@ class MapEpoch(Epoch):
             await anyio.lowlevel.checkpoint()
         return batch, None
 
+    def _fetch_inline(self, key: Any) -> Any:
+        stats = self.plan.stats
+        started = _now()
+        try:
+            return self.plan.fetch_sync(key)
+        finally:
+            stats.fetch.add(_now() - started)
+
     async def _run(self) -> None:
         plan = self.plan
         window = anyio.Semaphore(plan.window)
         limiter = anyio.CapacityLimiter(plan.concurrency)
         threads = None
         if plan.granularity == "item" and plan.mode == "thread":
-            threads = _FetchThreads(plan.dataset, plan.concurrency, plan.abandon, plan.absorb)
+            threads = _FetchThreads(plan.dataset, plan.concurrency, plan.abandon, plan.absorb,
+                                    plan.stats)
         workers = plan.concurrency if plan.granularity == "item" and threads is None else (
             plan.window
         )
@@ -848,9 +917,11 @@ class MapEpoch(Epoch):
         self, queue: _WorkQueue, window: anyio.Semaphore, threads: _FetchThreads | None
     ) -> None:
         keys = _Keys(self._keys)
+        sampling = self.plan.stats.sampling
         seq = 0
         while True:
             await window.acquire()
+            started = _now()
             try:
                 key = await keys.__anext__()
             except StopAsyncIteration:
@@ -861,6 +932,7 @@ class MapEpoch(Epoch):
                 self.results.publish(seq, None, _note(exc, "raised by the sampler"))
                 seq += 1
                 break
+            sampling.add(_now() - started)
             job = _Job(seq, key)
             seq += 1
             if self.plan.granularity == "job":
@@ -994,10 +1066,12 @@ class IterableEpoch(Epoch):
             await self.results.reserve(seq)
             try:
                 if isinstance(source, AsyncIterator):
+                    started = _now()
                     if plan.failures is None:
                         samples, ended = await _pull(source, size)
                     else:
                         samples, ended = await _pull_tolerant(source, size, plan)
+                    plan.stats.fetch.add(_now() - started)
                     if samples is _NOTHING or (size is not None and self._drop_last
                                                and len(samples) < size):
                         break

@@ -62,8 +62,10 @@ import anyio.from_thread
 from . import _shm, _spawn
 from ._exceptions import WorkerError
 from ._failures import Failures
+from ._log import worker_log
 from ._pipeline import SKIP
 from ._sources import merge_stats, source_stats
+from ._stats import Collector
 from ._util import Signal
 from ._worker import SETUP_JOB, Kind, Reply, Request, Status, WorkerSetup, worker_main
 
@@ -439,6 +441,7 @@ class PoolEpoch:
         self._sent = [0] * pool.num_workers  # each worker's next ticket to send
         self._stats: list[Any] | None = None  # the loader's sources, found at the first report
         self.failures: Failures | None = None  # the epoch's failure budget, set by the loader
+        self.stats: Collector | None = None  # the epoch's statistics, set by the loader
 
     # The FetchPlan's remote protocol ---------------------------------------------------------
     async def serve(self) -> None:
@@ -492,7 +495,7 @@ class PoolEpoch:
         self._changed.notify()  # the worker's next ticket may go once this one is sent
         reply = await self._call(workers[worker_id], kind, payload)
         if reply.extra is not None:
-            self._absorb(reply.extra)
+            self._absorb(worker_id, reply.extra)
             if reply.extra[3]:  # every sample failed within the failure budget
                 return SKIP
         if reply.status == Status.END:
@@ -503,9 +506,11 @@ class PoolEpoch:
             raise reply.value.rebuild()
         return reply.value
 
-    def _absorb(self, extra: Any) -> None:
+    def _absorb(self, worker_id: int, extra: Any) -> None:
         """Record what a worker counted besides its sources: failed samples, timings."""
-        failed, attempted, _timings, _empty = extra
+        failed, attempted, timings, _empty = extra
+        if self.stats is not None:
+            self.stats.merge(worker_id, timings)
         if self.failures is not None:
             self.failures.attempted(attempted)
             for index, error in failed:
@@ -603,6 +608,8 @@ class PoolEpoch:
                 f"{self.pool.context.get_start_method()!r} import the main module, so a script "
                 "must start loading under `if __name__ == '__main__':`."
             )
+        if not self.stopping:
+            worker_log.error("worker %d: %s", worker_id, message.strip())
         self._fail(WorkerError(message))
 
     def _dispatch(self, worker: _WorkerHandle, reply: Reply) -> None:

@@ -27,9 +27,8 @@ The protocol (every message a :class:`Request` or a :class:`Reply`):
   carries what else the worker counted since then: ``(failures, attempted, timings,
   empty)``: the samples that failed within the failure budget as ``[(index, RemoteError),
   ...]`` and the samples of an iterable replica attempted (see :mod:`aloader._failures`),
-  the worker's stage timings (see :mod:`aloader._stats`) or None, and whether an OK answer
-  has no batch because every sample of it failed within the budget; ``extra`` is None when
-  there is nothing to report.
+  the worker's stage timings (:meth:`aloader._stats.Collector.report`), and whether an OK
+  answer has no batch because every sample of it failed within the budget.
 
 On the socket a message is a plain tuple with int codes (:meth:`Request.wire`,
 :meth:`Reply.wire`), rebuilt on receipt (:meth:`Request.of`, :meth:`Reply.of`): a NamedTuple
@@ -305,11 +304,9 @@ class _WorkerServer:
 
     def _extra(self, empty: bool) -> Any:
         report = None if self.failures is None else self.failures.take_unreported()
-        if report is None and not empty:
-            return None
         failed, seen = report or ([], 0)
         return ([(index, RemoteError.capture(_strip_pipeline_notes(error), self.where))
-                 for index, error in failed], seen, None, empty)
+                 for index, error in failed], seen, self.setup.plan.stats.report(), empty)
 
     def send(self, job: int, status: Status, value: Any) -> None:
         empty = value is SKIP  # every sample failed within the budget: no batch
