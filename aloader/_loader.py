@@ -681,6 +681,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         stats = self.stats = plan.stats = Collector(
             plan.mode, plan.concurrency if plan.granularity == "item" else plan.window,
             max(1, loader.prefetch_factor), loader._stats_epochs, loader.num_workers,
+            "iterable" if isinstance(kind, IterableEpochs) else "map",
         )
         stats.failures, stats.dataset = self.failures, loader.dataset
         loader._stats_epochs += 1

@@ -631,12 +631,20 @@ class FetchPlan:
         return self.collate_sync(samples)
 
     def pull_sync(self, source: Iterator[Any], size: int | None, drop_last: bool) -> Any:
+        stats = self.stats
         started, cpu = _now(), _cpu()
-        if self.failures is None:
-            samples, ended = _pull_sync(source, size)
-        else:
-            samples, ended = _pull_sync_tolerant(source, size, self)
-        self.stats.fetched_in_thread(_now() - started, _cpu() - cpu)
+        with stats.lock:
+            stats.in_flight.change(1, started)
+        try:
+            if self.failures is None:
+                samples, ended = _pull_sync(source, size)
+            else:
+                samples, ended = _pull_sync_tolerant(source, size, self)
+        finally:
+            now = _now()
+            with stats.lock:
+                stats.in_flight.change(-1, now)
+            stats.fetched_in_thread(now - started, _cpu() - cpu)
         if samples is _NOTHING or (size is not None and drop_last and len(samples) < size):
             return _NOTHING, True
         return self.collate_sync(samples), ended
@@ -1066,12 +1074,18 @@ class IterableEpoch(Epoch):
             await self.results.reserve(seq)
             try:
                 if isinstance(source, AsyncIterator):
+                    stats = plan.stats
                     started = _now()
-                    if plan.failures is None:
-                        samples, ended = await _pull(source, size)
-                    else:
-                        samples, ended = await _pull_tolerant(source, size, plan)
-                    plan.stats.fetch.add(_now() - started)
+                    stats.in_flight.change(1, started)
+                    try:
+                        if plan.failures is None:
+                            samples, ended = await _pull(source, size)
+                        else:
+                            samples, ended = await _pull_tolerant(source, size, plan)
+                    finally:
+                        now = _now()
+                        stats.in_flight.change(-1, now)
+                        stats.fetch.add(now - started)
                     if samples is _NOTHING or (size is not None and self._drop_last
                                                and len(samples) < size):
                         break

@@ -137,6 +137,7 @@ class LoaderStats:
         failures: samples that failed within the failure budget.
         items_per_second: ``items / elapsed``.
         mode: how the epoch fetched: ``async``, ``inline``, ``thread`` or ``process``.
+        kind: ``map`` (a map-style dataset) or ``iterable``.
         stages: the stages, by name (see :mod:`aloader._stats`).
         in_flight: fetches in flight, time-weighted mean.
         in_flight_limit: the most fetches allowed in flight (``max_concurrency``, or jobs).
@@ -158,6 +159,7 @@ class LoaderStats:
     failures: int
     items_per_second: float
     mode: str
+    kind: str
     stages: dict[str, StageStats]
     in_flight: float
     in_flight_limit: int
@@ -195,6 +197,7 @@ class Collector:
 
     Args:
         mode: the plan's fetch mode.
+        kind: ``map`` (a map-style dataset) or ``iterable``.
         in_flight_limit: the most fetches in flight.
         ready_limit: the most batches waiting for the consumer.
         epoch: the loader's epoch number.
@@ -202,8 +205,9 @@ class Collector:
     """
 
     def __init__(self, mode: str = "inline", in_flight_limit: int = 1, ready_limit: int = 1,
-                 epoch: int = 0, num_workers: int = 0) -> None:
+                 epoch: int = 0, num_workers: int = 0, kind: str = "map") -> None:
         self.mode = mode
+        self.kind = kind
         self.in_flight_limit = in_flight_limit
         self.ready_limit = ready_limit
         self.epoch = epoch
@@ -312,6 +316,7 @@ class Collector:
             failures=0 if self.failures is None else self.failures.count,
             items_per_second=self.items / elapsed,
             mode=self.mode,
+            kind=self.kind,
             stages=stages,
             in_flight=self.in_flight.mean(last),
             in_flight_limit=self.in_flight_limit,
@@ -395,5 +400,9 @@ def verdict(stats: LoaderStats) -> str:
                     f"{len(stats.workers)} workers; raise num_workers (or max_concurrency for "
                     "an async dataset)")
     share = stages[busiest].busy / elapsed
+    if stats.kind == "iterable" and busiest == "fetch" and stats.mode != "process":
+        return (f"the dataset's iterator: pulling its samples took {share:.0%} of the time and "
+                f"the consumer waited {waited:.0%}; let it read further ahead (a source's "
+                "concurrency) or use num_workers")
     return (f"{busiest}: the busiest stage ({share:.0%} of the epoch's time); the consumer "
             f"waited {waited:.0%} of the time")
