@@ -637,8 +637,8 @@ class AsyncDataLoaderIter(Generic[T_co]):
         rng_state: the state of the loader's generator when this epoch started.
         base_seed: this epoch's ``base_seed`` (the workers' seeds are ``base_seed + id``).
         num_yielded: batches delivered so far.
-        failures: the epoch's failure budget and record (:class:`aloader._failures.Failures`:
-            ``count``, ``indices`` of the failed samples), or None without ``max_failures``.
+        failures: the epoch's failure budget and record (``count``, ``indices`` of the failed
+            samples, the last ``errors``), or None without ``max_failures``.
     """
 
     def __init__(self, loader: DataLoader[T_co]) -> None:
@@ -757,8 +757,17 @@ class AsyncDataLoaderIter(Generic[T_co]):
                 stacklevel=3,
             )
 
+    @property
+    def failed_indices(self) -> list[Any]:
+        """The indices of the samples that failed within the failure budget, in the order
+        they failed (the samples' numbers for an iterable dataset, None for a record a source
+        skipped); empty without ``max_failures``."""
+        return [] if self.failures is None else list(self.failures.indices)
+
     def _shutdown(self) -> None:
         self._closed = True
+        if self.stats is not None and self.stats.ended is None:
+            self.stats.ended = _now()
         if self._epoch is not None:
             self._epoch.stop()
 
@@ -806,3 +815,8 @@ class DataLoaderIter(Iterator[T_co]):
     def num_yielded(self) -> int:
         """Batches delivered so far in this epoch."""
         return self._source.num_yielded
+
+    @property
+    def failed_indices(self) -> list[Any]:
+        """See :attr:`AsyncDataLoaderIter.failed_indices`."""
+        return self._source.failed_indices

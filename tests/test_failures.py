@@ -113,6 +113,7 @@ def test_within_budget_delivers_exactly_the_good_samples(cls: Any, kwargs: Any) 
     assert failures is not None
     assert failures.count == 6
     assert sorted(failures.indices) == sorted(BAD)
+    assert sorted(it.failed_indices) == sorted(BAD)
 
 
 @pytest.mark.parametrize(("cls", "kwargs"), KINDS)
@@ -182,6 +183,12 @@ def test_budget_is_per_epoch() -> None:
         it = iter(dl)
         assert list(it) == GOOD_BATCHES
         assert it._source.failures is not None and it._source.failures.count == 6
+
+
+def test_failed_indices_without_a_budget() -> None:
+    it = iter(loader(Sync(bad=set())))
+    list(it)
+    assert it.failed_indices == [] and it._source.failures is None
 
 
 def test_no_failure_within_a_budget() -> None:
