@@ -1019,7 +1019,9 @@ class MapEpoch(Epoch):
         """Collate a job whose items are all in (or publish its first error)."""
         await self.results.reserve(job.seq)
         samples: Any = job.samples
-        if self.plan.failures is not None and job.error is None and _FAILED in samples:
+        if self.plan.failures is not None and job.error is None and any(
+            sample is _FAILED for sample in samples  # not `in`: arrays compare elementwise
+        ):
             samples = [sample for sample in samples if sample is not _FAILED] or SKIP
         if job.error is not None:
             self.results.publish(job.seq, None, job.error)

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import aloader
@@ -195,6 +196,16 @@ def test_no_failure_within_a_budget() -> None:
     it = iter(loader(Sync(bad=set()), max_failures=3))
     assert [x for b in it for x in b] == list(range(20))
     assert it._source.failures is not None and it._source.failures.count == 0
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"max_concurrency": 3}])
+def test_array_samples(kwargs: dict[str, Any]) -> None:
+    class Arrays(Async):
+        async def __getitem__(self, i: int) -> Any:  # type: ignore[override]
+            return np.full(3, await Async.__getitem__(self, i))
+
+    got = list(DataLoader(Arrays(), batch_size=4, max_failures=6, **kwargs))
+    assert [batch[:, 0].tolist() for batch in got] == GOOD_BATCHES
 
 
 def test_collate_errors_are_not_absorbed() -> None:

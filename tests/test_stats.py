@@ -263,3 +263,15 @@ def test_verdict_one_slow_worker() -> None:
     list(dl)
     verdict = dl.stats().bottleneck
     assert verdict.startswith("one slow worker: worker 1 takes"), verdict
+
+
+def test_an_epoch_left_early_ends_its_statistics() -> None:
+    dl = DataLoader(Fast(40), batch_size=4, collate_fn=list)
+    for count, _ in enumerate(dl, 1):
+        if count == 3:
+            break
+    first = dl.stats()
+    time.sleep(0.05)
+    second = dl.stats()
+    assert not first.running and first.batches == 3
+    assert second.elapsed == first.elapsed  # ended at the last batch, not still counting
