@@ -651,7 +651,6 @@ class AsyncDataLoaderIter(Generic[T_co]):
         # The epoch's failure budget and record (None without max_failures).
         self.failures: Failures | None = None
         self.stats: Collector | None = None  # the epoch's statistics, from its start
-        self._returned = 0  # when the last batch was handed to the consumer (ns)
         self._timeout = loader.timeout
         self._len_called = loader._kind.reported_length()
         self._epoch: Epoch | None = None
@@ -702,8 +701,6 @@ class AsyncDataLoaderIter(Generic[T_co]):
         asked = _now()
         stats = self.stats
         assert stats is not None
-        if self._returned:
-            stats.consumer.add(asked - self._returned)
         try:
             if self._timeout > 0:
                 try:
@@ -720,6 +717,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         except StopAsyncIteration:
             # Hand back control only once the pipeline's tasks have all returned.
             self._closed = True
+            stats.asked_again(asked)
             stats.ended = _now()
             await epoch.done.wait()
             if self.failures is not None:
@@ -739,8 +737,8 @@ class AsyncDataLoaderIter(Generic[T_co]):
                 ) from error
             raise error
         self.num_yielded += 1
-        now = self._returned = _now()
-        stats.delivered(now - asked, epoch.results.ready(), now)
+        now = _now()
+        stats.delivered(asked, now, epoch.results.ready())
         if stats.batches == 1 and now - stats.started > SLOW_FIRST_BATCH * 1e9:
             loader_log.warning("the first batch took %.1f s (a cold start, or a stall: "
                                "see DataLoader.stats())", (now - stats.started) / 1e9)

@@ -331,8 +331,6 @@ class _FetchThreads:
             if job.error is None and not self._stopping:
                 stats = self._stats
                 started, cpu = _now(), _cpu()
-                with stats.lock:
-                    stats.in_flight.change(1, started)
                 try:
                     job.samples[position] = self._dataset[index]
                 except Exception as exc:
@@ -343,11 +341,7 @@ class _FetchThreads:
                 except BaseException as exc:  # ends the epoch: see Epoch._worker
                     error = exc
                 finally:
-                    now = _now()
-                    with stats.lock:
-                        stats.in_flight.change(-1, now)
-                        stats.fetch.add(now - started)
-                        stats.fetch_cpu += _cpu() - cpu
+                    stats.fetched_in_thread(_now() - started, _cpu() - cpu)
             with self._lock:
                 if error is not None and job.error is None:
                     job.error = error
@@ -631,20 +625,14 @@ class FetchPlan:
         return self.collate_sync(samples)
 
     def pull_sync(self, source: Iterator[Any], size: int | None, drop_last: bool) -> Any:
-        stats = self.stats
         started, cpu = _now(), _cpu()
-        with stats.lock:
-            stats.in_flight.change(1, started)
         try:
             if self.failures is None:
                 samples, ended = _pull_sync(source, size)
             else:
                 samples, ended = _pull_sync_tolerant(source, size, self)
         finally:
-            now = _now()
-            with stats.lock:
-                stats.in_flight.change(-1, now)
-            stats.fetched_in_thread(now - started, _cpu() - cpu)
+            self.stats.fetched_in_thread(_now() - started, _cpu() - cpu)
         if samples is _NOTHING or (size is not None and drop_last and len(samples) < size):
             return _NOTHING, True
         return self.collate_sync(samples), ended
@@ -685,9 +673,7 @@ class FetchPlan:
         return samples if samples else SKIP
 
     async def _fetch(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
-        stats = self.stats
         started = _now()
-        stats.in_flight.change(1, started)
         try:
             if self.mode == "thread":
                 samples = await self.in_thread(self._fetch_sync, key, limiter=limiter)
@@ -699,15 +685,11 @@ class FetchPlan:
                     if inspect.isawaitable(sample):
                         samples[position] = await sample
         finally:
-            now = _now()
-            stats.in_flight.change(-1, now)
-            stats.fetch.add(now - started)
+            self.stats.fetch.add(_now() - started)
         return samples
 
     async def fetch_item(self, index: Any, limiter: anyio.CapacityLimiter) -> Any:
-        stats = self.stats
         started = _now()
-        stats.in_flight.change(1, started)
         try:
             if self.mode == "thread":
                 value = await self.in_thread(self.dataset.__getitem__, index, limiter=limiter)
@@ -715,18 +697,11 @@ class FetchPlan:
                 value = self.dataset[index]
             return await resolve(value)
         finally:
-            now = _now()
-            stats.in_flight.change(-1, now)
-            stats.fetch.add(now - started)
+            self.stats.fetch.add(_now() - started)
 
     async def load(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
         """Fetch and collate one job in a single thread call (``collate_in_thread`` plans)."""
-        in_flight = self.stats.in_flight
-        in_flight.change(1, _now())
-        try:
-            batch = await self.in_thread(self.load_sync, key, limiter=limiter)
-        finally:
-            in_flight.change(-1, _now())
+        batch = await self.in_thread(self.load_sync, key, limiter=limiter)
         return await resolve(batch)
 
     async def collate(self, samples: Any, limiter: anyio.CapacityLimiter) -> Any:
@@ -1076,18 +1051,14 @@ class IterableEpoch(Epoch):
             await self.results.reserve(seq)
             try:
                 if isinstance(source, AsyncIterator):
-                    stats = plan.stats
                     started = _now()
-                    stats.in_flight.change(1, started)
                     try:
                         if plan.failures is None:
                             samples, ended = await _pull(source, size)
                         else:
                             samples, ended = await _pull_tolerant(source, size, plan)
                     finally:
-                        now = _now()
-                        stats.in_flight.change(-1, now)
-                        stats.fetch.add(now - started)
+                        plan.stats.fetch.add(_now() - started)
                     if samples is _NOTHING or (size is not None and self._drop_last
                                                and len(samples) < size):
                         break

@@ -17,8 +17,10 @@ The stages:
 * ``wait``: the consumer waiting in ``__anext__`` for a batch (the loader's delay as it feels);
 * ``consumer``: the consumer's time between two batches (its own work).
 
-Two bounded buffers are watched: fetches in flight against their limit (a time-weighted mean)
-and ready batches against ``prefetch_factor`` (sampled each time the consumer asks).
+Two bounded buffers are watched: fetches in flight against their limit, a time-weighted mean
+(by Little's law, the fetches' busy time over the epoch's; with workers, measured as the
+batches at the workers change) and ready batches against ``prefetch_factor`` (sampled each
+time the consumer asks).
 
 Stages recorded from fetch threads are recorded under a lock; the counts of items and batches
 are the consumer's, exact. Busy time is the sum of the latencies (overlapping fetches add up,
@@ -35,7 +37,7 @@ from typing import Any
 __all__ = ("Collector", "LoaderStats", "Occupancy", "Stage", "StageStats", "verdict")
 
 _RING = 1024  # latencies kept per stage for the percentiles (the most recent ones)
-_MASK = _RING - 1
+_FLUSH = 63  # flush the stages every 64 batches
 _REPORT = 64  # latencies a worker sends per stage with one answer, at most
 STAGES = ("sampling", "fetch", "collate", "transfer", "wait", "consumer")
 
@@ -43,33 +45,47 @@ _now = time.perf_counter_ns
 
 
 class Stage:
-    """One stage's count, busy time and recent latencies (nanoseconds)."""
+    """One stage's count, busy time and recent latencies (nanoseconds).
 
-    __slots__ = ("busy", "count", "ring")
+    ``add(ns)`` is a bare list append (the hot path, per item where items are fetched one by
+    one); :meth:`flush` folds what was added into the count, the busy time and the ring of
+    recent latencies (between ``_RING`` and ``2 * _RING`` of them). The collector flushes
+    every few batches and before a snapshot, so what waits to be folded stays bounded.
+    Appends from other threads and the flush hold the collector's lock.
+    """
+
+    __slots__ = ("add", "busy", "count", "pending", "ring")
 
     def __init__(self) -> None:
         self.count = 0
         self.busy = 0
         self.ring: list[int] = []
+        self.pending: list[int] = []
+        self.add = self.pending.append
 
-    def add(self, ns: int) -> None:
-        count = self.count
-        self.count = count + 1
-        self.busy += ns
-        if count < _RING:
-            self.ring.append(ns)
-        else:
-            self.ring[count & _MASK] = ns
+    def flush(self) -> None:
+        pending = self.pending
+        if pending:
+            self.count += len(pending)
+            self.busy += sum(pending)
+            ring = self.ring
+            ring.extend(pending)
+            pending.clear()
+            if len(ring) > 2 * _RING:
+                del ring[: len(ring) - _RING]
 
     def merge(self, count: int, busy: int, latencies: list[int]) -> None:
         """Add a worker's report: ``count`` latencies summing to ``busy``, some of them."""
-        for ns in latencies:
-            self.add(ns)
-        self.count += count - len(latencies)
-        self.busy += busy - sum(latencies)
+        self.flush()
+        self.count += count
+        self.busy += busy
+        self.ring.extend(latencies)
+        if len(self.ring) > 2 * _RING:
+            del self.ring[: len(self.ring) - _RING]
 
     def snapshot(self, name: str) -> StageStats:
-        ring = sorted(self.ring)
+        self.flush()
+        ring = sorted(self.ring[-_RING:])
 
         def pct(q: float) -> float:
             if not ring:
@@ -238,6 +254,11 @@ class Collector:
         return (Collector, (self.mode, self.in_flight_limit, self.ready_limit))
 
     # Hooks (each one call per job, or per item where items are fetched one by one) ---------
+    def flush(self) -> None:
+        with self.lock:
+            for name in STAGES:
+                getattr(self, name).flush()
+
     def collated(self, samples: Any, ns: int) -> None:
         self.collate.add(ns)
         self.items += len(samples) if isinstance(samples, list) else 1
@@ -251,29 +272,37 @@ class Collector:
             self.fetch.add(ns)
             self.fetch_cpu += cpu
 
-    def delivered(self, waited: int, ready: int, now: int) -> None:
-        """The consumer got a batch after waiting ``waited`` ns with ``ready`` others ready."""
-        self.wait.add(waited)
-        if not self.batches:
-            self.first_wait = waited
-        self.batches += 1
+    def delivered(self, asked: int, now: int, ready: int) -> None:
+        """The consumer, back at ``asked`` (ns), got a batch at ``now`` with ``ready`` others
+        ready."""
+        batches = self.batches
+        if batches:
+            self.consumer.add(asked - self.last)
+        else:
+            self.first_wait = now - asked
+        self.wait.add(now - asked)
+        self.batches = batches + 1
         self.ready_sum += ready
         self.last = now
+        if not batches & _FLUSH:
+            self.flush()
+
+    def asked_again(self, asked: int) -> None:
+        """The consumer asked after its last batch and the epoch had ended."""
+        if self.batches:
+            self.consumer.add(asked - self.last)
 
     # Worker processes -------------------------------------------------------------------------
     def report(self) -> tuple[Any, ...]:
         """A worker's stages since its last report, and the time of sending."""
+        self.flush()
         out = []
         for name in ("fetch", "collate"):
             stage: Stage = getattr(self, name)
             count, busy = self._reported.get(name, (0, 0))
             new = stage.count - count
-            recent = min(new, _REPORT, len(stage.ring))
-            if stage.count <= _RING:
-                latencies = stage.ring[len(stage.ring) - recent:] if recent else []
-            else:  # the ring wrapped: the most recent are before the write position
-                pos = stage.count & _MASK
-                latencies = [stage.ring[(pos - k - 1) & _MASK] for k in range(recent)]
+            recent = min(new, _REPORT)
+            latencies = stage.ring[len(stage.ring) - recent:] if recent else []
             out.append((new, stage.busy - busy, latencies))
             self._reported[name] = (stage.count, stage.busy)
         items = self.items - self._reported.get("items", (0, 0))[0]
@@ -298,7 +327,12 @@ class Collector:
         end = self.ended if self.ended is not None else _now()
         last = self.last if self.ended is not None else end
         elapsed = max(1e-9, (last - self.started) / 1e9)
+        self.flush()
         stages = {name: getattr(self, name).snapshot(name) for name in STAGES}
+        if self.mode == "process":
+            in_flight = self.in_flight.mean(last)
+        else:  # Little's law: the mean number in flight is their busy time over the time
+            in_flight = min(self.fetch.busy / 1e9 / elapsed, float(self.in_flight_limit))
         sources = []
         if self.dataset is not None:
             from ._sources import source_stats  # the sources import the pipeline
@@ -318,7 +352,7 @@ class Collector:
             mode=self.mode,
             kind=self.kind,
             stages=stages,
-            in_flight=self.in_flight.mean(last),
+            in_flight=in_flight,
             in_flight_limit=self.in_flight_limit,
             ready=self.ready_sum / self.batches if self.batches else 0.0,
             ready_limit=self.ready_limit,
