@@ -24,6 +24,12 @@ to a worker and awaits the batch the worker collated (see :mod:`aloader._pool`),
 Memory is bounded whatever the consumer does: a job holds a window slot from admission until its
 batch is collated, and a batch is collated only once it has an output slot.
 
+With a failure budget (the plan's ``failures``, see :mod:`aloader._failures`), a sample whose
+fetch raises is left out of its batch instead (marked ``_FAILED`` until the job collates; a
+job left with no sample publishes :data:`SKIP`), until the budget is exceeded. Every epoch
+records its statistics into the plan's ``stats`` (see :mod:`aloader._stats`): a timestamp
+pair per job, or per item where items are fetched one by one.
+
 An ``Exception`` from the dataset, the sampler or ``collate_fn`` is that batch's error; any
 other ``BaseException`` (``KeyboardInterrupt``, ``SystemExit``...) ends the epoch and reaches
 the consumer as itself (see :meth:`Epoch._guard`), never the event loop. Stopping an epoch
