@@ -19,6 +19,7 @@ TREE: dict[str, tuple[str, type[BaseException] | None]] = {
     "LoaderTimeoutError": ("AloaderError", RuntimeError),
     "LoaderClosedError": ("AloaderError", RuntimeError),
     "WorkerError": ("AloaderError", RuntimeError),
+    "FailureBudgetExceeded": ("AloaderError", None),
     "SourceError": ("AloaderError", None),
     "RecordError": ("SourceError", ValueError),
     "FetchError": ("SourceError", OSError),
