@@ -148,8 +148,10 @@ class LoaderStats:
         epoch: the loader's epoch number (0 for the first).
         running: whether the epoch is still under way.
         elapsed: seconds from the epoch's start to its last batch (or to now).
-        items: samples delivered in batches.
-        batches: batches delivered.
+        items: samples collated into batches (after an epoch left early, this includes the
+            few batches prefetched and never delivered).
+        batches: batches delivered (to the ``for`` facade's loop, which may be a batch or two
+            ahead of the code consuming it).
         failures: samples that failed within the failure budget.
         items_per_second: ``items / elapsed``.
         mode: how the epoch fetched: ``async``, ``inline``, ``thread`` or ``process``.

@@ -15,6 +15,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, TextIO
 
+import anyio
+
 from .. import DataLoader
 from ._progress import Progress
 
@@ -73,19 +75,26 @@ def main(target: str, out: TextIO | None = None, batches: int | None = None) -> 
         total = batches if total is None else min(total, batches)
     out.write(f"Profiling one epoch of {target}: {loader!r}\n")
     progress = Progress(out, None, total)
-    epoch = iter(loader)
-    count = 0
-    try:
-        for _ in epoch:
-            count += 1
-            stats = epoch._source.stats
-            progress.update(count, stats.items if stats is not None else 0)
-            if batches is not None and count >= batches:
-                break
-    finally:
-        epoch.close()
+
+    async def epoch() -> int:
+        # `async for`, not the `for` facade, which reads ahead of its consumer: the
+        # statistics count exactly the batches asked for.
+        count = 0
+        iterator = loader.__aiter__()
+        try:
+            async for _ in iterator:
+                count += 1
+                stats = iterator.stats
+                progress.update(count, stats.items if stats is not None else 0)
+                if batches is not None and count >= batches:
+                    break
+        finally:
+            await iterator.aclose()
+            await loader.aclose()
+        return count
+
+    count = anyio.run(epoch)
     snapshot = loader.stats()
     progress.finish(count, snapshot.items)
     out.write("\n" + snapshot.table() + "\n")
-    loader.close()
     return 0
