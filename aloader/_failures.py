@@ -35,6 +35,7 @@ import logging
 import math
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from ._exceptions import FailureBudgetExceeded
@@ -111,6 +112,7 @@ class Failures:
         # A worker's failures since its last answer: (index, error).
         self.unreported: list[tuple[Any, BaseException]] = []
         self._reported_seen = 0
+        self.sources_of: Callable[[object], list[Any]] | None = None
         self._sources: list[Any] = []  # the streams' SourceStats whose skips count here
         self._skipped = 0
 
@@ -188,10 +190,14 @@ class Failures:
             raise self._exceeded
 
     def watch_sources(self, dataset: object) -> None:
-        """From now on, count the records that ``dataset``'s sources skip (``skip_errors``)."""
-        from ._sources import source_stats  # the sources import the pipeline, which imports this
+        """From now on, count the records that ``dataset``'s sources skip (``skip_errors``).
 
-        self._sources = source_stats(dataset)
+        The loader sets :attr:`sources_of` (:func:`aloader._sources.source_stats`, which this
+        module cannot import: the sources import the pipeline, which imports this).
+        """
+        if self.sources_of is None:
+            return
+        self._sources = self.sources_of(dataset)
         self._skipped = sum(stats.skipped for stats in self._sources)
 
     def check_skipped(self) -> None:
@@ -227,7 +233,8 @@ class Failures:
         return out, seen
 
     def __getstate__(self) -> dict[str, Any]:  # a plan's travels to the workers: a fresh one
-        return {"budget": self.budget, "samples": self.samples}
+        return {"budget": self.budget, "samples": self.samples, "sources_of": self.sources_of}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["budget"], state["samples"])  # type: ignore[misc]
+        self.sources_of = state["sources_of"]

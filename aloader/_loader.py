@@ -35,6 +35,7 @@ from ._pipeline import Epoch, FetchPlan, Results
 from ._pool import PoolEpoch, WorkerPool, default_context, prepare_context, resolve_context
 from ._random import as_generator, draw_seed
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler
+from ._sources import source_stats
 from ._stats import Collector, LoaderStats
 from ._streams import Stream
 from ._worker import WorkerSetup
@@ -568,6 +569,7 @@ class DataLoader(Generic[T_co]):
         plan = self._plan(None)
         if self.max_failures:  # a worker reports its failures; the budget is counted here
             plan.failures = Failures(math.inf)
+            plan.failures.sources_of = source_stats
         setup = WorkerSetup(
             plan=plan,
             serve=self._kind.serve,
@@ -675,6 +677,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         if loader.max_failures:
             self.failures = plan.failures = Failures(loader.max_failures,
                                                      loader._epoch_samples())
+            self.failures.sources_of = source_stats
             if remote is not None:
                 remote.failures = self.failures
         stats = self.stats = plan.stats = Collector(
@@ -682,7 +685,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
             max(1, loader.prefetch_factor), loader._stats_epochs, loader.num_workers,
             "iterable" if isinstance(kind, IterableEpochs) else "map",
         )
-        stats.failures, stats.dataset = self.failures, loader.dataset
+        stats.failures, stats.sources = self.failures, source_stats(loader.dataset)
         loader._stats_epochs += 1
         loader._stats = stats
         if remote is not None:

@@ -248,7 +248,7 @@ class Collector:
         self.last = self.started  # the last batch delivered
         self.ended: int | None = None
         self.failures: Any = None  # the epoch's Failures, when it has a budget
-        self.dataset: Any = None  # for the sources' counters
+        self.sources: list[Any] = []  # the streams' SourceStats, read at each snapshot
         # A worker's: what was reported already (see report()).
         self._reported: dict[str, tuple[int, int]] = {}
 
@@ -335,14 +335,9 @@ class Collector:
             in_flight = self.in_flight.mean(last)
         else:  # Little's law: the mean number in flight is their busy time over the time
             in_flight = min(self.fetch.busy / 1e9 / elapsed, float(self.in_flight_limit))
-        sources = []
-        if self.dataset is not None:
-            from ._sources import source_stats  # the sources import the pipeline
-
-            for source in source_stats(self.dataset):
-                sources.append({"shards": source.shards, "records": source.records,
-                                "bytes": source.bytes, "skipped": source.skipped,
-                                "retries": source.retries})
+        sources = [{"shards": source.shards, "records": source.records, "bytes": source.bytes,
+                    "skipped": source.skipped, "retries": source.retries}
+                   for source in self.sources]
         stats = LoaderStats(
             epoch=self.epoch,
             running=self.ended is None,
