@@ -113,6 +113,7 @@ class Failures:
         self.unreported: list[tuple[Any, BaseException]] = []
         self._reported_seen = 0
         self.sources_of: Callable[[object], list[Any]] | None = None
+        self.stats: Any = None  # the epoch's statistics (a Collector), counting failures too
         self._sources: list[Any] = []  # the streams' SourceStats whose skips count here
         self._skipped = 0
 
@@ -145,6 +146,8 @@ class Failures:
         with self._lock:
             self.count += 1
             count = self.count
+            if self.stats is not None:
+                self.stats.failed = count
             if math.isinf(self.budget):  # a worker's: the loader keeps the record
                 self.unreported.append((index, error))
             else:

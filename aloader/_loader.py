@@ -685,7 +685,9 @@ class AsyncDataLoaderIter(Generic[T_co]):
             max(1, loader.prefetch_factor), loader._stats_epochs, loader.num_workers,
             "iterable" if isinstance(kind, IterableEpochs) else "map",
         )
-        stats.failures, stats.sources = self.failures, source_stats(loader.dataset)
+        stats.sources = source_stats(loader.dataset)
+        if self.failures is not None:
+            self.failures.stats = stats
         loader._stats_epochs += 1
         loader._stats = stats
         if remote is not None:

@@ -247,7 +247,9 @@ class Collector:
         self.started = _now()
         self.last = self.started  # the last batch delivered
         self.ended: int | None = None
-        self.failures: Any = None  # the epoch's Failures, when it has a budget
+        # Samples failed within the failure budget, counted by the epoch's Failures (which
+        # this does not hold: its errors' tracebacks would tie the loader to their frames).
+        self.failed = 0
         self.sources: list[Any] = []  # the streams' SourceStats, read at each snapshot
         # A worker's: what was reported already (see report()).
         self._reported: dict[str, tuple[int, int]] = {}
@@ -344,7 +346,7 @@ class Collector:
             elapsed=elapsed,
             items=self.items,
             batches=self.batches,
-            failures=0 if self.failures is None else self.failures.count,
+            failures=self.failed,
             items_per_second=self.items / elapsed,
             mode=self.mode,
             kind=self.kind,

@@ -3,9 +3,11 @@ the epoch fails, on every kind of fetch (see aloader._failures)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,19 @@ import pytest
 
 import aloader
 from aloader import DataLoader, FailureBudgetExceeded
+
+
+@pytest.fixture(autouse=True)
+def _collect() -> Iterator[None]:
+    # Errors caught by pytest.raises sit in reference cycles with the frames that hold the
+    # epochs' iterators (and so their loaders' private loops): collect them here, not in
+    # whichever test runs next and counts loop threads.
+    yield
+    gc.collect()
+    for obj in gc.get_objects():  # a loader still held (by an error's frames) stops now
+        if isinstance(obj, DataLoader):
+            obj.close()
+
 
 BAD = {3, 4, 5, 6, 7, 15}  # batch 1 (4..7) loses every sample
 GOOD_BATCHES = [[0, 1, 2], [8, 9, 10, 11], [12, 13, 14], [16, 17, 18, 19]]
@@ -102,6 +117,14 @@ KINDS = [
 ]
 
 
+def drain(dl: DataLoader[Any]) -> list[Any]:
+    """One epoch, then close the loader (an epoch that raised must not keep its loop)."""
+    try:
+        return list(dl)
+    finally:
+        dl.close()
+
+
 def loader(dataset: Any, **kwargs: Any) -> DataLoader[Any]:
     return DataLoader(dataset, batch_size=4, collate_fn=list, **kwargs)
 
@@ -139,18 +162,18 @@ def test_over_budget_fails_the_epoch(cls: Any, kwargs: Any) -> None:
 @pytest.mark.parametrize(("cls", "kwargs"), KINDS)
 def test_default_raises_the_first_error_with_its_type(cls: Any, kwargs: Any) -> None:
     with pytest.raises(ValueError, match="bad sample") as info:
-        list(loader(cls(), **kwargs))
+        drain(loader(cls(), **kwargs))
     assert type(info.value) is ValueError
 
 
 def test_default_first_batch_error() -> None:
     with pytest.raises(ValueError, match="bad sample 3"):
-        list(loader(Sync()))
+        drain(loader(Sync()))
 
 
 def test_getitems_is_retried_item_by_item() -> None:
     dataset = GetItems()
-    assert list(loader(dataset, max_failures=6)) == GOOD_BATCHES
+    assert drain(loader(dataset, max_failures=6)) == GOOD_BATCHES
     # Batches with a bad sample are retried one index at a time; the others are one call.
     assert dataset.calls[:5] == [[0, 1, 2, 3], [0], [1], [2], [3]]
     assert [8, 9, 10, 11] in dataset.calls and [8] not in dataset.calls
@@ -158,23 +181,23 @@ def test_getitems_is_retried_item_by_item() -> None:
 
 def test_fraction_of_the_epoch() -> None:
     # 6 of 20 failed: 0.3 allows floor(6.0) = 6, 0.25 allows 5.
-    assert list(loader(Sync(), max_failures=0.3)) == GOOD_BATCHES
+    assert drain(loader(Sync(), max_failures=0.3)) == GOOD_BATCHES
     with pytest.raises(FailureBudgetExceeded, match=r"max_failures=0.25: 5 of 20 samples"):
-        list(loader(Sync(), max_failures=0.25))
+        drain(loader(Sync(), max_failures=0.25))
 
 
 def test_fraction_of_the_sampler() -> None:
     # A sampler over 10 of the samples: the fraction is of its 10 (5 failures: 3 to 7).
     sampler = list(range(10))
-    assert list(DataLoader(Sync(), batch_size=4, sampler=sampler, collate_fn=list,
+    assert drain(DataLoader(Sync(), batch_size=4, sampler=sampler, collate_fn=list,
                            max_failures=0.5)) == [[0, 1, 2], [8, 9]]
     with pytest.raises(FailureBudgetExceeded, match="4 of 10 samples"):
-        list(DataLoader(Sync(), batch_size=4, sampler=sampler, collate_fn=list,
+        drain(DataLoader(Sync(), batch_size=4, sampler=sampler, collate_fn=list,
                         max_failures=0.4))
 
 
 def test_without_auto_batching_a_failed_sample_is_skipped() -> None:
-    got = list(DataLoader(Sync(), batch_size=None, max_failures=6))
+    got = drain(DataLoader(Sync(), batch_size=None, max_failures=6))
     assert got == [i for i in range(20) if i not in BAD]
 
 
@@ -204,7 +227,7 @@ def test_array_samples(kwargs: dict[str, Any]) -> None:
         async def __getitem__(self, i: int) -> Any:  # type: ignore[override]
             return np.full(3, await Async.__getitem__(self, i))
 
-    got = list(DataLoader(Arrays(), batch_size=4, max_failures=6, **kwargs))
+    got = drain(DataLoader(Arrays(), batch_size=4, max_failures=6, **kwargs))
     assert [batch[:, 0].tolist() for batch in got] == GOOD_BATCHES
 
 
@@ -213,7 +236,7 @@ def test_collate_errors_are_not_absorbed() -> None:
         raise KeyError("collate")
 
     with pytest.raises(KeyError):
-        list(DataLoader(Sync(bad=set()), batch_size=4, collate_fn=collate, max_failures=5))
+        drain(DataLoader(Sync(bad=set()), batch_size=4, collate_fn=collate, max_failures=5))
 
 
 @pytest.mark.anyio
@@ -232,12 +255,12 @@ def test_iterable_next_raising_is_counted_and_pulling_goes_on() -> None:
 
 def test_iterable_over_budget() -> None:
     with pytest.raises(FailureBudgetExceeded) as info:
-        list(loader(Iterating(), max_failures=5))
+        drain(loader(Iterating(), max_failures=5))
     assert isinstance(info.value.__cause__, ValueError)
 
 
 def test_iterable_without_batching() -> None:
-    got = list(DataLoader(Iterating(), batch_size=None, max_failures=6))
+    got = drain(DataLoader(Iterating(), batch_size=None, max_failures=6))
     assert got == [i for i in range(20) if i not in BAD]
 
 
@@ -249,7 +272,7 @@ def test_a_generator_cannot_go_on_after_raising() -> None:
 
     # Pulling on would end the epoch early without a word: the error is raised as is.
     with pytest.raises(ValueError, match="bad sample 1"):
-        list(DataLoader(Generating(), batch_size=2, collate_fn=list, max_failures=5))
+        drain(DataLoader(Generating(), batch_size=2, collate_fn=list, max_failures=5))
 
 
 # --- worker processes ----------------------------------------------------------------------------
@@ -260,7 +283,7 @@ def test_workers_within_and_over_budget(cls: Any) -> None:
     assert it._source.failures is not None
     assert sorted(it._source.failures.indices) == sorted(BAD)
     with pytest.raises(FailureBudgetExceeded) as info:
-        list(loader(cls(), max_failures=5, num_workers=2))
+        drain(loader(cls(), max_failures=5, num_workers=2))
     assert isinstance(info.value.__cause__, ValueError)  # rebuilt from the worker's
     assert "bad sample" in str(info.value.__cause__)
 
@@ -300,7 +323,7 @@ def test_workers_iterable_fraction() -> None:
     assert sorted(it._source.failures.indices) == [5, 8]  # their numbers in their replica
     # Over the fraction only at the end (2 > 0.05 * 20): the end of the epoch says so.
     with pytest.raises(FailureBudgetExceeded, match="0.05: 1 of the 20 samples attempted"):
-        list(DataLoader(ShardedIterating(bad), batch_size=None, max_failures=0.05,
+        drain(DataLoader(ShardedIterating(bad), batch_size=None, max_failures=0.05,
                         num_workers=2))
 
 
@@ -321,7 +344,7 @@ def test_source_skips_count_against_the_budget(tmp_path: Path) -> None:
     assert it._source.failures.indices == [None, None, None]
     assert source.stats.skipped == 3
     with pytest.raises(FailureBudgetExceeded) as info:
-        list(DataLoader(aloader.JsonLines(shard, skip_errors=True), batch_size=4,
+        drain(DataLoader(aloader.JsonLines(shard, skip_errors=True), batch_size=4,
                         collate_fn=list, max_failures=2))
     assert isinstance(info.value.__cause__, aloader.RecordError)
 
@@ -335,20 +358,20 @@ def test_source_skips_with_workers(tmp_path: Path) -> None:
     assert it._source.failures is not None and it._source.failures.count == 1
     twice = aloader.JsonLines([shards[0], shards[0]], skip_errors=True)  # 2 skipped records
     with pytest.raises(FailureBudgetExceeded):
-        list(DataLoader(twice, batch_size=4, collate_fn=list, max_failures=1, num_workers=2))
+        drain(DataLoader(twice, batch_size=4, collate_fn=list, max_failures=1, num_workers=2))
 
 
 def test_a_stream_error_is_raised_as_is(tmp_path: Path) -> None:
     shard = write_shard(tmp_path / "a.jsonl", {2})
     with pytest.raises(aloader.RecordError):
-        list(DataLoader(aloader.JsonLines(shard), batch_size=4, collate_fn=list,
+        drain(DataLoader(aloader.JsonLines(shard), batch_size=4, collate_fn=list,
                         max_failures=3))
 
 
 # --- logging -------------------------------------------------------------------------------------
 def test_failures_are_logged(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="aloader"):
-        list(loader(Sync(), max_failures=6))
+        drain(loader(Sync(), max_failures=6))
     skipped = [r for r in caplog.records if r.name == "aloader.loader"]
     assert len(skipped) == 6
     assert all(r.levelno == logging.WARNING for r in skipped)
@@ -359,7 +382,7 @@ def test_exceeded_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="aloader"), pytest.raises(
         FailureBudgetExceeded
     ):
-        list(loader(Sync(), max_failures=1))
+        drain(loader(Sync(), max_failures=1))
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "2 samples failed" in errors[0].getMessage()
 
