@@ -33,6 +33,7 @@ from ._exceptions import (
     BatchResultError,
     BucketNotFoundError,
     EndpointUnreachableError,
+    FailureBudgetExceeded,
     FetchError,
     LoaderClosedError,
     LoaderTimeoutError,
@@ -58,6 +59,7 @@ from ._sampler import (
     WeightedRandomSampler,
 )
 from ._sources import BinaryRecords, JsonLines, NpyRows, ShardedSource, SourceOptions, TextLines
+from ._stats import LoaderStats, StageStats
 from ._streams import Stream, as_stream, interleave
 from ._tar import TarShards
 from ._workerinfo import WorkerInfo, get_worker_info
@@ -69,6 +71,8 @@ __all__ = (
     "AsyncDataLoaderIter",
     "DataLoader",
     "DataLoaderIter",
+    "LoaderStats",
+    "StageStats",
     "WorkerInfo",
     "get_worker_info",
     "sample_rng",
@@ -125,6 +129,7 @@ __all__ = (
     "BatchResultError",
     "BucketNotFoundError",
     "EndpointUnreachableError",
+    "FailureBudgetExceeded",
     "FetchError",
     "LoaderClosedError",
     "LoaderTimeoutError",

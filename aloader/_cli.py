@@ -1,4 +1,5 @@
-"""``python -m aloader`` (or ``aloader``): the ``demo`` and ``bench`` commands, ``--version``.
+"""``python -m aloader`` (or ``aloader``): the ``demo``, ``profile`` and ``bench`` commands,
+``--version``.
 
 Owns the command line: its parser and the dispatch to the commands. The commands' code lives
 elsewhere and is imported only when its command runs: the demo in :mod:`aloader._demo` (part of
@@ -130,6 +131,19 @@ def _parser(workloads: Sequence[str] | None) -> argparse.ArgumentParser:
         add_help=False,
     )
 
+    profile = commands.add_parser(
+        "profile",
+        help="run one epoch of your DataLoader and show where its time goes",
+        description="Import MODULE (a dotted name importable from the current directory, or "
+                    "a path to a .py file), call FACTORY() (a function returning an "
+                    "aloader.DataLoader), run one epoch with a progress line, then print the "
+                    "per-stage table of DataLoader.stats() and its bottleneck verdict.",
+    )
+    profile.add_argument("target", metavar="MODULE:FACTORY",
+                         help="e.g. examples/profile_factory.py:make_loader")
+    profile.add_argument("--batches", type=_positive_int, default=None,
+                         help="stop after this many batches (default: the whole epoch)")
+
     bench = commands.add_parser(
         "bench",
         help="measure the loader against the limits of its workloads (from a source checkout)",
@@ -176,6 +190,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._demo import main as demo_main
 
         return demo_main(args)
+    if args.command == "profile":
+        from ._demo._profile import main as profile_main
+
+        return profile_main(args.target, batches=args.batches)
     if engine is None:
         print(f"python -m aloader bench: the benchmarks are not installed with the package; "
               f"run it from a source checkout of aloader (`pip install -e .` there), where "

@@ -8,6 +8,7 @@ derive from it, shown after the name), so code written against torch catches the
     +-- LoaderClosedError   (RuntimeError)   the epoch's iterator was closed or has failed
     +-- WorkerError         (RuntimeError)   a worker process died or the workers stopped
     +-- SampleRngError      (RuntimeError)   sample_rng() outside a fetch (or without index)
+    +-- FailureBudgetExceeded                more samples failed than ``max_failures`` allows
     +-- SourceError                          a streaming source could not produce records
     |   +-- RecordError     (ValueError)     a malformed record
     |   +-- FetchError      (OSError)        reading a file or URL failed
@@ -34,6 +35,7 @@ __all__ = (
     "BatcherTimeoutError",
     "BucketNotFoundError",
     "EndpointUnreachableError",
+    "FailureBudgetExceeded",
     "FetchError",
     "LoaderClosedError",
     "LoaderTimeoutError",
@@ -78,6 +80,28 @@ class WorkerError(AloaderError, RuntimeError):
 class SampleRngError(AloaderError, RuntimeError):
     """:func:`aloader.sample_rng` was called outside a DataLoader's fetch of a sample, or
     inside ``__getitems__`` without the sample's index."""
+
+
+class FailureBudgetExceeded(AloaderError):
+    """More samples of an epoch failed than the loader's ``max_failures`` allows.
+
+    Its ``__cause__`` is the last sample's error (with its own type and notes).
+
+    Attributes:
+        count: the samples that failed in the epoch.
+        budget: the ``max_failures`` exceeded (a count, or a fraction of the samples).
+        errors: the last errors (at most 16), the cause last.
+        indices: the failed samples' indices, in the order they failed.
+    """
+
+    def __init__(self, message: str, *, count: int = 0, budget: float = 0,
+                 errors: list[BaseException] | None = None,
+                 indices: list[object] | None = None) -> None:
+        super().__init__(message)
+        self.count = count
+        self.budget = budget
+        self.errors = errors or []
+        self.indices = indices or []
 
 
 # --------------------------------------------------------------------------- sources

@@ -42,6 +42,7 @@ import anyio
 
 from ._exceptions import FetchError
 from ._formats import SourceStats
+from ._log import http_log
 from ._util import Closing
 
 if TYPE_CHECKING:
@@ -453,7 +454,10 @@ async def http_chunks(
                 source=url, offset=offset, status_code=status,
             )
         stats.retries += 1
-        await anyio.sleep(retry_delay(options, failures, retry_after))
+        delay = retry_delay(options, failures, retry_after)
+        http_log.info("retrying %s%s in %.2f s (attempt %d of %d): %s", url, _where(offset),
+                      delay, failures + 1, options.retries + 1, error)
+        await anyio.sleep(delay)
 
 
 def split_chunks(piece: bytes, size: int) -> Iterator[bytes]:

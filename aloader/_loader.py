@@ -11,9 +11,11 @@ epoch's :class:`AsyncDataLoaderIter` (``async for``) or :class:`DataLoaderIter` 
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 import threading
+import time
 import warnings
 import weakref
 from collections import deque
@@ -27,17 +29,23 @@ import numpy as np
 from ._collate import default_collate, default_convert
 from ._dataset import is_iterable_dataset
 from ._epochs import EpochKind, IterableEpochs, MapEpochs, Progress, Skip
-from ._exceptions import LoaderTimeoutError
+from ._exceptions import FailureBudgetExceeded, LoaderTimeoutError
 from ._facade import PrivateLoop, SyncIterator, forbid_running_loop, loop_of
+from ._failures import Failures, check_max_failures
+from ._log import SLOW_FIRST_BATCH, loader_log, worker_log
 from ._pipeline import Epoch, FetchPlan, Results
 from ._pool import PoolEpoch, WorkerPool, default_context, prepare_context, resolve_context
 from ._random import as_generator, draw_seed, restore_rng, rng_state
 from ._sample_rng import seed_of
 from ._sampler import BatchSampler, RandomSampler, SequentialSampler
+from ._sources import source_stats
+from ._stats import Collector, LoaderStats
 from ._streams import Stream
 from ._worker import WorkerSetup
 
 __all__ = ("AsyncDataLoaderIter", "DataLoader", "DataLoaderIter")
+
+_now = time.perf_counter_ns
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -194,6 +202,13 @@ class DataLoader(Generic[T_co]):
         max_concurrency: fetch calls in flight. Async datasets default to 64; synchronous
             datasets default to one batch call at a time in a worker thread, and with a value
             fetch that many items at once in threads (for blocking I/O).
+        max_failures: the failure budget of each epoch: an int is a count of samples, a
+            float in (0, 1) a fraction of the epoch's samples. With a budget, a sample whose
+            fetch raises is left out of its batch (a batch left with no sample is skipped),
+            counted and logged to ``aloader.loader``; once the failures exceed the budget the
+            epoch fails with :class:`FailureBudgetExceeded`. 0 (the default) raises the first
+            error with its own type, as torch does. See :mod:`aloader._failures` for
+            ``__getitems__``, iterable datasets, streams and workers.
     """
 
     dataset: Any
@@ -233,6 +248,7 @@ class DataLoader(Generic[T_co]):
         pin_memory_device: str = ...,
         in_order: bool = ...,
         max_concurrency: int | None = ...,
+        max_failures: int | float = ...,
     ) -> None: ...
     @overload
     def __init__(
@@ -256,6 +272,7 @@ class DataLoader(Generic[T_co]):
         pin_memory_device: str = ...,
         in_order: bool = ...,
         max_concurrency: int | None = ...,
+        max_failures: int | float = ...,
     ) -> None: ...
     @overload
     def __init__(
@@ -279,6 +296,7 @@ class DataLoader(Generic[T_co]):
         pin_memory_device: str = ...,
         in_order: bool = ...,
         max_concurrency: int | None = ...,
+        max_failures: int | float = ...,
     ) -> None: ...
     def __init__(
         self,
@@ -301,6 +319,7 @@ class DataLoader(Generic[T_co]):
         pin_memory_device: str = "",
         in_order: bool = True,
         max_concurrency: int | None = None,
+        max_failures: int | float = 0,
     ) -> None:
         if num_workers < 0:
             raise ValueError(
@@ -339,6 +358,7 @@ class DataLoader(Generic[T_co]):
         self.worker_init_fn = worker_init_fn
         self.in_order = in_order
         self.max_concurrency = max_concurrency
+        self.max_failures = check_max_failures(max_failures)
 
         iterable = is_iterable_dataset(dataset)
         if iterable:
@@ -421,6 +441,8 @@ class DataLoader(Generic[T_co]):
         self._resume_state: dict[str, Any] | None = None
         self._resume_skip: Skip | None = None
         self._resume_seed: int | None = None  # the persistent workers' seed of a resumed run
+        self._stats: Collector | None = None  # the statistics of the latest epoch
+        self._stats_epochs = 0
         if num_workers > 0:
             prepare_context(self._context(), warm=True)
         self.__initialized = True
@@ -461,6 +483,30 @@ class DataLoader(Generic[T_co]):
     @property
     def _index_sampler(self) -> Any:
         return self.batch_sampler if self._auto_collation else self.sampler
+
+    def _epoch_samples(self) -> int | None:
+        """The samples of one epoch, the base of a fractional failure budget: the sampler's
+        length (map-style), the dataset's, or None when unknown."""
+        if isinstance(self.max_failures, int):
+            return None
+        for sized in (self.sampler, self.dataset):
+            try:
+                return len(sized)
+            except TypeError:
+                continue
+        return None
+
+    def stats(self) -> LoaderStats:
+        """A snapshot of the statistics of the current or last epoch, with its verdict.
+
+        Per stage (sampling, fetch, collate, transfer from workers, the consumer's wait and its
+        own time): count, busy time, latency percentiles; fetches in flight and batches ready
+        against their limits; items, batches, failures, items/s; and ``bottleneck``, the
+        limiting stage in one sentence with the change that would help. See
+        :mod:`aloader._stats`. Before the first epoch, a snapshot with nothing counted.
+        """
+        collector = self._stats if self._stats is not None else Collector()
+        return collector.snapshot()
 
     def __len__(self) -> int:
         """Batches in one epoch, by torch's rules (computed at each call)."""
@@ -755,12 +801,18 @@ class DataLoader(Generic[T_co]):
         """This epoch's use of the worker processes: the persistent pool when it is free."""
         pool = self._pool
         if pool is not None and (pool.closed or pool.broken):
+            if pool.broken:
+                worker_log.warning("restarting the persistent workers after an earlier error")
             pool.shutdown()
             pool = self._pool = None
         if pool is not None and (pool.holder is None or pool.holder.stopping):
             return self._kind.pool_epoch(pool, epoch)
+        plan = self._plan(None)
+        if self.max_failures:  # a worker reports its failures; the budget is counted here
+            plan.failures = Failures(math.inf)
+            plan.failures.sources_of = source_stats
         setup = WorkerSetup(
-            plan=self._plan(None),
+            plan=plan,
             serve=self._kind.serve,
             base_seed=base_seed,
             num_workers=self.num_workers,
@@ -828,6 +880,8 @@ class AsyncDataLoaderIter(Generic[T_co]):
         rng_state: the state of the loader's generator when this epoch started.
         base_seed: this epoch's ``base_seed`` (the workers' seeds are ``base_seed + id``).
         num_yielded: batches delivered so far.
+        failures: the epoch's failure budget and record (``count``, ``indices`` of the failed
+            samples, the last ``errors``), or None without ``max_failures``.
     """
 
     def __init__(self, loader: DataLoader[T_co]) -> None:
@@ -855,6 +909,9 @@ class AsyncDataLoaderIter(Generic[T_co]):
         self._deferred: deque[tuple[int, Any]] | None = None
         self._last_meta: Any = None  # the metadata of the batch handed out last (iterable)
         self._ended = False  # the epoch's last batch was handed out
+        # The epoch's failure budget and record (None without max_failures).
+        self.failures: Failures | None = None
+        self.stats: Collector | None = None  # the epoch's statistics, from its start
         self._timeout = loader.timeout
         self._len_called = loader._kind.reported_length()
         self._epoch: Epoch | None = None
@@ -876,7 +933,27 @@ class AsyncDataLoaderIter(Generic[T_co]):
             epoch = kind.on_workers(loader._plan(transform, remote, self.epoch), results,
                                     remote)
         else:
+            remote = None
             epoch = kind.local(loader._plan(transform, epoch=self.epoch), results)
+        plan = epoch.plan
+        if loader.max_failures:
+            self.failures = plan.failures = Failures(loader.max_failures,
+                                                     loader._epoch_samples())
+            self.failures.sources_of = source_stats
+            if remote is not None:
+                remote.failures = self.failures
+        stats = self.stats = plan.stats = Collector(
+            plan.mode, plan.concurrency if plan.granularity == "item" else plan.window,
+            max(1, loader.prefetch_factor), loader._stats_epochs, loader.num_workers,
+            "iterable" if isinstance(kind, IterableEpochs) else "map",
+        )
+        stats.sources = source_stats(loader.dataset)
+        if self.failures is not None:
+            self.failures.stats = stats
+        loader._stats_epochs += 1
+        loader._stats = stats
+        if remote is not None:
+            remote.stats = stats
         epoch.start()
         loader._epochs = {e for e in loader._epochs if not e.done.is_set()}
         loader._epochs.add(epoch)
@@ -888,6 +965,9 @@ class AsyncDataLoaderIter(Generic[T_co]):
         epoch = self._epoch
         if epoch is None:
             epoch = self._epoch = self._start()
+        asked = _now()
+        stats = self.stats
+        assert stats is not None
         try:
             if self._timeout > 0:
                 try:
@@ -907,13 +987,19 @@ class AsyncDataLoaderIter(Generic[T_co]):
             self._ended = True
             if self._deferred is None:
                 self._record.done = True
+            stats.asked_again(asked)
+            stats.ended = _now()
             await epoch.done.wait()
+            if self.failures is not None:
+                self.failures.finish()  # a fraction of samples counted as they came
             raise
         except anyio.get_cancelled_exc_class():
             # The consumer is gone: stop fetching for it.
             self._shutdown()
             raise
         if error is not None:
+            if isinstance(error, FailureBudgetExceeded):
+                self._shutdown()  # the budget is spent: the epoch ends here
             if isinstance(error, (StopIteration, StopAsyncIteration)):
                 # Raised as is, it would end the epoch silently and lose the rest.
                 raise RuntimeError(
@@ -927,6 +1013,11 @@ class AsyncDataLoaderIter(Generic[T_co]):
         else:
             self._deferred.append((number, self._last_meta))
         self.num_yielded += 1
+        now = _now()
+        stats.delivered(asked, now, epoch.results.ready())
+        if stats.batches == 1 and now - stats.started > SLOW_FIRST_BATCH * 1e9:
+            loader_log.warning("the first batch took %.1f s (a cold start, or a stall: "
+                               "see DataLoader.stats())", (now - stats.started) / 1e9)
         self._warn_length()
         return cast(T_co, value)
 
@@ -940,8 +1031,17 @@ class AsyncDataLoaderIter(Generic[T_co]):
                 stacklevel=3,
             )
 
+    @property
+    def failed_indices(self) -> list[Any]:
+        """The indices of the samples that failed within the failure budget, in the order
+        they failed (the samples' numbers for an iterable dataset, None for a record a source
+        skipped); empty without ``max_failures``."""
+        return [] if self.failures is None else list(self.failures.indices)
+
     def _shutdown(self) -> None:
         self._closed = True
+        if self.stats is not None and self.stats.ended is None:
+            self.stats.ended = _now()
         if self._epoch is not None:
             self._epoch.stop()
 
@@ -1005,3 +1105,8 @@ class DataLoaderIter(Iterator[T_co]):
     def num_yielded(self) -> int:
         """Batches delivered so far in this epoch."""
         return self._source.num_yielded
+
+    @property
+    def failed_indices(self) -> list[Any]:
+        """See :attr:`AsyncDataLoaderIter.failed_indices`."""
+        return self._source.failed_indices

@@ -25,6 +25,12 @@ to a worker and awaits the batch the worker collated (see :mod:`aloader._pool`),
 Memory is bounded whatever the consumer does: a job holds a window slot from admission until its
 batch is collated, and a batch is collated only once it has an output slot.
 
+With a failure budget (the plan's ``failures``, see :mod:`aloader._failures`), a sample whose
+fetch raises is left out of its batch instead (marked ``_FAILED`` until the job collates; a
+job left with no sample publishes :data:`SKIP`), until the budget is exceeded. Every epoch
+records its statistics into the plan's ``stats`` (see :mod:`aloader._stats`): a timestamp
+pair per job, or per item where items are fetched one by one.
+
 An ``Exception`` from the dataset, the sampler or ``collate_fn`` is that batch's error; any
 other ``BaseException`` (``KeyboardInterrupt``, ``SystemExit``...) ends the epoch and reaches
 the consumer as itself (see :meth:`Epoch._guard`), never the event loop. Stopping an epoch
@@ -50,8 +56,10 @@ import numpy as np
 
 from ._backend import Detached, threadsafe_caller
 from ._dataset import aiter_of, fetch_mode
-from ._exceptions import LoaderClosedError
+from ._exceptions import FailureBudgetExceeded, LoaderClosedError
+from ._failures import Failures, resumable
 from ._sample_rng import BATCH, Scope, scope_var
+from ._stats import Collector
 from ._util import Signal, close_iterator, is_async_callable, resolve
 
 __all__ = (
@@ -84,6 +92,12 @@ Granularity = Literal["job", "item"]
 # it keeps its place in the order and is passed over by the consumer.
 SKIP: Any = object()
 
+# A sample whose fetch failed within the failure budget (see aloader._failures): left out.
+_FAILED: Any = object()
+
+
+_now = time.perf_counter_ns
+_cpu = time.thread_time_ns
 
 _CLOSED = LoaderClosedError()  # never raised itself: a fresh one is, without a traceback
 
@@ -109,9 +123,10 @@ class Results:
     #: Job number -> metadata of the jobs published, popped as they are taken (or None).
     metas: Any = None
 
-    def __init__(self, capacity: int, in_order: bool) -> None:
+    def __init__(self, capacity: int, in_order: bool, skips: bool = False) -> None:
         self._capacity = max(1, capacity)
         self._in_order = in_order
+        self._skips = skips  # hand over SKIP too (a worker answers every job)
         self._ready: dict[int, tuple[Any, BaseException | None]] = {}
         self._fifo: deque[tuple[Any, BaseException | None]] = deque()
         self._fifo_seqs: deque[int] = deque()  # the jobs of _fifo's batches, in _fifo's order
@@ -139,6 +154,10 @@ class Results:
             self._fifo.append((value, error))
             self._fifo_seqs.append(seq)
         self._changed.notify()
+
+    def ready(self) -> int:
+        """Batches published and not yet taken (the statistics' occupancy)."""
+        return len(self._ready) if self._in_order else len(self._fifo)
 
     def finish(self, total: int) -> None:
         """No job numbered ``total`` or above will be published."""
@@ -172,7 +191,7 @@ class Results:
                 self.meta = self.metas.pop(seq, None)
             self.taken += 1
             self._changed.notify()
-            if item[0] is not SKIP:
+            if item[0] is not SKIP or self._skips:
                 return item
 
     async def take(self) -> tuple[Any, BaseException | None]:
@@ -252,7 +271,8 @@ class _Job:
 
 
 def _note(error: BaseException, text: str) -> BaseException:
-    error.add_note(text)
+    if not isinstance(error, FailureBudgetExceeded):  # one object for every job after it
+        error.add_note(text)
     return error
 
 
@@ -303,8 +323,12 @@ class _FetchThreads:
     A thread starts only when there are more unfinished items than threads, up to ``count``.
     """
 
-    def __init__(self, get_item: Callable[[Any], Any], count: int, abandon: _Abandon) -> None:
+    def __init__(self, get_item: Callable[[Any], Any], count: int, abandon: _Abandon,
+                 absorb: Callable[[Any, BaseException], BaseException | None],
+                 stats: Collector) -> None:
         self._get_item = get_item
+        self._absorb = absorb
+        self._stats = stats
         self._count = count
         self._abandon = abandon
         self._work: queue.SimpleQueue[tuple[_Job, int, Any] | None] = queue.SimpleQueue()
@@ -331,13 +355,19 @@ class _FetchThreads:
             job, position, index = work
             error: BaseException | None = None
             if job.error is None and not self._stopping:
+                stats = self._stats
+                started, cpu = _now(), _cpu()
                 try:
                     job.samples[position] = self._get_item(index)
                 except Exception as exc:
-                    error = _note(exc, f"raised while fetching index {index!r} "
-                                       f"of batch {job.seq}")
+                    error = self._absorb(index, _note(exc, f"raised while fetching index "
+                                                           f"{index!r} of batch {job.seq}"))
+                    if error is None:
+                        job.samples[position] = _FAILED
                 except BaseException as exc:  # ends the epoch: see Epoch._worker
                     error = exc
+                finally:
+                    stats.fetched_in_thread(_now() - started, _cpu() - cpu)
             with self._lock:
                 if error is not None and job.error is None:
                     job.error = error
@@ -407,6 +437,9 @@ class FetchPlan:
         remote: the worker processes of a "process" plan.
         seed: the loader's sample seed, for :func:`aloader.sample_rng` (None: no scope).
         epoch: the loader's epoch (set per request in a worker process).
+        failures: the epoch's failure budget (see :mod:`aloader._failures`), or None (the
+            first error is the batch's error).
+        stats: the epoch's statistics (see :mod:`aloader._stats`).
     """
 
     dataset: Any
@@ -421,6 +454,8 @@ class FetchPlan:
     remote: Remote | None = None
     seed: int | None = None
     epoch: int = 0
+    failures: Failures | None = None
+    stats: Collector = field(default_factory=Collector)
 
     @classmethod
     def for_dataset(
@@ -580,8 +615,47 @@ class FetchPlan:
         finally:
             scope_var.reset(token)
 
+    def absorb(self, index: Any, error: BaseException) -> BaseException | None:
+        """None when the failure budget absorbs the failure of sample ``index`` (the sample
+        is left out), else the error the job fails with (``error``, or the budget's)."""
+        failures = self.failures
+        if failures is None or not isinstance(error, Exception) or isinstance(
+            error, FailureBudgetExceeded
+        ):
+            return error
+        try:
+            failures.record(index, error)
+        except FailureBudgetExceeded as exc:
+            return exc
+        return None
+
     # Synchronous halves, run inline on the loop or in a worker thread.
     def fetch_sync(self, key: Any) -> Any:
+        """The samples of ``key``; with a failure budget, those that did not fail (a failing
+        batch call retried item by item), or :data:`SKIP` when none is left."""
+        if self.failures is None:
+            return self._fetch_sync(key)
+        try:
+            return self._fetch_sync(key)
+        except Exception as exc:
+            if not self.auto_batch:
+                return self._absorbed(key, exc)
+        samples = []
+        for index in self.items_of(key):
+            try:
+                samples.append(self._fetch_sync([index])[0])
+            except Exception as exc:
+                self._absorbed(index, exc)
+        return samples if samples else SKIP
+
+    def _absorbed(self, index: Any, error: Exception) -> Any:
+        """:data:`SKIP` when the budget absorbs ``error``; else raise the job's error."""
+        final = self.absorb(index, _note(error, f"raised while fetching index {index!r}"))
+        if final is not None:
+            raise final
+        return SKIP
+
+    def _fetch_sync(self, key: Any) -> Any:
         scope = self._scope()
         if scope is None:
             if not self.auto_batch:
@@ -601,14 +675,29 @@ class FetchPlan:
             scope_var.reset(token)
 
     def collate_sync(self, samples: Any) -> Any:
+        if samples is SKIP:  # every sample failed within the budget
+            return SKIP
+        started = _now()
         batch = self.collate_fn(samples)
-        return batch if self.transform is None else self.transform(batch)
+        batch = batch if self.transform is None else self.transform(batch)
+        self.stats.collated_in_thread(samples, _now() - started)
+        return batch
 
     def load_sync(self, key: Any) -> Any:
-        return self.collate_sync(self.fetch_sync(key))
+        started, cpu = _now(), _cpu()
+        samples = self.fetch_sync(key)
+        self.stats.fetched_in_thread(_now() - started, _cpu() - cpu)
+        return self.collate_sync(samples)
 
     def pull_sync(self, source: Iterator[Any], size: int | None, drop_last: bool) -> Any:
-        samples, ended = _pull_sync(source, size)
+        started, cpu = _now(), _cpu()
+        try:
+            if self.failures is None:
+                samples, ended = _pull_sync(source, size)
+            else:
+                samples, ended = _pull_sync_tolerant(source, size, self)
+        finally:
+            self.stats.fetched_in_thread(_now() - started, _cpu() - cpu)
         if samples is _NOTHING or (size is not None and drop_last and len(samples) < size):
             return _NOTHING, True
         return self.collate_sync(samples), ended
@@ -627,36 +716,65 @@ class FetchPlan:
     async def fetch(self, key: Any, limiter: anyio.CapacityLimiter, seq: int = 0) -> Any:
         """The samples of job ``seq``, fetched in one call (a collated batch from a remote)."""
         if self.remote is not None:
-            return await self.remote.fetch(key, seq)
-        if self.mode == "thread":
-            return await self.in_thread(self.fetch_sync, key, limiter=limiter)
-        # An async fetch runs when awaited: the scope must span the awaits too.
-        scope = self._scope(BATCH if self.auto_batch else key)
-        token = None if scope is None else scope_var.set(scope)
+            in_flight = self.stats.in_flight
+            in_flight.change(1, _now())
+            try:
+                return await self.remote.fetch(key, seq)
+            finally:
+                in_flight.change(-1, _now())
+        if self.failures is None:
+            return await self._fetch(key, limiter)
         try:
-            samples = await resolve(self.fetch_sync(key))
-            if self.auto_batch and isinstance(samples, list):
-                items = self.items_of(key) if self._getitems is None else None
-                for position, sample in enumerate(samples):
-                    if inspect.isawaitable(sample):
-                        if items is not None and scope is not None:
-                            scope.at(items[position])
-                        samples[position] = await sample
-            return samples
+            return await self._fetch(key, limiter)
+        except Exception as exc:
+            if not self.auto_batch:
+                return self._absorbed(key, exc)
+        samples = []
+        for index in self.items_of(key):
+            try:
+                samples.append((await self._fetch([index], limiter))[0])
+            except Exception as exc:
+                self._absorbed(index, exc)
+        return samples if samples else SKIP
+
+    async def _fetch(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
+        started = _now()
+        try:
+            if self.mode == "thread":
+                return await self.in_thread(self._fetch_sync, key, limiter=limiter)
+            # An async fetch runs when awaited: the scope must span the awaits too.
+            scope = self._scope(BATCH if self.auto_batch else key)
+            token = None if scope is None else scope_var.set(scope)
+            try:
+                samples = await resolve(self._fetch_sync(key))
+                if self.auto_batch and isinstance(samples, list):
+                    items = self.items_of(key) if self._getitems is None else None
+                    for position, sample in enumerate(samples):
+                        if inspect.isawaitable(sample):
+                            if items is not None and scope is not None:
+                                scope.at(items[position])
+                            samples[position] = await sample
+                return samples
+            finally:
+                if token is not None:
+                    scope_var.reset(token)
         finally:
-            if token is not None:
-                scope_var.reset(token)
+            self.stats.fetch.add(_now() - started)
 
     async def fetch_item(self, index: Any, limiter: anyio.CapacityLimiter) -> Any:
-        if self.mode == "thread":
-            return await self.in_thread(self.get_item, index, limiter=limiter)
-        scope = self._scope(index)
-        token = None if scope is None else scope_var.set(scope)
+        started = _now()
         try:
-            return await resolve(self.dataset[index])
+            if self.mode == "thread":
+                return await self.in_thread(self.get_item, index, limiter=limiter)
+            scope = self._scope(index)
+            token = None if scope is None else scope_var.set(scope)
+            try:
+                return await resolve(self.dataset[index])
+            finally:
+                if token is not None:
+                    scope_var.reset(token)
         finally:
-            if token is not None:
-                scope_var.reset(token)
+            self.stats.fetch.add(_now() - started)
 
     async def load(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
         """Fetch and collate one job in a single thread call (``collate_in_thread`` plans)."""
@@ -666,12 +784,14 @@ class FetchPlan:
     async def collate(self, samples: Any, limiter: anyio.CapacityLimiter) -> Any:
         if self.collate_in_thread:
             return await self.in_thread(self.collate_sync, samples, limiter=limiter)
+        if samples is SKIP:  # every sample failed within the budget, or none came
+            return SKIP
         if self.remote is not None:  # collated by the worker
             batch = samples
-            if batch is SKIP:
-                return batch
         else:
+            started = _now()
             batch = await resolve(self.collate_fn(samples))
+            self.stats.collated(samples, _now() - started)
         return batch if self.transform is None else self.transform(batch)
 
 
@@ -793,21 +913,26 @@ class MapEpoch(Epoch):
         """The next batch (value, error); StopAsyncIteration at the end of the epoch."""
         if not self.inline:
             return await self.results.take()
-        try:
-            key = await self._inline_keys.__anext__()
-        except StopAsyncIteration:
-            raise
-        except Exception as exc:
-            return None, _note(exc, "raised by the sampler")
-        seq = self.results.taken
-        try:
-            batch = await self.plan.collate(self.plan.fetch_sync(key), _NO_LIMITER)
-        except Exception as exc:
-            return None, _note(exc, f"raised while loading batch {seq} (indices "
-                                    f"{_describe(key)})")
-        finally:
-            self.results.last = seq
-            self.results.taken += 1
+        while True:
+            started = _now()
+            try:
+                key = await self._inline_keys.__anext__()
+            except StopAsyncIteration:
+                raise
+            except Exception as exc:
+                return None, _note(exc, "raised by the sampler")
+            self.plan.stats.sampling.add(_now() - started)
+            seq = self.results.taken
+            try:
+                batch = await self.plan.collate(self._fetch_inline(key), _NO_LIMITER)
+            except Exception as exc:
+                return None, _note(exc, f"raised while loading batch {seq} (indices "
+                                        f"{_describe(key)})")
+            finally:
+                self.results.last = seq
+                self.results.taken += 1
+            if batch is not SKIP:
+                break
         # Keep the loop responsive even if the consumer never awaits anything else.
         now = time.monotonic()
         if now - self._last_yield > _YIELD_EVERY:
@@ -815,13 +940,22 @@ class MapEpoch(Epoch):
             await anyio.lowlevel.checkpoint()
         return batch, None
 
+    def _fetch_inline(self, key: Any) -> Any:
+        stats = self.plan.stats
+        started = _now()
+        try:
+            return self.plan.fetch_sync(key)
+        finally:
+            stats.fetch.add(_now() - started)
+
     async def _run(self) -> None:
         plan = self.plan
         window = anyio.Semaphore(plan.window)
         limiter = anyio.CapacityLimiter(plan.concurrency)
         threads = None
         if plan.granularity == "item" and plan.mode == "thread":
-            threads = _FetchThreads(plan.get_item, plan.concurrency, plan.abandon)
+            threads = _FetchThreads(plan.get_item, plan.concurrency, plan.abandon, plan.absorb,
+                                    plan.stats)
         workers = plan.concurrency if plan.granularity == "item" and threads is None else (
             plan.window
         )
@@ -844,9 +978,11 @@ class MapEpoch(Epoch):
         self, queue: _WorkQueue, window: anyio.Semaphore, threads: _FetchThreads | None
     ) -> None:
         keys = _Keys(self._keys)
+        sampling = self.plan.stats.sampling
         seq = 0
         while True:
             await window.acquire()
+            started = _now()
             try:
                 key = await keys.__anext__()
             except StopAsyncIteration:
@@ -857,6 +993,7 @@ class MapEpoch(Epoch):
                 self.results.publish(seq, None, _note(exc, "raised by the sampler"))
                 seq += 1
                 break
+            sampling.add(_now() - started)
             job = _Job(seq, key)
             seq += 1
             if self.plan.granularity == "job":
@@ -896,8 +1033,12 @@ class MapEpoch(Epoch):
                 try:
                     job.samples[position] = await self.plan.fetch_item(index, limiter)
                 except Exception as exc:
-                    job.error = _note(exc, f"raised while fetching index {index!r} "
-                                           f"of batch {job.seq}")
+                    error = self.plan.absorb(index, _note(exc, f"raised while fetching index "
+                                                               f"{index!r} of batch {job.seq}"))
+                    if error is None:
+                        job.samples[position] = _FAILED
+                    else:
+                        job.error = error
             job.remaining -= 1
             if job.remaining == 0:
                 await self._complete(job, limiter)
@@ -930,11 +1071,16 @@ class MapEpoch(Epoch):
     async def _complete(self, job: _Job, limiter: anyio.CapacityLimiter) -> None:
         """Collate a job whose items are all in (or publish its first error)."""
         await self.results.reserve(job.seq)
+        samples: Any = job.samples
+        if self.plan.failures is not None and job.error is None and any(
+            sample is _FAILED for sample in samples  # not `in`: arrays compare elementwise
+        ):
+            samples = [sample for sample in samples if sample is not _FAILED] or SKIP
         if job.error is not None:
             self.results.publish(job.seq, None, job.error)
         else:
             try:
-                batch = await self.plan.collate(job.samples, limiter)
+                batch = await self.plan.collate(samples, limiter)
             except Exception as exc:
                 self.results.publish(job.seq, None, _note(exc, f"raised while collating batch "
                                                                 f"{job.seq}"))
@@ -968,6 +1114,8 @@ class IterableEpoch(Epoch):
             results.metas = {}
 
     async def _run(self) -> None:
+        if self.plan.failures is not None:
+            self.plan.failures.watch_sources(self.plan.dataset)
         try:
             await self._guard(self._pull_batches)
         finally:
@@ -989,7 +1137,14 @@ class IterableEpoch(Epoch):
             await self.results.reserve(seq)
             try:
                 if isinstance(source, AsyncIterator):
-                    samples, ended = await _pull(source, size)
+                    started = _now()
+                    try:
+                        if plan.failures is None:
+                            samples, ended = await _pull(source, size)
+                        else:
+                            samples, ended = await _pull_tolerant(source, size, plan)
+                    finally:
+                        plan.stats.fetch.add(_now() - started)
                     if samples is _NOTHING or (size is not None and self._drop_last
                                                and len(samples) < size):
                         break
@@ -1039,6 +1194,58 @@ def _pull_sync(source: Any, size: int | None) -> tuple[Any, bool]:
         if len(samples) == size:
             return samples, False
     return (samples if samples else _NOTHING), True
+
+
+def _pull_sync_tolerant(source: Iterator[Any], size: int | None, plan: FetchPlan
+                        ) -> tuple[Any, bool]:
+    """:func:`_pull_sync` with a failure budget: a sample whose ``__next__`` raises is
+    counted (its index: its number in the epoch) and pulling goes on, unless the iterator
+    cannot go on after raising (a generator), whose error is raised as is."""
+    failures = plan.failures
+    assert failures is not None
+    want = 1 if size is None else size
+    samples: list[Any] = []
+    while len(samples) < want:
+        number = failures.seen
+        failures.attempted(1)
+        try:
+            samples.append(next(source))
+        except StopIteration:
+            failures.seen -= 1
+            return (samples if samples else _NOTHING), True
+        except Exception as exc:
+            if not resumable(source):
+                raise
+            plan._absorbed(number, exc)
+    return (samples[0] if size is None else samples), False
+
+
+async def _pull_tolerant(source: AsyncIterator[Any], size: int | None, plan: FetchPlan
+                         ) -> tuple[Any, bool]:
+    """:func:`_pull` with a failure budget (see :func:`_pull_sync_tolerant`)."""
+    failures = plan.failures
+    assert failures is not None
+    if not resumable(source):  # a stream: its errors end it, its sources' skips count
+        samples, ended = await _pull(source, size)
+        if samples is not _NOTHING:
+            failures.attempted(1 if size is None else len(samples))
+        failures.check_skipped()
+        return samples, ended
+    want = 1 if size is None else size
+    out: list[Any] = []
+    while len(out) < want:
+        number = failures.seen
+        failures.attempted(1)
+        try:
+            out.append(await source.__anext__())
+        except StopAsyncIteration:
+            failures.seen -= 1
+            return (out if out else _NOTHING), True
+        except Exception as exc:
+            if not resumable(source):
+                raise
+            plan._absorbed(number, exc)
+    return (out[0] if size is None else out), False
 
 
 async def _pull(source: AsyncIterator[Any], size: int | None) -> tuple[Any, bool]:

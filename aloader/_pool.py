@@ -61,8 +61,11 @@ import anyio.from_thread
 
 from . import _shm, _spawn
 from ._exceptions import WorkerError
+from ._failures import Failures
+from ._log import worker_log
 from ._pipeline import SKIP
 from ._sources import merge_stats, source_stats
+from ._stats import Collector
 from ._util import Signal
 from ._worker import SETUP_JOB, Kind, Reply, Request, Status, WorkerSetup, worker_main
 
@@ -437,6 +440,8 @@ class PoolEpoch:
         self._exhausted: set[int] = set()  # workers whose replica has ended
         self._sent = [0] * pool.num_workers  # each worker's next ticket to send
         self._stats: list[Any] | None = None  # the loader's sources, found at the first report
+        self.failures: Failures | None = None  # the epoch's failure budget, set by the loader
+        self.stats: Collector | None = None  # the epoch's statistics, set by the loader
 
     # The FetchPlan's remote protocol ---------------------------------------------------------
     async def serve(self) -> None:
@@ -489,6 +494,10 @@ class PoolEpoch:
         self._sent[worker_id] += 1
         self._changed.notify()  # the worker's next ticket may go once this one is sent
         reply = await self._call(workers[worker_id], kind, payload)
+        if reply.extra is not None:
+            self._absorb(worker_id, reply.extra)
+            if reply.extra[3]:  # every sample failed within the failure budget
+                return SKIP
         if reply.status == Status.END:
             self._exhausted.add(worker_id)
             self._changed.notify()  # its later requests need not wait for their turn
@@ -501,6 +510,16 @@ class PoolEpoch:
 
     def note_meta(self, seq: int, worker_id: int, meta: Any) -> None:
         """Job ``seq``'s batch came with metadata (an iterable replica's position)."""
+
+    def _absorb(self, worker_id: int, extra: Any) -> None:
+        """Record what a worker counted besides its sources: failed samples, timings."""
+        failed, attempted, timings, _empty = extra
+        if self.stats is not None:
+            self.stats.merge(worker_id, timings)
+        if self.failures is not None:
+            self.failures.attempted(attempted)
+            for index, error in failed:
+                self.failures.record(index, error.rebuild())
 
     def stop(self) -> None:
         """The epoch is stopping (any thread): a next epoch may wait for this one to let go."""
@@ -594,6 +613,8 @@ class PoolEpoch:
                 f"{self.pool.context.get_start_method()!r} import the main module, so a script "
                 "must start loading under `if __name__ == '__main__':`."
             )
+        if not self.stopping:
+            worker_log.error("worker %d: %s", worker_id, message.strip())
         self._fail(WorkerError(message))
 
     def _dispatch(self, worker: _WorkerHandle, reply: Reply) -> None:

@@ -23,10 +23,14 @@ The protocol (every message a :class:`Request` or a :class:`Reply`):
   ``Reply(job, Status.OK, batch, stats, meta)``, ``Reply(job, Status.ERROR, error, stats)`` or
   ``Reply(job, Status.END, None, stats)`` (replica exhausted), where ``error`` is a
   :class:`RemoteError`, ``stats`` is what the worker's sources counted since its previous
-  answer (:class:`~aloader._sources.StatsReporter`), or None, and ``meta`` where the
-  iterable replica was once the batch was drawn (:mod:`aloader._resume`), or None. The first
-  ``NEXT`` request of an epoch may carry, as its ``key``, the saved state its replica
-  resumes from.
+  answer (:class:`~aloader._sources.StatsReporter`), or None, ``meta`` where the iterable
+  replica was once the batch was drawn (:mod:`aloader._resume`), or None, and ``extra`` what
+  else the worker counted since then: ``(failures, attempted, timings, empty)``: the samples
+  that failed within the failure budget as ``[(index, RemoteError), ...]`` and the samples of
+  an iterable replica attempted (see :mod:`aloader._failures`), the worker's stage timings
+  (:meth:`aloader._stats.Collector.report`), and whether an OK answer has no batch because
+  every sample of it failed within the budget. The first ``NEXT`` request of an epoch may
+  carry, as its ``key``, the saved state its replica resumes from.
 
 On the socket a message is a plain tuple with int codes (:meth:`Request.wire`,
 :meth:`Reply.wire`), rebuilt on receipt (:meth:`Request.of`, :meth:`Reply.of`): a NamedTuple
@@ -62,7 +66,7 @@ import anyio
 import numpy as np
 
 from . import _shm, _spawn, _workerinfo
-from ._pipeline import FetchPlan, IterableEpoch, MapEpoch, Results
+from ._pipeline import SKIP, FetchPlan, IterableEpoch, MapEpoch, Results
 from ._resume import open_replica, parse
 from ._sources import StatsReporter
 from ._workerinfo import WorkerInfo, _set_worker_info, get_worker_info
@@ -134,15 +138,16 @@ class Reply(NamedTuple):
     value: Any  # the batch (OK), a RemoteError (ERROR, FAILED), or None
     stats: Any = None  # the worker's source statistics since its previous reply, or None
     meta: Any = None  # iterable: where the replica was once the batch was drawn, or None
+    extra: Any = None  # (failures, attempted, timings, empty) since its previous reply, or None
 
     def wire(self) -> tuple[Any, ...]:
         """The message as it crosses the socket: a plain tuple, the status as an int."""
-        return (self.job, int(self.status), self.value, self.stats, self.meta)
+        return (self.job, int(self.status), self.value, self.stats, self.meta, self.extra)
 
     @classmethod
     def of(cls, wire: tuple[Any, ...]) -> Reply:
         """The message :meth:`wire` made."""
-        return cls._make((wire[0], _STATUSES[wire[1]], wire[2], wire[3], wire[4]))
+        return cls._make((wire[0], _STATUSES[wire[1]], wire[2], wire[3], wire[4], wire[5]))
 
 
 # Errors ------------------------------------------------------------------------------------------
@@ -298,9 +303,19 @@ class _WorkerServer:
         self.codec = _shm.Codec(setup.owner, os.getpid(), tensors=True,
                                 recycle=2 * max(1, setup.prefetch) + 2)
         self.stats = StatsReporter(setup.plan.dataset)
+        self.failures = setup.plan.failures
+
+    def _extra(self, empty: bool) -> Any:
+        report = None if self.failures is None else self.failures.take_unreported()
+        failed, seen = report or ([], 0)
+        return ([(index, RemoteError.capture(_strip_pipeline_notes(error), self.where))
+                 for index, error in failed], seen, self.setup.plan.stats.report(), empty)
 
     def send(self, job: int, status: Status, value: Any, meta: Any = None) -> None:
-        reply = Reply(job, status, value, self.stats.report(), meta)
+        empty = value is SKIP  # every sample failed within the budget: no batch
+        if empty:
+            value = None
+        reply = Reply(job, status, value, self.stats.report(), meta, self._extra(empty))
         try:
             # By value only what plain pickling cannot take (a class the setup brought by
             # value): what is importable by name resolves to the loader's own object.
@@ -349,7 +364,8 @@ class _WorkerServer:
                 jobs.append(request.job)
                 yield request.key
 
-        epoch = MapEpoch(self.setup.plan, Results(self.setup.prefetch, True), keys())
+        epoch = MapEpoch(self.setup.plan, Results(self.setup.prefetch, True, skips=True),
+                         keys())
         epoch.start()
         try:
             while True:

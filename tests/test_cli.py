@@ -205,3 +205,43 @@ def test_every_subpackage_is_installed() -> None:
              for init in (ROOT / "aloader").rglob("__init__.py")}
     assert "aloader._demo" in found
     assert found <= listed, sorted(found - listed)
+
+
+def test_demo_ends_with_the_stage_table_and_verdict() -> None:
+    result = run("-m", "aloader", "demo", "--only", "latency", "--items", "200",
+                 "--latency-ms", "1")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    table = out[out.index("Where the loader's time went"):]
+    assert "stage" in table and "fetch" in table and "collate" in table
+    assert "200 items, 7 batches, 0 failed" in table
+    assert "bottleneck: " in table
+
+
+def test_profile_the_example_factory() -> None:
+    result = run("-m", "aloader", "profile", "examples/profile_factory.py:make_loader")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "batches 25/25  items       400" in out  # the progress line
+    assert "400 items, 25 batches, 0 failed" in out
+    assert "bottleneck: fetch latency: 4 of 4 fetches in flight, raise max_concurrency" in out
+
+
+def test_profile_by_module_name_and_batches(tmp_path: Path) -> None:
+    (tmp_path / "my_loader.py").write_text(
+        "import aloader\n"
+        "def make():\n"
+        "    return aloader.DataLoader(list(range(100)), batch_size=10)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "aloader", "profile", "my_loader:make", "--batches", "3"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "30 items, 3 batches, 0 failed" in result.stdout
+
+
+def test_profile_bad_target() -> None:
+    with pytest.raises(ValueError, match="expected module:factory"):
+        main(["profile", "no_colon"])

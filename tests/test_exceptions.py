@@ -20,6 +20,7 @@ TREE: dict[str, tuple[str, type[BaseException] | None]] = {
     "LoaderClosedError": ("AloaderError", RuntimeError),
     "WorkerError": ("AloaderError", RuntimeError),
     "SampleRngError": ("AloaderError", RuntimeError),
+    "FailureBudgetExceeded": ("AloaderError", None),
     "SourceError": ("AloaderError", None),
     "RecordError": ("SourceError", ValueError),
     "FetchError": ("SourceError", OSError),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from textwrap import indent
 from typing import Any
 
 import anyio
@@ -82,6 +83,7 @@ async def run(args: argparse.Namespace) -> int:
         items += len(batch)
         progress.update(batches, items)
     elapsed = progress.finish(batches, items)
+    stats = loader.stats()
     rate = items / elapsed
     exactly_once = bool(np.all(seen == 1))
 
@@ -106,7 +108,8 @@ async def run(args: argparse.Namespace) -> int:
         f"for all {args.items:,} items ({how})\n\n"
         f"aloader:  {items:,} items in {elapsed:.2f} s = {rate:,.0f} items/s ({ceiling})\n"
         f"speed-up: {rate / sequential_rate:.1f}x over sequential awaits\n"
-        f"every item delivered exactly once: {'yes' if exactly_once else 'NO'}\n"
+        f"every item delivered exactly once: {'yes' if exactly_once else 'NO'}\n\n"
+        f"Where the loader's time went (DataLoader.stats()):\n{indent(stats.table(), '  ')}\n"
     )
     out.flush()
     return 0 if exactly_once else 1

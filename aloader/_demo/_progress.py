@@ -13,12 +13,12 @@ class Progress:
 
     Args:
         out: where to write.
-        total_items: items the epoch will deliver.
+        total_items: items the epoch will deliver, when known.
         total_batches: batches it will deliver, when known.
         label: text in front of the figures (e.g. the epoch).
     """
 
-    def __init__(self, out: TextIO, total_items: int, total_batches: int | None = None,
+    def __init__(self, out: TextIO, total_items: int | None, total_batches: int | None = None,
                  label: str = "") -> None:
         self.out = out
         self.tty = out.isatty()
@@ -35,10 +35,12 @@ class Progress:
         total = self.total_batches
         done = (f"{batches:>{len(str(total))}}/{total}" if total is not None
                 else f"{batches:>6,}")
-        width = len(f"{self.total_items:,}")
         prefix = f"{self.label}  " if self.label else ""
-        return (f"  {prefix}batches {done}  items {items:>{width},}/{self.total_items:,}  "
-                f"{rate:>10,.0f} items/s")
+        if self.total_items is None:
+            shown = f"{items:>9,}"
+        else:
+            shown = f"{items:>{len(f'{self.total_items:,}')},}/{self.total_items:,}"
+        return f"  {prefix}batches {done}  items {shown}  {rate:>10,.0f} items/s"
 
     def update(self, batches: int, items: int) -> None:
         """Show the figures, at most every ``every`` seconds."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from textwrap import indent
 from typing import Any, TextIO
 
 import anyio
@@ -48,6 +49,8 @@ async def _stream(args: argparse.Namespace, urls: Sequence[str], out: TextIO) ->
             return 1
         out.write(f"  every record exactly once; {elapsed:.2f} s\n")
     out.write(f"  first ids of epoch 1 (shuffled): {first_ids}\n")
+    out.write(f"  where the loader's time went in the last epoch (DataLoader.stats()):\n"
+              f"{indent(loader.stats().table(), '    ')}\n")
     return 0
 
 

@@ -1,0 +1,441 @@
+"""Per-stage statistics of an epoch, and the bottleneck verdict derived from them.
+
+Every epoch collects (there is no switch: collection is cheap enough to leave on). A
+:class:`Collector` belongs to one epoch; the pipeline records into it with a
+``time.perf_counter_ns()`` pair per job (per item only where items are fetched one by one),
+into plain ints and a bounded ring of recent latencies per stage, so its memory is bounded
+whatever the epoch's length. :meth:`DataLoader.stats` takes a :class:`LoaderStats` snapshot of
+the current or last epoch.
+
+The stages:
+
+* ``sampling``: the sampler producing a key (an index batch);
+* ``fetch``: one fetch call (an item fetched alone, or a batch); with worker processes, the
+  workers' fetches, which each worker reports with its answers;
+* ``collate``: ``collate_fn`` (and ``pin_memory``) on one batch, here or in a worker;
+* ``transfer``: a batch's trip from a worker to the loader (encoding, the socket, decoding);
+* ``wait``: the consumer waiting in ``__anext__`` for a batch (the loader's delay as it feels);
+* ``consumer``: the consumer's time between two batches (its own work).
+
+Two bounded buffers are watched: fetches in flight against their limit, a time-weighted mean
+(by Little's law, the fetches' busy time over the epoch's; with workers, measured as the
+batches at the workers change) and ready batches against ``prefetch_factor`` (sampled each
+time the consumer asks).
+
+Stages recorded from fetch threads are recorded under a lock; the counts of items and batches
+are the consumer's, exact. Busy time is the sum of the latencies (overlapping fetches add up,
+so a stage's busy time may exceed the wall time).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ("Collector", "LoaderStats", "Occupancy", "Stage", "StageStats", "verdict")
+
+_RING = 1024  # latencies kept per stage for the percentiles (the most recent ones)
+_FLUSH = 63  # flush the stages every 64 batches
+_REPORT = 64  # latencies a worker sends per stage with one answer, at most
+STAGES = ("sampling", "fetch", "collate", "transfer", "wait", "consumer")
+
+_now = time.perf_counter_ns
+
+
+class Stage:
+    """One stage's count, busy time and recent latencies (nanoseconds).
+
+    ``add(ns)`` is a bare list append (the hot path, per item where items are fetched one by
+    one); :meth:`flush` folds what was added into the count, the busy time and the ring of
+    recent latencies (between ``_RING`` and ``2 * _RING`` of them). The collector flushes
+    every few batches and before a snapshot, so what waits to be folded stays bounded.
+    Appends from other threads and the flush hold the collector's lock.
+    """
+
+    __slots__ = ("add", "busy", "count", "pending", "ring")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.busy = 0
+        self.ring: list[int] = []
+        self.pending: list[int] = []
+        self.add = self.pending.append
+
+    def flush(self) -> None:
+        pending = self.pending
+        if pending:
+            self.count += len(pending)
+            self.busy += sum(pending)
+            ring = self.ring
+            ring.extend(pending)
+            pending.clear()
+            if len(ring) > 2 * _RING:
+                del ring[: len(ring) - _RING]
+
+    def merge(self, count: int, busy: int, latencies: list[int]) -> None:
+        """Add a worker's report: ``count`` latencies summing to ``busy``, some of them."""
+        self.flush()
+        self.count += count
+        self.busy += busy
+        self.ring.extend(latencies)
+        if len(self.ring) > 2 * _RING:
+            del self.ring[: len(self.ring) - _RING]
+
+    def snapshot(self, name: str) -> StageStats:
+        self.flush()
+        ring = sorted(self.ring[-_RING:])
+
+        def pct(q: float) -> float:
+            if not ring:
+                return 0.0
+            return ring[min(len(ring) - 1, int(q * len(ring)))] / 1e9
+
+        return StageStats(name, self.count, self.busy / 1e9, pct(0.5), pct(0.9), pct(0.99))
+
+
+class Occupancy:
+    """A level that changes over time (fetches in flight), and its time-weighted mean."""
+
+    __slots__ = ("area", "last", "level", "peak", "start")
+
+    def __init__(self) -> None:
+        self.level = 0
+        self.peak = 0
+        self.area = 0
+        self.start = self.last = _now()
+
+    def change(self, delta: int, now: int) -> None:
+        if now > self.last:
+            self.area += self.level * (now - self.last)
+            self.last = now
+        self.level += delta
+        if self.level > self.peak:
+            self.peak = self.level
+
+    def mean(self, now: int) -> float:
+        span = now - self.start
+        if span <= 0:
+            return float(self.level)
+        return (self.area + self.level * max(0, now - self.last)) / span
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """One stage of an epoch (see :mod:`aloader._stats`): times in seconds.
+
+    Attributes:
+        name: ``sampling``, ``fetch``, ``collate``, ``transfer``, ``wait`` or ``consumer``.
+        count: calls (jobs, or items where items are fetched one by one).
+        busy: the sum of their durations.
+        p50, p90, p99: latency percentiles of the recent calls (the last 1024).
+    """
+
+    name: str
+    count: int
+    busy: float
+    p50: float
+    p90: float
+    p99: float
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """A snapshot of one epoch's statistics (:meth:`DataLoader.stats`).
+
+    Attributes:
+        epoch: the loader's epoch number (0 for the first).
+        running: whether the epoch is still under way.
+        elapsed: seconds from the epoch's start to its last batch (or to now).
+        items: samples collated into batches (after an epoch left early, this includes the
+            few batches prefetched and never delivered).
+        batches: batches delivered (to the ``for`` facade's loop, which may be a batch or two
+            ahead of the code consuming it).
+        failures: samples that failed within the failure budget.
+        items_per_second: ``items / elapsed``.
+        mode: how the epoch fetched: ``async``, ``inline``, ``thread`` or ``process``.
+        kind: ``map`` (a map-style dataset) or ``iterable``.
+        stages: the stages, by name (see :mod:`aloader._stats`).
+        in_flight: fetches in flight, time-weighted mean.
+        in_flight_limit: the most fetches allowed in flight (``max_concurrency``, or jobs).
+        ready: batches ready when the consumer asked, mean.
+        ready_limit: the most batches allowed to wait (``prefetch_factor``).
+        fetch_cpu: seconds of CPU the fetch threads used (synchronous datasets in threads).
+        first_wait: seconds the consumer waited for the first batch (the start-up, which the
+            verdict leaves out).
+        workers: per worker process: ``{"batches": n, "busy": seconds}``.
+        sources: the streaming sources' counters (records, bytes, retries, skipped...).
+        bottleneck: the limiting stage, in one sentence with the change that would help.
+    """
+
+    epoch: int
+    running: bool
+    elapsed: float
+    items: int
+    batches: int
+    failures: int
+    items_per_second: float
+    mode: str
+    kind: str
+    stages: dict[str, StageStats]
+    in_flight: float
+    in_flight_limit: int
+    ready: float
+    ready_limit: int
+    fetch_cpu: float
+    first_wait: float = 0.0
+    workers: list[dict[str, float]] = field(default_factory=list)
+    sources: list[dict[str, int]] = field(default_factory=list)
+    bottleneck: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The snapshot as JSON-serialisable builtins (dicts, lists, str, int, float, bool)."""
+        return asdict(self)
+
+    def table(self) -> str:
+        """The per-stage table and the verdict, as printed by the demo and ``profile``."""
+        lines = [f"{'stage':<10} {'count':>8} {'busy s':>8} {'p50 ms':>8} {'p90 ms':>8} "
+                 f"{'p99 ms':>8}"]
+        for stage in self.stages.values():
+            if stage.count:
+                lines.append(f"{stage.name:<10} {stage.count:>8} {stage.busy:>8.3f} "
+                             f"{stage.p50 * 1e3:>8.2f} {stage.p90 * 1e3:>8.2f} "
+                             f"{stage.p99 * 1e3:>8.2f}")
+        lines.append(f"{self.items} items, {self.batches} batches, {self.failures} failed, "
+                     f"{self.items_per_second:,.0f} items/s in {self.elapsed:.2f} s; "
+                     f"in flight {self.in_flight:.1f} of {self.in_flight_limit}, ready "
+                     f"{self.ready:.1f} of {self.ready_limit}")
+        lines.append(f"bottleneck: {self.bottleneck}")
+        return "\n".join(lines)
+
+
+class Collector:
+    """What one epoch records (see the module docstring); the pipeline's hooks call it.
+
+    Args:
+        mode: the plan's fetch mode.
+        kind: ``map`` (a map-style dataset) or ``iterable``.
+        in_flight_limit: the most fetches in flight.
+        ready_limit: the most batches waiting for the consumer.
+        epoch: the loader's epoch number.
+        num_workers: worker processes (0: none).
+    """
+
+    def __init__(self, mode: str = "inline", in_flight_limit: int = 1, ready_limit: int = 1,
+                 epoch: int = 0, num_workers: int = 0, kind: str = "map") -> None:
+        self.mode = mode
+        self.kind = kind
+        self.in_flight_limit = in_flight_limit
+        self.ready_limit = ready_limit
+        self.epoch = epoch
+        self.sampling = Stage()
+        self.fetch = Stage()
+        self.collate = Stage()
+        self.transfer = Stage()
+        self.wait = Stage()
+        self.consumer = Stage()
+        self.in_flight = Occupancy()
+        self.lock = threading.Lock()
+        self.items = 0  # counted where batches are collated (here, or reported by workers)
+        self.batches = 0
+        self.delivered_items = 0
+        self.ready_sum = 0
+        self.first_wait = 0
+        self.fetch_cpu = 0  # ns of CPU in fetch threads
+        self.workers: list[list[int]] = [[0, 0] for _ in range(num_workers)]
+        self.started = _now()
+        self.last = self.started  # the last batch delivered
+        self.ended: int | None = None
+        # Samples failed within the failure budget, counted by the epoch's Failures (which
+        # this does not hold: its errors' tracebacks would tie the loader to their frames).
+        self.failed = 0
+        self.sources: list[Any] = []  # the streams' SourceStats, read at each snapshot
+        # A worker's: what was reported already (see report()).
+        self._reported: dict[str, tuple[int, int]] = {}
+
+    def __reduce__(self) -> tuple[Any, ...]:  # a plan's travels to the workers: a fresh one
+        return (Collector, (self.mode, self.in_flight_limit, self.ready_limit))
+
+    # Hooks (each one call per job, or per item where items are fetched one by one) ---------
+    def flush(self) -> None:
+        with self.lock:
+            for name in STAGES:
+                getattr(self, name).flush()
+
+    def collated(self, samples: Any, ns: int) -> None:
+        self.collate.add(ns)
+        self.items += len(samples) if isinstance(samples, list) else 1
+
+    def collated_in_thread(self, samples: Any, ns: int) -> None:
+        with self.lock:
+            self.collated(samples, ns)
+
+    def fetched_in_thread(self, ns: int, cpu: int) -> None:
+        with self.lock:
+            self.fetch.add(ns)
+            self.fetch_cpu += cpu
+
+    def delivered(self, asked: int, now: int, ready: int) -> None:
+        """The consumer, back at ``asked`` (ns), got a batch at ``now`` with ``ready`` others
+        ready."""
+        batches = self.batches
+        if batches:
+            self.consumer.add(asked - self.last)
+        else:
+            self.first_wait = now - asked
+        self.wait.add(now - asked)
+        self.batches = batches + 1
+        self.ready_sum += ready
+        self.last = now
+        if not batches & _FLUSH:
+            self.flush()
+
+    def asked_again(self, asked: int) -> None:
+        """The consumer asked after its last batch and the epoch had ended."""
+        if self.batches:
+            self.consumer.add(asked - self.last)
+
+    # Worker processes -------------------------------------------------------------------------
+    def report(self) -> tuple[Any, ...]:
+        """A worker's stages since its last report, and the time of sending."""
+        self.flush()
+        out = []
+        for name in ("fetch", "collate"):
+            stage: Stage = getattr(self, name)
+            count, busy = self._reported.get(name, (0, 0))
+            new = stage.count - count
+            recent = min(new, _REPORT)
+            latencies = stage.ring[len(stage.ring) - recent:] if recent else []
+            out.append((new, stage.busy - busy, latencies))
+            self._reported[name] = (stage.count, stage.busy)
+        items = self.items - self._reported.get("items", (0, 0))[0]
+        self._reported["items"] = (self.items, 0)
+        return (out[0], out[1], items, _now())
+
+    def merge(self, worker_id: int, report: tuple[Any, ...]) -> None:
+        """Add a worker's :meth:`report` (the loader's side)."""
+        fetch, collate, items, sent = report
+        now = _now()
+        self.fetch.merge(*fetch)
+        self.collate.merge(*collate)
+        self.items += items
+        self.transfer.add(max(0, now - sent))
+        if worker_id < len(self.workers):
+            slot = self.workers[worker_id]
+            slot[0] += 1
+            slot[1] += fetch[1] + collate[1]
+
+    # The snapshot -----------------------------------------------------------------------------
+    def snapshot(self) -> LoaderStats:
+        end = self.ended if self.ended is not None else _now()
+        last = self.last if self.ended is not None else end
+        elapsed = max(1e-9, (last - self.started) / 1e9)
+        self.flush()
+        stages = {name: getattr(self, name).snapshot(name) for name in STAGES}
+        if self.mode == "process":
+            in_flight = self.in_flight.mean(last)
+        else:  # Little's law: the mean number in flight is their busy time over the time
+            in_flight = min(self.fetch.busy / 1e9 / elapsed, float(self.in_flight_limit))
+        sources = [{"shards": source.shards, "records": source.records, "bytes": source.bytes,
+                    "skipped": source.skipped, "retries": source.retries}
+                   for source in self.sources]
+        stats = LoaderStats(
+            epoch=self.epoch,
+            running=self.ended is None,
+            elapsed=elapsed,
+            items=self.items,
+            batches=self.batches,
+            failures=self.failed,
+            items_per_second=self.items / elapsed,
+            mode=self.mode,
+            kind=self.kind,
+            stages=stages,
+            in_flight=in_flight,
+            in_flight_limit=self.in_flight_limit,
+            ready=self.ready_sum / self.batches if self.batches else 0.0,
+            ready_limit=self.ready_limit,
+            fetch_cpu=self.fetch_cpu / 1e9,
+            first_wait=self.first_wait / 1e9,
+            workers=[{"batches": b, "busy": busy / 1e9} for b, busy in self.workers],
+            sources=sources,
+        )
+        return _with_verdict(stats)
+
+
+def _with_verdict(stats: LoaderStats) -> LoaderStats:
+    from dataclasses import replace
+
+    return replace(stats, bottleneck=verdict(stats))
+
+
+def verdict(stats: LoaderStats) -> str:
+    """The limiting stage of an epoch, in one sentence with the change that would help.
+
+    Derived from the measurements, in this order: a consumer that never waits is the
+    bottleneck; else (the consumer waits for the loader) one worker much slower than the
+    others; fetches filling their limit; ``collate_fn`` busy most of the time; a synchronous
+    dataset busy on the CPU (the GIL) or blocking one call at a time; the transfer from the
+    workers; else the busiest stage.
+    """
+    # The steady state: the wait for the first batch (workers starting, a cold cache) aside.
+    elapsed = max(1e-9, stats.elapsed - stats.first_wait)
+    stages = stats.stages
+    if stats.batches == 0:
+        return "no batch delivered yet"
+    waited = (stages["wait"].busy - stats.first_wait) / elapsed
+    consumer = stages["consumer"].busy / elapsed
+    if waited < 0.1 and consumer > 0.5:
+        return (f"the consumer: batches are ready before you ask (the loader is not the "
+                f"bottleneck; you waited {waited:.0%} of the time)")
+    workers = [w for w in stats.workers if w["batches"]]
+    if len(workers) >= 2:
+        per = sorted((w["busy"] / w["batches"], i) for i, w in enumerate(stats.workers)
+                     if w["batches"])
+        slowest, worker = per[-1]
+        others = [t for t, _ in per[:-1]]
+        typical = others[len(others) // 2]
+        if slowest > 3 * typical and slowest > 0.001:
+            return (f"one slow worker: worker {worker} takes {slowest * 1e3:.0f} ms per batch, "
+                    f"the others {typical * 1e3:.0f} ms; look at what it loads (its shards, "
+                    "its samples) or at its host")
+    limit = stats.in_flight_limit
+    busiest = max(("fetch", "collate", "transfer", "sampling"),
+                  key=lambda name: stages[name].busy)
+    if stats.mode == "async" and limit and stats.in_flight >= 0.75 * limit:
+        return (f"fetch latency: {stats.in_flight:.0f} of {limit} fetches in flight, raise "
+                "max_concurrency")
+    collate = stages["collate"].busy / elapsed
+    if collate >= 0.5 and stats.mode != "process":
+        return (f"collate: {collate:.0%} of one core, pass num_workers or a cheaper "
+                "collate_fn")
+    fetch = stages["fetch"].busy / elapsed
+    # CPU per second of fetching: near 1 for a dataset computing (holding the GIL), near 0
+    # for one blocked on I/O; on a loaded machine the first drops, so the bar is low.
+    on_cpu = 1.0 if stats.mode == "inline" else stats.fetch_cpu / max(
+        1e-9, stages["fetch"].busy)
+    if stats.mode in ("inline", "thread") and fetch >= 0.5 and on_cpu >= 0.2:
+        return (f"GIL-bound sync dataset: its fetches take {fetch:.0%} of the time, "
+                f"{on_cpu:.0%} of it on the CPU in the loader's process; use num_workers")
+    if stats.mode == "thread" and fetch >= 0.5:
+        if limit <= 1:
+            return ("blocking sync fetches, one batch call at a time: pass max_concurrency "
+                    "to overlap them in threads, or make the dataset async")
+        if stats.in_flight >= 0.75 * limit:
+            return (f"fetch latency: {stats.in_flight:.0f} of {limit} fetches in flight, "
+                    "raise max_concurrency")
+    if stats.mode == "process":
+        if stages["transfer"].busy / elapsed >= 0.5 and busiest == "transfer":
+            return ("transfer from workers: batches take long to come back; return smaller "
+                    "batches or numpy arrays (they cross in shared memory)")
+        if stats.in_flight >= 0.75 * limit:
+            return (f"the workers: {stats.in_flight:.0f} of {limit} batches in flight on "
+                    f"{len(stats.workers)} workers; raise num_workers (or max_concurrency for "
+                    "an async dataset)")
+    share = stages[busiest].busy / elapsed
+    if stats.kind == "iterable" and busiest == "fetch" and stats.mode != "process":
+        return (f"the dataset's iterator: pulling its samples took {share:.0%} of the time and "
+                f"the consumer waited {waited:.0%}; let it read further ahead (a source's "
+                "concurrency) or use num_workers")
+    return (f"{busiest}: the busiest stage ({share:.0%} of the epoch's time); the consumer "
+            f"waited {waited:.0%} of the time")

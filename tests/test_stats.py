@@ -1,0 +1,283 @@
+"""DataLoader.stats(): counts equal to the work done, JSON-able snapshots, and each bottleneck
+verdict on a workload built to have that bottleneck (magnitudes with wide margins: a loaded
+2-core machine must not change the verdict)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import aloader
+from aloader import DataLoader, LoaderStats
+from aloader._stats import Collector, Occupancy, Stage
+
+
+class Fast:
+    _inline_fetch = True
+
+    def __init__(self, n: int = 40) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+class Sleepy:
+    """An async dataset whose fetches wait ``delay`` seconds (latency, no CPU)."""
+
+    def __init__(self, n: int = 40, delay: float = 0.02) -> None:
+        self.n, self.delay = n, delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    async def __getitem__(self, i: int) -> int:
+        await anyio.sleep(self.delay)
+        return i
+
+
+def spin_cpu(seconds: float) -> None:
+    """Use ``seconds`` of this thread's CPU (however loaded the machine is)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def spin_wall(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class Burning(Fast):
+    """A synchronous dataset whose fetches use the CPU (and so hold the GIL)."""
+
+    _inline_fetch = False
+
+    def __getitem__(self, i: int) -> int:
+        spin_cpu(0.002)
+        return i
+
+
+class Blocking(Fast):
+    """A synchronous dataset whose fetches block without using the CPU."""
+
+    _inline_fetch = False
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(0.005)
+        return i
+
+
+# --- counts ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs", [{}, {"max_concurrency": 3}], ids=["batch", "items"])
+@pytest.mark.parametrize("cls", [Fast, Sleepy, Blocking])
+def test_counts_equal_the_work_done(cls: Any, kwargs: dict[str, Any]) -> None:
+    dl = DataLoader(cls(23), batch_size=5, collate_fn=list, **kwargs)
+    delivered = list(dl)
+    stats = dl.stats()
+    assert stats.batches == len(delivered) == 5
+    assert stats.items == sum(map(len, delivered)) == 23
+    assert stats.failures == 0
+    assert stats.stages["collate"].count == 5
+    assert stats.stages["sampling"].count == 5
+    assert stats.stages["wait"].count == 5
+    assert stats.stages["consumer"].count == 5  # after each batch, until the next ask
+    # In-memory datasets fetch a batch per call whatever max_concurrency says.
+    item_level = cls is Sleepy or (cls is Blocking and "max_concurrency" in kwargs)
+    assert stats.stages["fetch"].count == (23 if item_level else 5)
+    assert not stats.running
+    assert stats.items_per_second > 0
+    assert stats.stages["fetch"].p50 <= stats.stages["fetch"].p90 <= stats.stages["fetch"].p99
+
+
+def test_counts_with_failures() -> None:
+    class Bad(Fast):
+        def __getitem__(self, i: int) -> int:
+            if i < 5 or i == 7:
+                raise ValueError(i)
+            return i
+
+    dl = DataLoader(Bad(23), batch_size=5, collate_fn=list, max_failures=6)
+    delivered = list(dl)
+    stats = dl.stats()
+    assert stats.failures == 6
+    assert stats.batches == len(delivered) == 4  # batch 0 lost every sample
+    assert stats.items == sum(map(len, delivered)) == 17
+
+
+def test_counts_with_workers() -> None:
+    dl = DataLoader(Fast(23), batch_size=5, collate_fn=list, num_workers=2)
+    delivered = list(dl)
+    stats = dl.stats()
+    assert stats.mode == "process"
+    assert stats.batches == 5 and stats.items == 23 == sum(map(len, delivered))
+    assert stats.stages["fetch"].count == 5  # reported by the workers
+    assert stats.stages["collate"].count == 5
+    assert stats.stages["transfer"].count == 5
+    assert [w["batches"] for w in stats.workers] == [3, 2]
+
+
+def test_iterable_counts() -> None:
+    dl = DataLoader(aloader.as_stream(range(23)), batch_size=5, collate_fn=list)
+    assert sum(map(len, dl)) == 23
+    stats = dl.stats()
+    assert stats.batches == 5 and stats.items == 23
+
+
+def test_sources_report_their_counters(tmp_path: Path) -> None:
+    shard = tmp_path / "a.jsonl"
+    shard.write_text("".join(json.dumps({"i": i}) + "\n" for i in range(10)))
+    dl = DataLoader(aloader.JsonLines(shard), batch_size=4, collate_fn=list)
+    list(dl)
+    sources = dl.stats().sources
+    assert sources == [{"shards": 1, "records": 10, "bytes": shard.stat().st_size,
+                        "skipped": 0, "retries": 0}]
+
+
+def test_snapshot_is_json_and_of_the_current_epoch() -> None:
+    dl = DataLoader(Fast(40), batch_size=4, collate_fn=list)
+    assert dl.stats().batches == 0  # before any epoch
+    assert dl.stats().bottleneck == "no batch delivered yet"
+    it = iter(dl)
+    next(it)
+    next(it)
+    running = dl.stats()
+    assert running.running and running.batches == 2
+    list(it)
+    done = dl.stats()
+    assert not done.running and done.batches == 10 and done.epoch == 0
+    data = done.as_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert set(data["stages"]) == {"sampling", "fetch", "collate", "transfer", "wait",
+                                   "consumer"}
+    assert isinstance(done, LoaderStats)
+    list(dl)
+    assert dl.stats().epoch == 1
+    assert "bottleneck:" in done.table()
+
+
+@pytest.mark.anyio
+async def test_async_for(anyio_backend: str) -> None:
+    dl = DataLoader(Sleepy(12, 0.001), batch_size=4, collate_fn=list)
+    assert [b async for b in dl] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert dl.stats().items == 12
+
+
+# --- the parts --------------------------------------------------------------------------------
+def test_stage_ring_is_bounded() -> None:
+    stage = Stage()
+    for ns in range(5000):
+        stage.add(ns)
+        if ns % 100 == 0:
+            stage.flush()
+    snap = stage.snapshot("fetch")
+    assert stage.count == 5000 and stage.busy == sum(range(5000))
+    assert len(stage.ring) <= 2048 and not stage.pending
+    assert stage.ring[-1] == 4999
+    assert snap.p50 == (5000 - 512) / 1e9  # of the last 1024
+    assert snap.p50 <= snap.p90 <= snap.p99 <= 5000 / 1e9
+
+
+def test_occupancy_is_time_weighted() -> None:
+    level = Occupancy()
+    start = level.start
+    level.change(2, start)  # 2 for 10 ns, then 0 for 10 ns
+    level.change(-2, start + 10)
+    assert level.mean(start + 20) == 1.0
+    assert level.peak == 2
+
+
+def test_worker_report_merges() -> None:
+    worker, loader = Collector(), Collector(num_workers=2)
+    for ns in (10, 20, 30):
+        worker.fetch.add(ns)
+    worker.collated([1, 2], 5)
+    loader.merge(1, worker.report())
+    assert (loader.fetch.count, loader.fetch.busy, loader.items) == (3, 60, 2)
+    assert loader.workers[1] == [1, 65]
+    loader.merge(1, worker.report())  # nothing new
+    assert (loader.fetch.count, loader.fetch.busy, loader.items) == (3, 60, 2)
+
+
+# --- verdicts ------------------------------------------------------------------------------------
+def test_verdict_consumer() -> None:
+    dl = DataLoader(Fast(80), batch_size=4, collate_fn=list)
+    for _ in dl:
+        time.sleep(0.02)  # the consumer's work: far slower than loading
+    assert dl.stats().bottleneck.startswith("the consumer: batches are ready before you ask")
+
+
+def test_verdict_fetch_latency() -> None:
+    dl = DataLoader(Sleepy(40, 0.02), batch_size=4, collate_fn=list, max_concurrency=2)
+    list(dl)
+    stats = dl.stats()
+    assert stats.bottleneck == "fetch latency: 2 of 2 fetches in flight, raise max_concurrency"
+
+
+def test_verdict_collate() -> None:
+    def slow_collate(samples: list[int]) -> list[int]:
+        spin_wall(0.01)
+        return samples
+
+    dl = DataLoader(Fast(80), batch_size=4, collate_fn=slow_collate)
+    list(dl)
+    verdict = dl.stats().bottleneck
+    assert verdict.startswith("collate: ") and verdict.endswith(
+        "of one core, pass num_workers or a cheaper collate_fn"), verdict
+
+
+def test_verdict_gil_bound_sync_dataset() -> None:
+    dl = DataLoader(Burning(80), batch_size=4, collate_fn=list)
+    list(dl)
+    verdict = dl.stats().bottleneck
+    assert verdict.startswith("GIL-bound sync dataset: ") and verdict.endswith(
+        "use num_workers"), verdict
+
+
+def test_verdict_blocking_sync_dataset() -> None:
+    dl = DataLoader(Blocking(80), batch_size=4, collate_fn=list)
+    list(dl)
+    verdict = dl.stats().bottleneck
+    assert verdict.startswith("blocking sync fetches, one batch call at a time: pass "
+                              "max_concurrency"), verdict
+
+
+class OneSlowWorker(Fast):
+    _inline_fetch = False
+
+    def __getitem__(self, i: int) -> int:
+        info = aloader.get_worker_info()
+        if info is not None and info.id == 1:
+            time.sleep(0.01)
+        return i
+
+
+def test_verdict_one_slow_worker() -> None:
+    dl = DataLoader(OneSlowWorker(64), batch_size=4, collate_fn=list, num_workers=2)
+    list(dl)
+    verdict = dl.stats().bottleneck
+    assert verdict.startswith("one slow worker: worker 1 takes"), verdict
+
+
+@pytest.mark.anyio
+async def test_an_epoch_left_early_ends_its_statistics(anyio_backend: str) -> None:
+    dl = DataLoader(Fast(40), batch_size=4, collate_fn=list)
+    count = 0
+    async for _ in dl:
+        count += 1
+        if count == 3:
+            break
+    first = dl.stats()
+    await anyio.sleep(0.05)
+    second = dl.stats()
+    assert not first.running and first.batches == 3
+    assert second.elapsed == first.elapsed  # ended at the last batch, not still counting
