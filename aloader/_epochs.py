@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeAlias, cast
 
 from ._distributed import DistributedSampler
+from ._failures import KnownFailed
 from ._pipeline import Epoch, FetchPlan, IterableEpoch, MapEpoch, Results
 from ._pool import MapPoolEpoch, PoolEpoch, ReplicaPoolEpoch
 from ._resume import encode, open_replica, parse, start_snapshot
@@ -126,6 +127,8 @@ class MapEpochs:
         # What the latest epoch was drawn from (taken by begin()), and the next epoch's skip.
         self._start_state: Any = None
         self.resume: Skip | None = None
+        # A resumed epoch's failed samples, left out of its keys (see aloader._failures).
+        self.known_failed: KnownFailed | None = None
         self.loaded_skip: Skip | None = None
 
     # Checkpoints ---------------------------------------------------------------------------
@@ -208,7 +211,13 @@ class MapEpochs:
 
     def keys(self) -> Iterator[Any] | AsyncIterator[Any]:
         """This epoch's keys: index batches, or indices without auto-batching; a resumed
-        epoch's (:attr:`resume`, consumed here) without the batches already received."""
+        epoch's (:attr:`resume`, consumed here) without the batches already received, and
+        without the samples that failed before the checkpoint (:attr:`known_failed`)."""
+        known, self.known_failed = self.known_failed, None
+        keys = self._resumed_keys()
+        return keys if known is None else cast(Any, known.keys(keys))
+
+    def _resumed_keys(self) -> Iterator[Any] | AsyncIterator[Any]:
         skip, self.resume = self.resume, None
         if skip is None or (skip.prefix == 0 and not skip.delivered):
             return self._keys(0)

@@ -27,6 +27,19 @@ Where a sample's error is seen:
 * worker processes: a worker applies the same rules with an unlimited budget of its own and
   reports what failed with each answer; the loader records it here, so the budget is the
   epoch's across all workers.
+
+Checkpoints (:meth:`DataLoader.state_dict`): the state's ``"failures"`` entry holds the
+failures the budget absorbed so far in the epoch, ``{"count": N, "indices": [...]}`` (JSON
+builtins: ints, or the dataset's own JSON-able indices; tuples become lists), including those
+of batches fetched ahead of the consumer. A resumed epoch's budget starts from that count and
+those indices (:meth:`Failures.restore`), and a sample of the remaining batches whose index is
+among them is left out of its batch without fetching it (:class:`KnownFailed`) and without
+counting it again: it was counted when it failed. With a sampler that draws each index at most
+once an epoch, the resumed epoch then delivers and counts exactly as the uninterrupted one (an
+index drawn twice, by a sampler with replacement, is left out and counted once). The failure
+that exceeded the budget is not recorded: a resumed epoch fetches it again, and fails there as
+the uninterrupted one did. Iterable datasets record the count only (their indices are sample
+numbers, not something a resumed replica could leave out): ``indices`` is empty.
 """
 
 from __future__ import annotations
@@ -41,7 +54,15 @@ from typing import Any
 from ._exceptions import FailureBudgetExceeded
 from ._log import RateLimited, brief, loader_log
 
-__all__ = ("KEEP_ERRORS", "Failures", "check_max_failures", "resumable")
+__all__ = (
+    "KEEP_ERRORS",
+    "KNOWN_FAILED",
+    "Failures",
+    "KnownFailed",
+    "check_max_failures",
+    "json_index",
+    "resumable",
+)
 
 # Errors kept on a FailureBudgetExceeded besides its cause (the count is exact regardless).
 KEEP_ERRORS = 16
@@ -71,6 +92,97 @@ def check_max_failures(value: object) -> int | float:
             f"(0, 1), but got max_failures={value!r}"
         )
     return value
+
+
+class _KnownFailedKey:
+    """The type of :data:`KNOWN_FAILED` (pickled by reference: a worker sees the same one)."""
+
+    def __reduce__(self) -> str:
+        return "KNOWN_FAILED"
+
+    def __repr__(self) -> str:
+        return "KNOWN_FAILED"
+
+
+#: The key of a job whose every sample failed before a resume: it publishes SKIP unfetched
+#: (it keeps its place, and its batch number, as the uninterrupted epoch's skipped batch).
+KNOWN_FAILED: Any = _KnownFailedKey()
+
+
+def json_index(index: Any) -> Any:
+    """A failed sample's index as JSON builtins, for a checkpoint (tuples become lists;
+    numpy integers become ints).
+
+    Raises:
+        ValueError: the index is of a type JSON cannot hold (named in the message).
+    """
+    if index is None or isinstance(index, (bool, int, float, str)):
+        return int(index) if isinstance(index, int) and not isinstance(index, bool) else index
+    if isinstance(index, (list, tuple)):
+        return [json_index(item) for item in index]
+    if isinstance(index, dict) and all(isinstance(key, str) for key in index):
+        return {key: json_index(item) for key, item in index.items()}
+    item = getattr(index, "item", None)  # a numpy scalar
+    if callable(item) and getattr(index, "ndim", None) == 0:
+        value = item()
+        if isinstance(value, (bool, int, float, str)):
+            return value
+    raise ValueError(
+        f"cannot record the failed sample index {index!r} in the state: its type "
+        f"{type(index).__name__} is not JSON-serialisable (a checkpoint holds JSON builtins: "
+        "int, float, str, bool, None, lists and str-keyed dicts of them)"
+    )
+
+
+def _hashable(index: Any) -> Any:
+    """``index`` comparable with its JSON form (lists and tuples alike, dicts by items)."""
+    if isinstance(index, (list, tuple)):
+        return tuple(_hashable(item) for item in index)
+    if isinstance(index, dict):
+        return tuple(sorted((key, _hashable(item)) for key, item in index.items()))
+    try:
+        hash(index)
+    except TypeError:
+        return repr(index)
+    return index
+
+
+class KnownFailed:
+    """The indices that failed before a resume: the remaining keys leave them out.
+
+    Args:
+        indices: the failed indices, as a checkpoint holds them.
+        auto_batch: whether keys are index batches (else single indices).
+    """
+
+    def __init__(self, indices: list[Any], auto_batch: bool) -> None:
+        self._known = {_hashable(index) for index in indices}
+        self._auto_batch = auto_batch
+
+    def key(self, key: Any) -> Any:
+        """``key`` without the known failed indices; :data:`KNOWN_FAILED` when none is left."""
+        known = self._known
+        if not self._auto_batch:
+            return KNOWN_FAILED if _hashable(key) in known else key
+        items = key.tolist() if hasattr(key, "tolist") else list(key)
+        keep = [_hashable(index) not in known for index in items]
+        if all(keep):
+            return key
+        if not any(keep):
+            return KNOWN_FAILED
+        if hasattr(key, "tolist"):  # an index array stays one
+            return key[keep]
+        return [index for index, kept in zip(items, keep, strict=True) if kept]
+
+    def keys(self, keys: Any) -> Any:
+        """The keys of a sync or async iterator, filtered by :meth:`key`."""
+        if hasattr(keys, "__anext__"):
+            return self._akeys(keys)
+        return map(self.key, keys)
+
+    async def _akeys(self, keys: Any) -> Any:
+        async for key in keys:
+            yield self.key(key)
 
 
 def resumable(source: object) -> bool:
@@ -106,6 +218,7 @@ class Failures:
         self.indices: list[Any] = []  # the failed samples' indices, in the order they failed
         self.errors: deque[BaseException] = deque(maxlen=KEEP_ERRORS)
         self.seen = 0  # samples attempted (iterable epochs without a length)
+        self.absorbed = 0  # the failures recorded before the budget was exceeded
         self._lock = threading.Lock()
         self._log = RateLimited(loader_log)
         self._exceeded: FailureBudgetExceeded | None = None
@@ -154,6 +267,8 @@ class Failures:
                 self.indices.append(index)
                 self.errors.append(error)
             exceeded = self._exceeded is None and count > self.limit
+            if self._exceeded is None and not exceeded:
+                self.absorbed = count
         self._log.log(logging.WARNING, "skipped sample %r: %s", index, brief(error),
                       summary="skipped %(count)d more samples; the last: %(last)s")
         if exceeded:
@@ -178,6 +293,25 @@ class Failures:
         )
         exc.__cause__ = error
         return exc
+
+    def state(self, with_indices: bool) -> dict[str, Any]:
+        """The ``"failures"`` entry of a checkpoint: the failures absorbed so far (see the
+        module docstring), with their indices when ``with_indices`` (map-style).
+
+        Raises:
+            ValueError: an index JSON cannot hold.
+        """
+        with self._lock:
+            count = self.absorbed
+            indices = self.indices[:count] if with_indices else []
+        return {"count": count, "indices": [json_index(index) for index in indices]}
+
+    def restore(self, count: int, indices: list[Any]) -> None:
+        """Start from a checkpoint's failures: ``count`` absorbed, ``indices`` among them."""
+        self.count = self.absorbed = count
+        self.indices = list(indices)
+        if self.stats is not None:
+            self.stats.failed = count
 
     def finish(self) -> None:
         """The epoch has ended: a fraction of samples only known now may be exceeded.

@@ -31,7 +31,7 @@ from ._dataset import is_iterable_dataset
 from ._epochs import EpochKind, IterableEpochs, MapEpochs, Progress, Skip
 from ._exceptions import FailureBudgetExceeded, LoaderTimeoutError
 from ._facade import PrivateLoop, SyncIterator, forbid_running_loop, loop_of
-from ._failures import Failures, check_max_failures
+from ._failures import Failures, KnownFailed, check_max_failures, json_index
 from ._log import SLOW_FIRST_BATCH, loader_log, worker_log
 from ._pipeline import Epoch, FetchPlan, Results
 from ._pool import PoolEpoch, WorkerPool, default_context, prepare_context, resolve_context
@@ -93,6 +93,7 @@ class _EpochRecord:
     yielded: int = 0
     meta: Any = None  # the metadata of the latest batch received (iterable datasets)
     done: bool = False  # the iterator reached the end of the epoch
+    failures: Failures | None = None  # the epoch's failure budget (None without max_failures)
 
     def __post_init__(self) -> None:
         self.prefix = self.skip.prefix
@@ -441,6 +442,7 @@ class DataLoader(Generic[T_co]):
         self._resume_state: dict[str, Any] | None = None
         self._resume_skip: Skip | None = None
         self._resume_seed: int | None = None  # the persistent workers' seed of a resumed run
+        self._resume_failures: tuple[int, list[Any]] | None = None  # its failures so far
         self._stats: Collector | None = None  # the statistics of the latest epoch
         self._stats_epochs = 0
         if num_workers > 0:
@@ -669,7 +671,11 @@ class DataLoader(Generic[T_co]):
         (persistent workers keep theirs), :attr:`sample_seed`, and what the epoch kind records
         (map-style: the index sampler's ``state_dict()`` at the epoch's start, and the batches
         received beyond the contiguous prefix). The epoch's order is not stored: a resume
-        draws it again from those states.
+        draws it again from those states. ``"failures": {"count": N, "indices": [...]}``: with
+        ``max_failures``, the failures absorbed so far in the epoch and (map-style) their
+        indices; a resumed epoch's budget continues from them and leaves those samples out
+        unfetched (see :mod:`aloader._failures`). Zero and empty between epochs and without a
+        budget.
 
         With ``generator=None`` the loader's draws come from fresh entropy (torch's global
         generator when torch is imported): the state records that generator's state, and
@@ -692,6 +698,9 @@ class DataLoader(Generic[T_co]):
             progress = Progress(record.epoch, record.yielded, frozenset(record.beyond),
                                 record.meta, False)
             rng = cast(dict[str, Any], _json_copy(record.rng))
+        failures: dict[str, Any] = {"count": 0, "indices": []}
+        if record is not None and not record.at_end and record.failures is not None:
+            failures = record.failures.state(with_indices=isinstance(self._kind, MapEpochs))
         kind = self._kind_name()
         if isinstance(self._kind, MapEpochs):
             sub = self._kind.state_dict(progress)
@@ -712,6 +721,7 @@ class DataLoader(Generic[T_co]):
                 "dataset_length": self._dataset_length(),
             },
             kind: _json_copy(sub),
+            "failures": failures,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -723,7 +733,8 @@ class DataLoader(Generic[T_co]):
         Raises:
             ValueError: the state is of another format or version, another kind of dataset,
                 another dataset length, batch size or ``drop_last`` (the message names the
-                field and both values), or does not fit the samplers.
+                field and both values), or does not fit the samplers; its ``failures`` has
+                more indices than its count, or indices for an iterable dataset.
             TypeError: a field has the wrong type.
         """
         if not isinstance(state, Mapping):
@@ -765,6 +776,7 @@ class DataLoader(Generic[T_co]):
             restore_rng(self._rng, loader.get("rng"), apply=False)
         except ValueError as exc:
             raise ValueError(f"state field 'loader.rng': {exc}") from None
+        failed = self._check_failures(state.get("failures"))
         if kind not in state:
             raise ValueError(f"state field {kind!r} is missing")
         sub = _json_copy(state[kind])
@@ -793,9 +805,43 @@ class DataLoader(Generic[T_co]):
         self._resume_seed = seed
         self._epochs_started = state["epoch"]
         self._resume_skip = skip
+        self._resume_failures = failed
         self._record = None
         copy = cast(dict[str, Any], _json_copy(dict(state)))
         self._resume_state = copy
+
+    def _check_failures(self, failures: Any) -> tuple[int, list[Any]] | None:
+        """A state's ``"failures"`` entry, checked: (count, indices), or None when there is
+        nothing to restore (none recorded, or this loader has no budget: its epochs raise the
+        first error, as torch's do). A state without the entry recorded none."""
+        if failures is None:
+            return None
+        if not isinstance(failures, Mapping):
+            raise TypeError(f"state field 'failures' should be a dict, "
+                            f"but got {type(failures).__name__}")
+        count, indices = failures.get("count"), failures.get("indices")
+        if not (_is_int(count) and count >= 0):
+            raise TypeError(f"state field 'failures.count' should be a non-negative int, "
+                            f"but got {count!r}")
+        if not isinstance(indices, list):
+            raise TypeError(f"state field 'failures.indices' should be a list, "
+                            f"but got {type(indices).__name__}")
+        for index in indices:
+            try:
+                if json_index(index) != index or isinstance(index, tuple):
+                    raise ValueError(f"{index!r} is not in its JSON form")
+            except ValueError as exc:
+                raise TypeError(f"state field 'failures.indices' should hold JSON builtins: "
+                                f"{exc}") from None
+        if len(indices) > count:
+            raise ValueError(f"state field 'failures.indices' has {len(indices)} indices, "
+                             f"more than 'failures.count' ({count})")
+        if indices and not isinstance(self._kind, MapEpochs):
+            raise ValueError("state field 'failures.indices' should be empty for an iterable "
+                             f"dataset (its failures are counted only), but has {len(indices)}")
+        if not self.max_failures or not count:
+            return None
+        return count, list(indices)
 
     def _remote(self, base_seed: int, epoch: int) -> PoolEpoch:
         """This epoch's use of the worker processes: the persistent pool when it is free."""
@@ -897,7 +943,8 @@ class AsyncDataLoaderIter(Generic[T_co]):
         start = rng_state(loader._rng)
         self.base_seed, drawn = loader._base_seed()
         self._skip = loader._resume_skip or Skip(0)
-        loader._resume_skip = None
+        self._resumed_failures = loader._resume_failures
+        loader._resume_skip = loader._resume_failures = None
         loader._resume_state = None
         self._record = loader._record = _EpochRecord(
             self.epoch, start, None if drawn else self.base_seed,
@@ -926,8 +973,11 @@ class AsyncDataLoaderIter(Generic[T_co]):
         results = Results(loader.prefetch_factor, loader.in_order)
         transform = _pin_memory_transform(loader)
         # Workers or not: decided here, once per epoch (num_workers may change between epochs).
+        resumed = self._resumed_failures
         if isinstance(kind, MapEpochs):
             kind.resume = self._skip  # taken by the keys() that local/on_workers call now
+            if resumed is not None and resumed[1]:
+                kind.known_failed = KnownFailed(resumed[1], kind.auto_collation)
         if loader.num_workers > 0:
             remote = loader._remote(self.base_seed, loader._claim_epoch(self.epoch))
             epoch = kind.on_workers(loader._plan(transform, remote, self.epoch), results,
@@ -940,6 +990,9 @@ class AsyncDataLoaderIter(Generic[T_co]):
             self.failures = plan.failures = Failures(loader.max_failures,
                                                      loader._epoch_samples())
             self.failures.sources_of = source_stats
+            if resumed is not None:  # the budget goes on where the checkpoint left it
+                self.failures.restore(*resumed)
+            self._record.failures = self.failures
             if remote is not None:
                 remote.failures = self.failures
         stats = self.stats = plan.stats = Collector(
@@ -950,6 +1003,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         stats.sources = source_stats(loader.dataset)
         if self.failures is not None:
             self.failures.stats = stats
+            stats.failed = self.failures.count  # a resumed epoch's, from the checkpoint
         loader._stats_epochs += 1
         loader._stats = stats
         if remote is not None:

@@ -27,7 +27,9 @@ batch is collated, and a batch is collated only once it has an output slot.
 
 With a failure budget (the plan's ``failures``, see :mod:`aloader._failures`), a sample whose
 fetch raises is left out of its batch instead (marked ``_FAILED`` until the job collates; a
-job left with no sample publishes :data:`SKIP`), until the budget is exceeded. Every epoch
+job left with no sample publishes :data:`SKIP`), until the budget is exceeded. A resumed
+epoch's job whose samples all failed before the checkpoint has the key ``KNOWN_FAILED`` and
+publishes :data:`SKIP` unfetched. Every epoch
 records its statistics into the plan's ``stats`` (see :mod:`aloader._stats`): a timestamp
 pair per job, or per item where items are fetched one by one.
 
@@ -57,7 +59,7 @@ import numpy as np
 from ._backend import Detached, threadsafe_caller
 from ._dataset import aiter_of, fetch_mode
 from ._exceptions import FailureBudgetExceeded, LoaderClosedError
-from ._failures import Failures, resumable
+from ._failures import KNOWN_FAILED, Failures, resumable
 from ._sample_rng import BATCH, Scope, scope_var
 from ._stats import Collector
 from ._util import Signal, close_iterator, is_async_callable, resolve
@@ -596,6 +598,8 @@ class FetchPlan:
 
     def items_of(self, key: Any) -> list[Any]:
         """The single indices of a job fetched item by item."""
+        if key is KNOWN_FAILED:
+            return []
         if not self.auto_batch:
             return [key]
         return key.tolist() if isinstance(key, np.ndarray) else list(key)
@@ -633,6 +637,8 @@ class FetchPlan:
     def fetch_sync(self, key: Any) -> Any:
         """The samples of ``key``; with a failure budget, those that did not fail (a failing
         batch call retried item by item), or :data:`SKIP` when none is left."""
+        if key is KNOWN_FAILED:
+            return SKIP
         if self.failures is None:
             return self._fetch_sync(key)
         try:
@@ -722,6 +728,8 @@ class FetchPlan:
                 return await self.remote.fetch(key, seq)
             finally:
                 in_flight.change(-1, _now())
+        if key is KNOWN_FAILED:
+            return SKIP
         if self.failures is None:
             return await self._fetch(key, limiter)
         try:
@@ -1071,8 +1079,8 @@ class MapEpoch(Epoch):
     async def _complete(self, job: _Job, limiter: anyio.CapacityLimiter) -> None:
         """Collate a job whose items are all in (or publish its first error)."""
         await self.results.reserve(job.seq)
-        samples: Any = job.samples
-        if self.plan.failures is not None and job.error is None and any(
+        samples: Any = job.samples if job.key is not KNOWN_FAILED else SKIP
+        if samples is not SKIP and self.plan.failures is not None and job.error is None and any(
             sample is _FAILED for sample in samples  # not `in`: arrays compare elementwise
         ):
             samples = [sample for sample in samples if sample is not _FAILED] or SKIP
