@@ -100,8 +100,8 @@ class FailureBudgetExceeded(AloaderError):
         super().__init__(message)
         self.count = count
         self.budget = budget
-        self.errors = errors or []
-        self.indices = indices or []
+        self.errors: list[BaseException] = errors or []
+        self.indices: list[object] = indices or []
 
 
 # --------------------------------------------------------------------------- sources

@@ -214,11 +214,11 @@ class Failures:
     def __init__(self, budget: int | float, samples: int | None = None) -> None:
         self.budget: int | float = budget
         self.samples = samples
-        self.count = 0
+        self.count: int = 0
         self.indices: list[Any] = []  # the failed samples' indices, in the order they failed
         self.errors: deque[BaseException] = deque(maxlen=KEEP_ERRORS)
-        self.seen = 0  # samples attempted (iterable epochs without a length)
-        self.absorbed = 0  # the failures recorded before the budget was exceeded
+        self.seen: int = 0  # samples attempted (iterable epochs without a length)
+        self.absorbed: int = 0  # the failures recorded before the budget was exceeded
         self._lock = threading.Lock()
         self._log = RateLimited(loader_log)
         self._exceeded: FailureBudgetExceeded | None = None

@@ -359,7 +359,7 @@ class DataLoader(Generic[T_co]):
         self.worker_init_fn = worker_init_fn
         self.in_order = in_order
         self.max_concurrency = max_concurrency
-        self.max_failures = check_max_failures(max_failures)
+        self.max_failures: int | float = check_max_failures(max_failures)
 
         iterable = is_iterable_dataset(dataset)
         if iterable:
@@ -934,14 +934,15 @@ class AsyncDataLoaderIter(Generic[T_co]):
         self._loader = loader
         # Explicit epoch state, so that a resume can restore it: the RNG state this epoch
         # started from, the base seed it drew, and the batches yielded so far.
-        self.epoch = loader._epochs_started
+        self.epoch: int = loader._epochs_started
         loader._epochs_started = self.epoch + 1
         kind = loader._kind
         if isinstance(kind, MapEpochs):
             kind.begin()  # what the epoch is drawn from, before it draws anything
         self.rng_state: Mapping[str, Any] = loader._rng.bit_generator.state
         start = rng_state(loader._rng)
-        self.base_seed, drawn = loader._base_seed()
+        base_seed, drawn = loader._base_seed()
+        self.base_seed: int = base_seed
         self._skip = loader._resume_skip or Skip(0)
         self._resumed_failures = loader._resume_failures
         loader._resume_skip = loader._resume_failures = None
@@ -958,7 +959,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         self._ended = False  # the epoch's last batch was handed out
         # The epoch's failure budget and record (None without max_failures).
         self.failures: Failures | None = None
-        self.stats: Collector | None = None  # the epoch's statistics, from its start
+        self._stats: Collector | None = None  # the epoch's statistics, from its start
         self._timeout = loader.timeout
         self._len_called = loader._kind.reported_length()
         self._epoch: Epoch | None = None
@@ -995,7 +996,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
             self._record.failures = self.failures
             if remote is not None:
                 remote.failures = self.failures
-        stats = self.stats = plan.stats = Collector(
+        stats = self._stats = plan.stats = Collector(
             plan.mode, plan.concurrency if plan.granularity == "item" else plan.window,
             max(1, loader.prefetch_factor), loader._stats_epochs, loader.num_workers,
             "iterable" if isinstance(kind, IterableEpochs) else "map",
@@ -1020,7 +1021,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         if epoch is None:
             epoch = self._epoch = self._start()
         asked = _now()
-        stats = self.stats
+        stats = self._stats
         assert stats is not None
         try:
             if self._timeout > 0:
@@ -1094,8 +1095,8 @@ class AsyncDataLoaderIter(Generic[T_co]):
 
     def _shutdown(self) -> None:
         self._closed = True
-        if self.stats is not None and self.stats.ended is None:
-            self.stats.ended = _now()
+        if self._stats is not None and self._stats.ended is None:
+            self._stats.ended = _now()
         if self._epoch is not None:
             self._epoch.stop()
 

@@ -175,9 +175,9 @@ class ParquetRows(ShardedSource[Any]):
                                 f"all), but got columns={columns!r}")
             if not columns:
                 raise ValueError("columns should name at least one column (or be None for all)")
-        self.columns = None if columns is None else list(columns)
-        self.batch_rows = check_int("batch_rows", batch_rows)
-        self.as_batches = bool(as_batches)
+        self.columns: list[str] | None = None if columns is None else list(columns)
+        self.batch_rows: int = check_int("batch_rows", batch_rows)
+        self.as_batches: bool = bool(as_batches)
         self._row_groups: list[int] | None = None  # per file, once every footer was read
 
     # Resumed by counting, Stream's default (replay the epoch, drop what was delivered), not

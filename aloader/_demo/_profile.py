@@ -84,7 +84,7 @@ def main(target: str, out: TextIO | None = None, batches: int | None = None) -> 
         try:
             async for _ in iterator:
                 count += 1
-                stats = iterator.stats
+                stats = iterator._stats  # the live collector: no snapshot per batch
                 progress.update(count, stats.items if stats is not None else 0)
                 if batches is not None and count >= batches:
                     break
