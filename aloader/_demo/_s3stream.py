@@ -11,10 +11,11 @@ part says it was skipped and why, and succeeds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 from functools import partial
-from typing import TextIO
+from typing import Any, TextIO
 
 import anyio
 
@@ -41,6 +42,16 @@ def _missing() -> str | None:
     return None
 
 
+def _empty(s3: Any) -> None:
+    """Delete the objects of the demo's bucket, if any: moto keeps its buckets per process,
+    not per server, so an earlier run in this process (a test) would leave its shards there."""
+    client = s3.client()
+    with contextlib.suppress(client.exceptions.NoSuchBucket):
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET):
+            for item in page.get("Contents", ()):
+                client.delete_object(Bucket=BUCKET, Key=item["Key"])
+
+
 def main(out: TextIO | None = None, args: argparse.Namespace | None = None) -> int:
     """Run the S3 streaming demo; returns the exit status (0 when skipped).
 
@@ -59,6 +70,7 @@ def main(out: TextIO | None = None, args: argparse.Namespace | None = None) -> i
 
     files = make_jsonl_shards(args.shards, args.records)
     with LocalS3(latency=args.latency) as s3:
+        _empty(s3)
         s3.put(BUCKET, files)
         s3.proxy.reset()
         size = sum(len(body) for body in files.values())
@@ -72,4 +84,5 @@ def main(out: TextIO | None = None, args: argparse.Namespace | None = None) -> i
         status = int(anyio.run(partial(stream, store=s3.store(BUCKET)), args,
                                f"s3://{BUCKET}/*.jsonl", out))
         out.write(f"  {len(s3.proxy.requests)} requests to the store (listing and GETs)\n")
+        _empty(s3)
     return status
