@@ -105,14 +105,16 @@ def _parser(workloads: Sequence[str] | None) -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo",
         help="the main job: an async dataset with simulated latency vs sequential fetching, "
-             "then JSON Lines shards streamed from a local HTTP server",
+             "then JSON Lines shards streamed from a local HTTP server and from s3://",
         description="Part 1 streams an async dataset with simulated network latency through "
                     "the DataLoader and compares with fetching the items one after another. "
                     "Part 2 starts an HTTP server on 127.0.0.1 serving generated shards with "
                     "latency and streams them through the sharded, shuffled JsonLines source "
-                    "and the DataLoader (`python -m aloader demo-http --help` for its options).",
+                    "and the DataLoader (`python -m aloader demo-http --help` for its options). "
+                    "Part 3 streams such shards from s3:// on a local S3 server (moto, with "
+                    "latency; skipped when moto is not installed).",
     )
-    demo.add_argument("--only", choices=("latency", "http"), default=None,
+    demo.add_argument("--only", choices=("latency", "http", "s3"), default=None,
                       help="run one part only")
     demo.add_argument("--items", type=_positive_int, default=20_000,
                       help="items (default 20000)")

@@ -208,7 +208,8 @@ def _check_weights(weights: object, count: int) -> list[float]:
     if any(not math.isfinite(w) or w < 0 for w in values):
         raise ValueError(f"weights should be finite and non-negative, but got weights={values}")
     if not any(w > 0 for w in values):
-        raise ValueError(f"weights should not all be zero, but got weights={values}")
+        raise ValueError(f"weights should not all be zero (they need a positive sum), but "
+                         f"got weights={values}")
     return values
 
 

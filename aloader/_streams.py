@@ -1165,36 +1165,19 @@ async def _no_blocks() -> AsyncGenerator[tuple[list[Any], Any], None]:
 
 
 class _Interleaved(Stream[Any]):
-    def __init__(
-        self,
-        streams: Sequence[Stream[Any]],
-        weights: Sequence[float] | None,
-        seed: GeneratorLike,
-        stop_on_first: bool,
-    ) -> None:
+    """Round-robin interleave (weighted interleave is :func:`aloader.mix`'s job)."""
+
+    def __init__(self, streams: Sequence[Stream[Any]], stop_on_first: bool) -> None:
         if not streams:
             raise ValueError("interleave needs at least one stream")
         self.streams = list(streams)
         self.stop_on_first = bool(stop_on_first)
-        self.weights: list[float] | None = None
-        if weights is not None:
-            values = [float(w) for w in weights]
-            if len(values) != len(self.streams):
-                raise ValueError(
-                    f"interleave got {len(self.streams)} streams but {len(values)} weights"
-                )
-            if any(not w >= 0 for w in values) or not any(w > 0 for w in values):
-                raise ValueError(
-                    f"weights should be non-negative with a positive sum, but got {values}"
-                )
-            self.weights = values
-        self.seed = draw_seed(as_generator(seed))
 
     def _upstreams(self) -> Sequence[Stream[Any]]:
         return self.streams
 
-    # A block is cut after a whole round (round-robin) or a whole draw (weighted): its token
-    # is where each input then was, which inputs were still running, and the random state.
+    # A block is cut after a whole round: its token is where each input then was and which
+    # inputs were still running.
 
     def _blocks_at(
         self, ctx: _Context, at: dict[str, Any] | None
@@ -1212,15 +1195,8 @@ class _Interleaved(Stream[Any]):
             _Cursor(stream._blocks_at(ctx, start) if live else _no_blocks(), _Encoded(start))
             for stream, start, live in zip(self.streams, starts, running, strict=True)
         ]
-        rng = ctx.rng(self.seed)
-        if at is not None and at["rng"] is not None:
-            rng.bit_generator.state = at["rng"]
-        if self.weights is None:
-            mixed = self._round_robin(cursors, running)
-        else:
-            mixed = self._weighted(cursors, rng, running)
         try:
-            async with Closing(mixed) as blocks:
+            async with Closing(self._round_robin(cursors, running)) as blocks:
                 async for block in blocks:
                     yield block
         finally:
@@ -1229,18 +1205,17 @@ class _Interleaved(Stream[Any]):
                     await cursor.blocks.aclose()
 
     @staticmethod
-    def _mark(cursors: list[_Cursor[Any]], running: list[bool],
-              rng: np.random.Generator | None) -> tuple[Any, ...]:
+    def _mark(cursors: list[_Cursor[Any]], running: list[bool]) -> tuple[Any, ...]:
         """Where every input is now (the token of the next block cut)."""
         marks = tuple((c.token, c.pos) if live else None
                       for c, live in zip(cursors, running, strict=True))
-        return (marks, tuple(running), None if rng is None else rng.bit_generator.state)
+        return (marks, tuple(running))
 
     async def _round_robin(
         self, cursors: list[_Cursor[Any]], running: list[bool]
     ) -> AsyncGenerator[tuple[list[Any], Any], None]:
         active = [i for i, live in enumerate(running) if live]
-        token = self._mark(cursors, running, None)
+        token = self._mark(cursors, running)
         out: list[Any] = []
         while active:
             still: list[int] = []
@@ -1260,48 +1235,17 @@ class _Interleaved(Stream[Any]):
             if len(out) >= _BLOCK:
                 yield out, token
                 out = []
-                token = self._mark(cursors, running, None)
-        if out:
-            yield out, token
-
-    async def _weighted(
-        self, cursors: list[_Cursor[Any]], rng: np.random.Generator, running: list[bool]
-    ) -> AsyncGenerator[tuple[list[Any], Any], None]:
-        assert self.weights is not None
-        live = np.array([w > 0 and flag for w, flag in zip(self.weights, running, strict=True)])
-        base = np.array(self.weights, dtype=np.float64)
-        token = self._mark(cursors, running, rng)
-        out: list[Any] = []
-        while live.any():
-            p = np.where(live, base, 0.0)
-            picks = rng.choice(len(cursors), size=_BLOCK, p=p / p.sum()).tolist()
-            for index in picks:
-                cursor = cursors[index]
-                if cursor.pos >= len(cursor.block) and not await cursor.refill():
-                    if self.stop_on_first:
-                        if out:
-                            yield out, token
-                        return
-                    live[index] = False
-                    running[index] = False
-                    break  # redraw without the finished input
-                out.append(cursor.block[cursor.pos])
-                cursor.pos += 1
-            if len(out) >= _BLOCK:
-                yield out, token
-                out = []
-                token = self._mark(cursors, running, rng)
+                token = self._mark(cursors, running)
         if out:
             yield out, token
 
     def _state(self, token: Any, skip: int) -> dict[str, Any]:
-        marks, running, rng_state = token
+        marks, running = token
         inputs = [
             None if mark is None else _state_of(stream, mark[0], mark[1])
             for stream, mark in zip(self.streams, marks, strict=True)
         ]
-        return {"stage": "interleave", "inputs": inputs, "running": list(running),
-                "rng": rng_state, "skip": skip}
+        return {"stage": "interleave", "inputs": inputs, "running": list(running), "skip": skip}
 
     def _check(self, at: dict[str, Any], slot: tuple[int, int, int]) -> None:
         check_stage(at, "interleave", "interleave")
@@ -1312,10 +1256,6 @@ class _Interleaved(Stream[Any]):
                              f"interleave has {len(self.streams)}")
         if not all(isinstance(flag, bool) for flag in running):
             raise _bad_state("interleave", "running", f"should be booleans, not {running!r}")
-        rng_state = check_field(at, "rng", (dict, type(None)), "interleave")
-        if (rng_state is None) != (self.weights is None):
-            raise _bad_state("interleave", "rng", "does not match the weights of this "
-                                                  "interleave")
         for stream, start in zip(self.streams, inputs, strict=True):
             if start is not None:
                 if not isinstance(start, dict):
@@ -1334,8 +1274,11 @@ def interleave(
     By default items alternate round-robin (one from each input in turn); an input that ends
     drops out and the others go on. With ``weights``, each item comes from an input drawn at
     random with those relative weights (renormalised over the inputs still running),
-    reproducibly from ``seed``, the epoch and the worker. Inputs are read as needed: the stage
-    holds one block of each input.
+    reproducibly from ``seed``, the epoch and the worker: that is :func:`aloader.mix` with
+    ``stop="all_exhausted"`` (``"first_exhausted"`` with ``stop_on_first``), whose sequence
+    does not depend on the inputs' block sizes. Inputs are read as needed: the stage holds one
+    block of each input (round-robin), or per input its blocks gathered up to 1024 items
+    (weighted).
 
     Args:
         *streams: streams, or anything :func:`as_stream` accepts.
@@ -1348,8 +1291,15 @@ def interleave(
 
     Raises:
         ValueError: no stream, or bad weights.
+        TypeError: weights that are not numbers.
     """
-    return _Interleaved([as_stream(s) for s in streams], weights, seed, stop_on_first)
+    if weights is not None:
+        # Imported here: aloader._mix builds on this module.
+        from ._mix import StopRule, mix
+
+        stop: StopRule = "first_exhausted" if stop_on_first else "all_exhausted"
+        return mix(list(streams), weights, seed=seed, stop=stop)
+    return _Interleaved([as_stream(s) for s in streams], stop_on_first)
 
 
 # --------------------------------------------------------------------------- adapters

@@ -245,3 +245,15 @@ def test_profile_by_module_name_and_batches(tmp_path: Path) -> None:
 def test_profile_bad_target() -> None:
     with pytest.raises(ValueError, match="expected module:factory"):
         main(["profile", "no_colon"])
+
+
+def test_demo_s3_part_without_moto_says_skipped_and_succeeds() -> None:
+    # None in sys.modules makes `import moto...` raise ImportError, as if not installed.
+    code = ("import sys; sys.modules['moto'] = sys.modules['moto.server'] = None; "
+            "from aloader._cli import main; sys.exit(main(['demo', '--only', 's3']))")
+    result = run("-c", code)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1, result.stdout  # --only s3: no other part ran
+    assert "S3 streaming demo: skipped, moto is not installed" in lines[0]
+    assert 'pip install "moto[server]"' in lines[0]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from sourcetools import collect
 
-from aloader import DataLoader, IterableDataset, Stream, TextLines, as_stream, interleave
+from aloader import DataLoader, IterableDataset, Stream, TextLines, as_stream, interleave, mix
 
 pytestmark = pytest.mark.anyio
 
@@ -234,6 +234,26 @@ async def test_interleave_weighted(anyio_backend: str) -> None:
         interleave(a, b, weights=[1, 2, 3])
     with pytest.raises(ValueError, match="positive sum"):
         interleave(a, b, weights=[0, 0])
+
+
+async def test_interleave_weighted_is_mix_whatever_the_block_sizes(anyio_backend: str) -> None:
+    # One mechanism for weighted mixing: interleave(weights=) draws what mix draws (the stop
+    # rule matching stop_on_first), and so does not depend on how the inputs cut their blocks.
+    # Three inputs, so that the draws after the shortest one ends matter too.
+    lengths, tags = (700, 100, 400), (0, 10000, 20000)
+
+    def inputs(blocks: tuple[int, ...]) -> list[Stream[int]]:
+        return [Counted(n, block).map(lambda x, tag=tag: x + tag)
+                for n, block, tag in zip(lengths, blocks, tags, strict=True)]
+
+    stops: tuple[tuple[bool, Any], ...] = ((False, "all_exhausted"), (True, "first_exhausted"))
+    for stop_on_first, stop in stops:
+        expected = await collect(mix(inputs(lengths), [2, 1, 1], seed=5, stop=stop))
+        for blocks in ((1, 7, 3), (64, 3, 100), lengths):
+            mixed = interleave(*inputs(blocks), weights=[2, 1, 1], seed=5,
+                               stop_on_first=stop_on_first)
+            assert await collect(mixed) == expected, (stop_on_first, blocks)
+        assert (len(expected) == sum(lengths)) is not stop_on_first
 
 
 async def test_interleave_sources_and_loader(tmp_path: Path, anyio_backend: str) -> None:

@@ -20,12 +20,21 @@ from .. import DataLoader, JsonLines
 from ._progress import Progress
 from ._server import ShardServer, make_jsonl_shards
 
-__all__ = ("main",)
+__all__ = ("main", "stream")
 
 
-async def _stream(args: argparse.Namespace, urls: Sequence[str], out: TextIO) -> int:
-    source = JsonLines(urls, shuffle_shards=True, seed=args.seed,
-                       concurrency=args.concurrency).shuffle(args.buffer, seed=args.seed)
+async def stream(args: argparse.Namespace, shards: str | Sequence[str], out: TextIO,
+                 **options: Any) -> int:
+    """Stream ``JsonLines(shards, **options)`` through a shuffle buffer and the DataLoader for
+    ``args.epochs`` epochs, checking that each of the ``args.shards * args.records`` records
+    (ids 0, 1, ...) arrives exactly once per epoch; ends with the loader's stage table.
+
+    Returns 0, or 1 (after saying so) when a record was missing or repeated. Shared by the HTTP
+    and S3 parts, so that both check and report the same way.
+    """
+    source = JsonLines(shards, shuffle_shards=True, seed=args.seed,
+                       concurrency=args.concurrency, **options).shuffle(args.buffer,
+                                                                         seed=args.seed)
     loader: DataLoader[Any] = DataLoader(source, batch_size=args.batch_size)
     total = args.shards * args.records
     first_ids: list[int] = []
@@ -87,7 +96,7 @@ def main(argv: list[str] | None = None, out: TextIO | None = None) -> int:
                   "per request\n")
         out.write(f"  JsonLines(urls, shuffle_shards=True, concurrency={args.concurrency})"
                   f".shuffle({args.buffer}) -> DataLoader(batch_size={args.batch_size})\n")
-        status = anyio.run(_stream, args, server.urls, out)
+        status = anyio.run(stream, args, server.urls, out)
         out.write(f"  {len(server.requests)} requests served, "
                   f"{server.max_open_connections} connections at most\n")
     return status
