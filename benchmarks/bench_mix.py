@@ -5,7 +5,7 @@ Run: ``python benchmarks/bench_mix.py [--quick]``. Best of 5, interleaved.
 * in memory: 3 sources of 400k ints each (``as_stream(range(...))``, the cheapest source there
   is, so the mixing cost shows in full): ``mix(..., [5, 3, 2], stop="all_exhausted")`` against
   iterating the three streams one after another (``async for`` each), and against
-  ``interleave(..., weights=...)`` for reference. Reported as items/s and the added ns/item.
+  (``interleave(..., weights=...)`` is ``mix`` now). Reported as items/s and the added ns/item.
 * JSON Lines: two local sources of 8 files x 20k records, mixed 1:1 against read in turn.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 import anyio
 
-from aloader import JsonLines, Stream, as_stream, interleave, mix
+from aloader import JsonLines, Stream, as_stream, mix
 
 RUNS = 5
 
@@ -42,10 +42,6 @@ def one_after_another(make: Callable[[], list[Stream[Any]]]) -> int:
 
 def mixed(make: Callable[[], list[Stream[Any]]], weights: list[float]) -> int:
     return anyio.run(count, mix(make(), weights, seed=0, stop="all_exhausted"))
-
-
-def interleaved(make: Callable[[], list[Stream[Any]]], weights: list[float]) -> int:
-    return anyio.run(count, interleave(*make(), weights=weights, seed=0))
 
 
 def race(contestants: dict[str, Callable[[], int]], expected: int) -> dict[str, float]:
@@ -80,7 +76,6 @@ def main() -> None:
     best = race({
         "one after another": lambda: one_after_another(memory),
         "mix": lambda: mixed(memory, weights),
-        "interleave(weights=)": lambda: interleaved(memory, weights),
     }, 3 * n)
     report("3 x range, in memory", best, 3 * n)
 
