@@ -57,6 +57,11 @@ class SourceStats:
             compressed shard or a coded body).
         skipped: malformed records skipped because ``skip_errors=True``.
         retries: HTTP requests retried (connection errors, timeouts, 5xx).
+        shards_dropped: shards this rank left unread in an epoch to read as many shards as
+            every other rank (``even_ranks``; one per epoch at most, counted by its worker 0
+            when the epoch starts).
+        repeated: records delivered again, from a new pass over a consumer's shards, to make
+            up ``records_per_rank``.
         skipped_errors: the errors of the last skipped records (up to 100).
     """
 
@@ -65,19 +70,23 @@ class SourceStats:
     bytes: int = 0
     skipped: int = 0
     retries: int = 0
+    shards_dropped: int = 0
+    repeated: int = 0
     skipped_errors: deque[RecordError] = field(
         default_factory=lambda: deque(maxlen=_KEEP_ERRORS)
     )
 
-    def counts(self) -> tuple[int, int, int, int, int]:
-        """The counters (shards, records, bytes, skipped, retries), to diff against later."""
-        return (self.shards, self.records, self.bytes, self.skipped, self.retries)
+    def counts(self) -> tuple[int, ...]:
+        """The counters (shards, records, bytes, skipped, retries, shards_dropped, repeated),
+        to diff against later."""
+        return (self.shards, self.records, self.bytes, self.skipped, self.retries,
+                self.shards_dropped, self.repeated)
 
-    def since(self, before: tuple[int, int, int, int, int]) -> tuple[Any, ...] | None:
+    def since(self, before: tuple[int, ...]) -> tuple[Any, ...] | None:
         """What was counted since ``counts()`` returned ``before``, or None if nothing.
 
         Returns:
-            ``(shards, records, bytes, skipped, retries, errors)``: the increments and the
+            ``(*counts, errors)``: the increments of :meth:`counts` and the
             errors of the records skipped since (the last ``_KEEP_ERRORS`` of them).
         """
         now = self.counts()
@@ -90,12 +99,14 @@ class SourceStats:
 
     def add(self, delta: tuple[Any, ...]) -> None:
         """Count what :meth:`since` returned (a worker's counts, in the loader's process)."""
-        shards, records, size, skipped, retries, errors = delta
+        shards, records, size, skipped, retries, dropped, repeated, errors = delta
         self.shards += shards
         self.records += records
         self.bytes += size
         self.skipped += skipped
         self.retries += retries
+        self.shards_dropped += dropped
+        self.repeated += repeated
         self.skipped_errors.extend(errors)
 
 

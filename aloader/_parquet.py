@@ -5,7 +5,9 @@ many files as consumers, else single row groups) are ordered as the epoch's shar
 :mod:`aloader._sharding`) and split round-robin across the ``world_size * num_workers``
 consumers with :func:`~aloader._sharding.assign_shards`: each unit, hence each row, is read by
 exactly one consumer. All consumers see the same list of files and, in row-group mode, read the
-same footers, so they agree on the units without talking to each other.
+same footers, so they agree on the units without talking to each other. With the ranks evened
+out (``even_ranks``, on by default when ``world_size > 1``), the units are what each rank
+reads the same number of, and what a rank drops one of in turn (see :mod:`aloader._sharding`).
 
 pyarrow (the extra ``aloader[parquet]``) is imported when a :class:`ParquetRows` is made, not
 with aloader. Its reads block, so each batch is read and converted in a worker thread.
@@ -24,8 +26,8 @@ import anyio.to_thread
 
 from ._exceptions import RecordError, SourceError
 from ._formats import BadRecords
-from ._sharding import ShardsLike, assign_shards, is_url, worker_slot
-from ._sources import ShardedSource, _read_ahead
+from ._sharding import ShardsLike, assign_shards, check_ranks, is_url, worker_slot
+from ._sources import ShardedSource, _read_ahead, _up_to
 from ._streams import Stream, _Context
 from ._util import Closing, check_int
 
@@ -131,6 +133,13 @@ class ParquetRows(ShardedSource[Any]):
         seed: the shuffling seed; the same on every rank.
         rank: this process's rank (default: ``RANK``, else 0).
         world_size: number of ranks (default: ``WORLD_SIZE``, else 1).
+        even_ranks: every rank reads the same number of units (files, or row groups when
+            there are fewer files than consumers) per epoch (None: on when ``world_size >
+            1``); see :class:`ShardedSource`. With it on, fewer row groups in all than ranks
+            is a ``ValueError`` at construction (the footers are read to count them when
+            there are fewer files than ranks).
+        records_per_rank: exactly this many rows (or, with ``as_batches``, batches) per
+            rank and epoch, as :class:`ShardedSource` does it.
         concurrency: files read at once (read-ahead).
         skip_errors: a corrupt file (or row group) is counted in ``stats.skipped`` and the rest
             of that file skipped, instead of raising its :class:`RecordError`.
@@ -157,12 +166,15 @@ class ParquetRows(ShardedSource[Any]):
         seed: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
+        even_ranks: bool | None = None,
+        records_per_rank: int | None = None,
         concurrency: int = 2,
         skip_errors: bool = False,
     ) -> None:
         _pyarrow()
         super().__init__(urls, shuffle_shards=shuffle_shards, seed=seed, rank=rank,
-                         world_size=world_size, concurrency=concurrency,
+                         world_size=world_size, even_ranks=even_ranks,
+                         records_per_rank=records_per_rank, concurrency=concurrency,
                          skip_errors=skip_errors)
         for name in self.shards:
             if _is_remote(name):
@@ -179,6 +191,12 @@ class ParquetRows(ShardedSource[Any]):
         self.batch_rows: int = check_int("batch_rows", batch_rows)
         self.as_batches: bool = bool(as_batches)
         self._row_groups: list[int] | None = None  # per file, once every footer was read
+        if self.even_ranks is not None and len(self.shards) < self.world_size:
+            check_ranks(sum(self._row_group_counts()[0]), rank=self.rank,
+                        world_size=self.world_size, what="row group")
+
+    def _check_ranks(self) -> None:
+        pass  # at the end of __init__: row groups count too, and URLs are refused first
 
     # Resumed by counting, Stream's default (replay the epoch, drop what was delivered), not
     # by the shard offsets of the byte-stream sources: a row group is read whole anyway.
@@ -218,15 +236,18 @@ class ParquetRows(ShardedSource[Any]):
         return counts, errors
 
     def _plan(self, epoch: int, worker_id: int, num_workers: int,
-              skipped: list[RecordError] | None = None) -> list[_Unit]:
-        """What this consumer reads in an epoch (blocking in row-group mode); the unreadable
-        footers that it is the one to count as skipped are appended to ``skipped``."""
+              skipped: list[RecordError] | None = None) -> tuple[list[_Unit], int]:
+        """What this consumer reads in an epoch (blocking in row-group mode), and the number
+        of units of the epoch; the unreadable footers that it is the one to count as skipped
+        are appended to ``skipped``."""
         consumers = self.world_size * num_workers
         split = functools.partial(assign_shards, rank=self.rank, world_size=self.world_size,
                                   worker_id=worker_id, num_workers=num_workers, epoch=epoch,
-                                  seed=self.seed, shuffle=self.shuffle_shards)
+                                  seed=self.seed, shuffle=self.shuffle_shards,
+                                  even=self.even_ranks)
         if len(self.shards) >= consumers:
-            return [_Unit(i, self.shards[i], None, True) for i in split(len(self.shards))]
+            return ([_Unit(i, self.shards[i], None, True) for i in split(len(self.shards))],
+                    len(self.shards))
         counts, errors = self._row_group_counts()
         for index, error in errors.items():
             # Every consumer read the bad footer; one of them counts it when skipping.
@@ -242,7 +263,7 @@ class ParquetRows(ShardedSource[Any]):
         for file, run in itertools.groupby(mine, key=lambda unit: unit[0]):
             groups = [group for _, group in run]
             plan.append(_Unit(file, self.shards[file], groups, counts[file] - 1 in groups))
-        return plan
+        return plan, len(units)
 
     def units_for(
         self, epoch: int | None = None, worker_id: int | None = None,
@@ -257,9 +278,9 @@ class ParquetRows(ShardedSource[Any]):
             num_workers: workers per rank (default: this process's, 1 outside workers).
         """
         own_id, own_count = worker_slot()
-        plan = self._plan(self.epoch if epoch is None else epoch,
-                          own_id if worker_id is None else worker_id,
-                          own_count if num_workers is None else num_workers)
+        plan, _ = self._plan(self.epoch if epoch is None else epoch,
+                             own_id if worker_id is None else worker_id,
+                             own_count if num_workers is None else num_workers)
         return [(unit.name, unit.groups) for unit in plan]
 
     def shards_for(
@@ -272,12 +293,37 @@ class ParquetRows(ShardedSource[Any]):
 
     # Reading -----------------------------------------------------------------------------
     async def _blocks(self, ctx: _Context) -> AsyncGenerator[list[Any], None]:
+        if self.records_per_rank is None:
+            async with Closing(self._pass(ctx, True)) as blocks:
+                async for block in blocks:
+                    yield block
+            return
+        _, num_units = await anyio.to_thread.run_sync(self._plan, ctx.epoch, ctx.worker_id,
+                                                      ctx.num_workers)
+        quota, where = self._quota_of(ctx, num_units)
+        first = [True]
+
+        async def passes(_: object) -> AsyncGenerator[tuple[list[Any], Any], None]:
+            async with Closing(self._pass(ctx, first[0])) as blocks:
+                first[0] = False
+                async for block in blocks:
+                    yield block, None
+
+        async with Closing(_up_to(quota, passes, self.stats, where)) as pairs:
+            async for block, _ in pairs:
+                yield block
+
+    async def _pass(self, ctx: _Context, first: bool) -> AsyncGenerator[list[Any], None]:
+        """One pass over this consumer's units; the first of the epoch counts what it left
+        (unreadable footers, a dropped unit)."""
         skipped: list[RecordError] = []
-        plan = await anyio.to_thread.run_sync(self._plan, ctx.epoch, ctx.worker_id,
-                                              ctx.num_workers, skipped)
-        bad = BadRecords(True, self.stats)
-        for error in skipped:
-            bad(error)
+        plan, num_units = await anyio.to_thread.run_sync(self._plan, ctx.epoch, ctx.worker_id,
+                                                         ctx.num_workers, skipped)
+        if first:
+            bad = BadRecords(True, self.stats)
+            for error in skipped:
+                bad(error)
+            self._count_dropped(ctx, num_units)
         readers: list[Callable[[], AsyncGenerator[list[Any], None]]] = [
             functools.partial(self._read_unit, unit) for unit in plan
         ]

@@ -2,11 +2,22 @@
 
 A *consumer* is one worker process of one rank (the main process counts as worker 0 of 1 when
 the loader runs no workers). Every consumer computes the same shard order for an epoch (a
-permutation seeded by ``seed + epoch`` when shuffling, as ``DistributedSampler`` does) and takes
-every ``world_size * num_workers``-th shard of it, starting at its global index
-``rank * num_workers + worker_id``. So each shard is read exactly once per epoch overall, also
-when there are more consumers than shards (some then read none). Unlike ``DistributedSampler``
-nothing is padded: a repeated shard would be read twice.
+permutation seeded by ``seed + epoch`` when shuffling, as ``DistributedSampler`` does). Rank
+``r`` of ``R`` takes every ``R``-th shard of it from position ``r``, and worker ``w`` of ``W``
+every ``W``-th shard of its rank's share from position ``w``. So each shard is read exactly once
+per epoch overall, also when there are more consumers than shards (some then read none), and a
+rank's share does not depend on how many workers it runs.
+
+Even ranks (``even="shards"``): a distributed job hangs when one rank runs out of batches
+before the others. Every rank then reads the same number of shards, ``num_shards // R``: a
+rank whose share holds one more drops one of its shards in that epoch, the one at position
+``epoch % len(share)`` of its share, so that (without shuffling) each of its shards is
+dropped once every ``len(share)`` epochs and read in all the others, and the rank keeps its
+own shards from epoch to epoch. With ``even="records"`` (a fixed number of records per rank,
+enforced by the source) nothing is dropped. In both, the share is split over ``A =
+min(W, num_shards // R)`` workers, the same number on every rank, so that every rank runs as
+many busy workers. Unlike ``DistributedSampler`` nothing is padded: a repeated shard would be
+read twice.
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
 import numpy as np
 
@@ -27,14 +38,20 @@ if TYPE_CHECKING:
 
 __all__ = (
     "ShardsLike",
+    "EvenRanks",
     "assign_shards",
+    "busy_workers",
+    "check_ranks",
     "expand_shards",
     "is_url",
+    "rank_share",
     "resolve_world",
     "worker_slot",
 )
 
 ShardsLike: TypeAlias = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+#: How ranks are evened out: not at all, by shard count, or by records (the source's quota).
+EvenRanks: TypeAlias = Literal["shards", "records"] | None
 
 _UINT64 = 1 << 64
 _GLOB_CHARS = frozenset("*?[")
@@ -155,6 +172,36 @@ def shard_order(num_shards: int, *, epoch: int, seed: int, shuffle: bool) -> lis
     return permutation(rng, num_shards).tolist()  # type: ignore[no-any-return]
 
 
+def rank_share(
+    num_shards: int, *, rank: int, world_size: int, epoch: int = 0, seed: int = 0,
+    shuffle: bool = False, even: EvenRanks = None,
+) -> tuple[list[int], int | None]:
+    """The shards rank ``rank`` reads in one epoch, in reading order, and the one it drops
+    to even the ranks out (None when it drops none); see the module's docstring."""
+    order = shard_order(num_shards, epoch=epoch, seed=seed, shuffle=shuffle)
+    share = order[rank::world_size]
+    dropped = None
+    if even == "shards" and len(share) > num_shards // world_size:
+        dropped = share.pop(epoch % len(share))
+    return share, dropped
+
+
+def check_ranks(num_units: int, *, rank: int, world_size: int, what: str = "shard") -> None:
+    """Refuse a split that leaves a rank with nothing to read.
+
+    Raises:
+        ValueError: naming the ranks left out, this rank, the world size and the count.
+    """
+    if num_units < world_size:
+        left = (f"rank {num_units}" if num_units == world_size - 1
+                else f"ranks {num_units} to {world_size - 1}")
+        raise ValueError(
+            f"{num_units} {what}s for world_size {world_size}: {left} would read no {what} and "
+            f"every epoch of theirs would be empty (this process is rank {rank}); give at "
+            f"least {world_size} {what}s (more, smaller shards) or run fewer ranks"
+        )
+
+
 def assign_shards(
     num_shards: int,
     *,
@@ -165,6 +212,7 @@ def assign_shards(
     epoch: int = 0,
     seed: int = 0,
     shuffle: bool = False,
+    even: EvenRanks = None,
 ) -> list[int]:
     """The shards one consumer reads in one epoch, in reading order.
 
@@ -177,10 +225,15 @@ def assign_shards(
         epoch: the epoch, which seeds the shuffle together with ``seed``.
         seed: the shuffling seed; must be the same on every rank.
         shuffle: shuffle the shard order at every epoch.
+        even: None, or how every rank gets the same work: ``"shards"`` (every rank reads
+            ``num_shards // world_size`` shards, dropping one in turn) or ``"records"`` (no
+            shard dropped); both split a rank's share over the same number of workers on
+            every rank.
 
     Returns:
         Shard indices: over all ``(rank, worker_id)`` pairs every index in
-        ``range(num_shards)`` appears exactly once.
+        ``range(num_shards)`` appears exactly once (without ``even="shards"``), or at most
+        once, the ranks' dropped shards left out (with it).
 
     Raises:
         ValueError: an argument is out of range.
@@ -193,5 +246,13 @@ def assign_shards(
         raise ValueError(
             f"Invalid rank {rank}, rank should be in the interval [0, {world_size - 1}]"
         )
-    order = shard_order(num_shards, epoch=epoch, seed=seed, shuffle=shuffle)
-    return order[rank * num_workers + worker_id :: world_size * num_workers]
+    share, _ = rank_share(num_shards, rank=rank, world_size=world_size, epoch=epoch, seed=seed,
+                          shuffle=shuffle, even=even)
+    busy = num_workers if even is None else busy_workers(num_shards, world_size, num_workers)
+    return share[worker_id::busy] if worker_id < busy else []
+
+
+def busy_workers(num_shards: int, world_size: int, num_workers: int) -> int:
+    """The workers per rank that read shards when the ranks are evened out: as many on every
+    rank (at least 1)."""
+    return max(1, min(num_workers, num_shards // world_size))

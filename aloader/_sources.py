@@ -23,6 +23,7 @@ from ._compression import (
     decompressed,
     decompressor_for,
 )
+from ._exceptions import SourceError
 from ._files import file_chunks
 from ._formats import (
     BadRecords,
@@ -36,7 +37,17 @@ from ._formats import (
 )
 from ._http import HttpOptions, http_chunks, make_client
 from ._objstore import ObjectAccess, is_object_url
-from ._sharding import ShardsLike, assign_shards, expand_shards, is_url, resolve_world, worker_slot
+from ._sharding import (
+    EvenRanks,
+    ShardsLike,
+    assign_shards,
+    busy_workers,
+    check_ranks,
+    expand_shards,
+    is_url,
+    resolve_world,
+    worker_slot,
+)
 from ._streams import (
     Stream,
     _bad_state,
@@ -78,6 +89,8 @@ class SourceOptions(TypedDict, total=False):
     seed: int
     rank: int | None
     world_size: int | None
+    even_ranks: bool | None
+    records_per_rank: int | None
     concurrency: int
     chunk_size: int
     max_record_bytes: int
@@ -155,6 +168,68 @@ async def _read_ahead(
             await launched.wait()
 
 
+def even_mode(even_ranks: bool | None, records_per_rank: int | None, world_size: int
+              ) -> EvenRanks:
+    """How a source evens its ranks out, from its ``even_ranks`` and ``records_per_rank``."""
+    if records_per_rank is not None:
+        check_int("records_per_rank", records_per_rank)
+        if even_ranks is False:
+            raise ValueError("records_per_rank gives every rank the same records: it cannot be "
+                             "combined with even_ranks=False")
+        return "records"
+    if even_ranks is None:
+        even_ranks = world_size > 1
+    return "shards" if even_ranks else None
+
+
+def worker_quota(records_per_rank: int, num_units: int, world_size: int, worker_id: int,
+                 num_workers: int) -> int:
+    """This worker's part of ``records_per_rank``: split over the busy workers
+    (:func:`~aloader._sharding.busy_workers`), the same parts on every rank."""
+    busy = busy_workers(num_units, world_size, num_workers)
+    if worker_id >= busy:
+        return 0
+    return records_per_rank // busy + (worker_id < records_per_rank % busy)
+
+
+async def _up_to(
+    quota: int,
+    passes: Callable[[dict[str, Any] | None], AsyncGenerator[tuple[list[Any], Any], None]],
+    stats: SourceStats,
+    where: str,
+    at: dict[str, Any] | None = None,
+) -> AsyncGenerator[tuple[list[Any], Any], None]:
+    """Exactly ``quota`` items from passes over a consumer's shards: the first pass's items
+    (``passes(at)``, from ``at`` when resuming), then, if they were fewer, those of new passes
+    from the start (counted in ``stats.repeated``), the last block cut at the quota.
+
+    Tokens become ``(pass, items before the block, token)``; ``at`` holds ``pass`` and
+    ``delivered`` (the items before its block) when resuming.
+    """
+    number = 0 if at is None else at["pass"]
+    delivered = 0 if at is None else at["delivered"]
+    first = True
+    while delivered < quota:
+        got = 0
+        async with Closing(passes(at if first else None)) as blocks:
+            async for block, token in blocks:
+                if len(block) > quota - delivered:
+                    block = block[: quota - delivered]
+                if number:
+                    stats.repeated += len(block)
+                yield block, (number, delivered, token)
+                delivered += len(block)
+                got += len(block)
+                if delivered >= quota:
+                    return
+        if got == 0 and not (first and at is not None):
+            # A pass of nothing would repeat forever.
+            raise SourceError(f"records_per_rank: {where} holds no records, so its quota of "
+                              f"{quota} records cannot be filled")
+        first = False
+        number += 1
+
+
 def source_stats(dataset: object) -> list[SourceStats]:
     """The counters of every source in a stream chain, in a fixed order.
 
@@ -228,6 +303,25 @@ class ShardedSource(Stream[T_co]):
         seed: the shard shuffling seed; must be the same on every rank.
         rank: this process's rank; defaults to the ``RANK`` environment variable, else 0.
         world_size: number of ranks; defaults to ``WORLD_SIZE``, else 1.
+        even_ranks: give every rank the same number of shards per epoch, so that a
+            distributed job does not hang on a rank that ran out of batches (None, the
+            default: on when ``world_size > 1``). Each rank reads ``len(shards) //
+            world_size`` shards: a rank whose share holds one more drops one of its shards
+            that epoch, in turn (see :mod:`aloader._sharding`), counted in
+            ``stats.shards_dropped``. Equal shard counts mean equal batches only when the
+            shards hold equal numbers of records; ``records_per_rank`` makes them exact.
+            With it on, fewer shards than ranks is a ``ValueError`` at construction (a rank
+            would read nothing). Off (``False``), every shard is read exactly once across
+            the ranks, and the ranks may get different numbers of records.
+        records_per_rank: deliver exactly this many records per epoch on every rank: each
+            consumer stops at its part of it and, if its shards hold fewer, reads them again
+            from the start (a new pass; the records read again are counted in
+            ``stats.repeated``). The parts are ``records_per_rank // A`` (plus one for the
+            first ``records_per_rank % A`` workers) for ``A = min(num_workers, len(shards) //
+            world_size)`` workers on every rank, the others reading nothing, so the ranks
+            also get the same number of batches. No shard is dropped. Like webdataset's
+            ``with_epoch``; choose about the records per rank (``total / world_size``) for
+            one pass. A consumer whose shards hold no record is a :class:`SourceError`.
         concurrency: shards read at once (read-ahead; one HTTP connection each).
         chunk_size: bytes per read from a file or a response.
         max_record_bytes: longest line or record accepted (a guard on memory).
@@ -282,11 +376,15 @@ class ShardedSource(Stream[T_co]):
         shards: the expanded list of shards.
         rank: this process's rank.
         world_size: number of ranks.
+        even_ranks: how the ranks are evened out: None (not at all), ``"shards"`` (the same
+            number of shards) or ``"records"`` (``records_per_rank``).
+        records_per_rank: the records per rank and epoch, or None.
         stats: :class:`~aloader.SourceStats` counters (records, bytes, skipped, ...).
 
     Raises:
         FileNotFoundError: a shard path does not exist.
-        ValueError: a bad option, an empty pattern or directory, or a rank out of range.
+        ValueError: a bad option, an empty pattern or directory, a rank out of range, or
+            (ranks evened out) fewer shards than ranks.
         FetchError: listing an object store prefix or pattern failed.
     """
 
@@ -295,6 +393,8 @@ class ShardedSource(Stream[T_co]):
     seed: int
     rank: int
     world_size: int
+    even_ranks: EvenRanks
+    records_per_rank: int | None
     concurrency: int
     chunk_size: int
     max_record_bytes: int
@@ -312,6 +412,8 @@ class ShardedSource(Stream[T_co]):
         seed: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
+        even_ranks: bool | None = None,
+        records_per_rank: int | None = None,
         concurrency: int = DEFAULT_CONCURRENCY,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
@@ -331,6 +433,8 @@ class ShardedSource(Stream[T_co]):
         self.shuffle_shards = bool(shuffle_shards)
         self.seed = seed
         self.rank, self.world_size = resolve_world(rank, world_size)
+        self.even_ranks = even_mode(even_ranks, records_per_rank, self.world_size)
+        self.records_per_rank = records_per_rank
         self.concurrency = check_int("concurrency", concurrency)
         self.chunk_size = check_int("chunk_size", chunk_size)
         self.max_record_bytes = check_int("max_record_bytes", max_record_bytes)
@@ -347,6 +451,18 @@ class ShardedSource(Stream[T_co]):
         self._objects = ObjectAccess(store, self.http)
         self.shards: list[str] = expand_shards(shards, self._objects)
         self.stats = SourceStats()
+        if self.even_ranks is not None:
+            self._check_ranks()
+
+    def _check_ranks(self) -> None:
+        """Refuse, at construction, a rank that would read nothing (ranks evened out)."""
+        check_ranks(len(self.shards), rank=self.rank, world_size=self.world_size)
+
+    def _count_dropped(self, ctx: _Context, num_units: int) -> None:
+        """Count the shard this rank drops at the start of an epoch (once, by its worker 0)."""
+        if self.even_ranks == "shards" and ctx.worker_id == 0 \
+                and self.rank < num_units % self.world_size:
+            self.stats.shards_dropped += 1
 
     def _decoder(self, name: str, bad: BadRecords) -> Decoder[T_co]:
         raise NotImplementedError
@@ -372,12 +488,22 @@ class ShardedSource(Stream[T_co]):
             epoch=self.epoch if epoch is None else epoch,
             seed=self.seed,
             shuffle=self.shuffle_shards,
+            even=self.even_ranks,
         )
         return [self.shards[i] for i in indices]
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({len(self.shards)} shards, rank {self.rank} of "
                 f"{self.world_size}, shuffle_shards={self.shuffle_shards})")
+
+    def _quota_of(self, ctx: _Context, num_units: int) -> tuple[int, str]:
+        """This consumer's part of ``records_per_rank`` and its name for errors."""
+        assert self.records_per_rank is not None
+        quota = worker_quota(self.records_per_rank, num_units, self.world_size,
+                             ctx.worker_id, ctx.num_workers)
+        names = self.shards_for(ctx.epoch, ctx.worker_id, ctx.num_workers)
+        return quota, (f"worker {ctx.worker_id} of {ctx.num_workers} of rank {self.rank} of "
+                       f"{self.world_size} (shards {names})")
 
     # Resume: a block's token is (shard number in this epoch's list, its name, the byte
     # offset and record counter where the block's first record starts, the records of the
@@ -388,7 +514,12 @@ class ShardedSource(Stream[T_co]):
     def _blocks_at(
         self, ctx: _Context, at: dict[str, Any] | None
     ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
-        return _discard(self._shard_blocks(ctx, at), 0 if at is None else at["skip"])
+        skip = 0 if at is None else at["skip"]
+        if self.records_per_rank is None:
+            return _discard(self._shard_blocks(ctx, at), skip)
+        quota, where = self._quota_of(ctx, len(self.shards))
+        return _discard(_up_to(quota, functools.partial(self._shard_blocks, ctx), self.stats,
+                               where, at), skip)
 
     async def _shard_blocks(
         self, ctx: _Context, at: dict[str, Any] | None
@@ -396,7 +527,9 @@ class ShardedSource(Stream[T_co]):
         names = self.shards_for(ctx.epoch, ctx.worker_id, ctx.num_workers)
         first = 0
         resume: tuple[int, int, int] | None = None
-        if at is not None:
+        if at is None:
+            self._count_dropped(ctx, len(self.shards))
+        else:
             first = at["shard"]
             self._check_shard(at, names)
             resume = (at["offset"], at["counter"], at["records"])
@@ -441,12 +574,19 @@ class ShardedSource(Stream[T_co]):
         for field in ("offset", "counter", "records"):
             check_field(at, field, int, "shards")
         check_field(at, "name", str, "shards")
+        if self.records_per_rank is not None:
+            check_field(at, "pass", int, "shards")
+            check_field(at, "delivered", int, "shards")
         self._check_shard(at, self.shards_for(*slot))
 
     def _state(self, token: Any, skip: int) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if self.records_per_rank is not None:
+            number, delivered, token = token
+            extra = {"pass": number, "delivered": delivered}
         index, name, offset, counter, records = token
         return {"stage": "shards", "shard": index, "name": name, "offset": offset,
-                "counter": counter, "records": records, "skip": skip}
+                "counter": counter, "records": records, "skip": skip, **extra}
 
     def _read(
         self, index: int, name: str, client: httpx.AsyncClient | None,

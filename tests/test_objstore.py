@@ -139,7 +139,7 @@ async def test_ranks_and_workers_read_each_record_once(s3: LocalS3,
         def make(rank: int, epoch: int = epoch) -> JsonLines:
             monkeypatch.setenv("RANK", str(rank))
             source = JsonLines(url("data/*.jsonl"), store=store, shuffle_shards=True,
-                               seed=5)
+                               seed=5, even_ranks=False)
             assert source.rank == rank and source.world_size == 3
             source.set_epoch(epoch)
             return source
@@ -156,7 +156,8 @@ def test_two_worker_processes_exactly_once(s3: LocalS3) -> None:
     ids: list[int] = []
     records = 0
     for rank in range(2):
-        source = JsonLines(url("data/*.jsonl"), store=store, rank=rank, world_size=2, **FAST)
+        source = JsonLines(url("data/*.jsonl"), store=store, rank=rank, world_size=2,
+                           even_ranks=False, **FAST)
         assert _objstore.runtime_started()  # the listing ran here
         loader = DataLoader(source, batch_size=16, num_workers=2)
         ids.extend(i for batch in loader for i in batch["id"].tolist())

@@ -205,7 +205,7 @@ async def test_exactly_once_across_ranks_and_workers(
         for rank in range(world_size):
             for worker in range(num_workers):
                 source = JsonLines(tmp_path, shuffle_shards=True, seed=5, rank=rank,
-                                   world_size=world_size, concurrency=3)
+                                   world_size=world_size, concurrency=3, even_ranks=False)
                 source.set_epoch(epoch)
                 with as_worker(worker, num_workers):
                     records = await collect(source)
@@ -371,7 +371,8 @@ def test_real_worker_processes(tmp_path: Path) -> None:
     for epoch in range(2):
         ids: list[int] = []
         for rank in range(2):
-            source = JsonLines(tmp_path, shuffle_shards=True, seed=3, rank=rank, world_size=2)
+            source = JsonLines(tmp_path, shuffle_shards=True, seed=3, rank=rank, world_size=2,
+                               even_ranks=False)
             source.set_epoch(epoch)
             try:
                 loader = DataLoader(source, batch_size=16, num_workers=3)
