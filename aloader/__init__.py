@@ -47,7 +47,7 @@ from ._exceptions import (
 from ._formats import SourceStats
 from ._http import HttpOptions
 from ._loader import AsyncDataLoaderIter, DataLoader, DataLoaderIter
-from ._mix import mix
+from ._mix import interleave, mix
 from ._parquet import ParquetRows
 from ._sample_rng import sample_rng
 from ._sampler import (
@@ -60,7 +60,7 @@ from ._sampler import (
 )
 from ._sources import BinaryRecords, JsonLines, NpyRows, ShardedSource, SourceOptions, TextLines
 from ._stats import LoaderStats, StageStats
-from ._streams import Stream, as_stream, interleave
+from ._streams import Stream, as_stream
 from ._tar import TarShards
 from ._workerinfo import WorkerInfo, get_worker_info
 

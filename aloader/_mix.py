@@ -1,4 +1,5 @@
-"""Weighted mixing of several streams: :func:`mix`.
+"""Mixing several streams into one: :func:`mix` (by weight) and :func:`interleave` (round-robin,
+or by weight through :func:`mix`).
 
 Invariant: step ``k`` of an epoch's mix consumes uniform number ``k`` (and one more for every
 pick that found its source finished, see below) of one stream of uniforms, seeded by
@@ -32,10 +33,10 @@ import anyio
 import numpy as np
 
 from ._random import GeneratorLike, as_generator, draw_seed
-from ._streams import Stream, _Context, as_stream
+from ._streams import Stream, _Context, _Interleaved, as_stream
 from ._util import Closing
 
-__all__ = ("MixPosition", "StopRule", "mix")
+__all__ = ("MixPosition", "StopRule", "interleave", "mix")
 
 StopRule: TypeAlias = Literal["first_exhausted", "all_exhausted", "never"]
 _STOPS: tuple[str, ...] = ("first_exhausted", "all_exhausted", "never")
@@ -402,3 +403,39 @@ def mix(
             zero, or an unknown ``stop``.
     """
     return _Mixed(streams, weights, seed, stop)
+
+
+def interleave(
+    *streams: Stream[Any] | Any,
+    weights: Sequence[float] | None = None,
+    seed: GeneratorLike = None,
+    stop_on_first: bool = False,
+) -> Stream[Any]:
+    """Mix several streams into one.
+
+    By default items alternate round-robin (one from each input in turn); an input that ends
+    drops out and the others go on. With ``weights``, each item comes from an input drawn at
+    random with those relative weights (renormalised over the inputs still running),
+    reproducibly from ``seed``, the epoch and the worker: that is :func:`aloader.mix` with
+    ``stop="all_exhausted"`` (``"first_exhausted"`` with ``stop_on_first``), whose sequence
+    does not depend on the inputs' block sizes. Inputs are read as needed: the stage holds one
+    block of each input (round-robin), or per input its blocks gathered up to 1024 items
+    (weighted).
+
+    Args:
+        *streams: streams, or anything :func:`as_stream` accepts.
+        weights: relative weights, one per stream, or None for round-robin.
+        seed: None, an int or a numpy Generator (used with ``weights``).
+        stop_on_first: end as soon as any input ends (the others are not drained).
+
+    Returns:
+        A stream; ``set_epoch`` on it reaches every input.
+
+    Raises:
+        ValueError: no stream, or bad weights.
+        TypeError: weights that are not numbers.
+    """
+    if weights is not None:
+        stop: StopRule = "first_exhausted" if stop_on_first else "all_exhausted"
+        return mix(list(streams), weights, seed=seed, stop=stop)
+    return _Interleaved([as_stream(s) for s in streams], stop_on_first)

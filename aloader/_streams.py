@@ -51,7 +51,6 @@ __all__ = (
     "SourceError",
     "Stream",
     "as_stream",
-    "interleave",
 )
 
 T = TypeVar("T")
@@ -1261,45 +1260,6 @@ class _Interleaved(Stream[Any]):
                 if not isinstance(start, dict):
                     raise _bad_state("interleave", "inputs", f"holds {start!r}, not a state")
                 stream._check(start, slot)
-
-
-def interleave(
-    *streams: Stream[Any] | Any,
-    weights: Sequence[float] | None = None,
-    seed: GeneratorLike = None,
-    stop_on_first: bool = False,
-) -> Stream[Any]:
-    """Mix several streams into one.
-
-    By default items alternate round-robin (one from each input in turn); an input that ends
-    drops out and the others go on. With ``weights``, each item comes from an input drawn at
-    random with those relative weights (renormalised over the inputs still running),
-    reproducibly from ``seed``, the epoch and the worker: that is :func:`aloader.mix` with
-    ``stop="all_exhausted"`` (``"first_exhausted"`` with ``stop_on_first``), whose sequence
-    does not depend on the inputs' block sizes. Inputs are read as needed: the stage holds one
-    block of each input (round-robin), or per input its blocks gathered up to 1024 items
-    (weighted).
-
-    Args:
-        *streams: streams, or anything :func:`as_stream` accepts.
-        weights: relative weights, one per stream, or None for round-robin.
-        seed: None, an int or a numpy Generator (used with ``weights``).
-        stop_on_first: end as soon as any input ends (the others are not drained).
-
-    Returns:
-        A stream; ``set_epoch`` on it reaches every input.
-
-    Raises:
-        ValueError: no stream, or bad weights.
-        TypeError: weights that are not numbers.
-    """
-    if weights is not None:
-        # Imported here: aloader._mix builds on this module.
-        from ._mix import StopRule, mix
-
-        stop: StopRule = "first_exhausted" if stop_on_first else "all_exhausted"
-        return mix(list(streams), weights, seed=seed, stop=stop)
-    return _Interleaved([as_stream(s) for s in streams], stop_on_first)
 
 
 # --------------------------------------------------------------------------- adapters
