@@ -27,7 +27,7 @@ import anyio.to_thread
 from ._exceptions import RecordError, SourceError
 from ._formats import BadRecords
 from ._sharding import ShardsLike, assign_shards, check_ranks, is_url, worker_slot
-from ._sources import ShardedSource, _read_ahead, _up_to
+from ._sources import ShardedSource, _up_to, read_in_order
 from ._streams import Stream, _Context
 from ._util import Closing, check_int
 
@@ -328,15 +328,9 @@ class ParquetRows(ShardedSource[Any]):
             functools.partial(self._read_unit, unit) for unit in plan
         ]
         slots = min(self.concurrency, len(readers))
-        if slots <= 1:
-            for reader in readers:
-                async with Closing(reader()) as blocks:
-                    async for block in blocks:
-                        yield block
-        else:
-            async with Closing(_read_ahead(ctx, readers, slots, 2)) as blocks:
-                async for block in blocks:
-                    yield block
+        async with Closing(read_in_order(ctx, readers, slots)) as blocks:
+            async for block in blocks:
+                yield block
 
     def _leaves(self, name: str, schema: Any) -> list[int]:
         """Indices of the leaf columns read; an unknown column is an error (pyarrow would

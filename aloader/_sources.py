@@ -105,6 +105,24 @@ class SourceOptions(TypedDict, total=False):
     compression: Compression
 
 
+async def read_in_order(
+    ctx: _Context,
+    readers: Sequence[Callable[[], AsyncGenerator[Any, None]]],
+    slots: int,
+) -> AsyncGenerator[Any, None]:
+    """The blocks of ``readers`` in order: one after another, or ``slots`` reading at once
+    (:func:`_read_ahead`, two blocks deep) when ``slots`` > 1."""
+    if slots <= 1:
+        for reader in readers:
+            async with Closing(reader()) as blocks:
+                async for block in blocks:
+                    yield block
+        return
+    async with Closing(_read_ahead(ctx, readers, slots, 2)) as blocks:
+        async for block in blocks:
+            yield block
+
+
 async def _read_ahead(
     ctx: _Context,
     readers: Sequence[Callable[[], AsyncGenerator[Any, None]]],
@@ -547,15 +565,9 @@ class ShardedSource(Stream[T_co]):
                                   resume if index == first else None)
                 for i, index in enumerate(range(first, len(names)))
             ]
-            if slots <= 1:
-                for reader in readers:
-                    async with Closing(reader()) as blocks:
-                        async for block in blocks:
-                            yield block
-            else:
-                async with Closing(_read_ahead(ctx, readers, slots, 2)) as blocks:
-                    async for block in blocks:
-                        yield block
+            async with Closing(read_in_order(ctx, readers, slots)) as blocks:
+                async for block in blocks:
+                    yield block
         finally:
             if clients:
                 with anyio.CancelScope(shield=True):
