@@ -3,11 +3,9 @@ the epoch fails, on every kind of fetch (see aloader._failures)."""
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +15,8 @@ import pytest
 import aloader
 from aloader import DataLoader, FailureBudgetExceeded
 
-
-@pytest.fixture(autouse=True)
-def _collect() -> Iterator[None]:
-    # Errors caught by pytest.raises sit in reference cycles with the frames that hold the
-    # epochs' iterators (and so their loaders' private loops): collect them here, not in
-    # whichever test runs next and counts loop threads.
-    yield
-    gc.collect()
-    for obj in gc.get_objects():  # a loader still held (by an error's frames) stops now
-        if isinstance(obj, DataLoader):
-            obj.close()
+# A loader an error's frames still hold is closed after each test (see conftest).
+pytestmark = pytest.mark.usefixtures("close_stray_loaders")
 
 
 BAD = {3, 4, 5, 6, 7, 15}  # batch 1 (4..7) loses every sample

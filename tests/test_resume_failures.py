@@ -5,7 +5,6 @@ aloader._failures)."""
 
 from __future__ import annotations
 
-import gc
 import json
 import time
 from collections import Counter
@@ -22,13 +21,8 @@ N, BS = 12, 2
 BAD = {3, 8}  # batch 1 ([2, 3]) and batch 4 ([8, 9]) each lose a sample
 
 
-@pytest.fixture(autouse=True)
-def _collect() -> Iterator[None]:
-    yield
-    gc.collect()
-    for obj in gc.get_objects():  # a loader still held (by an error's frames) stops now
-        if isinstance(obj, DataLoader):
-            obj.close()
+# A loader an error's frames still hold is closed after each test (see conftest).
+pytestmark = pytest.mark.usefixtures("close_stray_loaders")
 
 
 class Sync(aloader.Dataset[int]):
