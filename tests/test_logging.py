@@ -12,23 +12,11 @@ from typing import Any
 
 import pytest
 from faulty_server import FaultyServer, make_jsonl_shards
+from test_failures import Sync  # the same failing dataset
 
 import aloader
 from aloader import DataLoader
 from aloader._log import RateLimited, brief
-
-
-class Sync:
-    def __init__(self, bad: set[int], n: int = 20) -> None:
-        self.bad, self.n = bad, n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        if i in self.bad:
-            raise ValueError(f"bad sample {i}")
-        return i
 
 
 def test_nothing_is_printed_without_configuration() -> None:
