@@ -62,6 +62,12 @@ class SourceStats:
             when the epoch starts).
         repeated: records delivered again, from a new pass over a consumer's shards, to make
             up ``records_per_rank``.
+        cache_hits: remote shards read from the local cache (``cache_dir``).
+        cache_misses: remote shards read from their store while a cache was set (downloaded
+            into it when they fit, see :mod:`aloader._cache`).
+        cache_bytes: bytes read from the local cache.
+        cache_evicted: cached shards this source's reads evicted to stay under
+            ``cache_limit``.
         skipped_errors: the errors of the last skipped records (up to 100).
     """
 
@@ -72,15 +78,20 @@ class SourceStats:
     retries: int = 0
     shards_dropped: int = 0
     repeated: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_bytes: int = 0
+    cache_evicted: int = 0
     skipped_errors: deque[RecordError] = field(
         default_factory=lambda: deque(maxlen=_KEEP_ERRORS)
     )
 
     def counts(self) -> tuple[int, ...]:
-        """The counters (shards, records, bytes, skipped, retries, shards_dropped, repeated),
-        to diff against later."""
+        """The counters (shards, records, bytes, skipped, retries, shards_dropped, repeated,
+        cache_hits, cache_misses, cache_bytes, cache_evicted), to diff against later."""
         return (self.shards, self.records, self.bytes, self.skipped, self.retries,
-                self.shards_dropped, self.repeated)
+                self.shards_dropped, self.repeated, self.cache_hits, self.cache_misses,
+                self.cache_bytes, self.cache_evicted)
 
     def since(self, before: tuple[int, ...]) -> tuple[Any, ...] | None:
         """What was counted since ``counts()`` returned ``before``, or None if nothing.
@@ -99,7 +110,8 @@ class SourceStats:
 
     def add(self, delta: tuple[Any, ...]) -> None:
         """Count what :meth:`since` returned (a worker's counts, in the loader's process)."""
-        shards, records, size, skipped, retries, dropped, repeated, errors = delta
+        (shards, records, size, skipped, retries, dropped, repeated, hits, misses, cached,
+         evicted, errors) = delta
         self.shards += shards
         self.records += records
         self.bytes += size
@@ -107,6 +119,10 @@ class SourceStats:
         self.retries += retries
         self.shards_dropped += dropped
         self.repeated += repeated
+        self.cache_hits += hits
+        self.cache_misses += misses
+        self.cache_bytes += cached
+        self.cache_evicted += evicted
         self.skipped_errors.extend(errors)
 
 

@@ -310,6 +310,7 @@ async def http_chunks(
     stats: SourceStats,
     on_size: Callable[[int], None] | None = None,
     start: int = 0,
+    on_version: Callable[[int | None, str | None, str | None], None] | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The body of ``url``, chunk by chunk (decoded), retried and resumed as the module
     describes.
@@ -323,6 +324,9 @@ async def http_chunks(
             ``Content-Length`` or ``Content-Range``), before the chunks it announces.
         start: the byte to start at: the body from there, asked for as a resumption is
             (``Range: bytes=start-``), so a resumed shard is not read again from byte 0.
+        on_version: called, before the first chunk, with the plain body's length (None when
+            unknown or coded), ETag and Last-Modified of the first response that sends the
+            body (what :mod:`aloader._cache` keys a copy by).
 
     Raises:
         FetchError: an error status that is not transient (at once), a redirect to a URL that
@@ -408,6 +412,10 @@ async def http_chunks(
                         total = int(length)
                 if total is not None and not decoders and on_size is not None:
                     on_size(total)
+                if on_version is not None:
+                    on_version(None if decoders else total, tag,
+                               response.headers.get("Last-Modified"))
+                    on_version = None  # the first answer's: later ones resume the same body
                 size = options.chunk_size
                 # Network reads as they come (no rechunking buffer that a failure would lose),
                 # split to at most chunk_size bytes.

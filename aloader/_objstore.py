@@ -265,6 +265,13 @@ def _error(url: str, failure: _Failure, offset: int | None = None,
     return FetchError(f"{url}: {failure.text}{where} (not retried)", **kwargs)
 
 
+def _version_of(meta: Any) -> tuple[int, str | None, str | None]:
+    """(size, ETag, Last-Modified) of an object's metadata, from a listing or a GET."""
+    modified = meta.get("last_modified")
+    return (int(meta["size"]), meta.get("e_tag"),
+            None if modified is None else str(modified))
+
+
 class _Calls:
     """obstore's calls, through the API the running event loop can use."""
 
@@ -305,6 +312,9 @@ class ObjectAccess:
 
     store: Any = None
     options: HttpOptions = field(default_factory=HttpOptions)
+    #: ``{url: (size, ETag, Last-Modified)}`` of the objects listed (by :meth:`expand`).
+    listed: dict[str, tuple[int, str | None, str | None]] = field(
+        default_factory=dict, compare=False, repr=False)
 
     def _store(self, url: str, obstore: Any) -> tuple[Any, str]:
         """(store, path in it) for ``url``."""
@@ -371,26 +381,34 @@ class ObjectAccess:
             prefix, pattern = key[: key.rfind("/", 0, glob_at) + 1], _translate(key)
         matcher = re.compile(pattern + r"\Z")
         hidden_ok = "/." in "/" + key[len(prefix):]
-        keys = sorted(path for path in self._list(spec, prefix)
+        metas = self._list(spec, prefix)
+        keys = sorted(path for path in metas
                       if matcher.match(path)
                       and (hidden_ok or "/." not in "/" + path[len(prefix):]))
         if not keys:
             what = "pattern" if glob_at is not None else "prefix"
             raise ValueError(f"no objects match the {what} {spec!r}")
-        return [f"{scheme}://{bucket}/{path}" for path in keys]
+        urls = [f"{scheme}://{bucket}/{path}" for path in keys]
+        for shard, path in zip(urls, keys, strict=True):
+            self.listed[shard] = _version_of(metas[path])
+        return urls
 
-    def _list(self, spec: str, prefix: str) -> list[str]:
-        """Every key under ``prefix``, retried (and resumed after the last key) on failures."""
+    def _list(self, spec: str, prefix: str) -> dict[str, Any]:
+        """Every key under ``prefix`` with its metadata, retried (and resumed after the last
+        key) on failures."""
         obstore = _obstore(spec)
         store, _ = self._store(spec, obstore)
-        keys: list[str] = []
+        keys: dict[str, Any] = {}
+        last: str | None = None
         failures = 0
         while True:
             try:
                 stream = obstore.list(store, prefix.rstrip("/") or None,
-                                      offset=keys[-1] if keys else None, chunk_size=_LIST_CHUNK)
+                                      offset=last, chunk_size=_LIST_CHUNK)
                 for chunk in stream:
-                    keys.extend(meta["path"] for meta in chunk)
+                    for meta in chunk:
+                        keys[meta["path"]] = meta
+                        last = meta["path"]
                     failures = 0
                 return keys
             except Exception as exc:
@@ -406,6 +424,7 @@ class ObjectAccess:
     async def chunks(
         self, url: str, stats: SourceStats, on_size: Callable[[int], None] | None = None,
         start: int = 0,
+        on_version: Callable[[int | None, str | None, str | None], None] | None = None,
     ) -> AsyncGenerator[bytes, None]:
         """The bytes of the object at ``url``, chunk by chunk, retried and resumed as the
         module describes.
@@ -415,6 +434,8 @@ class ObjectAccess:
             stats: counts the retries.
             on_size: called with the object's size before its first chunk.
             start: the byte to start at (a ranged GET: a resumed shard is not read again).
+            on_version: called with the object's size, ETag and Last-Modified before its
+                first chunk (what :mod:`aloader._cache` keys a copy by).
 
         Raises:
             FetchError: (or a subclass) the object cannot be read, as the module describes.
@@ -445,6 +466,8 @@ class ObjectAccess:
                     total, etag = int(meta["size"]), meta.get("e_tag")
                     if on_size is not None:
                         on_size(total)
+                    if on_version is not None:
+                        on_version(*_version_of(meta))
                 stream = result.stream(min_chunk_size=size)
                 while (piece := await calls.next(stream)) is not None:
                     failures = 0

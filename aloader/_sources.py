@@ -10,11 +10,13 @@ consumer (one worker of one rank) reads its share of the shards (see
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Unpack
 
 import anyio
 
+from ._cache import ShardCache, Version, check_cache, make_version
 from ._compression import (
     Compression,
     CorruptStream,
@@ -103,6 +105,8 @@ class SourceOptions(TypedDict, total=False):
     client_factory: Callable[[], Any] | None
     store: Any
     compression: Compression
+    cache_dir: str | os.PathLike[str] | None
+    cache_limit: int | None
 
 
 async def read_in_order(
@@ -376,6 +380,19 @@ class ShardedSource(Stream[T_co]):
             corrupt or truncated stream is a :class:`RecordError` naming the shard (skipped as
             one record, ending the shard, with ``skip_errors=True``). See
             :mod:`aloader._compression`.
+        cache_dir: a local directory keeping the remote shards read (``http(s)://``,
+            ``s3://``, ``gs://``, ``az://``), so that later epochs read them from local disk
+            without any request; it may be shared by the processes of one machine (ranks,
+            workers, jobs), which download each shard once. A copy is keyed by the URL and the
+            object's version (size and ETag, or Last-Modified), so a changed object is
+            downloaded again; a source pins the version it first sees (from its listing, or
+            the store's first answer in a process). The first epoch still streams: records
+            flow while the shard is written to the cache. Counted in ``stats.cache_hits``,
+            ``cache_misses``, ``cache_bytes`` and ``cache_evicted``. See
+            :mod:`aloader._cache`. Local shards are read where they are.
+        cache_limit: the most bytes ``cache_dir`` keeps (None: no limit); the least recently
+            used shards are evicted to stay under it, and a shard that cannot fit is read
+            without being kept. Needs ``cache_dir``.
 
     Resume (:meth:`~aloader.Stream.state_dict`): the state names this worker's shard (its
     number in the epoch's list and its name, checked on load), the byte offset and line or
@@ -419,7 +436,9 @@ class ShardedSource(Stream[T_co]):
     skip_errors: bool
     http: HttpOptions
     compression: Compression
+    cache: ShardCache | None
     _objects: ObjectAccess
+    _versions: dict[str, Version]
     stats: SourceStats
 
     def __init__(
@@ -444,8 +463,11 @@ class ShardedSource(Stream[T_co]):
         client_factory: Callable[[], Any] | None = None,
         store: Any = None,
         compression: Compression = "auto",
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
     ) -> None:
         self.compression = check_compression(compression)
+        self.cache = check_cache(cache_dir, cache_limit)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed should be an integer, but got seed={seed!r}")
         self.shuffle_shards = bool(shuffle_shards)
@@ -468,6 +490,11 @@ class ShardedSource(Stream[T_co]):
         )
         self._objects = ObjectAccess(store, self.http)
         self.shards: list[str] = expand_shards(shards, self._objects)
+        # The versions of the remote shards this source reads from the cache (see _cache).
+        self._versions: dict[str, Version] = {}
+        for url, meta in self._objects.listed.items():
+            if (version := make_version(*meta)) is not None:
+                self._versions[url] = version
         self.stats = SourceStats()
         if self.even_ranks is not None:
             self._check_ranks()
@@ -616,6 +643,16 @@ class ShardedSource(Stream[T_co]):
             return self._records(index, name, client, decoder, inflate, offset, records)
         return _discard(self._records(index, name, client, decoder, inflate, 0, 0), records)
 
+    def _fetch(
+        self, name: str, client: httpx.AsyncClient | None, stats: SourceStats,
+        on_size: Callable[[int], None] | None,
+        on_version: Callable[[int | None, str | None, str | None], None] | None, start: int,
+    ) -> AsyncGenerator[bytes, None]:
+        """A remote shard's bytes from its store (HTTP or an object store), from ``start``."""
+        if client is not None and is_url(name):
+            return http_chunks(client, name, self.http, stats, on_size, start, on_version)
+        return self._objects.chunks(name, stats, on_size, start, on_version)
+
     async def _records(
         self, index: int, name: str, client: httpx.AsyncClient | None, decoder: Decoder[T_co],
         inflate: Decompressor | None, start: int, records_before: int,
@@ -623,10 +660,13 @@ class ShardedSource(Stream[T_co]):
         stats = self.stats
         # A compressed shard's size says nothing of the length its formats check.
         on_size = decoder.set_size if inflate is None else None
-        if client is not None and is_url(name):
-            chunks = http_chunks(client, name, self.http, stats, on_size, start)
-        elif is_object_url(name):
-            chunks = self._objects.chunks(name, stats, on_size, start)
+        if (client is not None and is_url(name)) or is_object_url(name):
+            fetch = functools.partial(self._fetch, name, client, stats)
+            if self.cache is not None:
+                chunks = self.cache.chunks(name, fetch, self._versions, stats,
+                                           self.chunk_size, on_size, start)
+            else:
+                chunks = fetch(on_size, None, start)
         else:
             chunks = file_chunks(name, self.chunk_size, on_size, start)
         if inflate is not None:

@@ -165,7 +165,8 @@ class LoaderStats:
         first_wait: seconds the consumer waited for the first batch (the start-up, which the
             verdict leaves out).
         workers: per worker process: ``{"batches": n, "busy": seconds}``.
-        sources: the streaming sources' counters (records, bytes, retries, skipped...).
+        sources: the streaming sources' counters (records, bytes, retries, skipped...; with
+            ``cache_dir``, also cache_hits, cache_misses, cache_bytes and cache_evicted).
         bottleneck: the limiting stage, in one sentence with the change that would help.
     """
 
@@ -337,9 +338,7 @@ class Collector:
             in_flight = self.in_flight.mean(last)
         else:  # Little's law: the mean number in flight is their busy time over the time
             in_flight = min(self.fetch.busy / 1e9 / elapsed, float(self.in_flight_limit))
-        sources = [{"shards": source.shards, "records": source.records, "bytes": source.bytes,
-                    "skipped": source.skipped, "retries": source.retries}
-                   for source in self.sources]
+        sources = [_source_counts(source) for source in self.sources]
         stats = LoaderStats(
             epoch=self.epoch,
             running=self.ended is None,
@@ -439,3 +438,13 @@ def verdict(stats: LoaderStats) -> str:
                 "concurrency) or use num_workers")
     return (f"{busiest}: the busiest stage ({share:.0%} of the epoch's time); the consumer "
             f"waited {waited:.0%} of the time")
+
+
+def _source_counts(source: Any) -> dict[str, int]:
+    """A source's counters in a snapshot; its cache's only once it used a cache."""
+    counts = {"shards": source.shards, "records": source.records, "bytes": source.bytes,
+              "skipped": source.skipped, "retries": source.retries}
+    if source.cache_hits or source.cache_misses:
+        counts.update(cache_hits=source.cache_hits, cache_misses=source.cache_misses,
+                      cache_bytes=source.cache_bytes, cache_evicted=source.cache_evicted)
+    return counts
