@@ -190,6 +190,30 @@ async def _read_ahead(
             await launched.wait()
 
 
+class _Clients:
+    """An epoch's HTTP clients, ``count`` of them shared round-robin by the shards, each made
+    when a shard first needs it (an epoch read from the cache makes none)."""
+
+    def __init__(self, options: HttpOptions, count: int) -> None:
+        self._options = options
+        self._made: list[httpx.AsyncClient | None] = [None] * count
+
+    def slot(self, number: int) -> Callable[[], httpx.AsyncClient]:
+        """What gives the client of the ``number``-th shard read."""
+        return functools.partial(self._get, number % len(self._made))
+
+    def _get(self, index: int) -> httpx.AsyncClient:
+        client = self._made[index]
+        if client is None:
+            client = self._made[index] = make_client(self._options, 1)
+        return client
+
+    async def aclose(self) -> None:
+        for client in self._made:
+            if client is not None:
+                await client.aclose()
+
+
 def even_mode(even_ranks: bool | None, records_per_rank: int | None, world_size: int
               ) -> EvenRanks:
     """How a source evens its ranks out, from its ``even_ranks`` and ``records_per_rank``."""
@@ -579,16 +603,15 @@ class ShardedSource(Stream[T_co]):
             self._check_shard(at, names)
             resume = (at["offset"], at["counter"], at["records"])
         slots = min(self.concurrency, len(names) - first)
-        clients: list[httpx.AsyncClient] = []
+        clients: _Clients | None = None
         if any(is_url(name) for name in names[first:]):
             # One single-connection client per read-ahead slot: shard i reuses the keep-alive
             # connection of shard i - concurrency, and no pool has to scan the others.
-            count = 1 if self.http.client_factory is not None else slots
-            clients = [make_client(self.http, 1) for _ in range(count)]
+            clients = _Clients(self.http, 1 if self.http.client_factory is not None else slots)
         try:
             readers = [
                 functools.partial(self._read, index, names[index],
-                                  clients[i % len(clients)] if clients else None,
+                                  None if clients is None else clients.slot(i),
                                   resume if index == first else None)
                 for i, index in enumerate(range(first, len(names)))
             ]
@@ -596,10 +619,9 @@ class ShardedSource(Stream[T_co]):
                 async for block in blocks:
                     yield block
         finally:
-            if clients:
+            if clients is not None:
                 with anyio.CancelScope(shield=True):
-                    for client in clients:
-                        await client.aclose()
+                    await clients.aclose()
 
     def _check_shard(self, at: dict[str, Any], names: list[str]) -> None:
         shard = check_field(at, "shard", int, "shards")
@@ -628,7 +650,7 @@ class ShardedSource(Stream[T_co]):
                 "counter": counter, "records": records, "skip": skip, **extra}
 
     def _read(
-        self, index: int, name: str, client: httpx.AsyncClient | None,
+        self, index: int, name: str, client: Callable[[], httpx.AsyncClient] | None,
         resume: tuple[int, int, int] | None = None,
     ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
         """One shard's records, block by block (a block per chunk), with their tokens; from
@@ -644,17 +666,18 @@ class ShardedSource(Stream[T_co]):
         return _discard(self._records(index, name, client, decoder, inflate, 0, 0), records)
 
     def _fetch(
-        self, name: str, client: httpx.AsyncClient | None, stats: SourceStats,
+        self, name: str, client: Callable[[], httpx.AsyncClient] | None, stats: SourceStats,
         on_size: Callable[[int], None] | None,
         on_version: Callable[[int | None, str | None, str | None], None] | None, start: int,
     ) -> AsyncGenerator[bytes, None]:
         """A remote shard's bytes from its store (HTTP or an object store), from ``start``."""
         if client is not None and is_url(name):
-            return http_chunks(client, name, self.http, stats, on_size, start, on_version)
+            return http_chunks(client(), name, self.http, stats, on_size, start, on_version)
         return self._objects.chunks(name, stats, on_size, start, on_version)
 
     async def _records(
-        self, index: int, name: str, client: httpx.AsyncClient | None, decoder: Decoder[T_co],
+        self, index: int, name: str, client: Callable[[], httpx.AsyncClient] | None,
+        decoder: Decoder[T_co],
         inflate: Decompressor | None, start: int, records_before: int,
     ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
         stats = self.stats

@@ -162,7 +162,7 @@ async def test_a_shard_larger_than_the_limit_streams_without_being_kept(
 async def test_eviction_does_not_break_a_reader_of_the_evicted_file(
         serve: Callable[..., FaultyServer], tmp_path: Path, anyio_backend: str) -> None:
     server = serve(SHARDS)
-    a, b, c = NAMES
+    a, b = NAMES[:2]
     size = max(map(len, SHARDS.values()))
     options: dict[str, Any] = {"cache_dir": tmp_path, "cache_limit": size + size // 2,
                                "chunk_size": 64, **FAST}

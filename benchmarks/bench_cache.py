@@ -1,0 +1,174 @@
+"""The local shard cache: a cached epoch against local files, and the downloading epoch.
+
+Run: ``python benchmarks/bench_cache.py`` (the S3 rows need ``obstore``, ``moto[server]`` and
+``boto3``, and are skipped without them). Everything below is measured in the same run, the
+variants interleaved (one epoch of each in turn), best of 3.
+
+The workload of ``bench_sources.py`` and ``bench_objstore.py``: 64 shards of 1,000 JSON Lines
+records (~106 bytes each), read with ``DataLoader(JsonLines(..., concurrency=16),
+batch_size=256)`` on one asyncio event loop. HTTP: ``aloader._demo.ShardServer`` in another
+process; S3: moto's server behind aloader's proxy (``aloader._demo._s3.LocalS3``, another
+process); both wait 20 ms per request. The local files are the same bodies, written to a
+temporary directory (page cache, as the cache's files are after their first epoch).
+
+* local files: an epoch (after the first) of the loader over the local files.
+* <store>, no cache: an epoch over the store without a cache (every request made).
+* <store>, first epoch with cache_dir: a new source over an empty cache directory: it
+  downloads every shard into the cache as it streams the records (tee).
+* <store>, cached epoch: a later epoch of a source whose shards are cached (no request).
+* <store>, new source, warm cache: a new source over a warm cache: over HTTP it asks the
+  server for each shard's version once (a GET cut after its first chunk); over S3 the
+  listing gave the versions, so no request.
+
+Target (issue 14): a cached epoch reads at least 0.9x the local-file rate.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+from common import BATCH, CONCURRENCY, LATENCY, RECORDS, RUNS, SHARDS, TOTAL, serve_shards
+
+from aloader import DataLoader, JsonLines
+from aloader._demo import make_jsonl_shards
+
+BUCKET = "bench"
+TARGET = 0.9
+
+
+def _serve_s3(queue: Any, stop: Any) -> None:
+    from aloader._demo._s3 import LocalS3
+
+    with LocalS3(latency=LATENCY) as server:
+        server.put(BUCKET, make_jsonl_shards(SHARDS, RECORDS))
+        queue.put(server.env())
+        stop.wait()
+
+
+async def _epoch(loader: DataLoader[Any]) -> int:
+    count = 0
+    async for batch in loader:
+        count += len(batch["id"])
+    return count
+
+
+def _loader(shards: list[str], cache: str | None = None) -> DataLoader[Any]:
+    return DataLoader(JsonLines(shards, concurrency=CONCURRENCY, cache_dir=cache),
+                      batch_size=BATCH)
+
+
+class _Variant:
+    """One row: an epoch to time (``run``, made fresh by ``prepare`` before each timing)."""
+
+    def __init__(self, label: str, run: Callable[[], Awaitable[int]],
+                 prepare: Callable[[], None] | None = None) -> None:
+        self.label = label
+        self.run = run
+        self.prepare = prepare
+        self.times: list[float] = []
+
+
+def _fresh_loader_epoch(shards: list[str], cache: Callable[[], str | None]
+                        ) -> Callable[[], Awaitable[int]]:
+    async def run() -> int:
+        return await _epoch(_loader(shards, cache()))
+    return run
+
+
+async def _measure(local: list[str], stores: dict[str, list[str]], root: str
+                   ) -> list[_Variant]:
+    variants: list[_Variant] = []
+    local_loader = _loader(local)
+    await _epoch(local_loader)  # the first epoch: page cache, imports
+    variants.append(_Variant("local files", lambda: _epoch(local_loader)))
+    for store, urls in stores.items():
+        warm_dir = os.path.join(root, f"warm-{store}")
+        cached = _loader(urls, warm_dir)
+        await _epoch(cached)  # downloads into the cache: later epochs read from it
+        first_dir = os.path.join(root, f"first-{store}")
+
+        def empty(first_dir: str = first_dir) -> None:
+            shutil.rmtree(first_dir, ignore_errors=True)
+
+        variants += [
+            _Variant(f"{store}, no cache", _fresh_loader_epoch(urls, lambda: None)),
+            _Variant(f"{store}, first epoch with cache_dir",
+                     _fresh_loader_epoch(urls, lambda first_dir=first_dir: first_dir), empty),
+            _Variant(f"{store}, cached epoch", lambda cached=cached: _epoch(cached)),
+            _Variant(f"{store}, new source, warm cache",
+                     _fresh_loader_epoch(urls, lambda warm_dir=warm_dir: warm_dir)),
+        ]
+    for variant in variants:
+        await variant.run()  # warm-up: connections, thread pools
+    for _ in range(RUNS):
+        for variant in variants:  # interleaved: load changes hit every row alike
+            if variant.prepare is not None:
+                variant.prepare()
+            start = time.perf_counter()
+            items = await variant.run()
+            variant.times.append(time.perf_counter() - start)
+            assert items == TOTAL, (variant.label, items)
+    return variants
+
+
+def main() -> None:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    stop = context.Event()
+    processes = [context.Process(target=serve_shards, args=(queue, stop), daemon=True)]
+    processes[0].start()
+    port = queue.get(timeout=60)
+    files = make_jsonl_shards(SHARDS, RECORDS)
+    names = sorted(files)
+    stores = {"http": [f"http://127.0.0.1:{port}/{name}" for name in names]}
+    if any(importlib.util.find_spec(name) is None for name in ("boto3", "moto", "obstore")):
+        print("obstore, moto[server] or boto3 missing: the S3 rows are skipped",
+              file=sys.stderr)
+    else:
+        processes.append(context.Process(target=_serve_s3, args=(queue, stop), daemon=True))
+        processes[-1].start()
+        os.environ.update(queue.get(timeout=120))
+        stores["s3"] = JsonLines(f"s3://{BUCKET}/*.jsonl").shards  # listed through obstore
+    root = tempfile.mkdtemp(prefix="bench-cache-")
+    try:
+        local = []
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "wb") as out:
+                out.write(files[name])
+            local.append(path)
+        variants = anyio.run(_measure, local, stores, root)
+    finally:
+        stop.set()
+        for process in processes:
+            process.join(timeout=10)
+        shutil.rmtree(root, ignore_errors=True)
+
+    rates = {variant.label: TOTAL / min(variant.times) for variant in variants}
+    local_rate = rates["local files"]
+    print(f"{SHARDS} shards x {RECORDS:,} JSON Lines records, {LATENCY * 1e3:.0f} ms per "
+          f"request, concurrency {CONCURRENCY}, batch {BATCH}, interleaved, best of {RUNS}")
+    print(f"{'':40} {'items/s':>11} {'vs local':>9} {'vs no cache':>11}")
+    for label, rate in rates.items():
+        store = label.split(",")[0]
+        plain = rates.get(f"{store}, no cache")
+        versus = f"{rate / plain:.2f}x" if plain and label != f"{store}, no cache" else "-"
+        print(f"{label:40} {rate:>11,.0f} {rate / local_rate:>8.2f}x {versus:>11}")
+    for store in stores:
+        ratio = rates[f"{store}, cached epoch"] / local_rate
+        verdict = "met" if ratio >= TARGET else "NOT met"
+        print(f"{store}: cached epoch {ratio:.2f}x the local-file rate (target {TARGET}x: "
+              f"{verdict})")
+
+
+if __name__ == "__main__":
+    main()
