@@ -25,6 +25,7 @@ Target (issue 14): a cached epoch reads at least 0.9x the local-file rate.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import multiprocessing
 import os
@@ -77,11 +78,16 @@ class _Variant:
         self.times: list[float] = []
 
 
-def _fresh_loader_epoch(shards: list[str], cache: Callable[[], str | None]
-                        ) -> Callable[[], Awaitable[int]]:
+def _fresh_loader_epoch(shards: list[str], cache: str | None) -> Callable[[], Awaitable[int]]:
+    """An epoch of a new loader and source (over ``cache``, if given)."""
     async def run() -> int:
-        return await _epoch(_loader(shards, cache()))
+        return await _epoch(_loader(shards, cache))
     return run
+
+
+def _later_epoch(loader: DataLoader[Any]) -> Callable[[], Awaitable[int]]:
+    """Another epoch of ``loader``."""
+    return functools.partial(_epoch, loader)
 
 
 async def _measure(local: list[str], stores: dict[str, list[str]], root: str
@@ -89,7 +95,7 @@ async def _measure(local: list[str], stores: dict[str, list[str]], root: str
     variants: list[_Variant] = []
     local_loader = _loader(local)
     await _epoch(local_loader)  # the first epoch: page cache, imports
-    variants.append(_Variant("local files", lambda: _epoch(local_loader)))
+    variants.append(_Variant("local files", _later_epoch(local_loader)))
     for store, urls in stores.items():
         warm_dir = os.path.join(root, f"warm-{store}")
         cached = _loader(urls, warm_dir)
@@ -100,12 +106,11 @@ async def _measure(local: list[str], stores: dict[str, list[str]], root: str
             shutil.rmtree(first_dir, ignore_errors=True)
 
         variants += [
-            _Variant(f"{store}, no cache", _fresh_loader_epoch(urls, lambda: None)),
+            _Variant(f"{store}, no cache", _fresh_loader_epoch(urls, None)),
             _Variant(f"{store}, first epoch with cache_dir",
-                     _fresh_loader_epoch(urls, lambda first_dir=first_dir: first_dir), empty),
-            _Variant(f"{store}, cached epoch", lambda cached=cached: _epoch(cached)),
-            _Variant(f"{store}, new source, warm cache",
-                     _fresh_loader_epoch(urls, lambda warm_dir=warm_dir: warm_dir)),
+                     _fresh_loader_epoch(urls, first_dir), empty),
+            _Variant(f"{store}, cached epoch", _later_epoch(cached)),
+            _Variant(f"{store}, new source, warm cache", _fresh_loader_epoch(urls, warm_dir)),
         ]
     for variant in variants:
         await variant.run()  # warm-up: connections, thread pools
