@@ -84,6 +84,11 @@ _LRU_LOCK = ".lru.lock"
 # Waiting for a lock: the first poll after 2 ms, then doubling up to 50 ms.
 _FIRST_POLL = 0.002
 _LAST_POLL = 0.05
+# A waiter gives up waiting for a download that shows no progress for this many seconds (a
+# holder stalled by its own consumer, which may wait for the waiter: ranks in a collective),
+# and reads from the store itself. The holder stamps its lock every _BEAT seconds at most.
+_PATIENCE = 10.0
+_BEAT = 0.5
 
 
 def make_version(size: int | None, etag: str | None, last_modified: str | None
@@ -107,24 +112,68 @@ class _Gone(Exception):
     """The cached file was evicted between its lookup and its opening: look it up again."""
 
 
-class _Lock:
-    """An exclusive ``flock`` on a file, acquired by polling (cancellable), released once."""
+# The URL locks this process holds, by path: another reader of the URL in this process does
+# not wait for one (the holder may be waiting for that very reader's consumer: two sources
+# over the same shards interleaved), it reads from the store without the cache.
+_HELD: dict[str, int] = {}
 
-    def __init__(self, fd: int) -> None:
+
+def _forget_held() -> None:
+    # A forked child shares its parent's locks (the same open files): close its copies, so
+    # that the parent's release frees them.
+    for fd in _HELD.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_held)
+
+
+class _Lock:
+    """An exclusive ``flock`` on a file, acquired by polling (cancellable), released once.
+
+    A URL lock's holder stamps the file's modification time as its download goes on
+    (:meth:`beat`); a waiter that sees no stamp for ``patience`` seconds gives up waiting.
+    """
+
+    def __init__(self, fd: int, path: str | None) -> None:
         self._fd: int | None = fd
+        self._path = path
+        self._beat = time.monotonic()
+        if path is not None:
+            _HELD[path] = fd
+            os.utime(fd)
 
     @classmethod
-    async def acquire(cls, path: str) -> _Lock:
+    async def acquire(cls, path: str, patience: float | None = None) -> _Lock | None:
+        """The lock, or None when ``patience`` (seconds) is given and the holder went that
+        long without progress, or when this process holds it (URL locks, which are the ones
+        with a patience)."""
+        url_lock = patience is not None
+        if url_lock and path in _HELD:
+            return None
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             delay = _FIRST_POLL
+            seen = os.fstat(fd).st_mtime_ns
+            changed = time.monotonic()
             while True:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    return cls(fd)
+                    return cls(fd, path if url_lock else None)
                 except BlockingIOError:
-                    await anyio.sleep(delay)
-                    delay = min(delay * 2, _LAST_POLL)
+                    pass
+                if patience is not None:
+                    now = time.monotonic()
+                    stamp = os.fstat(fd).st_mtime_ns
+                    if stamp != seen:
+                        seen, changed = stamp, now
+                    elif now - changed > patience or path in _HELD:
+                        os.close(fd)
+                        return None
+                await anyio.sleep(delay)
+                delay = min(delay * 2, _LAST_POLL)
         except BaseException:
             os.close(fd)
             raise
@@ -145,8 +194,18 @@ class _Lock:
             os.close(fd)  # releases the lock, if taken
         return True
 
+    def beat(self) -> None:
+        """Show the processes waiting that the download goes on (a stamp every ``_BEAT``
+        seconds at most)."""
+        now = time.monotonic()
+        if self._fd is not None and now - self._beat >= _BEAT:
+            self._beat = now
+            os.utime(self._fd)
+
     def release(self) -> None:
         if self._fd is not None:
+            if self._path is not None:
+                _HELD.pop(self._path, None)
             os.close(self._fd)  # closing the only descriptor releases the flock
             self._fd = None
 
@@ -277,6 +336,7 @@ class ShardCache:
         if size > self.limit:
             return None
         lock = await _Lock.acquire(os.path.join(self.directory, _LRU_LOCK))
+        assert lock is not None  # no patience: waits for as long as it takes
         try:
             kept: list[tuple[int, int, str]] = []  # (last use, size, path) of committed files
             total = 0
@@ -339,8 +399,7 @@ class ShardCache:
                 return
             except _Gone:
                 continue  # evicted before it was opened: nothing was handed on
-        async with Closing(fetch(on_size or _ignore, _ignore_version, start)) as pieces:
-            stats.cache_misses += 1
+        async with Closing(_uncached(fetch, stats, on_size, start)) as pieces:
             async for piece in pieces:
                 yield piece
 
@@ -378,7 +437,14 @@ class ShardCache:
                     yield piece
             return
         asked = time.time()
-        lock = await _Lock.acquire(f"{self._base(url)}.lock")
+        lock = await _Lock.acquire(f"{self._base(url)}.lock", _PATIENCE)
+        if lock is None:
+            # Another reader's download does not progress (or is this process's own): do not
+            # wait on it, read the store.
+            async with Closing(_uncached(fetch, stats, on_size, start)) as pieces:
+                async for piece in pieces:
+                    yield piece
+            return
         writer: _Writer | None = None
         try:
             found = self._recent(url, asked)
@@ -422,6 +488,7 @@ class ShardCache:
                         async for piece in pieces:
                             if writer is not None:
                                 writer.write(piece)
+                                lock.beat()
                             yield piece
                     if writer is not None and writer.commit():
                         self._note(url, writer.version)
@@ -437,6 +504,15 @@ class ShardCache:
             if writer is not None:
                 writer.discard()
             lock.release()
+
+
+async def _uncached(fetch: Fetch, stats: SourceStats, on_size: Callable[[int], None] | None,
+                    start: int) -> AsyncGenerator[bytes, None]:
+    """The object's bytes from the store, not kept."""
+    stats.cache_misses += 1
+    async with Closing(fetch(on_size or _ignore, _ignore_version, start)) as pieces:
+        async for piece in pieces:
+            yield piece
 
 
 def _ignore(size: int) -> None:

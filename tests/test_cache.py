@@ -5,6 +5,7 @@ and uncached shards; over HTTP and the local S3 server, on asyncio and trio."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -16,11 +17,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from faulty_server import FaultyServer, make_jsonl_shards
 from sourcetools import collect
 
-from aloader import FetchError, JsonLines, TextLines
+from aloader import FetchError, JsonLines, TextLines, _cache, interleave
 from aloader._cache import ShardCache, make_version
 from aloader._demo._server import ShardHandler
 
@@ -253,8 +255,48 @@ async def test_a_reader_that_stops_early_commits_nothing(
     source = JsonLines(server.url(NAMES[0]), cache_dir=tmp_path, chunk_size=64, **FAST)
     records = source.__aiter__()
     await records.__anext__()
+    # The records flow while the shard is being downloaded into the cache.
+    assert committed(tmp_path) == {} and len(leftovers(tmp_path)) == 1
     await records.aclose()  # type: ignore[attr-defined]
     assert committed(tmp_path) == {} and leftovers(tmp_path) == []
+
+
+async def test_two_sources_of_one_process_over_one_shard_do_not_wait_on_each_other(
+        serve: Callable[..., FaultyServer], tmp_path: Path, anyio_backend: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Interleaved, each source needs the other's next block: the second one does not wait
+    for the first one's download (which waits for the consumer), it reads the server."""
+    monkeypatch.setattr(_cache, "_PATIENCE", 3600.0)  # not what ends the wait here
+    server = serve(SHARDS)
+    url = server.url(NAMES[0])
+    first, second = (JsonLines(url, cache_dir=tmp_path, chunk_size=64, **FAST)
+                     for _ in range(2))
+    with anyio.fail_after(30):
+        got = await collect(interleave(first, second))
+    assert sorted(ids(got)) == sorted(list(range(50)) * 2)
+    assert first.stats.cache_misses == second.stats.cache_misses == 1
+    assert list(committed(tmp_path).values()) == [SHARDS[NAMES[0]]]
+    assert leftovers(tmp_path) == []
+
+
+async def test_a_stalled_download_of_another_process_is_not_waited_for_forever(
+        serve: Callable[..., FaultyServer], tmp_path: Path, anyio_backend: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_cache, "_PATIENCE", 0.2)
+    server = serve(SHARDS)
+    url = server.url(NAMES[0])
+    # Another process's download of the shard, stuck: its lock held, never stamped.
+    held = os.open(f"{ShardCache(str(tmp_path))._base(url)}.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        source = JsonLines(url, cache_dir=tmp_path, **FAST)
+        with anyio.fail_after(60):
+            assert ids(await collect(source)) == list(range(50))
+        assert source.stats.cache_misses == 1 and committed(tmp_path) == {}
+    finally:
+        os.close(held)
+    await collect(source)  # the lock is free again: the shard is kept
+    assert list(committed(tmp_path).values()) == [SHARDS[NAMES[0]]]
 
 
 async def test_a_changed_object_is_downloaded_again(
