@@ -18,6 +18,10 @@ Invariants:
   to its commit. Another process wanting that URL meanwhile waits for the lock (polling, so
   that it can be cancelled), then reads the file just committed: the shard is downloaded once.
   The waiter's records start only when the download ends (it does not read a growing file).
+  Never a hang: a download's holder may itself wait for the waiter (two sources of one
+  process over the same shard, interleaved; ranks meeting in a collective), so a reader does
+  not wait for a download of its own process, nor for one that showed no progress for 10 s
+  (the holder stamps its lock as it writes): it then reads the store without the cache.
 * The cache key is the URL and the object's version: its size and its ETag (or, without one,
   its Last-Modified), from the store's answer. A changed object gets another key, so it is
   downloaded again, never served stale from an older copy.

@@ -6,10 +6,13 @@ and uncached shards; over HTTP and the local S3 server, on asyncio and trio."""
 from __future__ import annotations
 
 import fcntl
+import gzip
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 import zlib
@@ -22,7 +25,7 @@ import pytest
 from faulty_server import FaultyServer, make_jsonl_shards
 from sourcetools import collect
 
-from aloader import FetchError, JsonLines, TextLines, _cache, interleave
+from aloader import DataLoader, FetchError, JsonLines, TarShards, TextLines, _cache, interleave
 from aloader._cache import ShardCache, make_version
 from aloader._demo._server import ShardHandler
 
@@ -117,6 +120,42 @@ def test_bad_options(tmp_path: Path) -> None:
     not_a_dir.write_text("")
     with pytest.raises(ValueError, match="cache_dir"):
         JsonLines("http://127.0.0.1:1/x.jsonl", cache_dir=not_a_dir)
+
+
+def _tar_gz(keys: range) -> bytes:
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        for key in keys:
+            for ext, body in (("txt", f"text {key}".encode()), ("cls", str(key).encode())):
+                info = tarfile.TarInfo(f"sample{key:04d}.{ext}")
+                info.size = len(body)
+                tar.addfile(info, io.BytesIO(body))
+    return gzip.compress(raw.getvalue())
+
+
+async def test_compressed_tar_shards_are_kept_compressed_and_read_again(
+        serve: Callable[..., FaultyServer], tmp_path: Path, anyio_backend: str) -> None:
+    shards = {"a.tar.gz": _tar_gz(range(10)), "b.tar.gz": _tar_gz(range(10, 25))}
+    server = serve(shards)
+    source = TarShards(server.urls, cache_dir=tmp_path, **FAST)
+    first = await collect(source)
+    assert [sample["__key__"] for sample in first] == [f"sample{k:04d}" for k in range(25)]
+    assert sorted(committed(tmp_path).values()) == sorted(shards.values())
+    assert await collect(source) == first
+    assert gets(server) == 2 and source.stats.cache_hits == 2
+
+
+def test_loader_workers_count_the_cache_in_the_loaders_source(
+        serve: Callable[..., FaultyServer], tmp_path: Path) -> None:
+    server = serve(SHARDS)
+    source = JsonLines(server.urls, cache_dir=tmp_path, **FAST)
+    loader = DataLoader(source, batch_size=16, num_workers=2, persistent_workers=True)
+    for epoch in range(2):
+        assert sorted(i for batch in loader for i in batch["id"].tolist()) == ALL_IDS, epoch
+    loader.close()
+    assert gets(server) == 3  # the persistent workers pinned the versions
+    assert source.stats.cache_misses == 3 and source.stats.cache_hits == 3
+    assert source.stats.cache_bytes == sum(map(len, SHARDS.values()))
 
 
 # --------------------------------------------------------------------------- eviction
