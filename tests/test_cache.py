@@ -152,10 +152,15 @@ def test_loader_workers_count_the_cache_in_the_loaders_source(
     loader = DataLoader(source, batch_size=16, num_workers=2, persistent_workers=True)
     for epoch in range(2):
         assert sorted(i for batch in loader for i in batch["id"].tolist()) == ALL_IDS, epoch
+    counts = loader.stats().sources
     loader.close()
     assert gets(server) == 3  # the persistent workers pinned the versions
     assert source.stats.cache_misses == 3 and source.stats.cache_hits == 3
-    assert source.stats.cache_bytes == sum(map(len, SHARDS.values()))
+    size = sum(map(len, SHARDS.values()))
+    assert source.stats.cache_bytes == size
+    assert counts == [{"shards": 6, "records": 300, "bytes": 2 * size, "skipped": 0,
+                       "retries": 0, "cache_hits": 3, "cache_misses": 3, "cache_bytes": size,
+                       "cache_evicted": 0}]
 
 
 # --------------------------------------------------------------------------- eviction
