@@ -460,7 +460,7 @@ class ShardedSource(Stream[T_co]):
     skip_errors: bool
     http: HttpOptions
     compression: Compression
-    cache: ShardCache | None
+    _shard_cache: ShardCache | None
     _objects: ObjectAccess
     _versions: dict[str, Version]
     stats: SourceStats
@@ -491,7 +491,7 @@ class ShardedSource(Stream[T_co]):
         cache_limit: int | None = None,
     ) -> None:
         self.compression = check_compression(compression)
-        self.cache = check_cache(cache_dir, cache_limit)
+        self._shard_cache = check_cache(cache_dir, cache_limit)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed should be an integer, but got seed={seed!r}")
         self.shuffle_shards = bool(shuffle_shards)
@@ -514,11 +514,14 @@ class ShardedSource(Stream[T_co]):
         )
         self._objects = ObjectAccess(store, self.http)
         self.shards: list[str] = expand_shards(shards, self._objects)
-        # The versions of the remote shards this source reads from the cache (see _cache).
+        # The versions of the remote shards this source reads from the cache (see _cache),
+        # pinned by the listing where there was one.
         self._versions: dict[str, Version] = {}
-        for url, meta in self._objects.listed.items():
-            if (version := make_version(*meta)) is not None:
-                self._versions[url] = version
+        if self._shard_cache is not None:
+            for url, meta in self._objects.listed.items():
+                if (version := make_version(*meta)) is not None:
+                    self._versions[url] = version
+        self._objects.listed.clear()  # not carried to every worker
         self.stats = SourceStats()
         if self.even_ranks is not None:
             self._check_ranks()
@@ -685,8 +688,8 @@ class ShardedSource(Stream[T_co]):
         on_size = decoder.set_size if inflate is None else None
         if (client is not None and is_url(name)) or is_object_url(name):
             fetch = functools.partial(self._fetch, name, client, stats)
-            if self.cache is not None:
-                chunks = self.cache.chunks(name, fetch, self._versions, stats,
+            if self._shard_cache is not None:
+                chunks = self._shard_cache.chunks(name, fetch, self._versions, stats,
                                            self.chunk_size, on_size, start)
             else:
                 chunks = fetch(on_size, None, start)
