@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from ._exceptions import FetchError
 from ._files import file_chunks
 from ._log import http_log
 from ._util import Closing
@@ -393,19 +394,29 @@ class ShardCache:
             chunk_size: bytes per read of a cached file.
             on_size: called with the shard's size before its first chunk.
             start: the byte to start at.
+
+        Raises:
+            FetchError: the store's errors, as ``fetch`` raises them.
+            OSError: the cache directory cannot be used (with a note naming the URL and the
+                directory).
         """
-        for _ in range(3):
-            try:
-                async with Closing(self._attempt(url, fetch, versions, stats, chunk_size,
-                                                 on_size, start)) as pieces:
-                    async for piece in pieces:
-                        yield piece
-                return
-            except _Gone:
-                continue  # evicted before it was opened: nothing was handed on
-        async with Closing(_uncached(fetch, stats, on_size, start)) as pieces:
-            async for piece in pieces:
-                yield piece
+        try:
+            for _ in range(3):
+                try:
+                    async with Closing(self._attempt(url, fetch, versions, stats, chunk_size,
+                                                     on_size, start)) as pieces:
+                        async for piece in pieces:
+                            yield piece
+                    return
+                except _Gone:
+                    continue  # evicted before it was opened: nothing was handed on
+            async with Closing(_uncached(fetch, stats, on_size, start)) as pieces:
+                async for piece in pieces:
+                    yield piece
+        except OSError as exc:
+            if not isinstance(exc, FetchError):  # the store's errors name the URL already
+                exc.add_note(f"while reading {url} through the shard cache {self.directory}")
+            raise
 
     async def _local(self, path: str, stats: SourceStats, chunk_size: int,
                      on_size: Callable[[int], None] | None, start: int
