@@ -310,6 +310,7 @@ async def http_chunks(
     stats: SourceStats,
     on_size: Callable[[int], None] | None = None,
     start: int = 0,
+    end: int | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The body of ``url``, chunk by chunk (decoded), retried and resumed as the module
     describes.
@@ -323,6 +324,8 @@ async def http_chunks(
             ``Content-Length`` or ``Content-Range``), before the chunks it announces.
         start: the byte to start at: the body from there, asked for as a resumption is
             (``Range: bytes=start-``), so a resumed shard is not read again from byte 0.
+        end: the byte to stop before (``Range: bytes=start-(end-1)``, as random access
+            needs), or None for the body's end.
 
     Raises:
         FetchError: an error status that is not transient (at once), a redirect to a URL that
@@ -345,7 +348,9 @@ async def http_chunks(
     coded = False  # the server sends the body with a content coding: resume from its start
     while True:
         headers = {"Accept-Encoding": "identity"}
-        if offset and not coded:
+        if end is not None and not coded:
+            headers["Range"] = f"bytes={offset}-{end - 1}"
+        elif offset and not coded:
             headers["Range"] = f"bytes={offset}-"
         retry_after: float | None = None
         status: int | None = None
@@ -421,15 +426,20 @@ async def http_chunks(
                             piece = piece[skip:]
                             skip = 0
                         failures = 0
+                        if end is not None and offset + len(piece) >= end:
+                            piece = piece[: end - offset]  # a server that ignored the range
                         for chunk in split_chunks(piece, size):
                             offset += len(chunk)
                             yield chunk
+                        if offset == end:
+                            return
                 if skip:
                     raise FetchError(
                         f"{url}: the body is now shorter than the {offset} bytes already read",
                         source=url, offset=offset, status_code=status,
                     )
-                if total is not None and not decoders and offset < total:
+                limit = total if end is None or total is None else min(end, total)
+                if limit is not None and not decoders and offset < limit:
                     # A range shorter than asked, or a length the body did not keep to.
                     raise _Transient(f"the body ended at byte {offset} of {total}")
             return

@@ -405,7 +405,7 @@ class ObjectAccess:
 
     async def chunks(
         self, url: str, stats: SourceStats, on_size: Callable[[int], None] | None = None,
-        start: int = 0,
+        start: int = 0, end: int | None = None,
     ) -> AsyncGenerator[bytes, None]:
         """The bytes of the object at ``url``, chunk by chunk, retried and resumed as the
         module describes.
@@ -415,6 +415,8 @@ class ObjectAccess:
             stats: counts the retries.
             on_size: called with the object's size before its first chunk.
             start: the byte to start at (a ranged GET: a resumed shard is not read again).
+            end: the byte to stop before (a bounded ranged GET: only ``start:end`` is asked
+                for, as random access needs), or None for the object's end.
 
         Raises:
             FetchError: (or a subclass) the object cannot be read, as the module describes.
@@ -430,7 +432,9 @@ class ObjectAccess:
         total: int | None = None
         while True:
             request: dict[str, Any] = {}
-            if offset:
+            if end is not None:
+                request["range"] = (offset, end)
+            elif offset:
                 request["range"] = {"offset": offset}
             if etag is not None:
                 request["if_match"] = etag
@@ -451,7 +455,7 @@ class ObjectAccess:
                     for chunk in split_chunks(piece, size):
                         offset += len(chunk)
                         yield chunk
-                if offset < total:
+                if offset < (total if end is None else min(end, total)):
                     raise _Resumable(f"the body ended at byte {offset} of {total}")
                 return
             except _Resumable as exc:
@@ -463,7 +467,7 @@ class ObjectAccess:
                 if classified is None:
                     raise
                 failure = classified
-            if total is not None and offset >= total:
+            if total is not None and offset >= (total if end is None else min(end, total)):
                 return  # the connection dropped after the last byte
             failures += 1
             if failure.kind not in ("transient", "unreachable") or failures > options.retries:
