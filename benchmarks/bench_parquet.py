@@ -97,8 +97,12 @@ def pyarrow_loop(paths: list[str], columns: list[str] | None, convert: str) -> i
 async def aloader_epoch(paths: list[str], columns: list[str] | None, as_batches: bool) -> int:
     rows = 0
     source = ParquetRows(paths, columns=columns, batch_rows=BATCH, as_batches=as_batches)
-    async for item in source:
-        rows += len(item["id"]) if as_batches else 1
+    if as_batches:
+        async for item in source:
+            rows += len(item["id"])
+    else:
+        async for _ in source:  # rows reach their consumer one by one, as in pyarrow_loop
+            rows += 1
     return rows
 
 

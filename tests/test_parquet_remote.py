@@ -18,7 +18,7 @@ from sourcetools import collect, read_as_consumers
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from aloader import DataLoader, ObjectNotFoundError, ParquetRows  # noqa: E402
+from aloader import DataLoader, ObjectNotFoundError, ParquetRows, RecordError  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
@@ -187,10 +187,19 @@ async def test_s3_faults_are_retried_and_resumed(s3: Any, proxy: Any, files: dic
     assert footer <= asked[3][0] <= footer + 1000 and asked[3][1] == len(body)
 
 
-async def test_s3_missing_object_is_located(s3: Any, anyio_backend: str) -> None:
+async def test_s3_missing_and_corrupt_objects_are_located(s3: Any, anyio_backend: str) -> None:
     source = ParquetRows(f"s3://{BUCKET}/pq/nope.parquet", store=s3.store(BUCKET), **FAST)
-    with pytest.raises(ObjectNotFoundError, match="nope.parquet"):
+    with pytest.raises(ObjectNotFoundError, match="nope.parquet") as missing:
         await collect(source)
+    assert missing.value.source == f"s3://{BUCKET}/pq/nope.parquet"
+    notes = f"s3://{BUCKET}/pq/notes.txt"
+    with pytest.raises(RecordError, match="notes.txt: not a readable Parquet file") as bad:
+        await collect(ParquetRows(notes, store=s3.store(BUCKET)))
+    assert bad.value.source == notes
+    skipping = ParquetRows([notes, f"s3://{BUCKET}/pq/a.parquet"], store=s3.store(BUCKET),
+                           skip_errors=True)
+    assert [row["id"] for row in await collect(skipping)] == list(range(50))
+    assert skipping.stats.skipped == 1
     with pytest.raises(ValueError, match="no objects match"):
         ParquetRows(f"s3://{BUCKET}/pq/*.nope", store=s3.store(BUCKET))
 
