@@ -311,6 +311,8 @@ async def http_chunks(
     on_size: Callable[[int], None] | None = None,
     start: int = 0,
     end: int | None = None,
+    etag: str | None = None,
+    on_etag: Callable[[str], None] | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The body of ``url``, chunk by chunk (decoded), retried and resumed as the module
     describes.
@@ -326,6 +328,9 @@ async def http_chunks(
             (``Range: bytes=start-``), so a resumed shard is not read again from byte 0.
         end: the byte to stop before (``Range: bytes=start-(end-1)``, as random access
             needs), or None for the body's end.
+        etag: the version to read: a response with another ETag is an error, so that the
+            reads of one file at several ranges all see the same resource.
+        on_etag: called with the response's ETag, when it has one, before the first chunk.
 
     Raises:
         FetchError: an error status that is not transient (at once), a redirect to a URL that
@@ -343,7 +348,6 @@ async def http_chunks(
 
     offset = start  # decoded bytes delivered so far (those before ``start`` count as such)
     failures = 0  # failed attempts since the last new byte delivered
-    etag: str | None = None
     total: int | None = None  # the plain body's length, once a response told it
     coded = False  # the server sends the body with a content coding: resume from its start
     while True:
@@ -376,6 +380,8 @@ async def http_chunks(
                         source=url, offset=offset, status_code=status,
                     )
                 etag = etag or tag
+                if tag is not None and on_etag is not None:
+                    on_etag(tag)
                 try:
                     decoders = _decoders(url, response.headers.get("Content-Encoding"),
                                          min(options.chunk_size, _MAX_PIECE))

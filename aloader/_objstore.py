@@ -405,7 +405,8 @@ class ObjectAccess:
 
     async def chunks(
         self, url: str, stats: SourceStats, on_size: Callable[[int], None] | None = None,
-        start: int = 0, end: int | None = None,
+        start: int = 0, end: int | None = None, etag: str | None = None,
+        on_etag: Callable[[str], None] | None = None,
     ) -> AsyncGenerator[bytes, None]:
         """The bytes of the object at ``url``, chunk by chunk, retried and resumed as the
         module describes.
@@ -417,6 +418,10 @@ class ObjectAccess:
             start: the byte to start at (a ranged GET: a resumed shard is not read again).
             end: the byte to stop before (a bounded ranged GET: only ``start:end`` is asked
                 for, as random access needs), or None for the object's end.
+            etag: the version to read (``If-Match`` from the first request on): the reads of
+                one file at several ranges then all see the same object, or fail.
+            on_etag: called with the object's ETag, when the store sends one, before the
+                first chunk.
 
         Raises:
             FetchError: (or a subclass) the object cannot be read, as the module describes.
@@ -428,7 +433,6 @@ class ObjectAccess:
         size = options.chunk_size
         offset = start  # bytes handed on (those before ``start`` count as such)
         failures = 0  # failed attempts since the last byte handed on
-        etag: str | None = None
         total: int | None = None
         while True:
             request: dict[str, Any] = {}
@@ -446,7 +450,10 @@ class ObjectAccess:
                                      f"sent bytes from {start}", source=url, offset=offset)
                 if total is None:
                     meta = result.meta
-                    total, etag = int(meta["size"]), meta.get("e_tag")
+                    total, tag = int(meta["size"]), meta.get("e_tag")
+                    etag = etag or tag
+                    if tag and on_etag is not None:
+                        on_etag(tag)
                     if on_size is not None:
                         on_size(total)
                 stream = result.stream(min_chunk_size=size)

@@ -19,13 +19,15 @@ of one at a time, 0.3-0.8x its rate); the stream's driver still reads the next b
 consumer handles one.
 
 Remote files (``s3://``, ``gs://``, ``az://``, ``http(s)://``) are random-access files of
-bounded ranged reads (:class:`_RangeFile`): the footer (pyarrow reads the last 64 KiB), then
-one GET per chosen column chunk of each row group read, nothing else. Each read goes through
-the byte-stream sources' own fetching (:meth:`aloader._objstore.ObjectAccess.chunks`,
-:func:`aloader._http.http_chunks`: their retries, resumption within the range and located
-errors), run on the event loop whose worker thread pyarrow reads in (or on a loop of its own
-when the footers are read outside one, at construction). Remote files are read ``concurrency``
-at once: their reads wait on the network.
+bounded ranged reads (:class:`_RangeFile`): a byte for the size, the footer (pyarrow reads the
+last 64 KiB), then one GET per chosen column chunk of each row group, when pyarrow reaches it,
+nothing else. Each read goes through the byte-stream sources' own fetching
+(:meth:`aloader._objstore.ObjectAccess.chunks`, :func:`aloader._http.http_chunks`: their
+retries, resumption within the range and located errors), run on the event loop whose worker
+thread pyarrow reads in (or on a loop of its own when the footers are read outside one, at
+construction). A file's GETs are made one after another, in the thread decoding it (no
+pre-buffering: see :meth:`_UnitReader._open`); ``concurrency`` remote files are read at once,
+since their reads wait on the network.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import anyio
 import anyio.from_thread
 import anyio.to_thread
 
-from ._exceptions import RecordError, SourceError
+from ._exceptions import FetchError, RecordError, SourceError
 from ._formats import BadRecords
 from ._http import http_chunks, make_client
 from ._objstore import is_object_url
@@ -98,6 +100,10 @@ class _RangeFile(io.RawIOBase):
     """A remote Parquet file as a blocking random-access file: each read one bounded ranged
     GET (see the module's description); its size is asked for once, with a one-byte read.
 
+    Invariant: every read asks for the version (ETag) the first one saw, so that a footer and
+    column chunks of two versions of a file are never decoded together: an object replaced
+    between two reads is a :class:`FetchError` (a store without ETags: checked by size only).
+
     Attributes:
         requested: ``(start, end)`` of every range read, in order (what the store was asked).
     """
@@ -110,6 +116,7 @@ class _RangeFile(io.RawIOBase):
         self._client: Any = None
         self._pos = 0
         self._size: int | None = None
+        self._etag: str | None = None
         self.requested: list[tuple[int, int]] = []
 
     def readable(self) -> bool:
@@ -149,7 +156,13 @@ class _RangeFile(io.RawIOBase):
         return len(data)
 
     def _set_size(self, size: int) -> None:
+        if self._size is not None and size != self._size:
+            raise FetchError(f"{self.url}: the file changed while it was being read (its size "
+                             f"was {self._size} bytes, now {size})", source=self.url)
         self._size = size
+
+    def _set_etag(self, etag: str) -> None:
+        self._etag = self._etag or etag
 
     def _read(self, start: int, end: int) -> bytes:
         self.requested.append((start, end))
@@ -159,7 +172,8 @@ class _RangeFile(io.RawIOBase):
         source = self._source
         pieces: list[bytes] = []
         if is_object_url(self.url):
-            chunks = source._objects.chunks(self.url, source.stats, self._set_size, start, end)
+            chunks = source._objects.chunks(self.url, source.stats, self._set_size, start, end,
+                                            self._etag, self._set_etag)
             async with Closing(chunks) as stream:
                 pieces.extend([piece async for piece in stream])
             return b"".join(pieces)
@@ -172,7 +186,7 @@ class _RangeFile(io.RawIOBase):
                 self._client = client
         try:
             chunks = http_chunks(client, self.url, source.http, source.stats, self._set_size,
-                                 start, end)
+                                 start, end, self._etag, self._set_etag)
             async with Closing(chunks) as stream:
                 pieces.extend([piece async for piece in stream])
         finally:
@@ -569,7 +583,12 @@ class _UnitReader:
         _, pq = _pyarrow()
         source, unit = self.source, self.unit
         self.handle = open_parquet_shard(unit.name, source, reuse=True)
-        parquet = self.parquet = pq.ParquetFile(self.handle)
+        # A remote file's reads stay in this thread (pre_buffer=False): pyarrow's pre-buffering
+        # would make them in its own I/O threads, outside the event loop's reach (a read
+        # there could not be cancelled, and would need a loop of its own), and would fetch
+        # the gaps between chosen columns.
+        parquet = self.parquet = pq.ParquetFile(self.handle,
+                                                pre_buffer=not _is_remote(unit.name))
         metadata = parquet.metadata
         self.footer = metadata.serialized_size + 8  # the footer, its length and the magic
         leaves = source._leaves(unit.name, metadata.schema)

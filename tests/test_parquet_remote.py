@@ -18,7 +18,13 @@ from sourcetools import collect, read_as_consumers
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from aloader import DataLoader, ObjectNotFoundError, ParquetRows, RecordError  # noqa: E402
+from aloader import (  # noqa: E402
+    DataLoader,
+    FetchError,
+    ObjectNotFoundError,
+    ParquetRows,
+    RecordError,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -202,6 +208,39 @@ async def test_s3_missing_and_corrupt_objects_are_located(s3: Any, anyio_backend
     assert skipping.stats.skipped == 1
     with pytest.raises(ValueError, match="no objects match"):
         ParquetRows(f"s3://{BUCKET}/pq/*.nope", store=s3.store(BUCKET))
+
+
+def same_size_other_version(body: bytes) -> bytes:
+    """``body`` with a byte of its first column chunk changed: same size, another ETag."""
+    middle = 200
+    return body[:middle] + bytes([body[middle] ^ 0xFF]) + body[middle + 1 :]
+
+
+async def test_s3_object_replaced_between_reads_fails(s3: Any, files: dict[str, bytes],
+                                                      anyio_backend: str) -> None:
+    """The footer read from one version and column chunks from another would decode wrong
+    rows silently: every read asks for the first read's version (If-Match)."""
+    key = "pq/replaced.parquet"
+    body = files["c.parquet"]
+    s3.put(BUCKET, {key: body})
+    # 10-row batches of 100-row groups: the read-ahead (a few batches) is still in the first
+    # row groups when the object is replaced.
+    source = ParquetRows(f"s3://{BUCKET}/{key}", store=s3.store(BUCKET), batch_rows=10,
+                         **FAST)
+    iterator = source.__aiter__()
+    assert (await iterator.__anext__())["id"] == 150
+    s3.put(BUCKET, {key: same_size_other_version(body)})
+    with pytest.raises(FetchError, match="replaced.parquet: the object changed"):
+        async for _ in iterator:
+            pass
+
+
+async def test_http_file_replaced_between_reads_fails(http: Any, files: dict[str, bytes],
+                                                      anyio_backend: str) -> None:
+    http.stall("c.parquet", 0)  # the size's read: answered as it is
+    http.replace("c.parquet", same_size_other_version(files["c.parquet"]))  # then the footer's
+    with pytest.raises(FetchError, match="c.parquet: the resource changed"):
+        await collect(ParquetRows(http.url("c.parquet"), **FAST))
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
