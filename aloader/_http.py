@@ -444,7 +444,7 @@ async def http_chunks(
                         f"{url}: the body is now shorter than the {offset} bytes already read",
                         source=url, offset=offset, status_code=status,
                     )
-                limit = total if end is None or total is None else min(end, total)
+                limit = total if end is None else end if total is None else min(end, total)
                 if limit is not None and not decoders and offset < limit:
                     # A range shorter than asked, or a length the body did not keep to.
                     raise _Transient(f"the body ended at byte {offset} of {total}")
