@@ -311,6 +311,8 @@ async def http_chunks(
     on_size: Callable[[int], None] | None = None,
     start: int = 0,
     on_version: Callable[[int | None, str | None, str | None], None] | None = None,
+    end: int | None = None,
+    etag: str | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The body of ``url``, chunk by chunk (decoded), retried and resumed as the module
     describes.
@@ -327,6 +329,10 @@ async def http_chunks(
         on_version: called, before the first chunk, with the plain body's length (None when
             unknown or coded), ETag and Last-Modified of the first response that sends the
             body (what :mod:`aloader._cache` keys a copy by).
+        end: the byte to stop before (``Range: bytes=start-(end-1)``, as random access
+            needs), or None for the body's end.
+        etag: the version to read: a response with another ETag is an error, so that the
+            reads of one file at several ranges all see the same resource.
 
     Raises:
         FetchError: an error status that is not transient (at once), a redirect to a URL that
@@ -344,12 +350,13 @@ async def http_chunks(
 
     offset = start  # decoded bytes delivered so far (those before ``start`` count as such)
     failures = 0  # failed attempts since the last new byte delivered
-    etag: str | None = None
     total: int | None = None  # the plain body's length, once a response told it
     coded = False  # the server sends the body with a content coding: resume from its start
     while True:
         headers = {"Accept-Encoding": "identity"}
-        if offset and not coded:
+        if end is not None and not coded:
+            headers["Range"] = f"bytes={offset}-{end - 1}"
+        elif offset and not coded:
             headers["Range"] = f"bytes={offset}-"
         retry_after: float | None = None
         status: int | None = None
@@ -429,15 +436,20 @@ async def http_chunks(
                             piece = piece[skip:]
                             skip = 0
                         failures = 0
+                        if end is not None and offset + len(piece) >= end:
+                            piece = piece[: end - offset]  # a server that ignored the range
                         for chunk in split_chunks(piece, size):
                             offset += len(chunk)
                             yield chunk
+                        if offset == end:
+                            return
                 if skip:
                     raise FetchError(
                         f"{url}: the body is now shorter than the {offset} bytes already read",
                         source=url, offset=offset, status_code=status,
                     )
-                if total is not None and not decoders and offset < total:
+                limit = total if end is None else end if total is None else min(end, total)
+                if limit is not None and not decoders and offset < limit:
                     # A range shorter than asked, or a length the body did not keep to.
                     raise _Transient(f"the body ended at byte {offset} of {total}")
             return

@@ -425,6 +425,7 @@ class ObjectAccess:
         self, url: str, stats: SourceStats, on_size: Callable[[int], None] | None = None,
         start: int = 0,
         on_version: Callable[[int | None, str | None, str | None], None] | None = None,
+        end: int | None = None, etag: str | None = None,
     ) -> AsyncGenerator[bytes, None]:
         """The bytes of the object at ``url``, chunk by chunk, retried and resumed as the
         module describes.
@@ -436,6 +437,10 @@ class ObjectAccess:
             start: the byte to start at (a ranged GET: a resumed shard is not read again).
             on_version: called with the object's size, ETag and Last-Modified before its
                 first chunk (what :mod:`aloader._cache` keys a copy by).
+            end: the byte to stop before (a bounded ranged GET: only ``start:end`` is asked
+                for, as random access needs), or None for the object's end.
+            etag: the version to read (``If-Match`` from the first request on): the reads of
+                one file at several ranges then all see the same object, or fail.
 
         Raises:
             FetchError: (or a subclass) the object cannot be read, as the module describes.
@@ -447,11 +452,12 @@ class ObjectAccess:
         size = options.chunk_size
         offset = start  # bytes handed on (those before ``start`` count as such)
         failures = 0  # failed attempts since the last byte handed on
-        etag: str | None = None
         total: int | None = None
         while True:
             request: dict[str, Any] = {}
-            if offset:
+            if end is not None:
+                request["range"] = (offset, end)
+            elif offset:
                 request["range"] = {"offset": offset}
             if etag is not None:
                 request["if_match"] = etag
@@ -463,7 +469,8 @@ class ObjectAccess:
                                      f"sent bytes from {start}", source=url, offset=offset)
                 if total is None:
                     meta = result.meta
-                    total, etag = int(meta["size"]), meta.get("e_tag")
+                    total, tag = int(meta["size"]), meta.get("e_tag")
+                    etag = etag or tag
                     if on_size is not None:
                         on_size(total)
                     if on_version is not None:
@@ -474,7 +481,7 @@ class ObjectAccess:
                     for chunk in split_chunks(piece, size):
                         offset += len(chunk)
                         yield chunk
-                if offset < total:
+                if offset < (total if end is None else min(end, total)):
                     raise _Resumable(f"the body ended at byte {offset} of {total}")
                 return
             except _Resumable as exc:
@@ -486,7 +493,7 @@ class ObjectAccess:
                 if classified is None:
                     raise
                 failure = classified
-            if total is not None and offset >= total:
+            if total is not None and offset >= (total if end is None else min(end, total)):
                 return  # the connection dropped after the last byte
             failures += 1
             if failure.kind not in ("transient", "unreachable") or failures > options.retries:

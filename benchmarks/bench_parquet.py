@@ -5,6 +5,14 @@ in the same run, best of 5, the contestants interleaved within each round (so a 
 hits them alike), all inside one event loop (a loader's loop lives as long as the training:
 its start is not an epoch's cost).
 
+The comparison the target (at least 0.8x) is about is ``iter_batches`` producing the SAME
+output as aloader: the batches converted to what aloader hands on (dicts of writable numpy
+arrays, or row dicts taken one by one, or lists of 256 rows). Bare ``iter_batches``, which
+leaves Arrow batches unconverted, is an info row: the rate of pyarrow's reader alone, which no
+loader that hands on numpy or Python values can reach. Each row also gives the CPU time of the
+process (all its threads) per epoch, best of the rounds, and its ratio: a figure the other
+programs of a loaded machine disturb less than the wall clock.
+
 Data: 8 files of 4 row groups, 1M rows in all (with ``--quick`` 200k): ``id`` int64, ``x``
 float64, ``label`` int32 with some nulls, ``text`` a short string, ``blob`` 64 random bytes.
 
@@ -89,8 +97,12 @@ def pyarrow_loop(paths: list[str], columns: list[str] | None, convert: str) -> i
 async def aloader_epoch(paths: list[str], columns: list[str] | None, as_batches: bool) -> int:
     rows = 0
     source = ParquetRows(paths, columns=columns, batch_rows=BATCH, as_batches=as_batches)
-    async for item in source:
-        rows += len(item["id"]) if as_batches else 1
+    if as_batches:
+        async for item in source:
+            rows += len(item["id"])
+    else:
+        async for _ in source:  # rows reach their consumer one by one, as in pyarrow_loop
+            rows += 1
     return rows
 
 
@@ -103,18 +115,34 @@ async def aloader_loader(paths: list[str]) -> int:
     return rows
 
 
-async def race(contestants: dict[str, Callable[[], Any]], expected: int) -> dict[str, float]:
+async def race(contestants: dict[str, Callable[[], Any]], expected: int
+               ) -> tuple[dict[str, float], dict[str, float]]:
+    """Best wall-clock and best CPU seconds of each contestant, interleaved rounds."""
     best = dict.fromkeys(contestants, float("inf"))
+    cpu = dict.fromkeys(contestants, float("inf"))
     for _ in range(RUNS):
         for name, fn in contestants.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             rows = fn()
             if not isinstance(rows, int):
                 rows = await rows
             elapsed = time.perf_counter() - start
             assert rows == expected, (name, rows, expected)
             best[name] = min(best[name], elapsed)
-    return best
+            cpu[name] = min(cpu[name], time.process_time() - start_cpu)
+    return best, cpu
+
+
+def report(label: str, rows: int, best: dict[str, float], cpu: dict[str, float]) -> None:
+    ours, same, alone = (rows / best[k] for k in ("aloader", "same", "alone"))
+    ratio = ours / same
+    print(f"| {label} | aloader ParquetRows | {ours:,.0f} | {cpu['aloader'] * 1e3:,.0f} | | |")
+    print(f"| | iter_batches + the same output (target) | {same:,.0f} | "
+          f"{cpu['same'] * 1e3:,.0f} | **{ratio:.2f}x** ({'met' if ratio >= 0.8 else 'not met'})"
+          f" | {cpu['same'] / cpu['aloader']:.2f}x |")
+    print(f"| | bare iter_batches, Arrow batches (info) | {alone:,.0f} | "
+          f"{cpu['alone'] * 1e3:,.0f} | {ours / alone:.2f}x | "
+          f"{cpu['alone'] / cpu['aloader']:.2f}x |")
 
 
 async def main() -> None:
@@ -125,8 +153,8 @@ async def main() -> None:
         size = sum(Path(p).stat().st_size for p in paths)
         print(f"{FILES} files x {GROUPS} row groups, {rows:,} rows, {size / 1e6:.1f} MB; "
               f"best of {RUNS}, interleaved\n")
-        print("| workload | aloader rows/s | pyarrow (same output) rows/s | ratio | "
-              "iter_batches alone rows/s | ratio |")
+        print("| workload | program | rows/s | CPU ms per epoch | aloader's rate vs it | "
+              "aloader's CPU vs it |")
         print("|---|---|---|---|---|---|")
         cases: list[tuple[str, list[str] | None, bool]] = [
             ("batches, all columns", None, True),
@@ -135,22 +163,19 @@ async def main() -> None:
         ]
         for label, columns, as_batches in cases:
             convert = "arrays" if as_batches else "rows"
-            best = await race({
+            best, cpu = await race({
                 "aloader": lambda c=columns, b=as_batches: aloader_epoch(paths, c, b),
                 "same": lambda c=columns, v=convert: pyarrow_loop(paths, c, v),
                 "alone": lambda c=columns: pyarrow_loop(paths, c, "none"),
             }, rows)
-            ours, same, alone = (rows / best[k] for k in ("aloader", "same", "alone"))
-            print(f"| {label} | {ours:,.0f} | {same:,.0f} | {ours / same:.2f}x | "
-                  f"{alone:,.0f} | {ours / alone:.2f}x |")
-        best = await race({
+            report(label, rows, best, cpu)
+        best, cpu = await race({
             "aloader": lambda: aloader_loader(paths),
             "same": lambda: pyarrow_loop(paths, None, "lists"),
             "alone": lambda: pyarrow_loop(paths, None, "none"),
         }, rows)
-        ours, same, alone = (rows / best[k] for k in ("aloader", "same", "alone"))
-        print(f"| rows in DataLoader batches of {LOADER_BATCH} (collate_fn=list) | {ours:,.0f} | "
-              f"{same:,.0f} | {ours / same:.2f}x | {alone:,.0f} | {ours / alone:.2f}x |")
+        report(f"rows in DataLoader batches of {LOADER_BATCH} (collate_fn=list)", rows, best,
+               cpu)
 
 
 if __name__ == "__main__":

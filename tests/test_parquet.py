@@ -255,8 +255,8 @@ async def test_a_vanished_file_keeps_its_os_error(tmp_path: Path, anyio_backend:
 @needs_pyarrow
 def test_bad_arguments(tmp_path: Path) -> None:
     path = write(tmp_path / "x.parquet", 0, 10, 10)
-    with pytest.raises(ValueError, match="local files only"):
-        ParquetRows([path, "https://example.com/x.parquet"])
+    # URLs are taken (and read only when iterated: nothing is fetched here).
+    assert ParquetRows([path, "https://example.com/x.parquet"]).shards[1].startswith("https")
     with pytest.raises(TypeError, match="columns should be a sequence"):
         ParquetRows(path, columns="id")
     with pytest.raises(ValueError, match="at least one column"):
@@ -276,3 +276,31 @@ def test_without_pyarrow_the_error_says_what_to_install(
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(ImportError, match=r"pip install aloader\[parquet\]"):
         ParquetRows(tmp_path / "x.parquet")
+
+
+@needs_pyarrow
+async def test_a_broken_row_group_keeps_the_rows_before_it(tmp_path: Path,
+                                                           anyio_backend: str) -> None:
+    """A file whose third row group cannot be read hands on the rows pyarrow's own reader
+    gives before its error, then the error (or, skipping, nothing more of that file)."""
+    import pyarrow.parquet as pq
+
+    path = write(tmp_path / "x.parquet", 0, 40, 10)
+    chunk = pq.read_metadata(path).row_group(2).column(0)  # the id column of row group 2
+    start = chunk.dictionary_page_offset or chunk.data_page_offset
+    data = bytearray(path.read_bytes())
+    data[start : start + 16] = b"\xff" * 16  # its first page header cannot be read
+    path.write_bytes(bytes(data))
+    before: list[int] = []
+    with pytest.raises(OSError):
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=100, columns=["id"]):
+            before.extend(batch.column(0).to_pylist())
+    assert len(before) < 30
+    source = ParquetRows(path, columns=["id"], batch_rows=100, skip_errors=True)
+    assert ids_of(await collect(source)) == before
+    assert (source.stats.records, source.stats.skipped) == (len(before), 1)
+    got: list[int] = []
+    with pytest.raises(RecordError, match="x.parquet: not a readable Parquet file"):
+        async for row in ParquetRows(path, columns=["id"], batch_rows=100):
+            got.append(row["id"])
+    assert got == before

@@ -306,3 +306,68 @@ def test_bad_arguments(tmp_path: Path) -> None:
         TarShards(path, decoders={"x": 1})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match="max_sample_bytes"):
         TarShards(path, max_sample_bytes=0)
+
+
+# --------------------------------------------------------------------------- object stores
+
+TAR_BUCKET = "tar-bucket"
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[Any]:
+    """moto's S3 server with 5 shards under tars/ (20 samples each; the last one gzipped)."""
+    pytest.importorskip("obstore")
+    pytest.importorskip("moto.server")
+    pytest.importorskip("boto3")
+    from aloader._demo._s3 import LocalS3
+
+    shards = {f"tars/s{shard}.tar": make_tar(samples(shard * 20, 20)) for shard in range(4)}
+    shards["tars/s4.tar.gz"] = gzip.compress(make_tar(samples(80, 20)))
+    with LocalS3() as server:
+        server.put(TAR_BUCKET, {**shards, "tars/.hidden.tar": make_tar(samples(500, 1))})
+        yield server
+
+
+KEYS = [f"{i:06d}" for i in range(100)]
+
+
+async def test_s3_prefix_pattern_and_exactly_once(s3: Any, anyio_backend: str) -> None:
+    store = s3.store(TAR_BUCKET)
+    everything = TarShards(f"s3://{TAR_BUCKET}/tars/", store=store, decoders={"cls": int})
+    assert TarShards(f"s3://{TAR_BUCKET}/tars/*.tar*", store=store).shards == everything.shards
+    got = await collect(everything)
+    assert [s["__key__"] for s in got] == KEYS
+    assert got[3] == {"__key__": "000003", "__url__": f"s3://{TAR_BUCKET}/tars/s0.tar",
+                      "jpg": bytes([3]) * 4, "cls": 3, "json": b'{"i": 3}'}
+    assert (everything.stats.records, everything.stats.shards) == (100, 5)
+    read = await read_as_consumers(  # 8 consumers, 5 shards
+        lambda rank: TarShards(f"s3://{TAR_BUCKET}/tars/*", store=store, rank=rank,
+                               world_size=2, shuffle_shards=True, seed=5, even_ranks=False),
+        2, 4)
+    assert sorted(s["__key__"] for s in read) == KEYS
+
+
+async def test_s3_resume_and_a_cut(s3: Any, anyio_backend: str) -> None:
+    store = s3.store(TAR_BUCKET)
+
+    def make() -> TarShards:
+        return TarShards(f"s3://{TAR_BUCKET}/tars/", store=store, chunk_size=2000,
+                         backoff=0.01)
+
+    full = await collect(make())
+    for k in (1, 30, 95):  # in a plain shard, a shard's first sample, the gzipped shard
+        stream = make()
+        iterator = stream.__aiter__()
+        for _ in range(k):
+            await iterator.__anext__()
+        state = json.loads(json.dumps(stream.state_dict()))
+        await iterator.aclose()  # type: ignore[attr-defined]
+        fresh = make()
+        fresh.load_state_dict(state)
+        assert await collect(fresh) == full[k:], k
+    s3.proxy.reset()
+    s3.proxy.cut(1, after=3000)
+    cut = make()
+    assert await collect(cut) == full
+    assert cut.stats.retries == 1
+    s3.proxy.reset()
