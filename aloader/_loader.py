@@ -209,7 +209,8 @@ class DataLoader(Generic[T_co]):
             counted and logged to ``aloader.loader``; once the failures exceed the budget the
             epoch fails with :class:`FailureBudgetExceeded`. 0 (the default) raises the first
             error with its own type, as torch does. See :mod:`aloader._failures` for
-            ``__getitems__``, iterable datasets, streams and workers.
+            ``__getitems__``, iterable datasets, streams and workers. It may change between
+            epochs; with ``persistent_workers``, turning it on or off restarts the workers.
     """
 
     dataset: Any
@@ -851,7 +852,17 @@ class DataLoader(Generic[T_co]):
                 worker_log.warning("restarting the persistent workers after an earlier error")
             pool.shutdown()
             pool = self._pool = None
-        if pool is not None and (pool.holder is None or pool.holder.stopping):
+        # The workers' budget (none, or the unlimited one they report under) is fixed at their
+        # start: a budget turned on or off between epochs needs other workers (a free pool is
+        # restarted, keeping its seed; a busy one is left to its epoch).
+        stale = pool is not None and (pool.setup.plan.failures is None) == bool(
+            self.max_failures)
+        if pool is not None and stale and pool.holder is None:
+            worker_log.info("restarting the persistent workers: max_failures is now %r",
+                            self.max_failures)
+            pool.shutdown()
+            pool = self._pool = None
+        if pool is not None and not stale and (pool.holder is None or pool.holder.stopping):
             return self._kind.pool_epoch(pool, epoch)
         plan = self._plan(None)
         if self.max_failures:  # a worker reports its failures; the budget is counted here

@@ -392,3 +392,20 @@ def test_bad_value(value: Any) -> None:
 def test_attribute() -> None:
     assert DataLoader(Sync()).max_failures == 0
     assert DataLoader(Sync(), max_failures=0.5).max_failures == 0.5
+
+
+@pytest.mark.parametrize("first", [0, 1], ids=["on-later", "off-later"])
+def test_persistent_workers_see_a_changed_budget(first: int) -> None:
+    # The workers' copy of the budget is set at their start: turning it on or off between
+    # epochs must reach them (on: the bad sample is left out; off: it raises, never dropped).
+    dl = loader(Sync({5}, 12), max_failures=first, num_workers=2, persistent_workers=True)
+    try:
+        for budget in (first, 1 - first, first):
+            dl.max_failures = budget
+            if budget:
+                assert list(dl) == [[0, 1, 2, 3], [4, 6, 7], [8, 9, 10, 11]]
+            else:
+                with pytest.raises(ValueError, match="bad sample 5"):
+                    list(dl)
+    finally:
+        dl.close()
