@@ -374,17 +374,22 @@ def verdict(stats: LoaderStats) -> str:
 
     Derived from the measurements, in this order: a consumer that never waits is the
     bottleneck; else (the consumer waits for the loader) one worker much slower than the
-    others; fetches filling their limit; ``collate_fn`` busy most of the time; a synchronous
-    dataset busy on the CPU (the GIL) or blocking one call at a time; the transfer from the
-    workers; else the busiest stage.
+    others; a map-style dataset's fetches filling their limit; ``collate_fn`` busy most of the
+    time; a synchronous dataset busy on the CPU (the GIL); an iterable dataset's iterator busy
+    most of the time (one pull at a time: no limit to raise); a map-style dataset blocking one
+    call at a time; the transfer from the workers; the workers all busy; else the busiest
+    stage.
     """
-    # The steady state: the wait for the first batch (workers starting, a cold cache) aside.
-    elapsed = max(1e-9, stats.elapsed - stats.first_wait)
-    stages = stats.stages
     if stats.batches == 0:
         return "no batch delivered yet"
-    waited = (stages["wait"].busy - stats.first_wait) / elapsed
-    consumer = stages["consumer"].busy / elapsed
+    # The steady state: the wait for the first batch (workers starting, a cold cache) aside.
+    first_wait = stats.first_wait
+    elapsed = max(1e-9, stats.elapsed - first_wait)
+    stages = stats.stages
+    waited = (stages["wait"].busy - first_wait) / elapsed
+    # The consumer's own work is most of the epoch, start included (not of a steady state
+    # made short by a source that delivered every batch at once), and it seldom waited.
+    consumer = stages["consumer"].busy / max(1e-9, stats.elapsed)
     if waited < 0.1 and consumer > 0.5:
         return (f"the consumer: batches are ready before you ask (the loader is not the "
                 f"bottleneck; you waited {waited:.0%} of the time)")
@@ -395,14 +400,17 @@ def verdict(stats: LoaderStats) -> str:
         slowest, worker = per[-1]
         others = [t for t, _ in per[:-1]]
         typical = others[len(others) // 2]
-        if slowest > 3 * typical and slowest > 0.001:
+        # Much slower per batch than the others, and busy most of the steady state (so the
+        # consumer waits on it): not a worker that took one slow batch of a quick epoch.
+        if slowest > 3 * typical and stats.workers[worker]["busy"] >= 0.5 * elapsed:
             return (f"one slow worker: worker {worker} takes {slowest * 1e3:.0f} ms per batch, "
                     f"the others {typical * 1e3:.0f} ms; look at what it loads (its shards, "
                     "its samples) or at its host")
     limit = stats.in_flight_limit
     busiest = max(("fetch", "collate", "transfer", "sampling"),
                   key=lambda name: stages[name].busy)
-    if stats.mode == "async" and limit and stats.in_flight >= 0.75 * limit:
+    iterable = stats.kind == "iterable" and stats.mode != "process"
+    if stats.mode == "async" and not iterable and limit and stats.in_flight >= 0.75 * limit:
         return (f"fetch latency: {stats.in_flight:.0f} of {limit} fetches in flight, raise "
                 "max_concurrency")
     collate = stages["collate"].busy / elapsed
@@ -411,12 +419,20 @@ def verdict(stats: LoaderStats) -> str:
                 "collate_fn")
     fetch = stages["fetch"].busy / elapsed
     # CPU per second of fetching: near 1 for a dataset computing (holding the GIL), near 0
-    # for one blocked on I/O; on a loaded machine the first drops, so the bar is low.
+    # for one blocked on I/O (a wake-up's microseconds per call: about 1%); on a loaded
+    # machine the first drops to the thread's share of a core (10% with ten runnable threads
+    # a core), so the bar is low.
     on_cpu = 1.0 if stats.mode == "inline" else stats.fetch_cpu / max(
         1e-9, stages["fetch"].busy)
-    if stats.mode in ("inline", "thread") and fetch >= 0.5 and on_cpu >= 0.2:
+    if stats.mode in ("inline", "thread") and fetch >= 0.5 and on_cpu >= 0.05:
         return (f"GIL-bound sync dataset: its fetches take {fetch:.0%} of the time, "
                 f"{on_cpu:.0%} of it on the CPU in the loader's process; use num_workers")
+    if iterable and fetch >= 0.5:
+        # One pull at a time: more than all of the time is the first pull, in the start-up.
+        return (f"the dataset's iterator: pulling its samples took {min(fetch, 1.0):.0%} of the "
+                "time and "
+                f"the consumer waited {waited:.0%}; make its __next__ cheaper, let it read "
+                "further ahead (a source's concurrency) or use num_workers")
     if stats.mode == "thread" and fetch >= 0.5:
         if limit <= 1:
             return ("blocking sync fetches, one batch call at a time: pass max_concurrency "
@@ -433,9 +449,5 @@ def verdict(stats: LoaderStats) -> str:
                     f"{len(stats.workers)} workers; raise num_workers (or max_concurrency for "
                     "an async dataset)")
     share = stages[busiest].busy / elapsed
-    if stats.kind == "iterable" and busiest == "fetch" and stats.mode != "process":
-        return (f"the dataset's iterator: pulling its samples took {share:.0%} of the time and "
-                f"the consumer waited {waited:.0%}; let it read further ahead (a source's "
-                "concurrency) or use num_workers")
     return (f"{busiest}: the busiest stage ({share:.0%} of the epoch's time); the consumer "
             f"waited {waited:.0%} of the time")

@@ -281,3 +281,70 @@ async def test_an_epoch_left_early_ends_its_statistics(anyio_backend: str) -> No
     second = dl.stats()
     assert not first.running and first.batches == 3
     assert second.elapsed == first.elapsed  # ended at the last batch, not still counting
+
+
+class BigObjects(Fast):
+    """Each sample a large list of Python ints: nothing to fetch, much to pickle across."""
+
+    _inline_fetch = False
+
+    def __init__(self, n: int = 32) -> None:
+        super().__init__(n)
+        self.big = list(range(200_000))
+
+    def __getitem__(self, i: int) -> Any:
+        return self.big
+
+
+def test_verdict_transfer_from_workers() -> None:
+    dl = DataLoader(BigObjects(32), batch_size=4, collate_fn=list, num_workers=2)
+    assert sum(1 for _ in dl) == 8
+    verdict = dl.stats().bottleneck
+    assert verdict.startswith("transfer from workers: batches take long to come back"), verdict
+
+
+class CpuBound(Fast):
+    _inline_fetch = False
+
+    def __getitem__(self, i: int) -> int:
+        spin_cpu(0.02)
+        return i
+
+
+def test_verdict_the_workers_raise_num_workers() -> None:
+    dl = DataLoader(CpuBound(64), batch_size=4, collate_fn=list, num_workers=2)
+    list(dl)
+    stats = dl.stats()
+    assert stats.bottleneck.startswith(f"the workers: {stats.in_flight_limit} of "
+                                       f"{stats.in_flight_limit} batches in flight on 2 "
+                                       "workers; raise num_workers"), stats.bottleneck
+
+
+class SlowIterable:
+    """An iterable dataset whose iterator waits 20 ms per sample (sync or async)."""
+
+    def __init__(self, n: int = 40) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        for i in range(self.n):
+            time.sleep(0.02)
+            yield i
+
+
+class SlowAsyncIterable(SlowIterable):
+    async def __aiter__(self) -> Any:
+        for i in range(self.n):
+            await anyio.sleep(0.02)
+            yield i
+
+
+@pytest.mark.parametrize("make", [SlowIterable, SlowAsyncIterable,
+                                  lambda: aloader.as_stream(SlowIterable())],
+                         ids=["sync", "async", "stream"])
+def test_verdict_the_datasets_iterator(make: Any) -> None:
+    # One pull at a time whatever max_concurrency says: the verdict must not ask to raise it.
+    dl = DataLoader(make(), batch_size=4, collate_fn=list)
+    assert sum(map(len, dl)) == 40
+    verdict = dl.stats().bottleneck
+    assert verdict.startswith("the dataset's iterator: pulling its samples took"), verdict
