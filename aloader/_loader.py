@@ -865,6 +865,7 @@ class DataLoader(Generic[T_co]):
         if pool is not None and not stale and (pool.holder is None or pool.holder.stopping):
             return self._kind.pool_epoch(pool, epoch)
         plan = self._plan(None)
+        plan.stats = Collector(plan.mode, auto_batch=plan.auto_batch)  # the workers' items
         if self.max_failures:  # a worker reports its failures; the budget is counted here
             plan.failures = Failures(math.inf)
             plan.failures.sources_of = source_stats
@@ -1010,7 +1011,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         stats = self._stats = plan.stats = Collector(
             plan.mode, plan.concurrency if plan.granularity == "item" else plan.window,
             max(1, loader.prefetch_factor), loader._stats_epochs, loader.num_workers,
-            "iterable" if isinstance(kind, IterableEpochs) else "map",
+            "iterable" if isinstance(kind, IterableEpochs) else "map", plan.auto_batch,
         )
         stats.sources = source_stats(loader.dataset)
         if self.failures is not None:

@@ -22,9 +22,12 @@ Two bounded buffers are watched: fetches in flight against their limit, a time-w
 batches at the workers change) and ready batches against ``prefetch_factor`` (sampled each
 time the consumer asks).
 
-Stages recorded from fetch threads are recorded under a lock; the counts of items and batches
-are the consumer's, exact. Busy time is the sum of the latencies (overlapping fetches add up,
-so a stage's busy time may exceed the wall time).
+Recording is a bare list append, from any thread, without a lock: an append is atomic (under
+the GIL, and per list on free-threaded builds). Folding (a flush, a worker's report merged, a
+snapshot) holds the collector's lock, against another fold, and removes exactly the prefix of
+each list it read, so an append racing with it is kept for the next fold: the counts are exact.
+Busy time is the sum of the latencies (overlapping fetches add up, so a stage's busy time may
+exceed the wall time).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from operator import sub
 from typing import Any
 
 __all__ = ("Collector", "LoaderStats", "Occupancy", "Stage", "StageStats", "verdict")
@@ -48,10 +52,10 @@ class Stage:
     """One stage's count, busy time and recent latencies (nanoseconds).
 
     ``add(ns)`` is a bare list append (the hot path, per item where items are fetched one by
-    one); :meth:`flush` folds what was added into the count, the busy time and the ring of
-    recent latencies (between ``_RING`` and ``2 * _RING`` of them). The collector flushes
-    every few batches and before a snapshot, so what waits to be folded stays bounded.
-    Appends from other threads and the flush hold the collector's lock.
+    one; from any thread); :meth:`flush` folds what was added into the count, the busy time
+    and the ring of recent latencies (between ``_RING`` and ``2 * _RING`` of them), removing
+    only what it folded (see the module docstring). The collector flushes every few batches
+    and before a snapshot, so what waits to be folded stays bounded; its folds hold its lock.
     """
 
     __slots__ = ("add", "busy", "count", "pending", "ring")
@@ -64,13 +68,12 @@ class Stage:
         self.add = self.pending.append
 
     def flush(self) -> None:
-        pending = self.pending
-        if pending:
-            self.count += len(pending)
-            self.busy += sum(pending)
+        folded = _take(self.pending)
+        if folded:
+            self.count += len(folded)
+            self.busy += sum(folded)
             ring = self.ring
-            ring.extend(pending)
-            pending.clear()
+            ring.extend(folded)
             if len(ring) > 2 * _RING:
                 del ring[: len(ring) - _RING]
 
@@ -93,6 +96,14 @@ class Stage:
             return ring[min(len(ring) - 1, int(q * len(ring)))] / 1e9
 
         return StageStats(name, self.count, self.busy / 1e9, pct(0.5), pct(0.9), pct(0.99))
+
+
+def _take(pending: list[Any]) -> list[Any]:
+    """The items of ``pending``, removed from it (an append racing with this stays)."""
+    n = len(pending)
+    taken = pending[:n]
+    del pending[:n]
+    return taken
 
 
 class Occupancy:
@@ -216,6 +227,7 @@ class Collector:
     Args:
         mode: the plan's fetch mode.
         kind: ``map`` (a map-style dataset) or ``iterable``.
+        auto_batch: whether what is collated is a batch of samples (else one sample).
         in_flight_limit: the most fetches in flight.
         ready_limit: the most batches waiting for the consumer.
         epoch: the loader's epoch number.
@@ -223,9 +235,11 @@ class Collector:
     """
 
     def __init__(self, mode: str = "inline", in_flight_limit: int = 1, ready_limit: int = 1,
-                 epoch: int = 0, num_workers: int = 0, kind: str = "map") -> None:
+                 epoch: int = 0, num_workers: int = 0, kind: str = "map",
+                 auto_batch: bool = True) -> None:
         self.mode = mode
         self.kind = kind
+        self.auto_batch = auto_batch
         self.in_flight_limit = in_flight_limit
         self.ready_limit = ready_limit
         self.epoch = epoch
@@ -237,12 +251,18 @@ class Collector:
         self.consumer = Stage()
         self.in_flight = Occupancy()
         self.lock = threading.Lock()
-        self.items = 0  # counted where batches are collated (here, or reported by workers)
+        # Samples collated into batches (here, or reported by workers): the folded count, and
+        # the batches' sizes appended since (any thread).
+        self.items = 0
+        self._collated: list[tuple[int, int]] = []  # (ns, samples) of each batch collated
+        self._marks: list[tuple[int, int]] = []  # (asked, got) of each batch delivered
+        self._marked_last: int | None = None  # the got of the last mark folded
+        self._cpu: list[int] = []  # ns of CPU of each fetch in a thread, since the last fold
         self.batches = 0
         self.delivered_items = 0
         self.ready_sum = 0
         self.first_wait = 0
-        self.fetch_cpu = 0  # ns of CPU in fetch threads
+        self.fetch_cpu = 0  # ns of CPU in fetch threads (folded)
         self.workers: list[list[int]] = [[0, 0] for _ in range(num_workers)]
         self.started = _now()
         self.last = self.started  # the last batch delivered
@@ -255,36 +275,61 @@ class Collector:
         self._reported: dict[str, tuple[int, int]] = {}
 
     def __reduce__(self) -> tuple[Any, ...]:  # a plan's travels to the workers: a fresh one
-        return (Collector, (self.mode, self.in_flight_limit, self.ready_limit))
+        return (Collector, (self.mode, self.in_flight_limit, self.ready_limit, 0, 0, self.kind,
+                            self.auto_batch))
 
-    # Hooks (each one call per job, or per item where items are fetched one by one) ---------
+    def _fold(self) -> None:
+        """Fold what was appended (the caller holds the lock; see the module docstring).
+
+        A batch collated or delivered is one append of a tuple; here they become the collate,
+        wait and consumer latencies (in C: ``zip``, ``map``), and the items.
+        """
+        collated = _take(self._collated)
+        if collated:
+            latencies, sizes = zip(*collated, strict=True)
+            self.collate.pending.extend(latencies)
+            self.items += sum(sizes)
+        marks = _take(self._marks)
+        if marks:
+            asked, got = zip(*marks, strict=True)
+            self.wait.pending.extend(map(sub, got, asked))
+            # The consumer's time: from each batch to the next ask (after the first batch).
+            before = got[:-1] if self._marked_last is None else (self._marked_last, *got[:-1])
+            self.consumer.pending.extend(map(sub, asked[len(asked) - len(before):], before))
+            self._marked_last = got[-1]
+        cpu = _take(self._cpu)
+        if cpu:
+            self.fetch_cpu += sum(cpu)
+        for name in STAGES:
+            getattr(self, name).flush()
+
+    # Hooks (each one call per job, or per item where items are fetched one by one; appends
+    # only, from any thread) -----------------------------------------------------------------
     def flush(self) -> None:
         with self.lock:
-            for name in STAGES:
-                getattr(self, name).flush()
+            self._fold()
 
     def collated(self, samples: Any, ns: int) -> None:
-        self.collate.add(ns)
-        self.items += len(samples) if isinstance(samples, list) else 1
+        # A batch is any sequence (__getitems__ may return a tuple or an array), one sample
+        # is one item whatever its type.
+        try:
+            self._collated.append((ns, len(samples) if self.auto_batch else 1))
+        except TypeError:  # an unsized batch (a generator from __getitems__): one item known
+            self._collated.append((ns, 1))
 
-    def collated_in_thread(self, samples: Any, ns: int) -> None:
-        with self.lock:
-            self.collated(samples, ns)
+    collated_in_thread = collated  # appends need no lock
 
     def fetched_in_thread(self, ns: int, cpu: int) -> None:
-        with self.lock:
-            self.fetch.add(ns)
-            self.fetch_cpu += cpu
+        self.fetch.add(ns)
+        self._cpu.append(cpu)
 
     def delivered(self, asked: int, now: int, ready: int) -> None:
         """The consumer, back at ``asked`` (ns), got a batch at ``now`` with ``ready`` others
         ready."""
         batches = self.batches
-        if batches:
-            self.consumer.add(asked - self.last)
-        else:
+        if not batches:
             self.first_wait = now - asked
-        self.wait.add(now - asked)
+        self._marks.append((asked, now))
         self.batches = batches + 1
         self.ready_sum += ready
         self.last = now
@@ -299,7 +344,8 @@ class Collector:
     # Worker processes -------------------------------------------------------------------------
     def report(self) -> tuple[Any, ...]:
         """A worker's stages since its last report, and the time of sending."""
-        self.flush()
+        with self.lock:
+            self._fold()
         out = []
         for name in ("fetch", "collate"):
             stage: Stage = getattr(self, name)
@@ -317,9 +363,10 @@ class Collector:
         """Add a worker's :meth:`report` (the loader's side)."""
         fetch, collate, items, sent = report
         now = _now()
-        self.fetch.merge(*fetch)
-        self.collate.merge(*collate)
-        self.items += items
+        with self.lock:
+            self.fetch.merge(*fetch)
+            self.collate.merge(*collate)
+            self.items += items
         self.transfer.add(max(0, now - sent))
         if worker_id < len(self.workers):
             slot = self.workers[worker_id]
@@ -331,8 +378,9 @@ class Collector:
         end = self.ended if self.ended is not None else _now()
         last = self.last if self.ended is not None else end
         elapsed = max(1e-9, (last - self.started) / 1e9)
-        self.flush()
-        stages = {name: getattr(self, name).snapshot(name) for name in STAGES}
+        with self.lock:
+            self._fold()
+            stages = {name: getattr(self, name).snapshot(name) for name in STAGES}
         if self.mode == "process":
             in_flight = self.in_flight.mean(last)
         else:  # Little's law: the mean number in flight is their busy time over the time

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
 import aloader
@@ -151,7 +152,8 @@ def test_snapshot_is_json_and_of_the_current_epoch() -> None:
     next(it)
     next(it)
     running = dl.stats()
-    assert running.running and running.batches == 2
+    # Delivered to the for facade, which may be a batch or two ahead of this code.
+    assert running.running and 2 <= running.batches <= 4
     list(it)
     done = dl.stats()
     assert not done.running and done.batches == 10 and done.epoch == 0
@@ -348,3 +350,28 @@ def test_verdict_the_datasets_iterator(make: Any) -> None:
     assert sum(map(len, dl)) == 40
     verdict = dl.stats().bottleneck
     assert verdict.startswith("the dataset's iterator: pulling its samples took"), verdict
+
+
+class TupleItems(Fast):
+    """``__getitems__`` returning a tuple (any sequence will do, as for torch)."""
+
+    def __getitems__(self, indices: list[int]) -> tuple[int, ...]:
+        return tuple(indices)
+
+
+class ListSamples(Fast):
+    def __getitem__(self, i: int) -> list[int]:
+        return [i, i, i]  # one sample that is a list: still one item
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["local", "workers"])
+def test_items_are_samples_whatever_the_batch_type(workers: int) -> None:
+    arrays = aloader.ArrayDataset(np.zeros((23, 3), dtype=np.float32))
+    cases = [(arrays, 5, None, 23, 5), (TupleItems(23), 5, list, 23, 5),
+             (ListSamples(7), None, None, 7, 7)]
+    for dataset, batch_size, collate, items, batches in cases:
+        kwargs: dict[str, Any] = {} if collate is None else {"collate_fn": collate}
+        dl = DataLoader(dataset, batch_size=batch_size, num_workers=workers, **kwargs)
+        assert sum(1 for _ in dl) == batches
+        stats = dl.stats()
+        assert (stats.items, stats.batches) == (items, batches), type(dataset).__name__
