@@ -367,10 +367,12 @@ class Collector:
             self.fetch.merge(*fetch)
             self.collate.merge(*collate)
             self.items += items
-        self.transfer.add(max(0, now - sent))
+        batches = collate[0]  # an answer without a batch (a replica's end, all failed) has none
+        if batches:
+            self.transfer.add(max(0, now - sent))
         if worker_id < len(self.workers):
             slot = self.workers[worker_id]
-            slot[0] += 1
+            slot[0] += batches
             slot[1] += fetch[1] + collate[1]
 
     # The snapshot -----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+import test_failures
 
 import aloader
 from aloader import DataLoader, LoaderStats
@@ -375,3 +376,60 @@ def test_items_are_samples_whatever_the_batch_type(workers: int) -> None:
         assert sum(1 for _ in dl) == batches
         stats = dl.stats()
         assert (stats.items, stats.batches) == (items, batches), type(dataset).__name__
+
+
+# --- failures and sources in the counts -----------------------------------------------------
+FAILURE_KINDS = [*test_failures.KINDS,
+                 *(pytest.param(cls, {"num_workers": 2}, id=f"workers-{cls.__name__}")
+                   for cls in (test_failures.Sync, test_failures.Async, test_failures.GetItems)),
+                 pytest.param(test_failures.Iterating, {}, id="iterable")]
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), FAILURE_KINDS)
+def test_counts_with_failures_in_every_mode(cls: Any, kwargs: dict[str, Any]) -> None:
+    dl = DataLoader(cls(), batch_size=4, collate_fn=list, max_failures=6, **kwargs)
+    delivered = list(dl)
+    stats = dl.stats()
+    assert stats.failures == 6  # of the 20 samples, 6 fail
+    assert stats.batches == len(delivered)
+    assert stats.items == sum(map(len, delivered)) == 14
+    data = stats.as_dict()
+    assert json.loads(json.dumps(data)) == data
+
+
+def test_stream_counters_skipped_and_retries(tmp_path: Path) -> None:
+    from faulty_server import FaultyServer
+
+    good = "".join(json.dumps({"i": i}) + "\n" for i in range(6))
+    files = {"a.jsonl": (good + "{not json\n" + good).encode()}
+    server = FaultyServer(files).start()
+    try:
+        server.fail("a.jsonl", 503, times=2)
+        source = aloader.JsonLines(server.urls, skip_errors=True, retries=3, backoff=0.01,
+                                   max_backoff=0.05)
+        dl = DataLoader(source, batch_size=4, collate_fn=list, max_failures=1)
+        assert sum(map(len, dl)) == 12
+    finally:
+        server.close()
+    stats = dl.stats()
+    assert stats.sources == [{"shards": 1, "records": 12, "bytes": len(files["a.jsonl"]),
+                              "skipped": 1, "retries": 2}]
+    assert stats.failures == 1  # the skipped record, within the budget
+
+
+def test_stream_counters_from_workers(tmp_path: Path) -> None:
+    shards = []
+    for k in range(4):
+        shard = tmp_path / f"{k}.jsonl"
+        shard.write_text("".join(json.dumps({"i": i}) + "\n" for i in range(10)))
+        shards.append(shard)
+    dl = DataLoader(aloader.JsonLines(shards), batch_size=4, collate_fn=list, num_workers=2)
+    assert sum(map(len, dl)) == 40
+    stats = dl.stats()
+    assert stats.sources == [{"shards": 4, "records": 40,
+                              "bytes": sum(s.stat().st_size for s in shards),
+                              "skipped": 0, "retries": 0}]
+    assert stats.items == 40 and sum(w["batches"] for w in stats.workers) == stats.batches
+    assert stats.stages["transfer"].count == stats.batches  # not the replicas' ends
+    data = stats.as_dict()
+    assert json.loads(json.dumps(data)) == data and len(data["workers"]) == 2
