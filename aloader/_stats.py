@@ -341,6 +341,10 @@ class Collector:
         if self.batches:
             self.consumer.add(asked - self.last)
 
+    def items_so_far(self) -> int:
+        """The items collated so far, folded or not (for a live progress line; any thread)."""
+        return self.items + sum(size for _, size in list(self._collated))
+
     # Worker processes -------------------------------------------------------------------------
     def report(self) -> tuple[Any, ...]:
         """A worker's stages since its last report, and the time of sending."""

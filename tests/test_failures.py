@@ -433,12 +433,13 @@ def test_persistent_workers_see_a_changed_budget(first: int) -> None:
     # epochs must reach them (on: the bad sample is left out; off: it raises, never dropped).
     dl = loader(Sync({5}, 12), max_failures=first, num_workers=2, persistent_workers=True)
     try:
-        for budget in (first, 1 - first, first):
+        for budget in (first, 1 - first, first, first + 1):
             dl.max_failures = budget
             if budget:
                 assert list(dl) == [[0, 1, 2, 3], [4, 6, 7], [8, 9, 10, 11]]
             else:
-                with pytest.raises(ValueError, match="bad sample 5"):
+                with pytest.raises(ValueError, match="bad sample 5") as info:
                     list(dl)
+                assert type(info.value) is ValueError
     finally:
         dl.close()

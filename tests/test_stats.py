@@ -219,6 +219,18 @@ def test_verdict_consumer() -> None:
     assert dl.stats().bottleneck.startswith("the consumer: batches are ready before you ask")
 
 
+@pytest.mark.anyio
+async def test_ready_batches_against_prefetch_factor(anyio_backend: str) -> None:
+    # `async for` (the for facade reads ahead): 1 ms fetches, 20 ms of consumer's work.
+    dl = DataLoader(Sleepy(80, 0.001), batch_size=4, collate_fn=list)
+    async for _ in dl:
+        await anyio.sleep(0.02)
+    stats = dl.stats()
+    # The others ready once the consumer took its batch: prefetch_factor - 1 at most.
+    assert 0.5 < stats.ready <= stats.ready_limit - 1 == 1
+    assert stats.bottleneck.startswith("the consumer: batches are ready before you ask")
+
+
 def test_verdict_fetch_latency() -> None:
     dl = DataLoader(Sleepy(40, 0.02), batch_size=4, collate_fn=list, max_concurrency=2)
     list(dl)
@@ -433,3 +445,12 @@ def test_stream_counters_from_workers(tmp_path: Path) -> None:
     assert stats.stages["transfer"].count == stats.batches  # not the replicas' ends
     data = stats.as_dict()
     assert json.loads(json.dumps(data)) == data and len(data["workers"]) == 2
+
+
+def test_items_so_far_counts_what_is_not_folded_yet() -> None:
+    stats = Collector()
+    for _ in range(3):
+        stats.collated([1, 2, 3], 10)
+    assert stats.items_so_far() == 9  # before any fold (a live progress line reads this)
+    stats.flush()
+    assert (stats.items, stats.items_so_far()) == (9, 9)
