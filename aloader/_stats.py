@@ -170,7 +170,8 @@ class LoaderStats:
         stages: the stages, by name (see :mod:`aloader._stats`).
         in_flight: fetches in flight, time-weighted mean.
         in_flight_limit: the most fetches allowed in flight (``max_concurrency``, or jobs).
-        ready: batches ready when the consumer asked, mean.
+        ready: batches left ready once the consumer took one, mean (at most
+            ``ready_limit - 1``: near it, the consumer is the slower side; near 0, the loader).
         ready_limit: the most batches allowed to wait (``prefetch_factor``).
         fetch_cpu: seconds of CPU the fetch threads used (synchronous datasets in threads).
         first_wait: seconds the consumer waited for the first batch (the start-up, which the
