@@ -23,7 +23,9 @@ Where a sample's error is seen:
   with ``skip_errors=True``, which the budget then counts);
 * streaming sources with ``skip_errors=True``: each record they skip counts against the
   budget, as a failed sample with index None (the source's own ``stats.skipped`` counts it
-  too). Without a budget they skip as before and nothing is counted here;
+  too). Without a budget they skip as before and nothing is counted here. A fraction without
+  a length applies to the records they read, skipped ones included (they read ahead of the
+  samples pulled, and a skipped record was attempted, as a failed fetch is);
 * worker processes: a worker applies the same rules with an unlimited budget of its own and
   reports what failed with each answer; the loader records it here, so the budget is the
   epoch's across all workers.

@@ -20,7 +20,7 @@ The stages:
 Two bounded buffers are watched: fetches in flight against their limit, a time-weighted mean
 (by Little's law, the fetches' busy time over the epoch's; with workers, measured as the
 batches at the workers change) and ready batches against ``prefetch_factor`` (sampled each
-time the consumer asks).
+time the consumer gets a batch: the others left ready).
 
 Recording is a bare list append, from any thread, without a lock: an append is atomic (under
 the GIL, and per list on free-threaded builds). Folding (a flush, a worker's report merged, a
