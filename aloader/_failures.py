@@ -23,7 +23,9 @@ Where a sample's error is seen:
   with ``skip_errors=True``, which the budget then counts);
 * streaming sources with ``skip_errors=True``: each record they skip counts against the
   budget, as a failed sample with index None (the source's own ``stats.skipped`` counts it
-  too). Without a budget they skip as before and nothing is counted here;
+  too). Without a budget they skip as before and nothing is counted here. A fraction without
+  a length applies to the records they read, skipped ones included (they read ahead of the
+  samples pulled, and a skipped record was attempted, as a failed fetch is);
 * worker processes: a worker applies the same rules with an unlimited budget of its own and
   reports what failed with each answer; the loader records it here, so the budget is the
   epoch's across all workers.
@@ -229,6 +231,11 @@ class Failures:
         self.stats: Any = None  # the epoch's statistics (a Collector), counting failures too
         self._sources: list[Any] = []  # the streams' SourceStats whose skips count here
         self._skipped = 0
+        # The records the watched sources read, skipped ones included, at the last check: a
+        # skipped record is a sample attempted, as a failed fetch is, and the sources read
+        # ahead of the samples pulled (so their skips are compared with what they read).
+        self._read = 0
+        self._read_before = 0  # what they had read before this epoch
 
     @property
     def limit(self) -> float:
@@ -240,10 +247,16 @@ class Failures:
         budget = self.budget
         if isinstance(budget, int) or math.isinf(budget):
             return budget
-        base = self.samples if self.samples is not None else self.seen
-        if self.samples is None and not final and self.seen < 1 / budget:
+        base = self.samples if self.samples is not None else self.tried
+        if self.samples is None and not final and base < 1 / budget:
             return math.inf
         return math.floor(budget * base)
+
+    @property
+    def tried(self) -> int:
+        """The samples attempted so far: pulled, or read by the watched sources (skipped
+        records included), whichever is more."""
+        return max(self.seen, self._read)
 
     def attempted(self, count: int) -> None:
         """``count`` more samples were attempted (for a fraction without a known length)."""
@@ -280,7 +293,7 @@ class Failures:
     def _exceed(self, error: BaseException) -> FailureBudgetExceeded:
         budget = self.budget
         if isinstance(budget, float) and not math.isinf(budget):
-            base = (f"the {self.seen} samples attempted" if self.samples is None
+            base = (f"the {self.tried} samples attempted" if self.samples is None
                     else f"{self.samples} samples")
             allowed = f"max_failures={budget!r}: {self._limit(final=True):g} of {base}"
         else:
@@ -336,6 +349,7 @@ class Failures:
             return
         self._sources = self.sources_of(dataset)
         self._skipped = sum(stats.skipped for stats in self._sources)
+        self._read_before = self._skipped + sum(stats.records for stats in self._sources)
 
     def check_skipped(self) -> None:
         """Record the records the watched sources skipped since the last check.
@@ -346,6 +360,8 @@ class Failures:
         if not self._sources:
             return
         skipped = sum(stats.skipped for stats in self._sources)
+        self._read = (sum(stats.records for stats in self._sources) + skipped
+                      - self._read_before)
         new, self._skipped = skipped - self._skipped, skipped
         if new <= 0:
             return
@@ -361,7 +377,7 @@ class Failures:
     def take_unreported(self) -> tuple[list[tuple[Any, BaseException]], int] | None:
         """A worker's failures and samples attempted since the last call (for its next
         answer), or None when there were neither."""
-        seen = self.seen - self._reported_seen
+        seen = self.tried - self._reported_seen
         if not self.unreported and not seen:
             return None
         with self._lock:

@@ -209,7 +209,8 @@ class DataLoader(Generic[T_co]):
             counted and logged to ``aloader.loader``; once the failures exceed the budget the
             epoch fails with :class:`FailureBudgetExceeded`. 0 (the default) raises the first
             error with its own type, as torch does. See :mod:`aloader._failures` for
-            ``__getitems__``, iterable datasets, streams and workers.
+            ``__getitems__``, iterable datasets, streams and workers. It may change between
+            epochs; with ``persistent_workers``, turning it on or off restarts the workers.
     """
 
     dataset: Any
@@ -851,9 +852,20 @@ class DataLoader(Generic[T_co]):
                 worker_log.warning("restarting the persistent workers after an earlier error")
             pool.shutdown()
             pool = self._pool = None
-        if pool is not None and (pool.holder is None or pool.holder.stopping):
+        # The workers' budget (none, or the unlimited one they report under) is fixed at their
+        # start: a budget turned on or off between epochs needs other workers (a free pool is
+        # restarted, keeping its seed; a busy one is left to its epoch).
+        stale = pool is not None and (pool.setup.plan.failures is None) == bool(
+            self.max_failures)
+        if pool is not None and stale and pool.holder is None:
+            worker_log.info("restarting the persistent workers: max_failures is now %r",
+                            self.max_failures)
+            pool.shutdown()
+            pool = self._pool = None
+        if pool is not None and not stale and (pool.holder is None or pool.holder.stopping):
             return self._kind.pool_epoch(pool, epoch)
         plan = self._plan(None)
+        plan.stats = Collector(plan.mode, auto_batch=plan.auto_batch)  # the workers' items
         if self.max_failures:  # a worker reports its failures; the budget is counted here
             plan.failures = Failures(math.inf)
             plan.failures.sources_of = source_stats
@@ -999,7 +1011,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         stats = self._stats = plan.stats = Collector(
             plan.mode, plan.concurrency if plan.granularity == "item" else plan.window,
             max(1, loader.prefetch_factor), loader._stats_epochs, loader.num_workers,
-            "iterable" if isinstance(kind, IterableEpochs) else "map",
+            "iterable" if isinstance(kind, IterableEpochs) else "map", plan.auto_batch,
         )
         stats.sources = source_stats(loader.dataset)
         if self.failures is not None:

@@ -20,11 +20,14 @@ The stages:
 Two bounded buffers are watched: fetches in flight against their limit, a time-weighted mean
 (by Little's law, the fetches' busy time over the epoch's; with workers, measured as the
 batches at the workers change) and ready batches against ``prefetch_factor`` (sampled each
-time the consumer asks).
+time the consumer gets a batch: the others left ready).
 
-Stages recorded from fetch threads are recorded under a lock; the counts of items and batches
-are the consumer's, exact. Busy time is the sum of the latencies (overlapping fetches add up,
-so a stage's busy time may exceed the wall time).
+Recording is a bare list append, from any thread, without a lock: an append is atomic (under
+the GIL, and per list on free-threaded builds). Folding (a flush, a worker's report merged, a
+snapshot) holds the collector's lock, against another fold, and removes exactly the prefix of
+each list it read, so an append racing with it is kept for the next fold: the counts are exact.
+Busy time is the sum of the latencies (overlapping fetches add up, so a stage's busy time may
+exceed the wall time).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from operator import sub
 from typing import Any
 
 __all__ = ("Collector", "LoaderStats", "Occupancy", "Stage", "StageStats", "verdict")
@@ -48,10 +52,10 @@ class Stage:
     """One stage's count, busy time and recent latencies (nanoseconds).
 
     ``add(ns)`` is a bare list append (the hot path, per item where items are fetched one by
-    one); :meth:`flush` folds what was added into the count, the busy time and the ring of
-    recent latencies (between ``_RING`` and ``2 * _RING`` of them). The collector flushes
-    every few batches and before a snapshot, so what waits to be folded stays bounded.
-    Appends from other threads and the flush hold the collector's lock.
+    one; from any thread); :meth:`flush` folds what was added into the count, the busy time
+    and the ring of recent latencies (between ``_RING`` and ``2 * _RING`` of them), removing
+    only what it folded (see the module docstring). The collector flushes every few batches
+    and before a snapshot, so what waits to be folded stays bounded; its folds hold its lock.
     """
 
     __slots__ = ("add", "busy", "count", "pending", "ring")
@@ -64,13 +68,12 @@ class Stage:
         self.add = self.pending.append
 
     def flush(self) -> None:
-        pending = self.pending
-        if pending:
-            self.count += len(pending)
-            self.busy += sum(pending)
+        folded = _take(self.pending)
+        if folded:
+            self.count += len(folded)
+            self.busy += sum(folded)
             ring = self.ring
-            ring.extend(pending)
-            pending.clear()
+            ring.extend(folded)
             if len(ring) > 2 * _RING:
                 del ring[: len(ring) - _RING]
 
@@ -93,6 +96,14 @@ class Stage:
             return ring[min(len(ring) - 1, int(q * len(ring)))] / 1e9
 
         return StageStats(name, self.count, self.busy / 1e9, pct(0.5), pct(0.9), pct(0.99))
+
+
+def _take(pending: list[Any]) -> list[Any]:
+    """The items of ``pending``, removed from it (an append racing with this stays)."""
+    n = len(pending)
+    taken = pending[:n]
+    del pending[:n]
+    return taken
 
 
 class Occupancy:
@@ -159,7 +170,8 @@ class LoaderStats:
         stages: the stages, by name (see :mod:`aloader._stats`).
         in_flight: fetches in flight, time-weighted mean.
         in_flight_limit: the most fetches allowed in flight (``max_concurrency``, or jobs).
-        ready: batches ready when the consumer asked, mean.
+        ready: batches left ready once the consumer took one, mean (at most
+            ``ready_limit - 1``: near it, the consumer is the slower side; near 0, the loader).
         ready_limit: the most batches allowed to wait (``prefetch_factor``).
         fetch_cpu: seconds of CPU the fetch threads used (synchronous datasets in threads).
         first_wait: seconds the consumer waited for the first batch (the start-up, which the
@@ -217,6 +229,7 @@ class Collector:
     Args:
         mode: the plan's fetch mode.
         kind: ``map`` (a map-style dataset) or ``iterable``.
+        auto_batch: whether what is collated is a batch of samples (else one sample).
         in_flight_limit: the most fetches in flight.
         ready_limit: the most batches waiting for the consumer.
         epoch: the loader's epoch number.
@@ -224,9 +237,11 @@ class Collector:
     """
 
     def __init__(self, mode: str = "inline", in_flight_limit: int = 1, ready_limit: int = 1,
-                 epoch: int = 0, num_workers: int = 0, kind: str = "map") -> None:
+                 epoch: int = 0, num_workers: int = 0, kind: str = "map",
+                 auto_batch: bool = True) -> None:
         self.mode = mode
         self.kind = kind
+        self.auto_batch = auto_batch
         self.in_flight_limit = in_flight_limit
         self.ready_limit = ready_limit
         self.epoch = epoch
@@ -238,12 +253,18 @@ class Collector:
         self.consumer = Stage()
         self.in_flight = Occupancy()
         self.lock = threading.Lock()
-        self.items = 0  # counted where batches are collated (here, or reported by workers)
+        # Samples collated into batches (here, or reported by workers): the folded count, and
+        # the batches' sizes appended since (any thread).
+        self.items = 0
+        self._collated: list[tuple[int, int]] = []  # (ns, samples) of each batch collated
+        self._marks: list[tuple[int, int]] = []  # (asked, got) of each batch delivered
+        self._marked_last: int | None = None  # the got of the last mark folded
+        self._cpu: list[int] = []  # ns of CPU of each fetch in a thread, since the last fold
         self.batches = 0
         self.delivered_items = 0
         self.ready_sum = 0
         self.first_wait = 0
-        self.fetch_cpu = 0  # ns of CPU in fetch threads
+        self.fetch_cpu = 0  # ns of CPU in fetch threads (folded)
         self.workers: list[list[int]] = [[0, 0] for _ in range(num_workers)]
         self.started = _now()
         self.last = self.started  # the last batch delivered
@@ -256,36 +277,61 @@ class Collector:
         self._reported: dict[str, tuple[int, int]] = {}
 
     def __reduce__(self) -> tuple[Any, ...]:  # a plan's travels to the workers: a fresh one
-        return (Collector, (self.mode, self.in_flight_limit, self.ready_limit))
+        return (Collector, (self.mode, self.in_flight_limit, self.ready_limit, 0, 0, self.kind,
+                            self.auto_batch))
 
-    # Hooks (each one call per job, or per item where items are fetched one by one) ---------
+    def _fold(self) -> None:
+        """Fold what was appended (the caller holds the lock; see the module docstring).
+
+        A batch collated or delivered is one append of a tuple; here they become the collate,
+        wait and consumer latencies (in C: ``zip``, ``map``), and the items.
+        """
+        collated = _take(self._collated)
+        if collated:
+            latencies, sizes = zip(*collated, strict=True)
+            self.collate.pending.extend(latencies)
+            self.items += sum(sizes)
+        marks = _take(self._marks)
+        if marks:
+            asked, got = zip(*marks, strict=True)
+            self.wait.pending.extend(map(sub, got, asked))
+            # The consumer's time: from each batch to the next ask (after the first batch).
+            before = got[:-1] if self._marked_last is None else (self._marked_last, *got[:-1])
+            self.consumer.pending.extend(map(sub, asked[len(asked) - len(before):], before))
+            self._marked_last = got[-1]
+        cpu = _take(self._cpu)
+        if cpu:
+            self.fetch_cpu += sum(cpu)
+        for name in STAGES:
+            getattr(self, name).flush()
+
+    # Hooks (each one call per job, or per item where items are fetched one by one; appends
+    # only, from any thread) -----------------------------------------------------------------
     def flush(self) -> None:
         with self.lock:
-            for name in STAGES:
-                getattr(self, name).flush()
+            self._fold()
 
     def collated(self, samples: Any, ns: int) -> None:
-        self.collate.add(ns)
-        self.items += len(samples) if isinstance(samples, list) else 1
+        # A batch is any sequence (__getitems__ may return a tuple or an array), one sample
+        # is one item whatever its type.
+        try:
+            self._collated.append((ns, len(samples) if self.auto_batch else 1))
+        except TypeError:  # an unsized batch (a generator from __getitems__): one item known
+            self._collated.append((ns, 1))
 
-    def collated_in_thread(self, samples: Any, ns: int) -> None:
-        with self.lock:
-            self.collated(samples, ns)
+    collated_in_thread = collated  # appends need no lock
 
     def fetched_in_thread(self, ns: int, cpu: int) -> None:
-        with self.lock:
-            self.fetch.add(ns)
-            self.fetch_cpu += cpu
+        self.fetch.add(ns)
+        self._cpu.append(cpu)
 
     def delivered(self, asked: int, now: int, ready: int) -> None:
         """The consumer, back at ``asked`` (ns), got a batch at ``now`` with ``ready`` others
         ready."""
         batches = self.batches
-        if batches:
-            self.consumer.add(asked - self.last)
-        else:
+        if not batches:
             self.first_wait = now - asked
-        self.wait.add(now - asked)
+        self._marks.append((asked, now))
         self.batches = batches + 1
         self.ready_sum += ready
         self.last = now
@@ -297,10 +343,15 @@ class Collector:
         if self.batches:
             self.consumer.add(asked - self.last)
 
+    def items_so_far(self) -> int:
+        """The items collated so far, folded or not (for a live progress line; any thread)."""
+        return self.items + sum(size for _, size in list(self._collated))
+
     # Worker processes -------------------------------------------------------------------------
     def report(self) -> tuple[Any, ...]:
         """A worker's stages since its last report, and the time of sending."""
-        self.flush()
+        with self.lock:
+            self._fold()
         out = []
         for name in ("fetch", "collate"):
             stage: Stage = getattr(self, name)
@@ -318,13 +369,16 @@ class Collector:
         """Add a worker's :meth:`report` (the loader's side)."""
         fetch, collate, items, sent = report
         now = _now()
-        self.fetch.merge(*fetch)
-        self.collate.merge(*collate)
-        self.items += items
-        self.transfer.add(max(0, now - sent))
+        with self.lock:
+            self.fetch.merge(*fetch)
+            self.collate.merge(*collate)
+            self.items += items
+        batches = collate[0]  # an answer without a batch (a replica's end, all failed) has none
+        if batches:
+            self.transfer.add(max(0, now - sent))
         if worker_id < len(self.workers):
             slot = self.workers[worker_id]
-            slot[0] += 1
+            slot[0] += batches
             slot[1] += fetch[1] + collate[1]
 
     # The snapshot -----------------------------------------------------------------------------
@@ -332,8 +386,9 @@ class Collector:
         end = self.ended if self.ended is not None else _now()
         last = self.last if self.ended is not None else end
         elapsed = max(1e-9, (last - self.started) / 1e9)
-        self.flush()
-        stages = {name: getattr(self, name).snapshot(name) for name in STAGES}
+        with self.lock:
+            self._fold()
+            stages = {name: getattr(self, name).snapshot(name) for name in STAGES}
         if self.mode == "process":
             in_flight = self.in_flight.mean(last)
         else:  # Little's law: the mean number in flight is their busy time over the time
@@ -373,17 +428,22 @@ def verdict(stats: LoaderStats) -> str:
 
     Derived from the measurements, in this order: a consumer that never waits is the
     bottleneck; else (the consumer waits for the loader) one worker much slower than the
-    others; fetches filling their limit; ``collate_fn`` busy most of the time; a synchronous
-    dataset busy on the CPU (the GIL) or blocking one call at a time; the transfer from the
-    workers; else the busiest stage.
+    others; a map-style dataset's fetches filling their limit; ``collate_fn`` busy most of the
+    time; a synchronous dataset busy on the CPU (the GIL); an iterable dataset's iterator busy
+    most of the time (one pull at a time: no limit to raise); a map-style dataset blocking one
+    call at a time; the transfer from the workers; the workers all busy; else the busiest
+    stage.
     """
-    # The steady state: the wait for the first batch (workers starting, a cold cache) aside.
-    elapsed = max(1e-9, stats.elapsed - stats.first_wait)
-    stages = stats.stages
     if stats.batches == 0:
         return "no batch delivered yet"
-    waited = (stages["wait"].busy - stats.first_wait) / elapsed
-    consumer = stages["consumer"].busy / elapsed
+    # The steady state: the wait for the first batch (workers starting, a cold cache) aside.
+    first_wait = stats.first_wait
+    elapsed = max(1e-9, stats.elapsed - first_wait)
+    stages = stats.stages
+    waited = (stages["wait"].busy - first_wait) / elapsed
+    # The consumer's own work is most of the epoch, start included (not of a steady state
+    # made short by a source that delivered every batch at once), and it seldom waited.
+    consumer = stages["consumer"].busy / max(1e-9, stats.elapsed)
     if waited < 0.1 and consumer > 0.5:
         return (f"the consumer: batches are ready before you ask (the loader is not the "
                 f"bottleneck; you waited {waited:.0%} of the time)")
@@ -394,14 +454,17 @@ def verdict(stats: LoaderStats) -> str:
         slowest, worker = per[-1]
         others = [t for t, _ in per[:-1]]
         typical = others[len(others) // 2]
-        if slowest > 3 * typical and slowest > 0.001:
+        # Much slower per batch than the others, and busy most of the steady state (so the
+        # consumer waits on it): not a worker that took one slow batch of a quick epoch.
+        if slowest > 3 * typical and stats.workers[worker]["busy"] >= 0.5 * elapsed:
             return (f"one slow worker: worker {worker} takes {slowest * 1e3:.0f} ms per batch, "
                     f"the others {typical * 1e3:.0f} ms; look at what it loads (its shards, "
                     "its samples) or at its host")
     limit = stats.in_flight_limit
     busiest = max(("fetch", "collate", "transfer", "sampling"),
                   key=lambda name: stages[name].busy)
-    if stats.mode == "async" and limit and stats.in_flight >= 0.75 * limit:
+    iterable = stats.kind == "iterable" and stats.mode != "process"
+    if stats.mode == "async" and not iterable and limit and stats.in_flight >= 0.75 * limit:
         return (f"fetch latency: {stats.in_flight:.0f} of {limit} fetches in flight, raise "
                 "max_concurrency")
     collate = stages["collate"].busy / elapsed
@@ -410,12 +473,20 @@ def verdict(stats: LoaderStats) -> str:
                 "collate_fn")
     fetch = stages["fetch"].busy / elapsed
     # CPU per second of fetching: near 1 for a dataset computing (holding the GIL), near 0
-    # for one blocked on I/O; on a loaded machine the first drops, so the bar is low.
+    # for one blocked on I/O (a wake-up's microseconds per call: about 1%); on a loaded
+    # machine the first drops to the thread's share of a core (10% with ten runnable threads
+    # a core), so the bar is low.
     on_cpu = 1.0 if stats.mode == "inline" else stats.fetch_cpu / max(
         1e-9, stages["fetch"].busy)
-    if stats.mode in ("inline", "thread") and fetch >= 0.5 and on_cpu >= 0.2:
+    if stats.mode in ("inline", "thread") and fetch >= 0.5 and on_cpu >= 0.05:
         return (f"GIL-bound sync dataset: its fetches take {fetch:.0%} of the time, "
                 f"{on_cpu:.0%} of it on the CPU in the loader's process; use num_workers")
+    if iterable and fetch >= 0.5:
+        # One pull at a time: more than all of the time is the first pull, in the start-up.
+        return (f"the dataset's iterator: pulling its samples took {min(fetch, 1.0):.0%} of the "
+                "time and "
+                f"the consumer waited {waited:.0%}; make its __next__ cheaper, let it read "
+                "further ahead (a source's concurrency) or use num_workers")
     if stats.mode == "thread" and fetch >= 0.5:
         if limit <= 1:
             return ("blocking sync fetches, one batch call at a time: pass max_concurrency "
@@ -432,10 +503,6 @@ def verdict(stats: LoaderStats) -> str:
                     f"{len(stats.workers)} workers; raise num_workers (or max_concurrency for "
                     "an async dataset)")
     share = stages[busiest].busy / elapsed
-    if stats.kind == "iterable" and busiest == "fetch" and stats.mode != "process":
-        return (f"the dataset's iterator: pulling its samples took {share:.0%} of the time and "
-                f"the consumer waited {waited:.0%}; let it read further ahead (a source's "
-                "concurrency) or use num_workers")
     return (f"{busiest}: the busiest stage ({share:.0%} of the epoch's time); the consumer "
             f"waited {waited:.0%} of the time")
 

@@ -1,23 +1,133 @@
-"""The cost of the statistics: this checkout against a baseline checkout without them.
+"""The cost of the statistics and of an unused failure budget, on the io and mem workloads.
 
-Statistics are always collected (there is no switch), so "stats off" is an older checkout of
-aloader: pass its root with ``--baseline`` (e.g. ``git archive <commit> | tar -x -C /tmp/base``
-and copy the built ``_cperm`` extension beside its package). Each figure runs in a fresh
-process with ``PYTHONPATH`` set to one checkout, the two checkouts alternating, best of
-``--repeat``; the io and mem workloads are those of ``engine.py`` (full sizes).
+Statistics are always collected (there is no switch), so "stats off" is this same build with
+the :class:`~aloader._stats.Collector`'s record methods replaced by no-ops (:func:`no_stats`):
+what remains in both is the pipeline's clock reads around each stage. "Budget off" is
+``max_failures=0``, "on" a budget no sample uses (``max_failures=5``, no failures). Each pair
+runs in this one process, the two alternating, best of ``--repeat`` (default 5): on a noisy
+machine that is the honest A/B, a ratio rather than two absolute numbers. The io and mem
+workloads are those of ``engine.py`` (full sizes; ``--quick`` for the small ones).
 
-    python benchmarks/bench_stats.py --baseline /tmp/base [--repeat 3]
+``--baseline ROOT`` adds the older comparison against another checkout (e.g. one without
+statistics: ``git archive <commit> | tar -x -C /tmp/base`` and copy the built ``_cperm``
+extension beside its package), each figure in a fresh process, alternating.
+
+    python benchmarks/bench_stats.py [--repeat 5] [--quick] [--baseline /tmp/base]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere: this checkout's aloader
+    sys.path.insert(0, str(ROOT))
+
+from aloader import ArrayDataset, DataLoader, _stats  # noqa: E402
+from aloader._cli import load_bench_engine  # noqa: E402
+
+engine: Any = load_bench_engine()
+
+
+# A C callable taking one to three arguments and doing nothing: the cheapest no-op, so that
+# "off" costs no Python call where "on" records (Python functions would add their own).
+_noop: Any = slice
+
+
+class _NoopStage(_stats.Stage):
+    """A stage that records nothing (``add`` is a no-op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add = _noop
+
+
+@contextlib.contextmanager
+def no_stats() -> Iterator[None]:
+    """The Collector's record methods (and its stages' ``add``) replaced by no-ops."""
+    names = ("collated", "collated_in_thread", "fetched_in_thread", "delivered",
+             "asked_again", "merge")
+    saved = {name: getattr(_stats.Collector, name) for name in names}
+    stage, change = _stats.Stage, _stats.Occupancy.change
+    try:
+        for name in names:
+            setattr(_stats.Collector, name, _noop)
+        _stats.Occupancy.change = _noop  # type: ignore[method-assign]
+        _stats.Stage = _NoopStage  # type: ignore[misc]  # the Collector builds its stages so
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(_stats.Collector, name, method)
+        _stats.Occupancy.change = change  # type: ignore[method-assign]
+        _stats.Stage = stage  # type: ignore[misc]
+
+
+def io_epoch(max_failures: int, n: int) -> float:
+    loader = engine._io_loader(n)
+    loader.max_failures = max_failures
+    return float(anyio.run(engine._consume_async, loader, n, "io"))
+
+
+def mem_epoch(max_failures: int, n: int) -> float:
+    x = np.random.default_rng(0).standard_normal((n, engine.MEM_COLS), dtype=np.float32)
+    loader = DataLoader(ArrayDataset(x), batch_size=engine.MEM_BATCH, shuffle=True,
+                        generator=0, max_failures=max_failures)
+    anyio.run(engine._consume_columns, loader, n)  # warm up
+    # An epoch is a fraction of a second: the best of three, as the engine's mem row.
+    return max(float(anyio.run(engine._consume_columns, loader, n)) for _ in range(3))
+
+
+def interleaved(a: Callable[[], float], b: Callable[[], float], repeat: int) -> tuple[float,
+                                                                                     float]:
+    """Best items/s of ``a`` and of ``b``, run alternately ``repeat`` times each."""
+    best_a = best_b = 0.0
+    for _ in range(repeat):
+        best_a = max(best_a, a())
+        best_b = max(best_b, b())
+    return best_a, best_b
+
+
+def _off(run: Callable[[int, int], float], n: int) -> float:
+    with no_stats():
+        return run(0, n)
+
+
+def calls_per_batch(stats_on: bool, max_failures: int = 0,
+                    n: int = 25_600) -> tuple[float, float]:
+    """Python and C function calls per batch of a mem epoch (every thread), stats on or off,
+    with a budget or not: a load-independent measure of their cost."""
+    x = np.random.default_rng(0).standard_normal((n, engine.MEM_COLS), dtype=np.float32)
+    loader = DataLoader(ArrayDataset(x), batch_size=engine.MEM_BATCH, shuffle=True, generator=0,
+                        max_failures=max_failures)
+    counts = {"call": 0, "c_call": 0}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event in counts:
+            counts[event] += 1
+
+    with contextlib.nullcontext() if stats_on else no_stats():
+        anyio.run(engine._consume_columns, loader, n)  # warm up
+        threading.setprofile(profile)
+        sys.setprofile(profile)
+        try:
+            anyio.run(engine._consume_columns, loader, n)
+        finally:
+            sys.setprofile(None)
+            threading.setprofile(None)
+    batches = n / engine.MEM_BATCH
+    return counts["call"] / batches, counts["c_call"] / batches
+
 
 _RUN = r"""
 import sys, anyio, numpy as np
@@ -39,6 +149,7 @@ print(rate)
 
 
 def figure(root: Path, which: str) -> float:
+    """One figure of checkout ``root`` in a fresh process (the ``--baseline`` comparison)."""
     env = {**os.environ, "PYTHONPATH": str(root)}
     out = subprocess.run([sys.executable, "-c", _RUN, which], env=env, cwd=root, check=True,
                          capture_output=True, text=True).stdout
@@ -47,20 +158,46 @@ def figure(root: Path, which: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", type=Path, required=True,
-                        help="root of a checkout without statistics")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="the small sizes")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="also compare with the checkout at this root (fresh processes)")
     args = parser.parse_args()
-    print("| workload | baseline items/s | with stats items/s | cost |")
-    print("|---|---|---|---|")
-    for which in ("io", "mem"):
-        base: list[float] = []
-        mine: list[float] = []
-        for _ in range(args.repeat):
-            base.append(figure(args.baseline, which))
-            mine.append(figure(ROOT, which))
-        b, m = max(base), max(mine)
-        print(f"| {which} | {b:,.0f} | {m:,.0f} | {(b - m) / b:+.1%} |", flush=True)
+    if engine is None:
+        sys.exit("bench_stats needs a source checkout (benchmarks/engine.py)")
+    sizes = engine.QUICK if args.quick else engine.FULL
+    workloads = {"io": (io_epoch, sizes.io_items), "mem": (mem_epoch, sizes.mem_rows)}
+    print(f"same process, interleaved, best of {args.repeat}")
+    print("| workload | comparison | off items/s | on items/s | cost |")
+    print("|---|---|---|---|---|")
+    for which, (run, n) in workloads.items():
+        rows = [
+            ("stats (record no-ops vs on)",
+             lambda run=run, n=n: _off(run, n), lambda run=run, n=n: run(0, n)),
+            ("budget (max_failures 0 vs 5, no failure)",
+             lambda run=run, n=n: run(0, n), lambda run=run, n=n: run(5, n)),
+        ]
+        for name, off, on in rows:
+            a, b = interleaved(off, on, args.repeat)
+            print(f"| {which} | {name} | {a:,.0f} | {b:,.0f} | {(a - b) / a:+.1%} |",
+                  flush=True)
+    stats_on, stats_off = calls_per_batch(True), calls_per_batch(False)
+    budget = calls_per_batch(True, max_failures=5)
+    print(f"\nmem epoch, calls per batch (load-independent): {stats_on[0]:.1f} Python + "
+          f"{stats_on[1]:.1f} C with stats, {stats_off[0]:.1f} + {stats_off[1]:.1f} with record "
+          f"no-ops, {budget[0]:.1f} + {budget[1]:.1f} with stats and max_failures=5", flush=True)
+    if args.baseline is not None:
+        print("\nfresh processes, alternating, best of", args.repeat)
+        print("| workload | baseline items/s | this checkout items/s | cost |")
+        print("|---|---|---|---|")
+        for which in ("io", "mem"):
+            base: list[float] = []
+            mine: list[float] = []
+            for _ in range(args.repeat):
+                base.append(figure(args.baseline, which))
+                mine.append(figure(ROOT, which))
+            b, m = max(base), max(mine)
+            print(f"| {which} | {b:,.0f} | {m:,.0f} | {(b - m) / b:+.1%} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -234,6 +234,20 @@ async def test_async_for(anyio_backend: str) -> None:
     assert got == GOOD_BATCHES
 
 
+FRACTION_KINDS = [*KINDS, *(pytest.param(cls, {"num_workers": 2}, id=f"workers-{cls.__name__}")
+                            for cls in (Sync, Async, GetItems))]
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), FRACTION_KINDS)
+def test_fraction_within_and_over_on_every_kind(cls: Any, kwargs: Any) -> None:
+    # 6 of the 20 samples fail: 0.3 allows 6, 0.25 allows 5.
+    it = iter(loader(cls(), max_failures=0.3, **kwargs))
+    assert list(it) == GOOD_BATCHES
+    assert it._source.failures is not None and it._source.failures.count == 6
+    with pytest.raises(FailureBudgetExceeded, match=r"max_failures=0.25: 5 of 20 samples"):
+        drain(loader(cls(), max_failures=0.25, **kwargs))
+
+
 # --- iterable datasets ---------------------------------------------------------------------------
 def test_iterable_next_raising_is_counted_and_pulling_goes_on() -> None:
     it = iter(loader(Iterating(), max_failures=6))
@@ -350,6 +364,25 @@ def test_source_skips_with_workers(tmp_path: Path) -> None:
         drain(DataLoader(twice, batch_size=4, collate_fn=list, max_failures=1, num_workers=2))
 
 
+@pytest.mark.parametrize("workers", [0, 2], ids=["local", "workers"])
+def test_source_skips_against_a_fraction(tmp_path: Path, workers: int) -> None:
+    # A skipped record is a sample attempted, as a failed fetch is: 3 of the 20 records. No
+    # length: the fraction applies to the records attempted so far (once 1 / fraction).
+    bad = {5, 12, 19}
+    shard = write_shard(tmp_path / "a.jsonl", bad)
+
+    def load(fraction: float) -> DataLoader[Any]:
+        return DataLoader(aloader.JsonLines(shard, skip_errors=True), batch_size=4,
+                          collate_fn=list, max_failures=fraction, num_workers=workers)
+
+    it = iter(load(0.25))
+    assert [r["i"] for batch in it for r in batch] == [i for i in range(20) if i not in bad]
+    assert it._source.failures is not None
+    assert (it._source.failures.count, it._source.failures.tried) == (3, 20)
+    with pytest.raises(FailureBudgetExceeded, match="0.1: 2 of the 20 samples attempted"):
+        drain(load(0.1))
+
+
 def test_a_stream_error_is_raised_as_is(tmp_path: Path) -> None:
     shard = write_shard(tmp_path / "a.jsonl", {2})
     with pytest.raises(aloader.RecordError):
@@ -392,3 +425,21 @@ def test_bad_value(value: Any) -> None:
 def test_attribute() -> None:
     assert DataLoader(Sync()).max_failures == 0
     assert DataLoader(Sync(), max_failures=0.5).max_failures == 0.5
+
+
+@pytest.mark.parametrize("first", [0, 1], ids=["on-later", "off-later"])
+def test_persistent_workers_see_a_changed_budget(first: int) -> None:
+    # The workers' copy of the budget is set at their start: turning it on or off between
+    # epochs must reach them (on: the bad sample is left out; off: it raises, never dropped).
+    dl = loader(Sync({5}, 12), max_failures=first, num_workers=2, persistent_workers=True)
+    try:
+        for budget in (first, 1 - first, first, first + 1):
+            dl.max_failures = budget
+            if budget:
+                assert list(dl) == [[0, 1, 2, 3], [4, 6, 7], [8, 9, 10, 11]]
+            else:
+                with pytest.raises(ValueError, match="bad sample 5") as info:
+                    list(dl)
+                assert type(info.value) is ValueError
+    finally:
+        dl.close()

@@ -85,7 +85,7 @@ def main(target: str, out: TextIO | None = None, batches: int | None = None) -> 
             async for _ in iterator:
                 count += 1
                 stats = iterator._stats  # the live collector: no snapshot per batch
-                progress.update(count, stats.items if stats is not None else 0)
+                progress.update(count, stats.items_so_far() if stats is not None else 0)
                 if batches is not None and count >= batches:
                     break
         finally:
