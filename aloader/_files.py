@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from collections.abc import AsyncGenerator, Callable
 
 import anyio
@@ -75,11 +76,17 @@ async def file_chunks(
     with anyio.CancelScope(shield=True):
         fd = await anyio.to_thread.run_sync(_open, path)
     try:
-        size = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        size = info.st_size
         if on_size is not None:
             on_size(size)
         position = start
-        cached = _NOWAIT is not None
+        # A pipe or a device (``/dev/stdin``, ``<(zcat ...)``) cannot be read at a position:
+        # it is read in order, in threads (seeking to ``start`` is an error there, as ever).
+        regular = stat.S_ISREG(info.st_mode)
+        if start and not regular:
+            os.lseek(fd, start, os.SEEK_SET)
+        cached = _NOWAIT is not None and regular
         while True:
             # A read allocates its whole size up front: ask for no more than the file holds
             # (plus a margin, should it grow), whatever chunk_size says.
@@ -91,7 +98,8 @@ async def file_chunks(
                 except _NoWait:
                     cached = False
             if data is None:
-                data = await anyio.to_thread.run_sync(os.pread, fd, want, position)
+                data = await (anyio.to_thread.run_sync(os.pread, fd, want, position) if regular
+                              else anyio.to_thread.run_sync(os.read, fd, want))
             else:
                 # Read without an await: let the loop's other tasks (and a cancellation) in.
                 await anyio.lowlevel.checkpoint()

@@ -235,6 +235,21 @@ async def test_file_chunks_not_in_the_page_cache(tmp_path: Path, anyio_backend: 
         pytest.skip("the file system kept the file's pages in memory")
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+async def test_a_named_pipe_is_read_in_order(tmp_path: Path, anyio_backend: str) -> None:
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    lines = [f"line {i}" for i in range(5000)]
+
+    def write() -> None:
+        with open(fifo, "w") as f:
+            f.write("\n".join(lines))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(anyio.to_thread.run_sync, write)
+        assert await collect(TextLines(fifo, chunk_size=1000)) == lines
+
+
 async def test_file_chunks_io_error_raises(tmp_path: Path, anyio_backend: str) -> None:
     with pytest.raises(FileNotFoundError):
         await _chunks(tmp_path / "missing.bin", 100)
