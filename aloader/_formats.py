@@ -386,11 +386,20 @@ class JsonLinesDecoder(_LineDecoder[Any]):
                 loads = self.loads
                 records = [loads(raw.decode("utf-8")) for raw in raws]
             else:
-                records = list(map(_decode_json, raws))
+                records = self._parse_fast(raws)
         except Exception:
-            # A blank line, a malformed one, or a value msgspec leaves to json.loads.
+            # A malformed line, or a value msgspec leaves to json.loads.
             return self._parse_slowly(raws, first_line, first_offset), len(raws)
         return records, len(raws)
+
+    @staticmethod
+    def _parse_fast(raws: list[bytes]) -> list[Any]:
+        try:
+            return list(map(_decode_json, raws))
+        except Exception:
+            # Blank lines hold no value: parse the others (a file with blank lines between
+            # its records would otherwise take the careful path at every chunk).
+            return list(map(_decode_json, [raw for raw in raws if raw.strip()]))
 
     def _parse_slowly(self, raws: list[bytes], first_line: int, first_offset: int) -> list[Any]:
         out: list[Any] = []
