@@ -1,69 +1,112 @@
 """Reading local files in chunks without blocking the event loop.
 
-On asyncio the reads go through aiofiles; where trio runs, through anyio's file API. Each read
-fetches ``chunk_size`` bytes in one thread call (lines are split from the chunks later, not read
-one await at a time). The file is closed when the generator ends, fails or is closed, even
-under cancellation.
+Invariant: the event loop thread never waits on a disk. A chunk whose bytes are in the page
+cache is read on the loop's thread with ``preadv(..., RWF_NOWAIT)`` (Linux), which copies what
+is cached and refuses (``EAGAIN``) rather than wait for the disk; only then, and where the flag
+does not exist or the file system does not support it, the read goes to a worker thread. A
+thread hop per chunk costs more than reading and splitting the chunk (it hands the GIL back
+and forth), so a file that is in the cache is read at memory speed. The open, which may wait
+on the file system's metadata, always runs in a thread. Each read fetches ``chunk_size``
+bytes (lines are split from the chunks later, not read one await at a time). The file is
+closed when the generator ends, fails or is closed, even under cancellation.
 """
 
 from __future__ import annotations
 
-import importlib
+import errno
 import os
+import stat
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
 
 import anyio
-
-from ._backend import current_backend
+import anyio.lowlevel
 
 __all__ = ("file_chunks",)
 
-# aiofiles ships no type information; it is used through this Any-typed module object.
-_aiofiles: Any = importlib.import_module("aiofiles")
 # Bytes asked for beyond the file's size at open, for a file that grows while it is read.
 _MARGIN = 1 << 16
+# Linux's "read only what is cached" flag for preadv (None elsewhere: every read in a thread).
+_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
+# Errors of a preadv that refuses the flag itself (an old kernel, a file system without it).
+_NO_NOWAIT = frozenset({errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS})
 
 
-async def _open(path: str) -> tuple[Any, bool]:
-    """(file, is_anyio): an async binary file for the running event loop."""
-    if current_backend() == "trio":
-        return await anyio.open_file(path, "rb"), True
-    return await _aiofiles.open(path, "rb"), False
+def _read_cached(fd: int, size: int, position: int) -> bytes | None:
+    """Up to ``size`` bytes at ``position`` if they are in the page cache (fewer if only the
+    first are; ``b""`` at the end of the file), else None: read them in a thread.
+
+    Raises:
+        _NoWait: the file does not support cached-only reads.
+    """
+    assert _NOWAIT is not None
+    buffer = bytearray(size)
+    try:
+        count = os.preadv(fd, [buffer], position, _NOWAIT)
+    except BlockingIOError:
+        return None
+    except OSError as exc:
+        if exc.errno in _NO_NOWAIT:
+            raise _NoWait from None
+        raise
+    del buffer[count:]
+    return bytes(buffer)
+
+
+class _NoWait(Exception):
+    """preadv refused RWF_NOWAIT for this file."""
+
+
+def _open(path: str) -> int:
+    return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
 
 
 async def file_chunks(
     path: str, chunk_size: int, on_size: Callable[[int], None] | None = None, start: int = 0
 ) -> AsyncGenerator[bytes, None]:
-    """The bytes of the file at ``path``, ``chunk_size`` bytes at a time.
+    """The bytes of the file at ``path``, ``chunk_size`` bytes at a time (a chunk read from
+    the page cache may be shorter, when only its first bytes are cached).
 
     Args:
         path: a local file.
         chunk_size: bytes per read (the last chunk may be shorter).
         on_size: called with the file's size once it is open, before the first chunk.
-        start: the byte to start at (a seek: a resumed shard is not read again).
+        start: the byte to start at (a positioned read: a resumed shard is not read again).
     """
     # Shielded: a cancelled open could leave the file open in its thread, unreachable.
     with anyio.CancelScope(shield=True):
-        handle, is_anyio = await _open(path)
+        fd = await anyio.to_thread.run_sync(_open, path)
     try:
-        size = os.fstat((handle.wrapped if is_anyio else handle).fileno()).st_size
+        info = os.fstat(fd)
+        size = info.st_size
         if on_size is not None:
             on_size(size)
-        left = size - start
-        if start:
-            await handle.seek(start)
+        position = start
+        # A pipe or a device (``/dev/stdin``, ``<(zcat ...)``) cannot be read at a position:
+        # it is read in order, in threads (seeking to ``start`` is an error there, as ever).
+        regular = stat.S_ISREG(info.st_mode)
+        if start and not regular:
+            os.lseek(fd, start, os.SEEK_SET)
+        cached = _NOWAIT is not None and regular
         while True:
             # A read allocates its whole size up front: ask for no more than the file holds
             # (plus a margin, should it grow), whatever chunk_size says.
-            data: bytes = await handle.read(min(chunk_size, max(left, 0) + _MARGIN))
+            want = min(chunk_size, max(size - position, 0) + _MARGIN)
+            data: bytes | None = None
+            if cached:
+                try:
+                    data = _read_cached(fd, want, position)
+                except _NoWait:
+                    cached = False
+            if data is None:
+                data = await (anyio.to_thread.run_sync(os.pread, fd, want, position) if regular
+                              else anyio.to_thread.run_sync(os.read, fd, want))
+            else:
+                # Read without an await: let the loop's other tasks (and a cancellation) in.
+                await anyio.lowlevel.checkpoint()
             if not data:
                 return
-            left -= len(data)
+            position += len(data)
             yield data
     finally:
-        with anyio.CancelScope(shield=True):
-            if is_anyio:
-                await handle.aclose()
-            else:
-                await handle.close()
+        # A read-only descriptor closes without waiting on the disk.
+        os.close(fd)

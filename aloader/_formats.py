@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -354,16 +355,39 @@ def _check_encoding(encoding: str) -> str:
     return encoding
 
 
-class _Fallback(Exception):
-    """The fast JSON path met something it leaves to the careful one."""
+# msgspec's JSON decoder: bytes in, the Python objects json.loads gives out (see
+# JsonLinesDecoder). One instance serves every decoder: it keeps no state between calls.
+_decode_json: Callable[[bytes], Any] = msgspec.json.Decoder().decode
+
+
+def _json_loads(raw: bytes) -> Any:
+    """One line's value, exactly as ``json.loads`` gives it.
+
+    msgspec accepts a subset of what json.loads accepts and gives the same values for it
+    (tested against json.loads in tests/test_formats.py); what it refuses (``NaN``,
+    ``Infinity``, numbers beyond a float's range, lone surrogate escapes, malformed lines)
+    goes to json.loads, whose error names a malformed line.
+    """
+    try:
+        return _decode_json(raw)
+    except Exception:
+        return json.loads(raw.decode("utf-8"))
 
 
 class JsonLinesDecoder(_LineDecoder[Any]):
     """JSON Lines: one JSON value per line; blank lines are allowed and ignored.
 
+    Each line is parsed on its own, so a value never spans lines and a line never holds two
+    (decoding a chunk as one document, e.g. ``msgspec``'s ``decode_lines``, would accept
+    ``"[1"``, ``"2]"`` as one record). The values are those of ``json.loads(line)``: dicts,
+    lists, strings, ints of any size, floats (``NaN`` and ``Infinity`` accepted, numbers beyond
+    a float's range are infinities), booleans and None. The parser is msgspec (a C decoder
+    reading the bytes, without decoding them to text first); lines it refuses are parsed again
+    by json.loads (see :func:`_json_loads`), which names the error of a malformed line.
+
     Args:
         loads: a custom parser (e.g. ``orjson.loads``) called with each line's text, or None
-            for the standard library's, which parses a whole chunk per call.
+            for the default.
     """
 
     def __init__(self, name: str, bad: BadRecords, max_record_bytes: int,
@@ -372,42 +396,35 @@ class JsonLinesDecoder(_LineDecoder[Any]):
         self.loads = loads
 
     def _parse(self, body: bytes, first_line: int, first_offset: int) -> tuple[list[Any], int]:
+        raws = body.split(b"\n")
         try:
-            text = body.decode("utf-8")
             if self.loads is not None:
-                records = [self.loads(line) for line in text.split("\n")]
+                loads = self.loads
+                records = [loads(raw.decode("utf-8")) for raw in raws]
             else:
-                records = self._scan(text)
+                records = self._parse_fast(raws)
         except Exception:
-            return self._parse_slowly(body, first_line, first_offset)
-        return records, len(records)
+            # A malformed line, or a value msgspec leaves to json.loads.
+            return self._parse_slowly(raws, first_line, first_offset), len(raws)
+        return records, len(raws)
 
     @staticmethod
-    def _scan(text: str) -> list[Any]:
-        # The whole chunk in one call of the C parser, as one JSON array: newlines become
-        # commas. A line with no value (blank) leaves an empty element and fails to parse; a
-        # line with k values adds k - 1 commas of its own, so values == lines proves every line
-        # holds exactly one. Anything unusual goes to the careful path, which names the line.
-        if "\r" in text:
-            text = text.replace("\r\n", "\n")
+    def _parse_fast(raws: list[bytes]) -> list[Any]:
         try:
-            out = json.loads("[" + text.replace("\n", ",") + "]")
-        except ValueError:
-            raise _Fallback from None
-        if not isinstance(out, list) or len(out) != text.count("\n") + 1:
-            raise _Fallback
-        return out
+            return list(map(_decode_json, raws))
+        except Exception:
+            # Blank lines hold no value: parse the others (a file with blank lines between
+            # its records would otherwise take the careful path at every chunk).
+            return list(map(_decode_json, [raw for raw in raws if raw.strip()]))
 
-    def _parse_slowly(self, body: bytes, first_line: int,
-                      first_offset: int) -> tuple[list[Any], int]:
-        raws = body.split(b"\n")
+    def _parse_slowly(self, raws: list[bytes], first_line: int, first_offset: int) -> list[Any]:
         out: list[Any] = []
         offset = first_offset
-        loads = self.loads or json.loads
+        custom = self.loads
         for number, raw in enumerate(raws, first_line + 1):
             if raw.strip():
                 try:
-                    out.append(loads(raw.decode("utf-8")))
+                    out.append(_json_loads(raw) if custom is None else custom(raw.decode("utf-8")))
                 except UnicodeDecodeError as exc:
                     if not self._error(self._where(number, offset),
                                        f"invalid UTF-8: {exc.reason} (byte {exc.start} of the "
@@ -419,7 +436,7 @@ class JsonLinesDecoder(_LineDecoder[Any]):
                                        f"starts {_preview(raw)}", offset=offset, line=number):
                         break
             offset += len(raw) + 1
-        return out, len(raws)
+        return out
 
 
 def _preview(raw: bytes, limit: int = 60) -> str:

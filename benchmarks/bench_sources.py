@@ -6,18 +6,25 @@ HTTP: 64 shards of 1,000 JSON Lines records (~106 bytes each) served by a local 
 (a separate process, ``aloader._demo.ShardServer``) that waits 20 ms before answering each
 request. One epoch, batches of 256, best of 3:
 
-* aloader: ``DataLoader(JsonLines(urls, concurrency=8), batch_size=256)`` on one event loop.
+* aloader: ``DataLoader(JsonLines(urls, concurrency=16), batch_size=256)`` on one event loop.
 * PyTorch: ``torch.utils.data.DataLoader`` over an ``IterableDataset`` whose workers each fetch
   their share of the URLs with ``urllib.request`` (blocking) and ``json.loads`` every line,
   ``num_workers`` 0, 2 and 8 (workers started by each epoch, as by default).
-* limit: one event loop cannot beat both (a) the latency floor, 64 requests x 20 ms / 8 in
+* limit: one event loop cannot beat both (a) the latency floor, 64 requests x 20 ms / 16 in
   flight, and (b) the parse floor, the time to turn the same bytes into records and batches in
   memory on one core (aloader's chunk parser + ``default_collate``, measured here). The limit
   is ``max(a, b)`` (perfect overlap of waiting and parsing); ``a + b`` (no overlap) is shown
   too.
 
-Local files: the same records in 32 files of 20,000 lines, read with ``TextLines`` and
-``JsonLines`` against a plain ``for line in open(f)`` loop (and ``json.loads(line)`` in it).
+Local files (``python benchmarks/bench_sources.py local`` runs only these): the same records
+in 32 files of 20,000 lines (~68 MB, in the page cache), read with ``TextLines`` and
+``JsonLines`` (``async for`` over every record, one event loop) against plain loops over the
+same files: ``for line in open(f)``, and ``json.loads(line)`` in it. Candidate JSON parsers in
+the same plain loop (msgspec per line and per chunk with ``decode_lines``, orjson per line,
+when installed) show why JsonLines parses with msgspec, and ``async for`` over the same lines
+already in memory shows what the iteration protocol alone costs per item (through a Python
+``__anext__`` such as aloader's, and through an async generator). Every figure is the
+best of 3, the programs interleaved in each round.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import multiprocessing
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -115,9 +123,9 @@ def parse_floor(bodies: list[bytes]) -> float:
     return seconds
 
 
-def local_files(bodies: list[bytes]) -> list[tuple[str, float]]:
-    """Lines/s of plain loops and aloader's sources over the same local files."""
-    rows: list[tuple[str, float]] = []
+def local_files(bodies: list[bytes]) -> list[tuple[str, float, str]]:
+    """(label, lines/s, the label of the plain loop it compares with) of plain loops and
+    aloader's sources over the same local files, interleaved, best of RUNS."""
     with tempfile.TemporaryDirectory() as directory:
         paths = []
         for i in range(32):
@@ -147,6 +155,73 @@ def local_files(bodies: list[bytes]) -> list[tuple[str, float]]:
                         n += 1
             return n
 
+        def per_line(parse: Callable[[bytes], Any]) -> Callable[[], int]:
+            def run() -> int:
+                n = 0
+                for path in paths:
+                    with open(path, "rb") as f:
+                        for line in f:
+                            parse(line)
+                            n += 1
+                return n
+
+            return run
+
+        def decode_lines() -> int:
+            import msgspec
+
+            decoder = msgspec.json.Decoder()
+            n = 0
+            for path in paths:
+                with open(path, "rb") as f:
+                    carry = b""
+                    while chunk := f.read(1 << 16):
+                        chunk = carry + chunk
+                        cut = chunk.rfind(b"\n") + 1
+                        n += len(decoder.decode_lines(chunk[:cut]))
+                        carry = chunk[cut:]
+                    n += len(decoder.decode_lines(carry))
+            return n
+
+        def in_memory() -> Callable[[bool], int]:
+            lines: list[str] = []
+            for path in paths[:4]:
+                with open(path) as f:
+                    lines.extend(f)
+            lines *= len(paths) // 4
+
+            async def items() -> Any:
+                for line in lines:
+                    yield line
+
+            class Items:
+                """The cheapest ``__anext__`` a Python iterator can have, as aloader's."""
+
+                def __init__(self) -> None:
+                    self.pos = 0
+
+                def __aiter__(self) -> Items:
+                    return self
+
+                async def __anext__(self) -> str:
+                    pos = self.pos
+                    if pos < len(lines):
+                        self.pos = pos + 1
+                        return lines[pos]
+                    raise StopAsyncIteration
+
+            def run(generator: bool) -> int:
+                async def epoch() -> int:
+                    n = 0
+                    async for _ in items() if generator else Items():
+                        n += 1
+                    return n
+
+                return anyio.run(epoch)
+
+            assert len(lines) == total
+            return run
+
         def source(cls: Any) -> Callable[[], int]:
             def run() -> int:
                 async def epoch() -> int:
@@ -159,16 +234,51 @@ def local_files(bodies: list[bytes]) -> list[tuple[str, float]]:
 
             return run
 
-        for label, fn in (
-            ("plain loop: for line in open(f)", plain_lines),
-            ("aloader TextLines(dir)", source(TextLines)),
-            ("plain loop: json.loads(line) for line in open(f)", plain_json),
-            ("aloader JsonLines(dir)", source(JsonLines)),
-        ):
-            seconds, items = best(fn)
-            assert items == total, (label, items, total)
-            rows.append((label, items / seconds))
-    return rows
+        plain, plain_j = "plain loop: for line in open(f)", "plain loop: json.loads(line)"
+        memory = in_memory()
+        programs: list[tuple[str, Callable[[], int], str]] = [
+            (plain, plain_lines, plain),
+            ("aloader TextLines(dir)", source(TextLines), plain),
+            ("async for, a Python __anext__, lines in memory", lambda: memory(False), plain),
+            ("async for, an async generator, lines in memory", lambda: memory(True), plain),
+            (plain_j, plain_json, plain_j),
+            ("aloader JsonLines(dir)", source(JsonLines), plain_j),
+        ]
+        try:
+            import msgspec
+        except ImportError:
+            print("msgspec is not installed: its rows are skipped", file=sys.stderr)
+        else:
+            programs += [
+                ("plain loop: msgspec decode(line)", per_line(msgspec.json.Decoder().decode),
+                 plain_j),
+                ("plain loop: msgspec decode_lines(64 KiB)", decode_lines, plain_j),
+            ]
+        try:
+            import orjson
+        except ImportError:
+            print("orjson is not installed: its row is skipped", file=sys.stderr)
+        else:
+            programs.append(("plain loop: orjson.loads(line)", per_line(orjson.loads), plain_j))
+        seconds = {label: float("inf") for label, _, _ in programs}
+        for _ in range(RUNS):
+            for label, fn, _ in programs:
+                start = time.perf_counter()
+                items = fn()
+                seconds[label] = min(seconds[label], time.perf_counter() - start)
+                assert items == total, (label, items, total)
+        return [(label, total / seconds[label], base) for label, _, base in programs]
+
+
+def print_local_files(bodies: list[bytes]) -> None:
+    """Measure and print the local files' table."""
+    print(f"Local files: 32 files x 20,000 JSON Lines records (~68 MB), best of {RUNS}, "
+          "interleaved")
+    print(f"{'':58} {'lines/s':>11} {'vs plain':>10}")
+    rows = local_files(bodies)
+    rates = {label: rate for label, rate, _ in rows}
+    for label, rate, base in rows:
+        print(f"{label:58} {rate:>11,.0f} {rate / rates[base]:>9.2f}x")
 
 
 def main() -> None:
@@ -237,13 +347,11 @@ def main() -> None:
         print(f"{label:58} {rate:>11,.0f} {vs:>10} {rate / limit:>8.0%}")
 
     print()
-    print("Local files: 32 files x 20,000 JSON Lines records (~68 MB), best of 3")
-    print(f"{'':58} {'lines/s':>11} {'vs plain':>10}")
-    local = local_files(bodies)
-    for index, (label, rate) in enumerate(local):
-        plain = local[index - index % 2][1]
-        print(f"{label:58} {rate:>11,.0f} {rate / plain:>9.2f}x")
+    print_local_files(bodies)
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["local"]:
+        print_local_files(list(make_jsonl_shards(SHARDS, RECORDS).values()))
+    else:
+        main()

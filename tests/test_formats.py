@@ -9,6 +9,7 @@ once.
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import os
@@ -19,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sourcetools import collect
 
 from aloader import (
@@ -57,6 +60,9 @@ async def test_jsonl_blank_lines_and_whitespace(tmp_path: Path, anyio_backend: s
     (b'1,2\n3\n', 1),          # two values on a line, though the chunk parses as an array
     (b'1\n{"a":\n2}\n', 2),     # a value spread over two lines
     (b'[1,\n2]\n3\n', 1),
+    # As many values as lines, yet none of these lines holds one value on its own.
+    (b'[1\n2]\n3,4\n', 1),
+    (b'{"a":\n1} {"b": 2}\n', 1),
 ])
 async def test_jsonl_lines_must_hold_one_value(
     tmp_path: Path, anyio_backend: str, body: bytes, bad_line: int
@@ -317,6 +323,118 @@ async def test_one_huge_line(tmp_path: Path, anyio_backend: str, source_type: An
         assert records == ['"a"', json.dumps(big), '"z"']
     else:
         assert records == ["a", big, "z"]
+
+
+# Lines whose values json.loads gives in every corner of the format: what the fast parser
+# takes must come out as the same Python objects, what it refuses must reach json.loads.
+TRICKY_LINES = [
+    '{"text": "caf\\u00e9 \u00e9 \u2713 \U0001f600 \\ud83d\\ude00",'
+    ' "esc": "\\"\\\\\\/\\b\\f\\n\\r\\t"}',
+    '"\\ud800 lone and \\udfff lone"',  # lone surrogates: json.loads keeps them
+    '18446744073709551616', '-18446744073709551617', '1' + '0' * 300,  # ints beyond 64 bits
+    '9223372036854775807', '-9223372036854775808', '0', '-0',
+    '[0.1, -0.0, 1e-320, 2.2250738585072014e-308, 1.7976931348623157e308, 5e-324, 1E2, 1e+2]',
+    '[0.30000000000000004, 123456789.123456789e-5, 3.141592653589793238462643383279]',
+    '[1e400, -1e400, 1e-400]',  # beyond a float's range: infinities and 0.0, as json.loads
+    '[NaN, Infinity, -Infinity]',  # not JSON, yet json.loads takes them
+    '{"a": 1, "a": 2, "b": {}, "c": [], "d": [[[]]], "e": null, "f": true, "g": false}',
+    '  \t {"padded": 1}  \t ',
+    '"x' + 'y' * 5000 + '"',  # longer than the chunks below
+    '""', '[]', '{}',
+]
+
+
+def _lines_file(path: Path, lines: list[str], *, crlf: bool = False,
+                final_newline: bool = True) -> bytes:
+    ending = "\r\n" if crlf else "\n"
+    # Blank lines (empty and whitespace only) between the records.
+    body = ending.join(line for item in lines for line in (item, "", "  ")) + (
+        ending if final_newline else "")
+    path.write_bytes(body.encode("utf-8"))
+    return body.encode("utf-8")
+
+
+def _json_loads_records(data: bytes) -> list[Any]:
+    return [json.loads(line) for line in data.decode("utf-8").split("\n") if line.strip()]
+
+
+@pytest.mark.parametrize(("crlf", "final_newline"), [(False, True), (True, False)])
+async def test_jsonl_values_are_those_of_json_loads(
+    tmp_path: Path, anyio_backend: str, crlf: bool, final_newline: bool
+) -> None:
+    path = tmp_path / "tricky.jsonl"
+    data = _lines_file(path, TRICKY_LINES, crlf=crlf, final_newline=final_newline)
+    expected = _json_loads_records(data)
+    assert len(expected) == len(TRICKY_LINES)
+    for chunk_size in (7, 1000, 1 << 16):
+        got = await collect(JsonLines(path, chunk_size=chunk_size))
+        # repr tells 1 from 1.0 and True, -0.0 from 0.0, and shows NaN (NaN != NaN).
+        assert repr(got) == repr(expected), chunk_size
+        assert [type(x) for x in got] == [type(x) for x in expected]
+    gz = tmp_path / "tricky.jsonl.gz"
+    gz.write_bytes(gzip.compress(data))
+    assert repr(await collect(JsonLines(gz, chunk_size=100))) == repr(expected)
+
+
+async def test_jsonl_error_after_values_left_to_json_loads(tmp_path: Path, anyio_backend: str
+                                                          ) -> None:
+    # A chunk that msgspec refuses (NaN) and that also holds a malformed line: the location is
+    # the malformed line's, and with skip_errors only it is skipped.
+    lines = [b"1", b"NaN", b"", b"[1e999]", b"{bad", b"2"]
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    offset = sum(len(line) + 1 for line in lines[:4])
+    with pytest.raises(RecordError, match=f"line 5 \\(byte offset {offset}\\): invalid JSON"
+                       ) as info:
+        await collect(JsonLines(path))
+    assert (info.value.line, info.value.offset) == (5, offset)
+    source = JsonLines(path, skip_errors=True)
+    got = await collect(source)
+    assert repr(got) == repr([1, float("nan"), [float("inf")], 2])
+    assert source.stats.skipped == 1 and source.stats.skipped_errors[0].line == 5
+
+
+@pytest.mark.parametrize("crlf", [False, True])
+async def test_text_lines_tricky(tmp_path: Path, anyio_backend: str, crlf: bool) -> None:
+    path = tmp_path / "tricky.txt"
+    lines = ["caf\u00e9 \u2713 \U0001f600", "", "  ", "tab\there", "x" * 5000, "last"]
+    ending = "\r\n" if crlf else "\n"
+    path.write_bytes(ending.join(lines).encode("utf-8"))  # the last line has no newline
+    for chunk_size in (3, 1000, 1 << 16):
+        assert await collect(TextLines(path, chunk_size=chunk_size)) == lines
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=5), children, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(_JSON_VALUES, min_size=1, max_size=8), ascii_only=st.booleans(),
+       junk=st.lists(st.text("{}[]\",:0123456789.eE+-nulltrfaseNIy \\u", max_size=12),
+                     max_size=3))
+def test_a_line_decodes_exactly_as_json_loads(values: list[Any], ascii_only: bool,
+                                              junk: list[str]) -> None:
+    """Every line, valid or not, is decoded as json.loads decodes it, or refused as it is."""
+    lines = [json.dumps(value, ensure_ascii=ascii_only) for value in values] + junk
+    data = "\n".join(lines).encode("utf-8", "surrogatepass")
+    expected: list[Any] = []
+    bad: list[int] = []
+    for number, line in enumerate(data.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            expected.append(json.loads(line.decode("utf-8")))
+        except ValueError:
+            bad.append(number)
+    stats = SourceStats()
+    decoder = JsonLinesDecoder("s", BadRecords(True, stats), 1 << 20)
+    got = _decode(decoder, [data])
+    assert repr(got) == repr(expected)
+    assert [error.line for error in stats.skipped_errors] == bad
 
 
 # --------------------------------------------------------------------------- decoders, directly

@@ -3,6 +3,7 @@ locations, skipping bad records, cleanup of file handles."""
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import os
@@ -25,7 +26,9 @@ from aloader import (
     NpyRows,
     RecordError,
     TextLines,
+    _files,
 )
+from aloader._files import file_chunks
 from aloader._sharding import assign_shards, expand_shards
 
 pytestmark = pytest.mark.anyio
@@ -146,6 +149,132 @@ async def test_chunk_size_beyond_the_file(tmp_path: Path, anyio_backend: str) ->
     path.write_bytes(b"one\ntwo\n")
     # A read of chunk_size bytes would allocate a terabyte before reading eight.
     assert await collect(TextLines(path, chunk_size=1 << 40)) == ["one", "two"]
+
+
+async def _chunks(path: Path, chunk_size: int, start: int = 0) -> list[bytes]:
+    sizes: list[int] = []
+    out = [chunk async for chunk in file_chunks(str(path), chunk_size, sizes.append, start)]
+    assert sizes == [path.stat().st_size]
+    return out
+
+
+@pytest.mark.parametrize("how", ["cached", "thread", "no_nowait"])
+async def test_file_chunks_read_every_byte_once(
+    tmp_path: Path, anyio_backend: str, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    path = tmp_path / "bytes.bin"
+    data = bytes(range(256)) * 8 + b"tail"
+    path.write_bytes(data)
+    calls: list[int] = []
+    if how == "thread":  # not in the page cache: every read goes to a thread
+        monkeypatch.setattr(_files, "_read_cached", lambda fd, size, position: None)
+    elif how == "no_nowait":  # a file system that refuses RWF_NOWAIT: threads from then on
+
+        def refuse(fd: int, buffers: Any, position: int, flags: int) -> int:
+            calls.append(position)
+            raise OSError(errno.EOPNOTSUPP, "not supported")
+
+        monkeypatch.setattr(os, "preadv", refuse)
+    for chunk_size in (7, 100, 1 << 20):
+        chunks = await _chunks(path, chunk_size)
+        assert b"".join(chunks) == data
+        assert all(len(chunk) <= chunk_size for chunk in chunks)
+        # From a byte inside the file (a resumed shard), and from its end.
+        assert b"".join(await _chunks(path, chunk_size, 1234)) == data[1234:]
+        assert await _chunks(path, chunk_size, len(data)) == []
+    if how == "no_nowait" and _files._NOWAIT is not None:
+        assert calls == [0, 1234, len(data)] * 3  # asked once per file, then never again
+
+
+async def test_file_chunks_short_cached_reads(tmp_path: Path, anyio_backend: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # Only part of a chunk in the cache: the cached part now, the rest in a thread.
+    path = write_jsonl(tmp_path, 1, 300)[0]
+    data = path.read_bytes()
+    real = _files._read_cached
+    turn = iter(range(1 << 20))
+
+    def flaky(fd: int, size: int, position: int) -> bytes | None:
+        step = next(turn)
+        if step % 3 == 2:
+            return None
+        return real(fd, min(size, 7 + step), position) if _files._NOWAIT else None
+
+    monkeypatch.setattr(_files, "_read_cached", flaky)
+    assert b"".join(await _chunks(path, 1000)) == data
+    assert await collect(JsonLines(path, chunk_size=1000)) == [
+        json.loads(line) for line in data.splitlines()]
+
+
+@pytest.mark.skipif(_files._NOWAIT is None or not hasattr(os, "posix_fadvise"),
+                    reason="reads from the page cache need Linux's RWF_NOWAIT")
+async def test_file_chunks_not_in_the_page_cache(tmp_path: Path, anyio_backend: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # Bytes that are not cached are refused on the loop's thread (EAGAIN), read in a thread.
+    path = tmp_path / "cold.bin"
+    data = os.urandom(1 << 18)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # clean pages: the kernel may drop them now
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    refused: list[int] = []
+    real = _files._read_cached
+
+    def watch(fd: int, size: int, position: int) -> bytes | None:
+        out = real(fd, size, position)
+        if out is None:
+            refused.append(position)
+        return out
+
+    monkeypatch.setattr(_files, "_read_cached", watch)
+    assert b"".join(await _chunks(path, 1 << 16)) == data
+    if not refused:  # tmpfs, for one, keeps every page: nothing to refuse there
+        pytest.skip("the file system kept the file's pages in memory")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+async def test_a_named_pipe_is_read_in_order(tmp_path: Path, anyio_backend: str) -> None:
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    lines = [f"line {i}" for i in range(5000)]
+
+    def write() -> None:
+        with open(fifo, "w") as f:
+            f.write("\n".join(lines))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(anyio.to_thread.run_sync, write)
+        assert await collect(TextLines(fifo, chunk_size=1000)) == lines
+
+
+async def test_file_chunks_io_error_raises(tmp_path: Path, anyio_backend: str) -> None:
+    with pytest.raises(FileNotFoundError):
+        await _chunks(tmp_path / "missing.bin", 100)
+    baseline = open_handles(tmp_path)
+    with pytest.raises(IsADirectoryError):
+        async for _ in file_chunks(str(tmp_path), 100):
+            pass
+    assert open_handles(tmp_path) == baseline
+
+
+async def test_jsonl_resume_mid_file(tmp_path: Path, anyio_backend: str) -> None:
+    # A resumed shard is read from the byte where the block of the next record starts.
+    paths = write_jsonl(tmp_path, 2, 300)
+    full = await collect(JsonLines(paths))
+    for chunk_size in (100, 1 << 16):
+        for k in (1, 150, 299, 300, 451):
+            source = JsonLines(paths, chunk_size=chunk_size, skip_errors=True)
+            iterator = source.__aiter__()
+            for _ in range(k):
+                await iterator.__anext__()
+            state = source.state_dict()
+            await iterator.aclose()  # type: ignore[attr-defined]
+            fresh = JsonLines(paths, chunk_size=chunk_size, skip_errors=True)
+            fresh.load_state_dict(state)
+            assert await collect(fresh) == full[k:], (chunk_size, k)
 
 
 @pytest.mark.parametrize("source_type", [TextLines, JsonLines, BinaryRecords, NpyRows])
