@@ -37,6 +37,7 @@ import functools
 import importlib
 import io
 import itertools
+import os
 from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 
@@ -77,7 +78,39 @@ def open_parquet_shard(name: str, source: ParquetRows, reuse: bool = False) -> A
     remote one is a :class:`_RangeFile` (``reuse``: it keeps one HTTP client for all its reads,
     closed by :meth:`_RangeFile.aclose`), which the reader closes when it is done.
     """
-    return _RangeFile(name, source, reuse) if _is_remote(name) else name
+    if not _is_remote(name):
+        return name
+    if source._shard_cache is not None:
+        local = _on_loop(functools.partial(_cached_copy, name, source))
+        if local is not None:
+            return local
+    return _RangeFile(name, source, reuse)
+
+
+async def _cached_copy(name: str, source: ParquetRows, in_worker: bool) -> str | None:
+    """The local path of the remote file ``name`` in the source's shard cache, downloaded
+    whole into it first if needed (random access needs the whole file; every column is kept);
+    None when the file is larger than what the cache may keep, read by ranges then."""
+    cache = source._shard_cache
+    assert cache is not None
+    version = source._versions.get(name)
+    if version is not None and (path := cache._touch(name, version)) is not None:
+        source.stats.cache_hits += 1  # pinned and kept: no request, nothing read
+        return path
+    client = make_client(source.http, 1) if is_url(name) else None
+    try:
+        fetch = functools.partial(source._fetch, name,
+                                  None if client is None else (lambda: client), source.stats)
+        async with Closing(cache.chunks(name, fetch, source._versions, source.stats,
+                                        source.chunk_size)) as pieces:
+            async for _ in pieces:
+                pass  # the bytes land in the cache; pyarrow reads the copy
+    finally:
+        if client is not None:
+            with anyio.CancelScope(shield=True):
+                await client.aclose()
+    version = source._versions.get(name)
+    return None if version is None else cache._touch(name, version)
 
 
 def _is_remote(name: str) -> bool:
@@ -300,6 +333,12 @@ class ParquetRows(ShardedSource[Any]):
         headers: extra HTTP request headers (authorization, ...).
         client_factory: makes the ``httpx.AsyncClient`` for a file's HTTP reads.
         store: an obstore store for every object store URL (custom credentials, endpoint).
+        cache_dir: a local directory keeping the remote files read, as
+            :class:`ShardedSource`'s (shared by processes, least recently used evicted). A
+            file is downloaded whole into it at its first read (random access needs the whole
+            file: every column is kept, whatever ``columns`` asks), then read locally; one
+            larger than ``cache_limit`` allows is read by ranges, as without a cache.
+        cache_limit: the most bytes ``cache_dir`` keeps (None: no limit).
 
     Attributes:
         stats: counters; ``bytes`` counts the compressed column chunks read and the footers
@@ -335,6 +374,8 @@ class ParquetRows(ShardedSource[Any]):
         headers: Mapping[str, str] | None = None,
         client_factory: Callable[[], Any] | None = None,
         store: Any = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
     ) -> None:
         _pyarrow()
         super().__init__(urls, shuffle_shards=shuffle_shards, seed=seed, rank=rank,
@@ -342,7 +383,8 @@ class ParquetRows(ShardedSource[Any]):
                          records_per_rank=records_per_rank, concurrency=concurrency,
                          skip_errors=skip_errors, timeout=timeout, retries=retries,
                          backoff=backoff, max_backoff=max_backoff, headers=headers,
-                         client_factory=client_factory, store=store)
+                         client_factory=client_factory, store=store, cache_dir=cache_dir,
+                         cache_limit=cache_limit)
         if columns is not None:
             if isinstance(columns, (str, bytes)) or not isinstance(columns, Sequence) \
                     or not all(isinstance(c, str) for c in columns):
@@ -589,7 +631,7 @@ class _UnitReader:
         # there could not be cancelled, and would need a loop of its own), and would fetch
         # the gaps between chosen columns.
         parquet = self.parquet = pq.ParquetFile(self.handle,
-                                                pre_buffer=not _is_remote(unit.name))
+                                                pre_buffer=isinstance(self.handle, str))
         metadata = parquet.metadata
         self.footer = metadata.serialized_size + 8  # the footer, its length and the magic
         leaves = source._leaves(unit.name, metadata.schema)

@@ -287,3 +287,40 @@ async def test_http_row_groups_exactly_once(http: Any, anyio_backend: str) -> No
 
     rows = await read_as_consumers(make, world_size=2, num_workers=2)
     assert sorted(row["id"] for row in rows) == list(range(150, 950))
+
+
+async def test_s3_cache_dir_keeps_whole_files_and_a_later_epoch_makes_no_request(
+    s3: Any, proxy: Any, files: dict[str, bytes], tmp_path: Path, anyio_backend: str
+) -> None:
+    cache = tmp_path / "cache"
+    s3.put(BUCKET, {f"pqc/{name}": body for name, body in files.items()})  # a prefix of its own
+    here = ParquetRows(local(tmp_path, files), batch_rows=64, columns=["id", "name"])
+    source = ParquetRows(f"s3://{BUCKET}/pqc/*.parquet", store=s3.store(BUCKET), batch_rows=64,
+                         columns=["id", "name"], cache_dir=cache)
+    expected = await collect(here)
+    assert await collect(source) == expected
+    kept = sorted(p.stat().st_size for p in cache.glob("*.shard"))
+    assert kept == sorted(len(body) for body in files.values())  # whole files, every column
+    assert source.stats.cache_misses == len(files)
+    proxy.reset()
+    assert await collect(source) == expected  # the next epoch reads the copies
+    assert [r for r in proxy.requests if r[0] == "GET"] == []
+    assert source.stats.cache_hits >= len(files)
+    again = ParquetRows(f"s3://{BUCKET}/pqc/*.parquet", store=s3.store(BUCKET), batch_rows=64,
+                        columns=["id", "name"], cache_dir=cache)
+    assert await collect(again) == expected  # a new source: listed, so pinned, no read
+    assert [r for r in proxy.requests if r[0] == "GET" and "list-type" not in r[1]] == []
+
+
+async def test_http_cache_dir_and_a_limit_too_small_to_keep_a_file(
+    http: Any, files: dict[str, bytes], tmp_path: Path, anyio_backend: str
+) -> None:
+    urls = [http.url(name) for name in sorted(files)]
+    expected = await collect(ParquetRows(local(tmp_path, files), batch_rows=64))
+    kept = ParquetRows(urls, batch_rows=64, cache_dir=tmp_path / "c1")
+    assert await collect(kept) == expected
+    assert await collect(kept) == expected
+    assert kept.stats.cache_hits >= len(files)
+    tiny = ParquetRows(urls, batch_rows=64, cache_dir=tmp_path / "c2", cache_limit=1000)
+    assert await collect(tiny) == expected  # read by ranges, nothing kept
+    assert list((tmp_path / "c2").glob("*.shard")) == []
