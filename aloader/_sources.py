@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Unpack
+from typing import Any, TypedDict, TypeVar, Unpack
 
 import anyio
 
@@ -35,7 +35,7 @@ from ._formats import (
     TextDecoder,
     _check_encoding,
 )
-from ._http import HttpOptions, http_chunks, make_client
+from ._http import HttpClient, HttpOptions, http_chunks, make_client
 from ._objstore import ObjectAccess, is_object_url
 from ._sharding import (
     EvenRanks,
@@ -59,9 +59,6 @@ from ._streams import (
     check_stage,
 )
 from ._util import Closing, Signal, check_int, check_seconds
-
-if TYPE_CHECKING:
-    import httpx
 
 __all__ = (
     "BinaryRecords",
@@ -552,7 +549,7 @@ class ShardedSource(Stream[T_co]):
             self._check_shard(at, names)
             resume = (at["offset"], at["counter"], at["records"])
         slots = min(self.concurrency, len(names) - first)
-        clients: list[httpx.AsyncClient] = []
+        clients: list[HttpClient] = []
         if any(is_url(name) for name in names[first:]):
             # One single-connection client per read-ahead slot: shard i reuses the keep-alive
             # connection of shard i - concurrency, and no pool has to scan the others.
@@ -601,7 +598,7 @@ class ShardedSource(Stream[T_co]):
                 "counter": counter, "records": records, "skip": skip, **extra}
 
     def _read(
-        self, index: int, name: str, client: httpx.AsyncClient | None,
+        self, index: int, name: str, client: HttpClient | None,
         resume: tuple[int, int, int] | None = None,
     ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
         """One shard's records, block by block (a block per chunk), with their tokens; from
@@ -617,7 +614,7 @@ class ShardedSource(Stream[T_co]):
         return _discard(self._records(index, name, client, decoder, inflate, 0, 0), records)
 
     async def _records(
-        self, index: int, name: str, client: httpx.AsyncClient | None, decoder: Decoder[T_co],
+        self, index: int, name: str, client: HttpClient | None, decoder: Decoder[T_co],
         inflate: Decompressor | None, start: int, records_before: int,
     ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
         stats = self.stats
