@@ -1,7 +1,9 @@
 """HTTP clients for aloader's HTTP sources, by measurement: httpx, aiohttp, obstore.
 
-Run: ``python benchmarks/bench_http_clients.py`` (needs aiohttp for its rows). Everything
-below is measured in the same run, the clients interleaved, best of 3.
+Run: ``python benchmarks/bench_http_clients.py`` (needs aiohttp for its rows; the environment
+variables ``BENCH_REQUESTS``, ``BENCH_RANGE``, ``BENCH_LATENCY`` and ``BENCH_CONCURRENCY``
+(e.g. ``8,64``) change the workload). Everything below is measured in the same run, the clients
+interleaved, best of 3.
 
 The server is the one the tests and the other benchmarks use (``aloader._demo.ShardServer``,
 a threaded HTTP/1.1 server in a separate process on 127.0.0.1) serving one 16 MiB file. Each
@@ -40,7 +42,7 @@ REQUESTS = int(os.environ.get("BENCH_REQUESTS", "1000"))
 RANGE = int(os.environ.get("BENCH_RANGE", str(64 << 10)))
 SIZE = 16 << 20
 LATENCY = float(os.environ.get("BENCH_LATENCY", "0"))
-CONCURRENCIES = (8, 64, 256)
+CONCURRENCIES = tuple(int(c) for c in os.environ.get("BENCH_CONCURRENCY", "8,64,256").split(","))
 RUNS = 3
 NAME = "blob.bin"
 
@@ -229,7 +231,7 @@ def main() -> None:
               f"{LATENCY * 1e3:.0f} ms server latency, best of {RUNS} (interleaved)")
         print(f"{'client':46} {'in flight':>9} {'req/s':>8} {'MB/s':>7} {'CPU us/req':>10}")
         for concurrency in CONCURRENCIES:
-            for label, runner, backend in rows:  # warm-up: imports, thread pools
+            for _, runner, backend in rows:  # warm-up: imports, thread pools
                 _measure(runner, url, concurrency, backend)
             results: dict[str, list[tuple[float, float]]] = {label: [] for label, *_ in rows}
             for _ in range(RUNS):
