@@ -39,6 +39,7 @@ truncated last record where they can.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import random
 import re
@@ -484,14 +485,9 @@ async def http_chunks(
             is not http(s), a content coding that cannot be decoded, a response that does not
             fit the resumption (wrong range, changed ETag), or retries exhausted.
     """
-    import httpx
-
-    try:
-        parsed = httpx.URL(url)
-    except httpx.InvalidURL as exc:
-        raise FetchError(f"{url}: not a valid URL: {exc}", source=url) from None
-    if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise FetchError(f"{url}: not a valid http(s) URL", source=url)
+    problem = _url_problem(url)
+    if problem is not None:
+        raise FetchError(f"{url}: {problem}", source=url)
 
     offset = start  # decoded bytes delivered so far (those before ``start`` count as such)
     failures = 0  # failed attempts since the last new byte delivered
@@ -611,6 +607,21 @@ async def http_chunks(
         http_log.info("retrying %s%s in %.2f s (attempt %d of %d): %s", url, _where(offset),
                       delay, failures + 1, options.retries + 1, error)
         await anyio.sleep(delay)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _url_problem(url: str) -> str | None:
+    """Why ``url`` is not a valid http(s) URL, or None. Cached: every epoch asks again about
+    the same shards, and httpx's parse costs about a microsecond per character."""
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        return f"not a valid URL: {exc}"
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        return "not a valid http(s) URL"
+    return None
 
 
 def split_chunks(piece: bytes, size: int) -> Iterator[bytes]:
