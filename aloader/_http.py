@@ -562,7 +562,7 @@ async def http_chunks(
                 size = options.chunk_size
                 # Network reads as they come (no rechunking buffer that a failure would lose),
                 # split to at most chunk_size bytes.
-                body = _decoded(response.body, decoders)
+                body = _decoded(response.body, decoders) if decoders else response.body
                 async with Closing(body) as pieces:
                     async for piece in pieces:
                         if skip:
