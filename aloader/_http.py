@@ -128,6 +128,7 @@ def make_client(options: HttpOptions, connections: int) -> HttpClient:
                                               sock_read=options.timeout),
                 headers=dict(options.headers) if options.headers else None,
                 auto_decompress=False,  # the body as sent: this module decodes it
+                trust_env=True,  # proxies from HTTP(S)_PROXY and NO_PROXY, as httpx has it
             ))
     import httpx
 
