@@ -1,4 +1,15 @@
-"""Streaming HTTP(S) bodies with httpx: timeouts, bounded retries, resumption by byte range.
+"""Streaming HTTP(S) bodies: timeouts, bounded retries, resumption by byte range.
+
+The client. On asyncio, requests go through aiohttp when it is installed, else httpx; on trio,
+through httpx (aiohttp runs on asyncio only); a ``client_factory`` always gives an
+``httpx.AsyncClient``. ``benchmarks/bench_http_clients.py`` measured the choice: httpx's
+connection pool checks every connection it holds at each request (``is_idle``,
+``has_expired``, a ``poll`` and a ``getpeername`` per connection), so its cost per request
+grows with the requests in flight, while aiohttp's stays flat and is several times smaller at
+8 in flight already. The two are wrapped in :class:`HttpClient`, which hands this module the
+status, headers and raw body of a response and sorts each library's errors into transient
+(retried) and fatal ones, so that everything below is one mechanism for both. Both libraries
+are imported on first use, so ``import aloader`` stays light.
 
 A body is read as a sequence of chunks. When the connection fails (refused, reset, cut in the
 middle of the body, timed out) or the server answers a transient status (5xx, 408, 429), the
@@ -7,8 +18,7 @@ request is retried after an exponential backoff, asking for the rest of the body
 answers 200 with the whole body: the first N bytes are then skipped. A body that ends before
 the length its response announced (a ``Content-Range`` shorter than asked) is resumed the same
 way. A client error such as 404 fails at once, and so does a redirect to a URL that is not
-http(s) (``data:``, ``file:``, ...). httpx is imported on first use, so ``import aloader``
-stays light.
+http(s) (``data:``, ``file:``, ...).
 
 Content codings. Requests ask for ``Accept-Encoding: identity``; a server may still send a
 coded body (``Content-Encoding: gzip``, as object stores do for files uploaded that way). Such
@@ -29,17 +39,21 @@ truncated last record where they can.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import random
 import re
 import ssl
 import zlib
-from collections.abc import AsyncGenerator, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from ._backend import current_backend
 from ._exceptions import FetchError
 from ._formats import SourceStats
 from ._log import http_log
@@ -48,7 +62,8 @@ from ._util import Closing
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ("HttpOptions", "http_chunks", "make_client", "retry_delay", "split_chunks")
+__all__ = ("HttpClient", "HttpOptions", "http_chunks", "make_client", "retry_delay",
+           "split_chunks")
 
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 # Statuses worth retrying: server errors, request timeout, too many requests.
@@ -95,20 +110,162 @@ def _ssl_context() -> ssl.SSLContext:
     return _SSL_CONTEXT
 
 
-def make_client(options: HttpOptions, connections: int) -> httpx.AsyncClient:
-    """An ``httpx.AsyncClient`` for one epoch, keeping up to ``connections`` connections."""
+def make_client(options: HttpOptions, connections: int) -> HttpClient:
+    """The client for one epoch (closed at its end), keeping up to ``connections``
+    connections: aiohttp on asyncio when it is installed, else httpx (see the module's
+    docstring); the ``client_factory``'s ``httpx.AsyncClient`` when there is one."""
     if options.client_factory is not None:
-        return options.client_factory()  # type: ignore[no-any-return]
+        return _HttpxClient(options.client_factory())
+    if current_backend() == "asyncio":
+        try:
+            import aiohttp
+        except ImportError:
+            pass
+        else:
+            return _AiohttpClient(aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=connections, ssl=_ssl_context()),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=options.timeout,
+                                              sock_read=options.timeout),
+                headers=dict(options.headers) if options.headers else None,
+                auto_decompress=False,  # the body as sent: this module decodes it
+                trust_env=True,  # proxies from HTTP(S)_PROXY and NO_PROXY, as httpx has it
+            ))
     import httpx
 
-    return httpx.AsyncClient(
+    return _HttpxClient(httpx.AsyncClient(
         timeout=httpx.Timeout(options.timeout),
         limits=httpx.Limits(max_connections=connections,
                             max_keepalive_connections=connections),
         headers=dict(options.headers) if options.headers else None,
         follow_redirects=True,
         verify=_ssl_context(),
+    ))
+
+
+class _Failed(Exception):
+    """A request that failed in the client library, sorted by :class:`HttpClient`."""
+
+    def __init__(self, error: str, transient: bool, cause: BaseException) -> None:
+        super().__init__(error)
+        self.transient = transient
+        self.cause = cause
+
+
+@dataclass
+class _Reply:
+    """What this module reads of a response: the status, the headers (looked up ignoring
+    case), and the raw body (as sent: content codings not undone)."""
+
+    status: int
+    reason: str
+    headers: Mapping[str, str]
+    body: AsyncGenerator[bytes, None]
+
+
+class HttpClient:
+    """One HTTP client library behind the interface :func:`http_chunks` uses.
+
+    Invariant: every exception of the library, raised while a request is made or its body
+    is read, leaves :meth:`get` as :class:`_Failed`, transient (worth retrying: connection
+    refused, reset or cut, timeouts, a malformed response) or not (a redirect out of http(s),
+    ...), with a message naming what failed.
+    """
+
+    def get(self, url: str, headers: Mapping[str, str]) -> Any:
+        """An async context manager: a GET of ``url``, following redirects, as a _Reply."""
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        """Close the connections."""
+        raise NotImplementedError
+
+    async def __aenter__(self) -> HttpClient:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+
+def _named(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+class _HttpxClient(HttpClient):
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    @asynccontextmanager
+    async def get(self, url: str, headers: Mapping[str, str]) -> AsyncIterator[_Reply]:
+        import httpx
+
+        try:
+            async with self.client.stream("GET", url, headers=headers) as response:
+                body: Any = response.aiter_raw()  # an async generator (typed as an iterator)
+                yield _Reply(response.status_code, response.reason_phrase, response.headers,
+                             body)
+        except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as exc:
+            raise _Failed(_named(exc), True, exc) from exc
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            # The URL itself was checked: an unsupported or invalid one comes from a
+            # redirect (to data:, file:, ...), which httpx follows without asking.
+            raise _Failed(f"{_named(exc)}{_httpx_redirected(exc, url)}", False, exc) from exc
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+class _AiohttpClient(HttpClient):
+    def __init__(self, session: Any) -> None:
+        self.session = session
+
+    @asynccontextmanager
+    async def get(self, url: str, headers: Mapping[str, str]) -> AsyncIterator[_Reply]:
+        import aiohttp
+
+        try:
+            async with self.session.get(url, headers=headers, allow_redirects=True) as response:
+                yield _Reply(response.status, response.reason or "", response.headers,
+                             _read_all(response.content))
+        except (aiohttp.InvalidURL, aiohttp.NonHttpUrlClientError) as exc:
+            # The URL itself was checked: this one comes from a redirect.
+            target = getattr(exc, "url", exc)
+            raise _Failed(f"{type(exc).__name__} (the server redirected to {target})", False,
+                          exc) from exc
+        except aiohttp.TooManyRedirects as exc:
+            raise _Failed(_named(exc), False, exc) from exc
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            # Connection errors, bodies cut short (ClientPayloadError), timeouts, malformed
+            # responses (ClientResponseError from the parser): as httpx's network and
+            # protocol errors, worth retrying.
+            raise _Failed(_aiohttp_named(exc), True, exc) from exc
+
+    async def aclose(self) -> None:
+        await self.session.close()
+
+
+def _aiohttp_named(exc: BaseException) -> str:
+    """``_named(exc)``, aiohttp's common failures named as httpx names them, so that a
+    message reads the same whichever client made the request."""
+    import aiohttp
+
+    kinds: tuple[tuple[type[BaseException], str], ...] = (
+        (aiohttp.ConnectionTimeoutError, "ConnectTimeout"),
+        (aiohttp.SocketTimeoutError, "ReadTimeout"),
+        (aiohttp.ClientConnectorError, "ConnectError"),
+        (aiohttp.ClientPayloadError, "RemoteProtocolError"),
+        (aiohttp.ServerDisconnectedError, "RemoteProtocolError"),
     )
+    for kind, name in kinds:
+        if isinstance(exc, kind):
+            return f"{name}: {exc}" if str(exc) else name
+    return _named(exc)
+
+
+async def _read_all(content: Any) -> AsyncGenerator[bytes, None]:
+    """An aiohttp body's pieces as the network delivers them."""
+    while piece := await content.readany():
+        yield piece
 
 
 class _Transient(Exception):
@@ -304,7 +461,7 @@ def _where(offset: int) -> str:
 
 
 async def http_chunks(
-    client: httpx.AsyncClient,
+    client: HttpClient,
     url: str,
     options: HttpOptions,
     stats: SourceStats,
@@ -339,14 +496,9 @@ async def http_chunks(
             is not http(s), a content coding that cannot be decoded, a response that does not
             fit the resumption (wrong range, changed ETag), or retries exhausted.
     """
-    import httpx
-
-    try:
-        parsed = httpx.URL(url)
-    except httpx.InvalidURL as exc:
-        raise FetchError(f"{url}: not a valid URL: {exc}", source=url) from None
-    if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise FetchError(f"{url}: not a valid http(s) URL", source=url)
+    problem = _url_problem(url)
+    if problem is not None:
+        raise FetchError(f"{url}: {problem}", source=url)
 
     offset = start  # decoded bytes delivered so far (those before ``start`` count as such)
     failures = 0  # failed attempts since the last new byte delivered
@@ -361,9 +513,9 @@ async def http_chunks(
         retry_after: float | None = None
         status: int | None = None
         try:
-            async with client.stream("GET", url, headers=headers) as response:
-                status = response.status_code
-                reason = response.reason_phrase
+            async with client.get(url, headers) as response:
+                status = response.status
+                reason = response.reason
                 if status == 416 and total is not None and offset >= total:
                     return
                 if status >= 500 or status in _TRANSIENT:
@@ -426,7 +578,7 @@ async def http_chunks(
                 size = options.chunk_size
                 # Network reads as they come (no rechunking buffer that a failure would lose),
                 # split to at most chunk_size bytes.
-                body = _decoded(response.aiter_raw(), decoders)  # type: ignore[arg-type]
+                body = _decoded(response.body, decoders) if decoders else response.body
                 async with Closing(body) as pieces:
                     async for piece in pieces:
                         if skip:
@@ -459,13 +611,11 @@ async def http_chunks(
         except _CodingError as exc:
             raise FetchError(f"{url}: {exc}{_where(offset)} (decoded bytes)",
                              source=url, offset=offset, status_code=status) from None
-        except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as exc:
-            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        except (httpx.HTTPError, httpx.InvalidURL) as exc:
-            # The URL itself was checked above: an unsupported or invalid one comes from a
-            # redirect (to data:, file:, ...), which httpx follows without asking.
-            raise FetchError(f"{url}: {type(exc).__name__}: {exc}{_redirected(exc, url)}"
-                             f"{_where(offset)}", source=url, offset=offset) from exc
+        except _Failed as exc:
+            if not exc.transient:
+                raise FetchError(f"{url}: {exc}{_where(offset)}", source=url,
+                                 offset=offset) from exc.cause
+            error = str(exc)
         failures += 1
         if failures > options.retries:
             raise FetchError(
@@ -478,6 +628,21 @@ async def http_chunks(
         http_log.info("retrying %s%s in %.2f s (attempt %d of %d): %s", url, _where(offset),
                       delay, failures + 1, options.retries + 1, error)
         await anyio.sleep(delay)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _url_problem(url: str) -> str | None:
+    """Why ``url`` is not a valid http(s) URL, or None. Cached: every epoch asks again about
+    the same shards, and httpx's parse costs about a microsecond per character."""
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        return f"not a valid URL: {exc}"
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        return "not a valid http(s) URL"
+    return None
 
 
 def split_chunks(piece: bytes, size: int) -> Iterator[bytes]:
@@ -497,7 +662,7 @@ def retry_delay(options: HttpOptions, failures: int, retry_after: float | None =
     return delay * (0.5 + 0.5 * random.random())
 
 
-def _redirected(exc: Exception, url: str) -> str:
+def _httpx_redirected(exc: Exception, url: str) -> str:
     """`` (redirected to ...)`` when ``exc`` concerns another URL than ``url``."""
     import httpx
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Unpack
+from typing import Any, TypedDict, TypeVar, Unpack
 
 import anyio
 
@@ -37,7 +37,7 @@ from ._formats import (
     TextDecoder,
     _check_encoding,
 )
-from ._http import HttpOptions, http_chunks, make_client
+from ._http import HttpClient, HttpOptions, http_chunks, make_client
 from ._objstore import ObjectAccess, is_object_url
 from ._sharding import (
     EvenRanks,
@@ -61,9 +61,6 @@ from ._streams import (
     check_stage,
 )
 from ._util import Closing, Signal, check_int, check_seconds
-
-if TYPE_CHECKING:
-    import httpx
 
 __all__ = (
     "BinaryRecords",
@@ -196,13 +193,13 @@ class _Clients:
 
     def __init__(self, options: HttpOptions, count: int) -> None:
         self._options = options
-        self._made: list[httpx.AsyncClient | None] = [None] * count
+        self._made: list[HttpClient | None] = [None] * count
 
-    def slot(self, number: int) -> Callable[[], httpx.AsyncClient]:
+    def slot(self, number: int) -> Callable[[], HttpClient]:
         """What gives the client of the ``number``-th shard read."""
         return functools.partial(self._get, number % len(self._made))
 
-    def _get(self, index: int) -> httpx.AsyncClient:
+    def _get(self, index: int) -> HttpClient:
         client = self._made[index]
         if client is None:
             client = self._made[index] = make_client(self._options, 1)
@@ -653,7 +650,7 @@ class ShardedSource(Stream[T_co]):
                 "counter": counter, "records": records, "skip": skip, **extra}
 
     def _read(
-        self, index: int, name: str, client: Callable[[], httpx.AsyncClient] | None,
+        self, index: int, name: str, client: Callable[[], HttpClient] | None,
         resume: tuple[int, int, int] | None = None,
     ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
         """One shard's records, block by block (a block per chunk), with their tokens; from
@@ -669,7 +666,7 @@ class ShardedSource(Stream[T_co]):
         return _discard(self._records(index, name, client, decoder, inflate, 0, 0), records)
 
     def _fetch(
-        self, name: str, client: Callable[[], httpx.AsyncClient] | None, stats: SourceStats,
+        self, name: str, client: Callable[[], HttpClient] | None, stats: SourceStats,
         on_size: Callable[[int], None] | None,
         on_version: Callable[[int | None, str | None, str | None], None] | None, start: int,
     ) -> AsyncGenerator[bytes, None]:
@@ -679,7 +676,7 @@ class ShardedSource(Stream[T_co]):
         return self._objects.chunks(name, stats, on_size, start, on_version)
 
     async def _records(
-        self, index: int, name: str, client: Callable[[], httpx.AsyncClient] | None,
+        self, index: int, name: str, client: Callable[[], HttpClient] | None,
         decoder: Decoder[T_co],
         inflate: Decompressor | None, start: int, records_before: int,
     ) -> AsyncGenerator[tuple[list[T_co], Any], None]:

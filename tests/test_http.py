@@ -556,3 +556,45 @@ async def test_http_chunks_transient_status_retried_until_retries_run_out(
     with pytest.raises(FetchError):
         await _chunks(url, retries=2)
     assert server.counts["busy"] == 3  # the first attempt and two retries
+
+
+# --------------------------------------------------------------------------- the clients
+
+
+def test_the_default_client_is_aiohttp_on_asyncio_and_httpx_on_trio() -> None:
+    """aiohttp costs several times less per request than httpx (bench_http_clients.py);
+    trio has no aiohttp."""
+    import anyio
+
+    pytest.importorskip("aiohttp")
+
+    async def kind() -> str:
+        async with make_client(HttpOptions(), 1) as client:
+            return type(client).__name__
+
+    assert anyio.run(kind, backend="asyncio") == "_AiohttpClient"
+    assert anyio.run(kind, backend="trio") == "_HttpxClient"
+
+
+async def test_a_client_factorys_httpx_client_resumes_and_names_errors_alike(
+        server: Scripted, anyio_backend: str) -> None:
+    """The httpx path on either backend (a ``client_factory``): the same resumption, and the
+    same names of failures in messages as aiohttp's path."""
+    import httpx
+
+    made: list[Any] = []
+
+    def factory() -> Any:
+        made.append(httpx.AsyncClient())
+        return made[-1]
+
+    body = bytes(range(256)) * 40
+    url = server.route("r.bin", lambda h, n: (
+        reply(h, 200, body, send=1000) if n == 0 else
+        reply(h, 206, body[1000:], headers={
+            "Content-Range": f"bytes 1000-{len(body) - 1}/{len(body)}"})))
+    data, stats = await _chunks(url, client_factory=factory)
+    assert data == body and stats.retries == 1 and len(made) == 1
+    assert server.requests == [("r.bin", None), ("r.bin", "bytes=1000-")]
+    with pytest.raises(FetchError, match="last error: ConnectError"):
+        await _chunks(f"http://127.0.0.1:{free_port()}/x", retries=1, client_factory=factory)
