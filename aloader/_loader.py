@@ -979,6 +979,8 @@ class AsyncDataLoaderIter(Generic[T_co]):
             kind.resume = self._skip  # taken by the keys() that local/on_workers call now
             if resumed is not None and resumed[1]:
                 kind.known_failed = KnownFailed(resumed[1], kind.auto_collation)
+        if isinstance(kind, IterableEpochs):
+            kind.base_seed = self.base_seed  # the seeds a resumed epoch's replicas see
         if loader.num_workers > 0:
             remote = loader._remote(self.base_seed, loader._claim_epoch(self.epoch))
             epoch = kind.on_workers(loader._plan(transform, remote, self.epoch), results,

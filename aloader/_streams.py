@@ -275,10 +275,14 @@ class _Driver:
     Holds no reference to the iterator, so dropping the iterator lets ``__del__`` stop it.
     """
 
-    def __init__(self, stream: Stream[Any], epoch: int, capacity: int, at: Any) -> None:
+    def __init__(self, stream: Stream[Any], epoch: int, capacity: int, at: Any,
+                 slot: tuple[int, int]) -> None:
         self.stream = stream
         self.epoch = epoch
         self.at = at
+        # The iterator's worker slot, read where it was made: a background task may not see
+        # the context of a virtual replica (see aloader._workerinfo).
+        self.slot = slot
         self.channel: _Channel[tuple[list[Any], Any]] = _Channel(capacity)
         self.done = anyio.Event()
         self._task = Detached()
@@ -294,7 +298,7 @@ class _Driver:
         error: BaseException | None = None
         try:
             with self._task.scope() as scope:
-                worker_id, num_workers = worker_slot()
+                worker_id, num_workers = self.slot
                 async with anyio.create_task_group() as group:
                     ctx = _Context(self.epoch, worker_id, num_workers, group)
                     error = await self._pump(ctx)
@@ -365,7 +369,8 @@ class _StreamIterator(AsyncIterator[T]):
             raise StopAsyncIteration
         driver = self._driver
         if driver is None:
-            driver = self._driver = _Driver(self._stream, self._epoch, self._capacity, self._at)
+            driver = self._driver = _Driver(self._stream, self._epoch, self._capacity, self._at,
+                                            self._slot)
             driver.start()
         try:
             block, token = await driver.channel.get()
