@@ -270,10 +270,14 @@ class IterableEpochs:
     Resume (:meth:`state_dict`, :meth:`load_state_dict`): each batch carries where its
     replica was once its samples were drawn (:mod:`aloader._resume`); the state holds the
     position after the last batch the consumer received, of every worker's replica with
-    workers, and the worker asked next. A state taken during an epoch resumes with the same
-    ``num_workers``, exactly; another count raises a ValueError naming ``num_workers`` when
-    the epoch starts (a stream's shards and shuffles are split by worker, and exactly once
-    across another split is not implemented). A state taken between epochs resumes with any.
+    workers, and the worker asked next. It resumes exactly with any ``num_workers``: with the
+    same count each worker resumes its replica; with another, the rest of the saved epoch is
+    made by the saved run's replicas as *virtual replicas* (each a copy of the dataset that
+    sees the ``WorkerInfo`` and worker slot it was saved with, resumed from its position and
+    batched on its own, the batches taken in the saved turn): in this process
+    (:class:`VirtualReplicas`) without workers, else replica ``r`` on worker
+    ``r % num_workers`` (:class:`~aloader._pool.ReplicaPoolEpoch`). The epochs after it are
+    split by the new count. A state taken between epochs needs nothing of this.
 
     Args:
         dataset: the iterable dataset.
@@ -370,9 +374,9 @@ class IterableEpochs:
     # The sub-state (the loader's "iterable" entry): {"mode": "between" | "local" | "workers",
     # "num_workers": W (0 in this process), "turn": the worker asked for the next batch,
     # "replicas": one state per replica (None: its start), "stream": the epoch counters of a
-    # Stream (None for other datasets)}. A state taken during an epoch resumes with the same
-    # num_workers (a stream's shards and shuffles are split by worker); one taken between
-    # epochs with any.
+    # Stream (None for other datasets)}. "num_workers" is the count whose split the epoch's
+    # replicas follow: the saved run's, also when a state is taken in an epoch resumed with
+    # another count (its replicas are still the saved ones).
 
     _begin: Any = None  # the snapshot of the epoch begun last, before its first batch
     _pending: dict[str, Any] | None = None  # a loaded sub-state, for the next epoch
@@ -411,7 +415,9 @@ class IterableEpochs:
         """Resume from :meth:`state_dict`'s entry: validated whole, then applied.
 
         Raises:
-            ValueError: a field of another kind of dataset, stream or worker count.
+            ValueError: a field of another kind of dataset or stream, or, for a stream, a
+                replica state for another worker slot, or taken during an epoch on another
+                rank or world size (field ``'world'``).
         """
         where = "iterable"
         mode = check_field(sub, "mode", str, where)

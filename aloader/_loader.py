@@ -728,7 +728,13 @@ class DataLoader(Generic[T_co]):
         """Resume from a :meth:`state_dict`: the next epoch (``async for`` or ``for``) yields
         the rest of the interrupted one, and every later epoch is the uninterrupted run's.
 
-        Everything is checked before anything is applied.
+        Everything is checked before anything is applied. Any ``num_workers`` resumes any
+        state exactly: map-style, the same remaining batches; an iterable dataset's epoch
+        saved with ``W`` workers is finished by its ``W`` saved replicas, each seeing the
+        ``WorkerInfo`` it was saved with (several per worker, or all in this process with
+        ``num_workers=0``), in the saved run's batch order, and the later epochs are split by
+        the new count. A stream's state taken during an epoch resumes only on the same rank
+        of the same world size (``ValueError`` naming ``'world'``); between epochs, on any.
 
         Raises:
             ValueError: the state is of another format or version, another kind of dataset,

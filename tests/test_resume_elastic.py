@@ -211,3 +211,30 @@ async def test_virtual_replicas_in_process_on_both_backends(tmp_path: Path, anyi
         fresh.load_state_dict(state)
         assert await epochs(fresh, 2) == [full[3:], later]
 
+def test_a_stream_state_within_an_epoch_is_refused_on_another_world(tmp_path: Path) -> None:
+    paths = shard_paths(str(tmp_path))
+
+    def make(rank: int, world_size: int, workers: int = 0) -> DataLoader[Any]:
+        return DataLoader(JsonLines(paths, rank=rank, world_size=world_size).map(record),
+                          batch_size=BATCH, num_workers=workers, collate_fn=as_list)
+
+    async def run() -> None:
+        saved = make(0, 2, 2)
+        iterator = saved.__aiter__()
+        await iterator.__anext__()
+        during = roundtrip(saved.state_dict())
+        _ = [b async for b in iterator]
+        between = roundtrip(saved.state_dict())
+        await saved.aclose()
+        for rank, world_size in ((0, 1), (0, 3), (1, 2)):
+            other = make(rank, world_size)
+            with pytest.raises(ValueError, match="field 'world' is \\[\\[0, 2\\]\\]"):
+                other.load_state_dict(during)
+            other.load_state_dict(between)  # between epochs: any world
+            whole = make(rank, world_size)
+            assert (await epochs(other, 1))[0] == (await epochs(whole, 2))[1]
+        same = make(0, 2)
+        same.load_state_dict(during)
+        assert (await epochs(same, 1))[0]
+
+    anyio.run(run)
