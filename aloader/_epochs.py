@@ -30,7 +30,6 @@ fetch, no per-batch work); any other sampler is fast-forwarded by drawing and di
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 from collections.abc import AsyncIterator, Iterator
@@ -52,7 +51,7 @@ from ._sampler import (
     sampler_state,
 )
 from ._streams import Stream, check_field
-from ._worker import ServeReplica, ServeTasks
+from ._worker import ServeReplica, ServeTasks, replica_copy
 from ._workerinfo import WorkerInfo, as_replica
 
 __all__ = ("EpochKind", "IterableEpochs", "MapEpochs", "Progress", "Skip", "VirtualReplicas")
@@ -338,7 +337,7 @@ class IterableEpochs:
         begin = self._begin_of(states, epoch, count)
         lanes = []
         for w, state in enumerate(states):
-            replica = copy.deepcopy(dataset)
+            replica = replica_copy(dataset)
             info = WorkerInfo(id=w, num_workers=count, seed=self.base_seed + w,
                               dataset=replica)
             lanes.append(_Lane(replica, parse(replica, state, (w, count)), info, epoch))

@@ -69,7 +69,7 @@ import numpy as np
 from . import _shm, _spawn, _workerinfo
 from ._pipeline import SKIP, FetchPlan, IterableEpoch, MapEpoch, Results
 from ._resume import open_replica, parse
-from ._sources import StatsReporter
+from ._sources import StatsReporter, source_stats
 from ._workerinfo import WorkerInfo, _set_worker_info, get_worker_info
 
 __all__ = (
@@ -83,6 +83,7 @@ __all__ = (
     "WorkerInfo",
     "WorkerSetup",
     "get_worker_info",
+    "replica_copy",
     "worker_main",
 )
 
@@ -447,7 +448,7 @@ class _WorkerServer:
                                   serve.drop_last, snapshot)
             epoch.start()
             return epoch
-        replica = copy.deepcopy(dataset)
+        replica = replica_copy(dataset)
         lane_id, saved = slot
         info = None if saved == 0 else WorkerInfo(
             id=lane_id, num_workers=saved, seed=setup.base_seed + lane_id, dataset=replica)
@@ -458,6 +459,12 @@ class _WorkerServer:
                                   serve.drop_last, snapshot)
             epoch.start()  # its task copies this context (the worker's loop is asyncio's)
         return epoch
+
+
+def replica_copy(dataset: Any) -> Any:
+    """A virtual replica's own copy of ``dataset``, whose sources count into ``dataset``'s
+    (the counters are shared), so that statistics and failure budgets see its reads."""
+    return copy.deepcopy(dataset, {id(stats): stats for stats in source_stats(dataset)})
 
 
 def worker_main(

@@ -20,6 +20,7 @@ import pytest
 from sourcetools import write
 
 from aloader import DataLoader, IterableDataset, JsonLines, Stream, get_worker_info
+from aloader._sources import source_stats
 
 BATCH = 3
 # Three workers on a machine with fewer cores: torch's warning says so.
@@ -64,13 +65,16 @@ class Stateful(IterableDataset[int]):
 
 
 class Plain(IterableDataset[int]):
-    """No protocol (resumed by counting); splits by get_worker_info()."""
+    """No protocol (resumed by counting); splits by get_worker_info(), and its items depend
+    on the worker's seed."""
 
     def __init__(self, n: int) -> None:
         self.n = n
 
     def __iter__(self) -> Any:
-        return iter(share(self.n))
+        info = get_worker_info()
+        salt = 0 if info is None else info.seed % 89
+        return iter([x * 100 + salt for x in share(self.n)])
 
 
 def record(r: dict[str, Any]) -> tuple[int, int]:
@@ -98,7 +102,8 @@ def make_dataset(kind: str, root: str) -> Any:
 def make_loader(kind: str, root: str, workers: int, persistent: bool = False
                 ) -> DataLoader[Any]:
     return DataLoader(make_dataset(kind, root), batch_size=BATCH, num_workers=workers,
-                      collate_fn=as_list, persistent_workers=persistent and workers > 0)
+                      collate_fn=as_list, persistent_workers=persistent and workers > 0,
+                      generator=11)
 
 
 async def epochs(loader: DataLoader[Any], count: int) -> list[list[Any]]:
@@ -107,14 +112,16 @@ async def epochs(loader: DataLoader[Any], count: int) -> list[list[Any]]:
     return out
 
 
-_uninterrupted: dict[tuple[str, str, int], list[list[Any]]] = {}
+_uninterrupted: dict[tuple[str, str, int, bool], list[list[Any]]] = {}
 
 
-async def uninterrupted(kind: str, root: str, workers: int) -> list[list[Any]]:
-    """Epochs 0 and 1 of an uninterrupted run with ``workers``."""
-    key = (kind, root, workers)
+async def uninterrupted(kind: str, root: str, workers: int, persistent: bool = False
+                        ) -> list[list[Any]]:
+    """Epochs 0 and 1 of an uninterrupted run with ``workers`` (persistent workers keep
+    their first epoch's seeds)."""
+    key = (kind, root, workers, persistent and workers > 0)
     if key not in _uninterrupted:
-        _uninterrupted[key] = await epochs(make_loader(kind, root, workers), 2)
+        _uninterrupted[key] = await epochs(make_loader(kind, root, workers, persistent), 2)
     return _uninterrupted[key]
 
 
@@ -131,7 +138,7 @@ async def state_after(kind: str, root: str, workers: int, k: int) -> dict[str, A
 
 async def check(kind: str, root: str, saved: int, now: int, *, persistent: bool) -> None:
     full = (await uninterrupted(kind, root, saved))[0]
-    later = (await uninterrupted(kind, root, now))[1]
+    later = (await uninterrupted(kind, root, now, persistent))[1]
     assert len(full) > 4
     assert full != (await uninterrupted(kind, root, now))[0]  # the count decides the order
     for k in (len(full) // 2, len(full) - 1, len(full)):
@@ -209,7 +216,11 @@ async def test_virtual_replicas_in_process_on_both_backends(tmp_path: Path, anyi
         state = await state_after(kind, root, 2, 3)
         fresh = make_loader(kind, root, 0)
         fresh.load_state_dict(state)
-        assert await epochs(fresh, 2) == [full[3:], later]
+        assert [b async for b in fresh] == full[3:]
+        if kind == "stream":  # the replicas' reads count in the loader's sources
+            records = source_stats(fresh.dataset)[0].records
+            assert records >= sum(len(batch) for batch in full[3:])
+        assert await epochs(fresh, 1) == [later]
 
 def test_a_stream_state_within_an_epoch_is_refused_on_another_world(tmp_path: Path) -> None:
     paths = shard_paths(str(tmp_path))
