@@ -578,8 +578,8 @@ class Stream(IterableDataset[T_co]):
 
         Raises:
             ValueError: a state of another format or version, of another kind of stream,
-                stage or shard list, or taken by another loader worker; it names the field.
-                Nothing is applied then.
+                stage or shard list, taken by another loader worker, or taken during an epoch
+                on another rank or world size; it names the field. Nothing is applied then.
             TypeError: ``state`` is not a dict.
         """
         self._apply_state(self._parse_state(state, worker_slot()))

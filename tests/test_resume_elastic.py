@@ -19,7 +19,7 @@ import anyio
 import pytest
 from sourcetools import write
 
-from aloader import DataLoader, IterableDataset, JsonLines, Stream, get_worker_info
+from aloader import DataLoader, IterableDataset, JsonLines, Stream, as_stream, get_worker_info
 from aloader._sources import source_stats
 
 BATCH = 3
@@ -96,6 +96,8 @@ def make_dataset(kind: str, root: str) -> Any:
         return stream.shuffle(4, seed=1).map(record)
     if kind == "protocol":
         return Stateful(23)
+    if kind == "wrapped":  # a stream over a dataset that splits itself by worker
+        return as_stream(Plain(23)).shuffle(3, seed=2)
     return Plain(23)
 
 
@@ -155,8 +157,7 @@ async def check(kind: str, root: str, saved: int, now: int, *, persistent: bool)
         await fresh.aclose()
 
 
-CASES = [(2, 0, False), (2, 1, True), (2, 3, False), (0, 2, True), (1, 2, False),
-         (2, 3, True), (2, 1, False)]
+CASES = [(2, 0, False), (2, 1, True), (2, 3, False), (0, 2, True), (1, 2, False)]
 
 
 @pytest.mark.parametrize("kind", ["stream", "protocol", "plain"])
@@ -210,7 +211,7 @@ def test_a_state_within_a_resumed_epoch_resumes_again(tmp_path: Path) -> None:
 async def test_virtual_replicas_in_process_on_both_backends(tmp_path: Path, anyio_backend: str
                                                             ) -> None:
     root = str(tmp_path)
-    for kind in ("stream", "protocol"):
+    for kind in ("stream", "protocol", "wrapped"):
         full = (await uninterrupted(kind, root, 2))[0]
         later = (await uninterrupted(kind, root, 0))[1]
         state = await state_after(kind, root, 2, 3)
