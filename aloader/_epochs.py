@@ -445,7 +445,8 @@ class IterableEpochs:
             # The replica is the loader's copy itself: its counters, and the epoch under way
             # (claimed by an epoch on workers; a local one applies the whole replica state).
             replica = parse(dataset, sub["replicas"][0], (0, 1))
-            main = (*replica[1][:3], None)
+            if replica is not None:
+                main = (*replica[1][:3], None)
         if main is not None:
             dataset._apply_state(main)  # the epoch counters (and the epoch under way)
         self._pending = pending

@@ -416,9 +416,13 @@ class PoolEpoch:
     (:meth:`route`): :class:`MapPoolEpoch` for map-style datasets, :class:`ReplicaPoolEpoch`
     for iterable ones.
 
-    Invariant: a worker receives its tasks in ticket order (ticket ``t`` is sent only after
-    ticket ``t - 1``), and has at most ``prefetch_factor`` of them unanswered; a job waits,
-    whatever the order its task wakes up in, until both hold. Workers start one after the
+    Invariant: each lane receives its tasks in ticket order (ticket ``t`` is sent only after
+    ticket ``t - 1``), and a worker has at most ``prefetch_factor`` tasks unanswered; a job
+    waits, whatever the order its task wakes up in, until both hold. A lane is a worker's
+    tasks, except for the virtual replicas of a resumed iterable epoch, each a lane of its
+    own on a worker it may share (:class:`ReplicaPoolEpoch`): each replica's batches are
+    then fixed, but how a worker interleaves its lanes is not (nor, so, what they draw from
+    the worker's global RNGs). Workers start one after the
     other, each taking tasks as soon as it is up. Every answer carries the worker's source
     statistics since its last answer, merged into the loader's dataset here.
     """
