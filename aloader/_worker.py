@@ -464,7 +464,12 @@ class _WorkerServer:
 def replica_copy(dataset: Any) -> Any:
     """A virtual replica's own copy of ``dataset``, whose sources count into ``dataset``'s
     (the counters are shared), so that statistics and failure budgets see its reads."""
-    return copy.deepcopy(dataset, {id(stats): stats for stats in source_stats(dataset)})
+    try:
+        return copy.deepcopy(dataset, {id(stats): stats for stats in source_stats(dataset)})
+    except Exception as exc:
+        exc.add_note("raised while copying the dataset for a replica of an epoch saved with "
+                     "another num_workers (each saved worker's replica resumes in a copy)")
+        raise
 
 
 def worker_main(

@@ -105,6 +105,10 @@ def served_epoch() -> int | None:
 def get_worker_info() -> WorkerInfo | None:
     """This worker process's :class:`WorkerInfo`, or None in the main process.
 
+    While a loader finishes an epoch saved with another ``num_workers`` (see
+    :meth:`aloader.DataLoader.load_state_dict`), each saved worker's replica sees the
+    ``WorkerInfo`` it was saved with (None for one saved without workers), wherever it runs.
+
     An iterable dataset uses it to shard itself so that each worker reads a distinct part::
 
         info = aloader.get_worker_info()
