@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -76,7 +77,9 @@ def spawn_background(fn: Callable[[], Awaitable[None]]) -> Callable[[Callable[[]
     if current_backend() == "trio":
         import trio
 
-        trio.lowlevel.spawn_system_task(fn)
+        # In the spawner's context, as asyncio's tasks are: a virtual replica's worker facts
+        # (aloader._workerinfo) reach the tasks its iteration starts.
+        trio.lowlevel.spawn_system_task(fn, context=contextvars.copy_context())
     else:
         loop = asyncio.get_running_loop()
 

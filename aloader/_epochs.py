@@ -36,6 +36,8 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeAlias, cast
 
+import anyio
+
 from ._distributed import DistributedSampler
 from ._failures import KnownFailed
 from ._pipeline import Epoch, FetchPlan, IterableEpoch, MapEpoch, Results
@@ -49,9 +51,10 @@ from ._sampler import (
     sampler_state,
 )
 from ._streams import Stream, check_field
-from ._worker import ServeReplica, ServeTasks
+from ._worker import ServeReplica, ServeTasks, replica_copy
+from ._workerinfo import WorkerInfo, as_replica
 
-__all__ = ("EpochKind", "IterableEpochs", "MapEpochs", "Progress", "Skip")
+__all__ = ("EpochKind", "IterableEpochs", "MapEpochs", "Progress", "Skip", "VirtualReplicas")
 
 
 @dataclass(frozen=True)
@@ -266,10 +269,14 @@ class IterableEpochs:
     Resume (:meth:`state_dict`, :meth:`load_state_dict`): each batch carries where its
     replica was once its samples were drawn (:mod:`aloader._resume`); the state holds the
     position after the last batch the consumer received, of every worker's replica with
-    workers, and the worker asked next. A state taken during an epoch resumes with the same
-    ``num_workers``, exactly; another count raises a ValueError naming ``num_workers`` when
-    the epoch starts (a stream's shards and shuffles are split by worker, and exactly once
-    across another split is not implemented). A state taken between epochs resumes with any.
+    workers, and the worker asked next. It resumes exactly with any ``num_workers``: with the
+    same count each worker resumes its replica; with another, the rest of the saved epoch is
+    made by the saved run's replicas as *virtual replicas* (each a copy of the dataset that
+    sees the ``WorkerInfo`` and worker slot it was saved with, resumed from its position and
+    batched on its own, the batches taken in the saved turn): in this process
+    (:class:`VirtualReplicas`) without workers, else replica ``r`` on worker
+    ``r % num_workers`` (:class:`~aloader._pool.ReplicaPoolEpoch`). The epochs after it are
+    split by the new count. A state taken between epochs needs nothing of this.
 
     Args:
         dataset: the iterable dataset.
@@ -286,6 +293,9 @@ class IterableEpochs:
         self.auto_collation = batch_size is not None
         self.serve = ServeReplica(batch_size, drop_last)
         self._len_called: int | None = None
+        #: This epoch's ``base_seed`` (set by the loader as each epoch starts): the virtual
+        #: replicas of an epoch resumed here see the seeds of the workers they stand for.
+        self.base_seed = 0
 
     def length(self) -> int:
         """torch's length of an iterable loader: the dataset's length in batches.
@@ -306,26 +316,56 @@ class IterableEpochs:
         return self._len_called
 
     def local(self, plan: FetchPlan, results: Results) -> Epoch:
-        """An epoch iterating the dataset in this process (from a loaded state, if any)."""
-        replicas, _ = self._resumed(0)
-        source, snapshot = open_replica(self.dataset, replicas[0])
+        """An epoch iterating the dataset in this process (from a loaded state, if any; one
+        saved with workers runs its replicas here, see :class:`VirtualReplicas`)."""
+        pending = self._pending
+        if pending is not None and pending["num_workers"] > 0:
+            return self._virtual_local(plan, results, pending)
+        parsed = None if pending is None else parse(self.dataset, pending["replicas"][0], (0, 1))
+        source, snapshot = open_replica(self.dataset, parsed)
         self._begin = snapshot(0, False)
         self._pending = None
         return IterableEpoch(plan, results, source, self.batch_size, self.drop_last, snapshot)
 
+    def _virtual_local(self, plan: FetchPlan, results: Results, pending: dict[str, Any]
+                       ) -> Epoch:
+        count, turn, states = pending["num_workers"], pending["turn"], pending["replicas"]
+        dataset = self.dataset
+        # The epoch the saved workers served: a stream's own copy claims it (as when its
+        # workers iterate it), other datasets count the loader's epochs.
+        epoch = dataset._claim_epoch() if isinstance(dataset, Stream) else plan.epoch
+        begin = self._begin_of(states, epoch, count)
+        lanes = []
+        for w, state in enumerate(states):
+            replica = replica_copy(dataset)
+            info = WorkerInfo(id=w, num_workers=count, seed=self.base_seed + w,
+                              dataset=replica)
+            lanes.append(_Lane(replica, parse(replica, state, (w, count)), info, epoch))
+        self._begin = ("workers", tuple(begin), turn)
+        self._pending = None
+        return VirtualReplicas(plan, results, lanes, turn, begin, self.batch_size,
+                               self.drop_last)
+
+    def _begin_of(self, states: list[Any], epoch: int, count: int) -> list[Any]:
+        """The replicas' snapshots until they deliver (``count`` 0: the loader's one)."""
+        return [("encoded", state) if state is not None else
+                start_snapshot(self.dataset, epoch, (w, count) if count else (0, 1))
+                for w, state in enumerate(states)]
+
     def on_workers(self, plan: FetchPlan, results: Results, remote: PoolEpoch) -> Epoch:
         """An epoch asking the workers' replicas for batches (``remote`` is a
-        :class:`ReplicaPoolEpoch`, whose requests are the jobs' keys)."""
+        :class:`ReplicaPoolEpoch`, whose requests are the jobs' keys); one saved with another
+        ``num_workers`` runs the saved replicas on the workers (virtual replicas)."""
         assert isinstance(remote, ReplicaPoolEpoch)
         count = remote.pool.num_workers
-        _, turn = self._resumed(count)
-        states = self._pending["replicas"] if self._pending is not None else [None] * count
-        begin = [("encoded", state) if state is not None else
-                 start_snapshot(self.dataset, remote.loader_epoch, (w, count))
-                 for w, state in enumerate(states)]
-        remote.resume(turn, states, begin)
+        pending = self._pending
+        saved = count if pending is None else pending["num_workers"]
+        turn = 0 if pending is None else pending["turn"]
+        states = [None] * count if pending is None else pending["replicas"]
+        begin = self._begin_of(states, remote.loader_epoch, saved)
+        remote.resume(turn, states, begin, None if saved == count else saved)
         results.metas = remote.delivered
-        self._begin = ("workers", tuple(begin), turn)
+        self._begin = begin[0] if saved == 0 else ("workers", tuple(begin), turn)
         self._pending = None
         return MapEpoch(plan, results, remote.keys())
 
@@ -333,9 +373,9 @@ class IterableEpochs:
     # The sub-state (the loader's "iterable" entry): {"mode": "between" | "local" | "workers",
     # "num_workers": W (0 in this process), "turn": the worker asked for the next batch,
     # "replicas": one state per replica (None: its start), "stream": the epoch counters of a
-    # Stream (None for other datasets)}. A state taken during an epoch resumes with the same
-    # num_workers (a stream's shards and shuffles are split by worker); one taken between
-    # epochs with any.
+    # Stream (None for other datasets)}. "num_workers" is the count whose split the epoch's
+    # replicas follow: the saved run's, also when a state is taken in an epoch resumed with
+    # another count (its replicas are still the saved ones).
 
     _begin: Any = None  # the snapshot of the epoch begun last, before its first batch
     _pending: dict[str, Any] | None = None  # a loaded sub-state, for the next epoch
@@ -374,7 +414,9 @@ class IterableEpochs:
         """Resume from :meth:`state_dict`'s entry: validated whole, then applied.
 
         Raises:
-            ValueError: a field of another kind of dataset, stream or worker count.
+            ValueError: a field of another kind of dataset or stream, or, for a stream, a
+                replica state for another worker slot, or taken during an epoch on another
+                rank or world size (field ``'world'``).
         """
         where = "iterable"
         mode = check_field(sub, "mode", str, where)
@@ -399,26 +441,91 @@ class IterableEpochs:
                 parse(dataset, replica, (w, count) if count else (0, 1))
             pending = {"mode": mode, "num_workers": count, "turn": turn, "replicas": replicas,
                        "stream": counters}
-        if main is not None and mode != "local":
+        if main is not None and mode == "local":
+            # The replica is the loader's copy itself: its counters, and the epoch under way
+            # (claimed by an epoch on workers; a local one applies the whole replica state).
+            replica = parse(dataset, sub["replicas"][0], (0, 1))
+            if replica is not None:
+                main = (*replica[1][:3], None)
+        if main is not None:
             dataset._apply_state(main)  # the epoch counters (and the epoch under way)
         self._pending = pending
         self._begin = None
 
-    def _resumed(self, count: int) -> tuple[list[Any], int]:
-        """The parsed replica states for an epoch on ``count`` workers (0: this process)."""
-        pending = self._pending
-        if pending is None:
-            return [None] * max(1, count), 0
-        if pending["num_workers"] != count:
-            raise ValueError(
-                f"this loader's state was taken during an epoch with num_workers="
-                f"{pending['num_workers']}; resume it with the same num_workers (now "
-                f"{count}): a stream's shards and shuffles are split by worker. A state taken "
-                "between epochs resumes with any num_workers"
-            )
-        slots = [(w, count) if count else (0, 1) for w in range(max(1, count))]
-        return ([parse(self.dataset, r, slot) for r, slot in
-                 zip(pending["replicas"], slots, strict=True)], pending["turn"])
+
+@dataclass(frozen=True)
+class _Lane:
+    """One virtual replica: its own copy of the dataset, its parsed saved position (None:
+    its start), and the worker facts it sees (``info`` None: the loader's process)."""
+
+    dataset: Any
+    parsed: Any
+    info: WorkerInfo | None
+    epoch: int | None
+
+
+class VirtualReplicas(Epoch):
+    """The rest of an epoch saved with ``W`` workers, made in this process (``num_workers``
+    0 now) by the ``W`` saved replicas, batch by batch in the saved run's turn.
+
+    Invariant: the consumer gets exactly the batches the saved run's workers would have
+    delivered, in the same order: replica ``r`` is a copy of the dataset that sees
+    ``WorkerInfo(id=r, num_workers=W)`` (:func:`~aloader._workerinfo.as_replica`, in the
+    task that iterates it and whatever it starts) and resumes from its saved position, cut
+    into batches on its own (its last one incomplete, or dropped with ``drop_last``, as in a
+    worker); the batches are taken from the replicas in turn from the saved ``turn``,
+    skipping those exhausted, as torch's round robin over its workers does. Each batch's
+    metadata is the saved run's shape (every replica's position, the replica asked next), so
+    a state taken now resumes with any ``num_workers`` again.
+
+    Each replica runs its own :class:`~aloader._pipeline.IterableEpoch` (one batch ahead, as
+    a worker) in a child task of this epoch's, started with its worker facts set.
+    """
+
+    def __init__(self, plan: FetchPlan, results: Results, lanes: list[_Lane], turn: int,
+                 begin: list[Any], batch_size: int | None, drop_last: bool) -> None:
+        super().__init__(plan, results)
+        self._lanes = lanes
+        self._turn = turn
+        self._states = list(begin)
+        self._batch_size = batch_size
+        self._drop_last = drop_last
+        results.metas = {}
+
+    async def _run(self) -> None:
+        lanes = self._lanes
+        replicas: list[IterableEpoch] = []
+        async with anyio.create_task_group() as tg:
+            for lane in lanes:
+                with as_replica(lane.info, lane.epoch):  # the child task copies the context
+                    source, snapshot = open_replica(lane.dataset, lane.parsed)
+                    replica = IterableEpoch(self.plan, Results(1, True), source,
+                                            self._batch_size, self._drop_last, snapshot)
+                    tg.start_soon(replica._main)
+                replicas.append(replica)
+            # Once it ends, every replica has ended too: their tasks close their sources.
+            await self._guard(self._round_robin, replicas)
+
+    async def _round_robin(self, replicas: list[IterableEpoch]) -> None:
+        results, states = self.results, self._states
+        count = len(replicas)
+        live = [True] * count
+        turn, seq = self._turn, 0
+        while any(live):
+            lane, turn = turn, (turn + 1) % count
+            if not live[lane]:
+                continue
+            await results.reserve(seq)
+            try:
+                batch, error = await replicas[lane].next()
+            except StopAsyncIteration:
+                live[lane] = False
+                continue
+            states[lane] = replicas[lane].results.meta
+            results.metas[seq] = ("workers", tuple(states), turn)
+            results.publish(seq, batch, error)
+            seq += 1
+        results.finish(seq)
 
 
 EpochKind: TypeAlias = MapEpochs | IterableEpochs

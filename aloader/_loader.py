@@ -729,7 +729,13 @@ class DataLoader(Generic[T_co]):
         """Resume from a :meth:`state_dict`: the next epoch (``async for`` or ``for``) yields
         the rest of the interrupted one, and every later epoch is the uninterrupted run's.
 
-        Everything is checked before anything is applied.
+        Everything is checked before anything is applied. Any ``num_workers`` resumes any
+        state exactly: map-style, the same remaining batches; an iterable dataset's epoch
+        saved with ``W`` workers is finished by its ``W`` saved replicas, each seeing the
+        ``WorkerInfo`` it was saved with (several per worker, or all in this process with
+        ``num_workers=0``), in the saved run's batch order, and the later epochs are split by
+        the new count. A stream's state taken during an epoch resumes only on the same rank
+        of the same world size (``ValueError`` naming ``'world'``); between epochs, on any.
 
         Raises:
             ValueError: the state is of another format or version, another kind of dataset,
@@ -991,6 +997,8 @@ class AsyncDataLoaderIter(Generic[T_co]):
             kind.resume = self._skip  # taken by the keys() that local/on_workers call now
             if resumed is not None and resumed[1]:
                 kind.known_failed = KnownFailed(resumed[1], kind.auto_collation)
+        if isinstance(kind, IterableEpochs):
+            kind.base_seed = self.base_seed  # the seeds a resumed epoch's replicas see
         if loader.num_workers > 0:
             remote = loader._remote(self.base_seed, loader._claim_epoch(self.epoch))
             epoch = kind.on_workers(loader._plan(transform, remote, self.epoch), results,

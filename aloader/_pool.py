@@ -416,9 +416,13 @@ class PoolEpoch:
     (:meth:`route`): :class:`MapPoolEpoch` for map-style datasets, :class:`ReplicaPoolEpoch`
     for iterable ones.
 
-    Invariant: a worker receives its tasks in ticket order (ticket ``t`` is sent only after
-    ticket ``t - 1``), and has at most ``prefetch_factor`` of them unanswered; a job waits,
-    whatever the order its task wakes up in, until both hold. Workers start one after the
+    Invariant: each lane receives its tasks in ticket order (ticket ``t`` is sent only after
+    ticket ``t - 1``), and a worker has at most ``prefetch_factor`` tasks unanswered; a job
+    waits, whatever the order its task wakes up in, until both hold. A lane is a worker's
+    tasks, except for the virtual replicas of a resumed iterable epoch, each a lane of its
+    own on a worker it may share (:class:`ReplicaPoolEpoch`): each replica's batches are
+    then fixed, but how a worker interleaves its lanes is not (nor, so, what they draw from
+    the worker's global RNGs). Workers start one after the
     other, each taking tasks as soon as it is up. Every answer carries the worker's source
     statistics since its last answer, merged into the loader's dataset here.
     """
@@ -437,8 +441,8 @@ class PoolEpoch:
         self._serving = False
         self._tg: Any = None
         self._failure: BaseException | None = None
-        self._exhausted: set[int] = set()  # workers whose replica has ended
-        self._sent = [0] * pool.num_workers  # each worker's next ticket to send
+        self._exhausted: set[int] = set()  # lanes (replicas) that have ended
+        self._sent = [0] * pool.num_workers  # each lane's next ticket to send
         self._stats: list[Any] | None = None  # the loader's sources, found at the first report
         self.failures: Failures | None = None  # the epoch's failure budget, set by the loader
         self.stats: Collector | None = None  # the epoch's statistics, set by the loader
@@ -480,18 +484,18 @@ class PoolEpoch:
         ``seq`` is the job's sequence number in the epoch: it decides the worker (map-style)
         and the place of the task among that worker's (see the class docstring).
         """
-        worker_id, ticket, kind, payload = self.route(key, seq)
+        worker_id, lane, ticket, kind, payload = self.route(key, seq)
         workers = self.pool.workers
         while not (
             self._serving
             and worker_id < len(workers)
-            and self._sent[worker_id] == ticket
+            and self._sent[lane] == ticket
             and workers[worker_id].outstanding < self._limit
-        ) and worker_id not in self._exhausted:
+        ) and lane not in self._exhausted:
             await self._changed.wait()
-        if worker_id in self._exhausted:  # its replica has ended: no need to ask
+        if lane in self._exhausted:  # its replica has ended: no need to ask
             return SKIP
-        self._sent[worker_id] += 1
+        self._sent[lane] += 1
         self._changed.notify()  # the worker's next ticket may go once this one is sent
         reply = await self._call(workers[worker_id], kind, payload)
         if reply.extra is not None:
@@ -499,17 +503,17 @@ class PoolEpoch:
             if reply.extra[3]:  # every sample failed within the failure budget
                 return SKIP
         if reply.status == Status.END:
-            self._exhausted.add(worker_id)
+            self._exhausted.add(lane)
             self._changed.notify()  # its later requests need not wait for their turn
             return SKIP
         if reply.status == Status.ERROR:
             raise reply.value.rebuild()
         if reply.meta is not None:
-            self.note_meta(seq, worker_id, reply.meta)
+            self.note_meta(seq, lane, reply.meta)
         return reply.value
 
-    def note_meta(self, seq: int, worker_id: int, meta: Any) -> None:
-        """Job ``seq``'s batch came with metadata (an iterable replica's position)."""
+    def note_meta(self, seq: int, lane: int, meta: Any) -> None:
+        """Job ``seq``'s batch came with metadata (the position of replica ``lane``)."""
 
     def _absorb(self, worker_id: int, extra: Any) -> None:
         """Record what a worker counted besides its sources: failed samples, timings."""
@@ -534,8 +538,10 @@ class PoolEpoch:
         if not pool.persistent or pool.broken or pool.closed:
             pool.shutdown()
 
-    def route(self, key: Any, seq: int) -> tuple[int, int, Kind, Any]:
-        """Job ``seq`` (key ``key``): (worker, its ticket there, the request's kind, its key)."""
+    def route(self, key: Any, seq: int) -> tuple[int, int, int, Kind, Any]:
+        """Job ``seq`` (key ``key``): (worker, lane, its ticket in the lane, the request's
+        kind, its key). A lane is a sequence of tasks answered in ticket order: a worker's
+        (map-style), or one replica's (several may share a worker)."""
         raise NotImplementedError
 
     # Sending and receiving -------------------------------------------------------------------
@@ -653,50 +659,70 @@ class MapPoolEpoch(PoolEpoch):
     """A map-style epoch on the workers: job ``k`` (an index batch, or an index) goes to
     worker ``k % num_workers`` as its task ``k // num_workers``."""
 
-    def route(self, key: Any, seq: int) -> tuple[int, int, Kind, Any]:
+    def route(self, key: Any, seq: int) -> tuple[int, int, int, Kind, Any]:
         count = self.pool.num_workers
-        return seq % count, seq // count, Kind.TASK, key
+        return seq % count, seq % count, seq // count, Kind.TASK, key
 
 
 class ReplicaPoolEpoch(PoolEpoch):
     """An iterable epoch on the workers, each iterating its own replica of the dataset.
 
-    Its jobs' keys (:meth:`keys`) are requests for the next batch of one worker's replica,
-    assigned in turn over the workers not yet known to be exhausted; a request answered
-    "exhausted" yields :data:`~aloader._pipeline.SKIP` (so does one assigned to a worker since
-    found exhausted), and the epoch ends once every replica is exhausted. Timing only decides
-    how many requests an exhausted worker is sent; the batches that remain interleave the live
-    workers in turn whatever it is.
+    Its jobs' keys (:meth:`keys`) are requests for the next batch of one replica, assigned in
+    turn over the replicas not yet known to be exhausted; a request answered "exhausted"
+    yields :data:`~aloader._pipeline.SKIP` (so does one assigned to a replica since found
+    exhausted), and the epoch ends once every replica is exhausted. Timing only decides how
+    many requests an exhausted replica is sent; the batches that remain interleave the live
+    replicas in turn whatever it is.
+
+    Replica ``w`` is worker ``w``'s, except in an epoch resumed from a state saved with
+    another number of workers ``W`` (:meth:`resume` with ``saved``): its rest is made by the
+    ``W`` saved replicas (one, the loader's, when ``W`` is 0), replica ``r`` served by worker
+    ``r % num_workers`` as a *virtual replica* that sees the worker facts of the run that
+    saved it (see :mod:`aloader._workerinfo`). Each replica is a lane of its own, so that a
+    worker serving several answers each one's requests in order.
     """
 
     def __init__(self, pool: WorkerPool, loader_epoch: int = 0) -> None:
         super().__init__(pool, loader_epoch)
         count = pool.num_workers
         self._turn = 0
-        self._assigned = [0] * count  # requests assigned to each worker
+        self._lanes = count  # replicas
+        self._saved: int | None = None  # the saved run's num_workers (virtual replicas)
+        self._assigned = [0] * count  # requests assigned to each replica
         self._requests = 0  # requests assigned in all
         self._tickets: dict[int, int] = {}  # job sequence number -> ticket
-        self._resume_states: list[Any] = [None] * count  # sent with each worker's ticket 0
+        self._resume_states: list[Any] = [None] * count  # sent with each replica's ticket 0
         #: The replicas' positions as the consumer takes the batches (Results.metas).
         self.delivered = _Delivered([None] * count, 0)
 
-    def resume(self, turn: int, states: list[Any], begin: list[Any]) -> None:
-        """Start where a saved epoch was: worker ``turn`` is asked first, and worker ``w``'s
-        replica resumes from ``states[w]`` (None: its start); ``begin`` are the replicas'
-        positions until they deliver."""
+    def resume(self, turn: int, states: list[Any], begin: list[Any],
+               saved: int | None = None) -> None:
+        """Start where a saved epoch was: replica ``turn`` is asked first, and replica ``r``
+        resumes from ``states[r]`` (None: its start); ``begin`` are the replicas' positions
+        until they deliver. ``saved``: the saved run's ``num_workers`` when it differs from
+        the pool's (its ``max(1, saved)`` replicas run as virtual replicas)."""
+        lanes = len(states)
         self._turn = turn
+        self._lanes = lanes
+        self._saved = saved
+        self._assigned = [0] * lanes
+        self._sent = [0] * lanes
         self._resume_states = list(states)
-        self.delivered = _Delivered(list(begin), turn)
+        self.delivered = _Delivered(list(begin), turn, local=saved == 0)
 
-    def note_meta(self, seq: int, worker_id: int, meta: Any) -> None:
-        self.delivered.got[seq] = (worker_id, meta)
+    def note_meta(self, seq: int, lane: int, meta: Any) -> None:
+        self.delivered.got[seq] = (lane, meta)
 
-    def route(self, key: Any, seq: int) -> tuple[int, int, Kind, Any]:
+    def route(self, key: Any, seq: int) -> tuple[int, int, int, Kind, Any]:
         ticket = self._tickets.pop(seq)
-        return key, ticket, Kind.NEXT, self._resume_states[key] if ticket == 0 else None
+        state = self._resume_states[key] if ticket == 0 else None
+        if self._saved is None:
+            return key, key, ticket, Kind.NEXT, state
+        return key % self.pool.num_workers, key, ticket, Kind.NEXT, (
+            "replica", key, self._saved, state)
 
     def keys(self) -> AsyncIterator[int]:
-        """The worker asked for each next batch, in turn."""
+        """The replica asked for each next batch, in turn."""
         return self
 
     def __aiter__(self) -> ReplicaPoolEpoch:
@@ -704,15 +730,15 @@ class ReplicaPoolEpoch(PoolEpoch):
 
     async def __anext__(self) -> int:
         # Called once per job, in sequence order: request number n is job n.
-        count = self.pool.num_workers
+        count = self._lanes
         for step in range(count):
-            worker = (self._turn + step) % count
-            if worker not in self._exhausted:
-                self._turn = worker + 1
-                self._tickets[self._requests] = self._assigned[worker]
-                self._assigned[worker] += 1
+            lane = (self._turn + step) % count
+            if lane not in self._exhausted:
+                self._turn = lane + 1
+                self._tickets[self._requests] = self._assigned[lane]
+                self._assigned[lane] += 1
                 self._requests += 1
-                return worker
+                return lane
         raise StopAsyncIteration
 
 
@@ -720,23 +746,27 @@ class _Delivered:
     """The replicas' positions after the batches the consumer took (a ``Results.metas``).
 
     Each batch's position arrives with the worker's reply (:meth:`note_meta`); taking the
-    batch pops it, which records it as its worker's last and returns what the loader's state
-    needs then: every worker's last position, and the worker asked next (batches are asked
-    of the workers in turn).
+    batch pops it, which records it as its replica's last and returns what the loader's
+    state needs then: every replica's last position, and the replica asked next (batches are
+    asked of the replicas in turn); with ``local``, the one replica's position alone (the
+    rest of an epoch saved without workers).
     """
 
-    __slots__ = ("got", "states", "turn")
+    __slots__ = ("got", "local", "states", "turn")
 
-    def __init__(self, states: list[Any], turn: int) -> None:
+    def __init__(self, states: list[Any], turn: int, local: bool = False) -> None:
         self.got: dict[int, tuple[int, Any]] = {}
         self.states = states
         self.turn = turn
+        self.local = local
 
     def pop(self, seq: int, default: Any = None) -> Any:
         got = self.got.pop(seq, None)
         if got is None:
             return default
-        worker_id, meta = got
-        self.states[worker_id] = meta
-        self.turn = (worker_id + 1) % len(self.states)
+        lane, meta = got
+        if self.local:
+            return meta
+        self.states[lane] = meta
+        self.turn = (lane + 1) % len(self.states)
         return ("workers", tuple(self.states), self.turn)

@@ -275,10 +275,14 @@ class _Driver:
     Holds no reference to the iterator, so dropping the iterator lets ``__del__`` stop it.
     """
 
-    def __init__(self, stream: Stream[Any], epoch: int, capacity: int, at: Any) -> None:
+    def __init__(self, stream: Stream[Any], epoch: int, capacity: int, at: Any,
+                 slot: tuple[int, int]) -> None:
         self.stream = stream
         self.epoch = epoch
         self.at = at
+        # The iterator's worker slot, read where it was made: a background task may not see
+        # the context of a virtual replica (see aloader._workerinfo).
+        self.slot = slot
         self.channel: _Channel[tuple[list[Any], Any]] = _Channel(capacity)
         self.done = anyio.Event()
         self._task = Detached()
@@ -294,7 +298,7 @@ class _Driver:
         error: BaseException | None = None
         try:
             with self._task.scope() as scope:
-                worker_id, num_workers = worker_slot()
+                worker_id, num_workers = self.slot
                 async with anyio.create_task_group() as group:
                     ctx = _Context(self.epoch, worker_id, num_workers, group)
                     error = await self._pump(ctx)
@@ -365,7 +369,8 @@ class _StreamIterator(AsyncIterator[T]):
             raise StopAsyncIteration
         driver = self._driver
         if driver is None:
-            driver = self._driver = _Driver(self._stream, self._epoch, self._capacity, self._at)
+            driver = self._driver = _Driver(self._stream, self._epoch, self._capacity, self._at,
+                                            self._slot)
             driver.start()
         try:
             block, token = await driver.channel.get()
@@ -452,8 +457,12 @@ class Stream(IterableDataset[T_co]):
     a checkpoint, ``map`` and ``filter`` through their input, ``interleave`` from each input's
     position; a stage of your own that only defines ``_blocks`` is replayed from its start
     and the items the consumer had discarded. ``map(..., ordered=False)`` has no position to
-    save (:meth:`state_dict` raises ValueError). A state belongs to one loader worker of one
-    rank (``worker`` in it): resume it in the same place, with the same ``num_workers``.
+    save (:meth:`state_dict` raises ValueError). A state belongs to one loader worker slot
+    (``worker`` in it: [id, num_workers]) and, during an epoch, to one rank of one world size
+    of its sharded sources (``world``): ``load_state_dict`` resumes it in the same slot and
+    on the same rank; a :class:`~aloader.DataLoader`'s own state resumes with any
+    ``num_workers`` (it runs the saved slots as virtual replicas), and on any world size
+    between epochs, never inside one (each rank's shards would change).
     """
 
     # Class-level defaults keep subclasses free of any required __init__ call.
@@ -551,7 +560,7 @@ class Stream(IterableDataset[T_co]):
         state: dict[str, Any] = {
             "format": STATE_FORMAT, "version": STATE_VERSION, "stream": type(self).__name__,
             "next_epoch": owner._next_epoch, "fixed_epoch": owner._fixed_epoch,
-            "epoch": None, "position": None, "worker": [0, 1],
+            "epoch": None, "position": None, "worker": [0, 1], "world": self._worlds(),
         }
         if snapshot is not None:
             epoch, token, pos, finished, at, slot = snapshot
@@ -569,8 +578,8 @@ class Stream(IterableDataset[T_co]):
 
         Raises:
             ValueError: a state of another format or version, of another kind of stream,
-                stage or shard list, or taken by another loader worker; it names the field.
-                Nothing is applied then.
+                stage or shard list, taken by another loader worker, or taken during an epoch
+                on another rank or world size; it names the field. Nothing is applied then.
             TypeError: ``state`` is not a dict.
         """
         self._apply_state(self._parse_state(state, worker_slot()))
@@ -589,9 +598,18 @@ class Stream(IterableDataset[T_co]):
         position = check_field(state, "position", (dict, type(None)), where)
         worker = check_field(state, "worker", list, where)
         if worker != list(slot):
+            # A loader resumes another num_workers' replicas as virtual ones, each in its
+            # saved slot (aloader._epochs): a mismatch is a state given to the wrong replica.
             raise _bad_state(where, "worker", f"is {worker!r} ([worker id, num_workers]), but "
                              f"this is worker {list(slot)}: a stream's state resumes in the "
-                             "same worker of a loader with the same num_workers")
+                             "worker slot it was saved in (a DataLoader resumes it with any "
+                             "num_workers)")
+        world = check_field(state, "world", list, where)
+        if position is not None and world != self._worlds():
+            raise _bad_state(where, "world", f"is {world!r} ([rank, world_size] of each "
+                             f"sharded source), but this stream's is {self._worlds()!r}: a "
+                             "state taken during an epoch resumes only on the same rank of "
+                             "the same world size (one taken between epochs, on any)")
         if position is not None:
             if epoch is None:
                 raise _bad_state(where, "epoch", "is None, but a position is given")
@@ -604,6 +622,17 @@ class Stream(IterableDataset[T_co]):
         state = self.__dict__.copy()
         state.pop("_live", None)
         return state
+
+    def _worlds(self) -> list[list[int]]:
+        """``[rank, world_size]`` of every sharded source of this stream, inputs first to
+        last: a position inside an epoch belongs to that split of the shards."""
+        worlds = []
+        rank, size = getattr(self, "rank", None), getattr(self, "world_size", None)
+        if type(rank) is int and type(size) is int:
+            worlds.append([rank, size])
+        for upstream in self._upstreams():
+            worlds.extend(upstream._worlds())
+        return worlds
 
     def _apply_state(self, parsed: tuple[Any, ...]) -> None:
         self._next_epoch, self._fixed_epoch, self._resume_epoch, self._resume_at = parsed

@@ -47,6 +47,7 @@ loop inside the worker, so each worker keeps ``max_concurrency`` fetches in flig
 from __future__ import annotations
 
 import contextlib
+import copy
 import multiprocessing
 import os
 import pickle
@@ -68,7 +69,7 @@ import numpy as np
 from . import _shm, _spawn, _workerinfo
 from ._pipeline import SKIP, FetchPlan, IterableEpoch, MapEpoch, Results
 from ._resume import open_replica, parse
-from ._sources import StatsReporter
+from ._sources import StatsReporter, source_stats
 from ._workerinfo import WorkerInfo, _set_worker_info, get_worker_info
 
 __all__ = (
@@ -82,6 +83,7 @@ __all__ = (
     "WorkerInfo",
     "WorkerSetup",
     "get_worker_info",
+    "replica_copy",
     "worker_main",
 )
 
@@ -381,31 +383,32 @@ class _WorkerServer:
         finally:
             epoch.stop()
 
-    # Iterable datasets: one replica iterator per epoch, batched by the loader's pipeline.
+    # Iterable datasets: one replica iterator per epoch, batched by the loader's pipeline;
+    # several (virtual replicas, each a lane) in an epoch resumed from another num_workers.
     async def serve_replica(self, serve: ServeReplica) -> None:
-        setup = self.setup
-        dataset = setup.plan.dataset
         current: int | None = None
-        epoch: IterableEpoch | None = None
+        # This epoch's replicas by lane; None: one that failed to start (its requests END).
+        epochs: dict[int, IterableEpoch | None] = {}
         try:
             while (request := await self.areceive()) is not None:
                 job, epoch_id = request.job, request.epoch
                 if epoch_id != current:
                     current = epoch_id
-                    if epoch is not None:
-                        epoch.stop()
-                        await epoch.done.wait()
-                        epoch = None
+                    for epoch in epochs.values():
+                        if epoch is not None:
+                            epoch.stop()
+                            await epoch.done.wait()
+                    epochs = {}
+                lane, state, slot = self._lane(request.key)
+                if lane not in epochs:
+                    epochs[lane] = None
                     try:
-                        # The first request of an epoch may carry a saved position.
-                        parsed = parse(dataset, request.key, (self.id, setup.num_workers))
-                        source, snapshot = open_replica(dataset, parsed)
+                        epochs[lane] = self._open_replica(serve, lane, state, slot,
+                                                          request.loader_epoch)
                     except Exception as exc:  # __iter__ failed: this replica is done
                         self.fail(job, exc)
                         continue
-                    epoch = IterableEpoch(setup.plan, Results(1, True), source,
-                                          serve.batch_size, serve.drop_last, snapshot)
-                    epoch.start()
+                epoch = epochs[lane]
                 if epoch is None:
                     self.send(job, Status.END, None)
                     continue
@@ -419,8 +422,54 @@ class _WorkerServer:
                 else:
                     self.send(job, Status.OK, batch, epoch.results.meta)
         finally:
-            if epoch is not None:
-                epoch.stop()
+            for epoch in epochs.values():
+                if epoch is not None:
+                    epoch.stop()
+
+    def _lane(self, key: Any) -> tuple[int, Any, tuple[int, int] | None]:
+        """A NEXT request's (lane, saved state or None, the saved worker slot of a virtual
+        replica: (id, num_workers), or (0, 0) for the loader's process; None for this
+        worker's own replica)."""
+        if isinstance(key, tuple) and key and key[0] == "replica":
+            _, lane, saved, state = key
+            return lane, state, (lane, saved)
+        return self.id, key, None
+
+    def _open_replica(self, serve: ServeReplica, lane: int, state: Any,
+                      slot: tuple[int, int] | None, loader_epoch: int) -> IterableEpoch:
+        """Start a replica's epoch: this worker's own, or a virtual replica (a copy of the
+        dataset that sees worker ``slot`` of the saved run, see aloader._workerinfo)."""
+        setup = self.setup
+        dataset = setup.plan.dataset
+        if slot is None:
+            parsed = parse(dataset, state, (self.id, setup.num_workers))
+            source, snapshot = open_replica(dataset, parsed)
+            epoch = IterableEpoch(setup.plan, Results(1, True), source, serve.batch_size,
+                                  serve.drop_last, snapshot)
+            epoch.start()
+            return epoch
+        replica = replica_copy(dataset)
+        lane_id, saved = slot
+        info = None if saved == 0 else WorkerInfo(
+            id=lane_id, num_workers=saved, seed=setup.base_seed + lane_id, dataset=replica)
+        with _workerinfo.as_replica(info, None if info is None else loader_epoch):
+            parsed = parse(replica, state, (lane_id, saved) if saved else (0, 1))
+            source, snapshot = open_replica(replica, parsed)
+            epoch = IterableEpoch(setup.plan, Results(1, True), source, serve.batch_size,
+                                  serve.drop_last, snapshot)
+            epoch.start()  # its task copies this context (the worker's loop is asyncio's)
+        return epoch
+
+
+def replica_copy(dataset: Any) -> Any:
+    """A virtual replica's own copy of ``dataset``, whose sources count into ``dataset``'s
+    (the counters are shared), so that statistics and failure budgets see its reads."""
+    try:
+        return copy.deepcopy(dataset, {id(stats): stats for stats in source_stats(dataset)})
+    except Exception as exc:
+        exc.add_note("raised while copying the dataset for a replica of an epoch saved with "
+                     "another num_workers (each saved worker's replica resumes in a copy)")
+        raise
 
 
 def worker_main(

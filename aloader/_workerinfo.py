@@ -5,13 +5,22 @@ This module owns the per-process facts that datasets and sources read while they
 that sources (:mod:`aloader._streams`, :mod:`aloader._sharding`) can shard themselves without
 importing the worker server (:mod:`aloader._worker`), which sets these facts. Outside workers
 ``get_worker_info()`` is None and :func:`served_epoch` is None.
+
+A replica of an iterable dataset may run where it was not saved: the rest of an epoch saved
+with ``W`` workers is run by ``W`` *virtual replicas* (:mod:`aloader._epochs`), in the loader's
+process or several in one worker. Each must see the facts of the worker it replaces, and only
+its own: :func:`as_replica` sets them in a context variable (inherited by the tasks and threads
+the replica's iteration starts), which wins over the process's facts.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any, NamedTuple
 
-__all__ = ("WorkerInfo", "get_worker_info", "served_epoch")
+__all__ = ("WorkerInfo", "as_replica", "get_worker_info", "served_epoch")
 
 
 class WorkerInfo:
@@ -57,7 +66,8 @@ class WorkerInfo:
         loader's epochs from 0. A stream iterated in a worker without ``set_epoch`` uses it,
         so that shard orders and shuffles change every epoch, with persistent workers or not.
         """
-        return _served_epoch if _served_epoch is not None else 0
+        epoch = served_epoch()
+        return epoch if epoch is not None else 0
 
 
 _worker_info: WorkerInfo | None = None
@@ -65,20 +75,47 @@ _worker_info: WorkerInfo | None = None
 _served_epoch: int | None = None
 
 
+class _Replica(NamedTuple):
+    info: WorkerInfo | None
+    epoch: int | None
+
+
+# The facts of the virtual replica whose code runs in this context (None: the process's).
+_replica: ContextVar[_Replica | None] = ContextVar("aloader_replica", default=None)
+
+
+@contextlib.contextmanager
+def as_replica(info: WorkerInfo | None, epoch: int | None) -> Iterator[None]:
+    """Within the block (and the tasks and threads started in it), ``get_worker_info()`` is
+    ``info`` and :func:`served_epoch` is ``epoch``: a virtual replica that stands for worker
+    ``info`` (None: the loader's process) of the run that saved it."""
+    token = _replica.set(_Replica(info, epoch))
+    try:
+        yield
+    finally:
+        _replica.reset(token)
+
+
 def served_epoch() -> int | None:
     """The loader epoch this worker process is serving, or None outside workers."""
-    return _served_epoch
+    replica = _replica.get()
+    return _served_epoch if replica is None else replica.epoch
 
 
 def get_worker_info() -> WorkerInfo | None:
     """This worker process's :class:`WorkerInfo`, or None in the main process.
+
+    While a loader finishes an epoch saved with another ``num_workers`` (see
+    :meth:`aloader.DataLoader.load_state_dict`), each saved worker's replica sees the
+    ``WorkerInfo`` it was saved with (None for one saved without workers), wherever it runs.
 
     An iterable dataset uses it to shard itself so that each worker reads a distinct part::
 
         info = aloader.get_worker_info()
         shards = all_shards if info is None else all_shards[info.id :: info.num_workers]
     """
-    return _worker_info
+    replica = _replica.get()
+    return _worker_info if replica is None else replica.info
 
 
 def _set_worker_info(info: WorkerInfo | None) -> None:
