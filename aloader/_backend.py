@@ -4,6 +4,10 @@ A loader iterator must keep fetching while the consumer's ``async for`` body run
 ``async for`` gives it no task group to live in. So the pipeline runs as a detached background
 task (an asyncio task, or a trio system task) that owns its own task group, and the iterator
 cancels it explicitly on close, cancellation or garbage collection.
+
+The hot paths wait with :func:`waiters`' one-shot waiters, made by a factory looked up once
+(per epoch, per :class:`~aloader._util.Signal`): a plain future of the running asyncio loop,
+or a ``trio.Event``, with none of anyio's per-object look-up of the running library.
 """
 
 from __future__ import annotations
@@ -12,11 +16,18 @@ import asyncio
 import contextlib
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 
-__all__ = ("Detached", "current_backend", "spawn_background", "threadsafe_caller")
+__all__ = (
+    "Detached",
+    "Waiter",
+    "current_backend",
+    "spawn_background",
+    "threadsafe_caller",
+    "waiters",
+)
 
 # asyncio only keeps weak references to tasks: hold them until they finish.
 _ASYNCIO_TASKS: set[asyncio.Task[Any]] = set()
@@ -37,6 +48,59 @@ def current_backend() -> str | None:
     except RuntimeError:
         return None
     return "asyncio"
+
+
+class Waiter(Protocol):
+    """A one-shot wake-up for ONE task: ``await waiter.wait()`` returns once :meth:`set` ran.
+
+    One task only: on asyncio the wait is the future itself, which a cancelled waiter cancels
+    (so a waiter is never shared, and a cancelled one is :meth:`is_set`, never woken).
+    Call :meth:`set` on the loop's thread; setting twice is harmless.
+    """
+
+    def set(self) -> None: ...
+
+    def is_set(self) -> bool: ...
+
+    def wait(self) -> Awaitable[Any]: ...
+
+
+class _FutureWaiter:
+    """A :class:`Waiter` on asyncio: a plain future of the loop, awaited directly."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._future: asyncio.Future[None] = loop.create_future()
+
+    def set(self) -> None:
+        future = self._future
+        if not future.done():
+            future.set_result(None)
+
+    def is_set(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> Awaitable[None]:
+        return self._future
+
+
+def waiters() -> Callable[[], Waiter]:
+    """The factory of :class:`Waiter` s for the running event loop (look it up once, use it
+    for many waits on this loop).
+
+    Raises:
+        RuntimeError: outside an asyncio or trio event loop.
+    """
+    backend = current_backend()
+    if backend == "trio":
+        import trio
+
+        return trio.Event
+    if backend == "asyncio":
+        loop = asyncio.get_running_loop()
+        return lambda: _FutureWaiter(loop)
+    raise RuntimeError("aloader needs a running asyncio or trio event loop")
 
 
 def threadsafe_caller() -> Callable[[Callable[[], None]], None]:

@@ -56,7 +56,7 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 
-from ._backend import Detached, threadsafe_caller
+from ._backend import Detached, Waiter, threadsafe_caller, waiters
 from ._dataset import aiter_of, fetch_mode
 from ._exceptions import FailureBudgetExceeded, LoaderClosedError
 from ._failures import KNOWN_FAILED, Failures, resumable
@@ -217,29 +217,39 @@ class _WorkQueue:
 
     Lighter than a memory object stream (the producer never waits on it: the window bounds
     what it holds), and it wakes one idle worker per new piece of work rather than all of them,
-    which matters with hundreds of workers at tens of thousands of items per second.
+    which matters with hundreds of workers at tens of thousands of items per second. A worker
+    takes work without awaiting anything while there is some (:meth:`pop`), and parks on a
+    :class:`~aloader._backend.Waiter` of the epoch's loop (``new_waiter``) when there is none.
 
     Workers start on demand: work that no idle worker is woken for starts a new one, up to
     ``limit``, so workers never outnumber the work the window let in.
     """
 
-    __slots__ = ("_closed", "_idle", "_items", "_limit", "_spawned", "spawn")
+    __slots__ = ("_closed", "_idle", "_items", "_limit", "_new_waiter", "_spawned", "pop",
+                 "spawn")
 
-    def __init__(self, limit: int, spawn: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, limit: int, new_waiter: Callable[[], Waiter],
+                 spawn: Callable[[], None] = lambda: None) -> None:
         self._items: deque[tuple[_Job, int, Any]] = deque()
-        self._idle: deque[anyio.Event] = deque()
+        self._idle: deque[Waiter] = deque()
         self._closed = False
         self._limit = limit
         self._spawned = 0
+        self._new_waiter = new_waiter
         self.spawn = spawn  # starts one more worker
+        self.pop = self._items.popleft  # the next piece of work now (IndexError: none)
 
     def put_many(self, items: Iterable[tuple[_Job, int, Any]]) -> None:
         before = len(self._items)
         self._items.extend(items)
         new = len(self._items) - before
-        woken = min(new, len(self._idle))
-        for _ in range(woken):
-            self._idle.popleft().set()
+        idle = self._idle
+        woken = 0
+        while woken < new and idle:
+            waiter = idle.popleft()
+            if not waiter.is_set():  # not a worker cancelled while it waited
+                waiter.set()
+                woken += 1
         more = min(new - woken, self._limit - self._spawned)
         if more > 0:
             self._spawned += more
@@ -256,7 +266,7 @@ class _WorkQueue:
         while not self._items:
             if self._closed:
                 return None
-            wakeup = anyio.Event()
+            wakeup = self._new_waiter()
             self._idle.append(wakeup)
             await wakeup.wait()
         return self._items.popleft()
@@ -769,20 +779,20 @@ class FetchPlan:
         finally:
             self.stats.fetch.add(_now() - started)
 
-    async def fetch_item(self, index: Any, limiter: anyio.CapacityLimiter) -> Any:
-        started = _now()
-        try:
-            if self.mode == "thread":
-                return await self.in_thread(self.get_item, index, limiter=limiter)
-            scope = self._scope(index)
-            token = None if scope is None else scope_var.set(scope)
-            try:
-                return await resolve(self.dataset[index])
-            finally:
-                if token is not None:
-                    scope_var.reset(token)
-        finally:
-            self.stats.fetch.add(_now() - started)
+    def fetch_item(self, index: Any, limiter: anyio.CapacityLimiter) -> Awaitable[Any]:
+        """What to await for sample ``index`` alone: an async dataset's own awaitable,
+        without a coroutine of ours around it (with hundreds of fetches in flight, every frame
+        costs on every resume). The caller times the await (the ``fetch`` stage) and, for a
+        fetch on the loop (not ``"thread"``), awaits it in the sample's scope
+        (``scope_var`` set to :meth:`item_scope`), since an async fetch runs when awaited."""
+        if self.mode == "thread":
+            return self.in_thread(self.get_item, index, limiter=limiter)
+        value = self.dataset[index]
+        return value if inspect.isawaitable(value) else resolve(value)
+
+    def item_scope(self, index: Any) -> Scope | None:
+        """The scope :meth:`fetch_item`'s caller sets for sample ``index``, or None."""
+        return None if self.mode == "thread" else self._scope(index)
 
     async def load(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
         """Fetch and collate one job in a single thread call (``collate_in_thread`` plans)."""
@@ -803,6 +813,25 @@ class FetchPlan:
         return batch if self.transform is None else self.transform(batch)
 
 
+class _Guarded:
+    """``with epoch._guarded:`` is :meth:`Epoch._guard` around a block, for the fetch
+    workers, where a coroutine frame more would cost on every resume of every fetch."""
+
+    __slots__ = ("_epoch",)
+
+    def __init__(self, epoch: Epoch) -> None:
+        self._epoch = epoch
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, error: BaseException | None, traceback: object) -> bool:
+        if error is None or isinstance(error, (Exception, anyio.get_cancelled_exc_class())):
+            return False
+        self._epoch._abort(error)
+        return True
+
+
 class Epoch:
     """The background half of one epoch: its lifecycle, shared by the two kinds of epoch.
 
@@ -818,6 +847,7 @@ class Epoch:
         self.done = anyio.Event()
         # The thread whose event loop runs the epoch: only that loop can wait for ``done``.
         self.loop_thread = threading.get_ident()
+        self._guarded = _Guarded(self)
 
     # Lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -845,14 +875,8 @@ class Epoch:
         of the event loop, trio calls any a crash): it stops the epoch and the consumer gets
         it, the same object, once the batches before it are taken.
         """
-        try:
+        with self._guarded:
             await fn(*args)
-        except Exception:
-            raise
-        except anyio.get_cancelled_exc_class():
-            raise
-        except BaseException as exc:
-            self._abort(exc)
 
     def _abort(self, error: BaseException) -> None:
         if self._fatal is None:
@@ -967,11 +991,11 @@ class MapEpoch(Epoch):
         workers = plan.concurrency if plan.granularity == "item" and threads is None else (
             plan.window
         )
-        queue = _WorkQueue(workers)
+        queue = _WorkQueue(workers, waiters())
         try:
             async with anyio.create_task_group() as tg:
                 def spawn() -> None:
-                    tg.start_soon(self._guard, self._worker, queue, limiter, window)
+                    tg.start_soon(self._worker, queue, limiter, window)
 
                 queue.spawn = spawn
                 try:
@@ -1023,34 +1047,51 @@ class MapEpoch(Epoch):
     async def _worker(
         self, queue: _WorkQueue, limiter: anyio.CapacityLimiter, window: anyio.Semaphore
     ) -> None:
-        while (work := await queue.get()) is not None:
-            job, position, index = work
-            if position == _WHOLE_JOB:
-                await self._run_job(job, limiter)
-                window.release()
-                continue
-            if position == _AWAIT_THREADS:
-                assert job.fetched is not None
-                await job.fetched.wait()
-                if job.error is not None and not isinstance(job.error, Exception):
-                    raise job.error  # a KeyboardInterrupt in a fetch thread: see _guard
-                await self._complete(job, limiter)
-                window.release()
-                continue
-            if job.error is None:
+        plan = self.plan
+        fetch_item, item_scope, add = plan.fetch_item, plan.item_scope, plan.stats.fetch.add
+        pop, get = queue.pop, queue.get
+        with self._guarded:  # not _guard(): a frame less on every resume
+            while True:
                 try:
-                    job.samples[position] = await self.plan.fetch_item(index, limiter)
-                except Exception as exc:
-                    error = self.plan.absorb(index, _note(exc, f"raised while fetching index "
-                                                               f"{index!r} of batch {job.seq}"))
-                    if error is None:
-                        job.samples[position] = _FAILED
-                    else:
-                        job.error = error
-            job.remaining -= 1
-            if job.remaining == 0:
-                await self._complete(job, limiter)
-                window.release()
+                    job, position, index = pop()  # without a trip through the loop if it can
+                except IndexError:
+                    work = await get()
+                    if work is None:
+                        return
+                    job, position, index = work
+                if position == _WHOLE_JOB:
+                    await self._run_job(job, limiter)
+                    window.release()
+                    continue
+                if position == _AWAIT_THREADS:
+                    assert job.fetched is not None
+                    await job.fetched.wait()
+                    if job.error is not None and not isinstance(job.error, Exception):
+                        raise job.error  # a KeyboardInterrupt in a fetch thread: see _guard
+                    await self._complete(job, limiter)
+                    window.release()
+                    continue
+                if job.error is None:
+                    started = _now()
+                    scope = item_scope(index)
+                    token = None if scope is None else scope_var.set(scope)
+                    try:
+                        job.samples[position] = await fetch_item(index, limiter)
+                    except Exception as exc:
+                        error = plan.absorb(index, _note(exc, f"raised while fetching index "
+                                                              f"{index!r} of batch {job.seq}"))
+                        if error is None:
+                            job.samples[position] = _FAILED
+                        else:
+                            job.error = error
+                    finally:
+                        if token is not None:
+                            scope_var.reset(token)
+                        add(_now() - started)
+                job.remaining -= 1
+                if job.remaining == 0:
+                    await self._complete(job, limiter)
+                    window.release()
 
     async def _run_job(self, job: _Job, limiter: anyio.CapacityLimiter) -> None:
         """Load a job fetched in one call, publishing its batch or its error."""

@@ -210,6 +210,76 @@ async def _io_limit(n: int, concurrency: int = IO_CONCURRENCY) -> float:
     return n / elapsed
 
 
+async def _io_window_limit(n: int, concurrency: int = IO_CONCURRENCY) -> float:
+    # The tightest bare program: ``concurrency`` coroutines, each taking the next index,
+    # awaiting its fetch and writing the item into its batch's slot; the batch that completes
+    # the head of the line is stacked, with any complete ones behind it, in order.
+    fetch = AsyncIODataset(n).__getitem__
+    sizes = [min(IO_BATCH, n - s) for s in range(0, n, IO_BATCH)]
+    slots: list[list[Any]] = [[None] * size for size in sizes]
+    missing = sizes.copy()
+    batches: list[npt.NDArray[np.float32]] = []
+    taken = 0
+
+    async def one() -> None:
+        nonlocal taken
+        while taken < n:
+            i = taken
+            taken += 1
+            b, k = divmod(i, IO_BATCH)
+            slots[b][k] = await fetch(i)
+            missing[b] -= 1
+            while len(batches) < len(sizes) and not missing[len(batches)]:
+                batches.append(np.stack(slots[len(batches)]))
+
+    start = time.perf_counter()
+    await asyncio.gather(*[one() for _ in range(min(concurrency, n))])
+    elapsed = time.perf_counter() - start
+    _check("io window limit", sum(len(b) for b in batches), n)
+    return n / elapsed
+
+
+class _TrioIODataset(_IODataset):
+    """The io workload on trio: each fetch waits ``latency`` seconds in ``trio.sleep``."""
+
+    async def __getitem__(self, i: int) -> npt.NDArray[np.float32]:
+        import trio
+
+        await trio.sleep(self.latency)
+        return _payload(i)
+
+
+async def _io_trio_limit(n: int, concurrency: int = IO_CONCURRENCY) -> float:
+    # _io_window_limit as a trio nursery of ``concurrency`` tasks.
+    import trio
+
+    fetch = _TrioIODataset(n).__getitem__
+    sizes = [min(IO_BATCH, n - s) for s in range(0, n, IO_BATCH)]
+    slots: list[list[Any]] = [[None] * size for size in sizes]
+    missing = sizes.copy()
+    batches: list[npt.NDArray[np.float32]] = []
+    taken = 0
+
+    async def one() -> None:
+        nonlocal taken
+        while taken < n:
+            i = taken
+            taken += 1
+            b, k = divmod(i, IO_BATCH)
+            slots[b][k] = await fetch(i)
+            missing[b] -= 1
+            while len(batches) < len(sizes) and not missing[len(batches)]:
+                batches.append(np.stack(slots[len(batches)]))
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(min(concurrency, n)):
+            nursery.start_soon(one)
+    elapsed = time.perf_counter() - start
+    _check("io trio limit", sum(len(b) for b in batches), n)
+    return n / elapsed
+
+
 def _thread_pool_limit(n: int) -> float:
     fetch = BlockingIODataset(n).__getitem__
     with ThreadPoolExecutor(SYNC_CONCURRENCY) as pool:
