@@ -38,7 +38,7 @@ class _NoStage(Stage):
 
     def __init__(self) -> None:
         super().__init__()
-        self.add = _nothing  # type: ignore[assignment]
+        self.add = _nothing
 
 
 class NoCollector(Collector):
@@ -66,11 +66,11 @@ class NoCollector(Collector):
 
 
 def _with(collector: type[Collector], run: Any) -> float:
-    loader_module.Collector = collector  # type: ignore[misc]
+    setattr(loader_module, "Collector", collector)  # noqa: B010 - swapped for the benchmark
     try:
         return float(run())
     finally:
-        loader_module.Collector = Collector  # type: ignore[misc]
+        setattr(loader_module, "Collector", Collector)  # noqa: B010
 
 
 def main() -> None:
