@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any, Protocol
 
 import anyio
@@ -51,55 +51,53 @@ def current_backend() -> str | None:
 
 
 class Waiter(Protocol):
-    """A one-shot wake-up for ONE task: ``await waiter.wait()`` returns once :meth:`set` ran.
+    """A one-shot wake-up for ONE task, shaped like a future: ``await waiter`` returns once
+    ``set_result(None)`` ran; set it only while not :meth:`done`.
 
-    One task only: on asyncio the wait is the future itself, which a cancelled waiter cancels
-    (so a waiter is never shared, and a cancelled one is :meth:`is_set`, never woken).
-    Call :meth:`set` on the loop's thread; setting twice is harmless.
+    One task only: on asyncio it is the loop's plain future, which a cancelled waiter cancels
+    (so a waiter is never shared, and a cancelled one is :meth:`done`, never woken). Set it on
+    the loop's thread.
     """
 
-    def set(self) -> None: ...
+    def done(self) -> bool: ...
 
-    def is_set(self) -> bool: ...
+    def set_result(self, result: None, /) -> None: ...
 
-    def wait(self) -> Awaitable[Any]: ...
+    def __await__(self) -> Generator[Any, None, Any]: ...
 
 
-class _FutureWaiter:
-    """A :class:`Waiter` on asyncio: a plain future of the loop, awaited directly."""
+class _EventWaiter:
+    """A :class:`Waiter` on trio: a ``trio.Event``."""
 
-    __slots__ = ("_future",)
+    __slots__ = ("_event",)
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._future: asyncio.Future[None] = loop.create_future()
+    def __init__(self) -> None:
+        import trio
 
-    def set(self) -> None:
-        future = self._future
-        if not future.done():
-            future.set_result(None)
+        self._event = trio.Event()
 
-    def is_set(self) -> bool:
-        return self._future.done()
+    def done(self) -> bool:
+        return self._event.is_set()
 
-    def wait(self) -> Awaitable[None]:
-        return self._future
+    def set_result(self, result: None, /) -> None:
+        self._event.set()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._event.wait().__await__()
 
 
 def waiters() -> Callable[[], Waiter]:
     """The factory of :class:`Waiter` s for the running event loop (look it up once, use it
-    for many waits on this loop).
+    for many waits on this loop): the loop's ``create_future`` on asyncio.
 
     Raises:
         RuntimeError: outside an asyncio or trio event loop.
     """
     backend = current_backend()
     if backend == "trio":
-        import trio
-
-        return trio.Event
+        return _EventWaiter
     if backend == "asyncio":
-        loop = asyncio.get_running_loop()
-        return lambda: _FutureWaiter(loop)
+        return asyncio.get_running_loop().create_future
     raise RuntimeError("aloader needs a running asyncio or trio event loop")
 
 

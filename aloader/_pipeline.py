@@ -259,8 +259,8 @@ class _WorkQueue:
         woken = 0
         while woken < new and idle:
             waiter = idle.popleft()
-            if not waiter.is_set():  # not a worker cancelled while it waited
-                waiter.set()
+            if not waiter.done():  # not a worker cancelled while it waited
+                waiter.set_result(None)
                 woken += 1
         more = min(new - woken, self._limit - self._spawned)
         if more > 0:
@@ -271,7 +271,9 @@ class _WorkQueue:
     def close(self) -> None:
         self._closed = True
         while self._idle:
-            self._idle.popleft().set()
+            waiter = self._idle.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def get(self) -> tuple[_Job, int, Any] | None:
         """The next piece of work, or None once the queue is closed and drained."""
@@ -280,7 +282,7 @@ class _WorkQueue:
                 return None
             wakeup = self._new_waiter()
             self._idle.append(wakeup)
-            await wakeup.wait()
+            await wakeup
         return self.items.popleft()
 
 
@@ -798,15 +800,12 @@ class FetchPlan:
         without a coroutine of ours around it (with hundreds of fetches in flight, every frame
         costs on every resume). The caller times the await (the ``fetch`` stage) and, for a
         fetch on the loop (not ``"thread"``), awaits it in the sample's scope
-        (``scope_var`` set to :meth:`item_scope`), since an async fetch runs when awaited."""
+        (``scope_var`` set to ``Scope(seed, epoch, index)``), since an async fetch runs when
+        awaited."""
         if self.mode == "thread":
             return self.in_thread(self.get_item, index, limiter=limiter)
         value = self.dataset[index]
         return value if inspect.isawaitable(value) else resolve(value)
-
-    def item_scope(self, index: Any) -> Scope | None:
-        """The scope :meth:`fetch_item`'s caller sets for sample ``index``, or None."""
-        return None if self.mode == "thread" else self._scope(index)
 
     async def load(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
         """Fetch and collate one job in a single thread call (``collate_in_thread`` plans)."""
@@ -879,8 +878,8 @@ class _Admission:
         """A job left the window (its batch is collated, or its error published)."""
         self._free += 1
         waiting, self._waiting = self._waiting, None
-        if waiting is not None:
-            waiting.set()
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)
 
     def _enter(self, key: Any) -> None:
         self._free -= 1
@@ -913,7 +912,7 @@ class _Admission:
                 await anyio.lowlevel.checkpoint()
             while self._free <= 0:
                 waiting = self._waiting = self._new_waiter()
-                await waiting.wait()
+                await waiting
             started = _now()
             try:
                 key = await keys.__anext__()
@@ -1130,7 +1129,10 @@ class MapEpoch(Epoch):
         self, queue: _WorkQueue, limiter: anyio.CapacityLimiter, window: _Admission
     ) -> None:
         plan = self.plan
-        fetch_item, item_scope, add = plan.fetch_item, plan.item_scope, plan.stats.fetch.add
+        fetch_item, add = plan.fetch_item, plan.stats.fetch.add
+        # The sample's scope, set here for a fetch on the loop (see FetchPlan.fetch_item);
+        # the epoch read per sample: a worker process's plan changes it per request.
+        seed = None if plan.mode == "thread" else plan.seed
         items, get = queue.items, queue.get
         with self._guarded:  # not _guard(): a frame less on every resume
             while True:
@@ -1157,8 +1159,8 @@ class MapEpoch(Epoch):
                     continue
                 if job.error is None:
                     started = _now()
-                    scope = item_scope(index)
-                    token = None if scope is None else scope_var.set(scope)
+                    token = None if seed is None else scope_var.set(
+                        Scope(seed, plan.epoch, index))
                     try:
                         job.samples[position] = await fetch_item(index, limiter)
                     except Exception as exc:

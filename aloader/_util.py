@@ -62,7 +62,8 @@ class Signal:
         if self._waiters:
             waiters, self._waiters = self._waiters, []
             for waiter in waiters:
-                waiter.set()
+                if not waiter.done():
+                    waiter.set_result(None)
 
     async def wait(self) -> None:
         loop = asyncio._get_running_loop()
@@ -71,7 +72,7 @@ class Signal:
         waiter = self._new()
         self._waiters.append(waiter)
         try:
-            await waiter.wait()
+            await waiter
         except BaseException:  # cancelled: the next notify has no use for it
             with contextlib.suppress(ValueError):
                 self._waiters.remove(waiter)
