@@ -22,6 +22,12 @@ With worker processes (``mode="process"``) the same pipeline runs; a job's fetch
 to a worker and awaits the batch the worker collated (see :mod:`aloader._pool`), and the plan's
 ``remote`` runs a service task beside the fetch workers for as long as the epoch lasts.
 
+The hot path, hundreds of single-item fetches in flight, costs little beyond the fetches' own
+awaits: a worker takes work without awaiting while there is some, parks on a waiter of the
+running loop (:func:`aloader._backend.waiters`: a plain future on asyncio, looked up once per
+epoch) only when there is none, awaits the dataset's own awaitable with no coroutine of ours
+around it, and a plain ``collate_fn`` runs without an await.
+
 Memory is bounded whatever the consumer does: a job holds a window slot from admission until its
 batch is collated, and a batch is collated only once it has an output slot.
 
@@ -150,15 +156,6 @@ class Results:
             while self._reserved >= self._capacity:
                 await self._changed.wait()
             self._reserved += 1
-
-    def reserve_nowait(self, seq: int) -> bool:
-        """:meth:`reserve` if job ``seq`` may publish now (True), else nothing (False)."""
-        if self._in_order:
-            return seq < self.taken + self._capacity
-        if self._reserved < self._capacity:
-            self._reserved += 1
-            return True
-        return False
 
     def publish(self, seq: int, value: Any, error: BaseException | None = None) -> None:
         if self._in_order:
@@ -1205,13 +1202,9 @@ class MapEpoch(Epoch):
     async def _complete(self, job: _Job, limiter: anyio.CapacityLimiter,
                         window: _Admission) -> None:
         """Collate a job whose items are all in (or publish its first error), then free its
-        window slot: for the next job at once if the output slot was free, else on the
-        producer's next turn (a job that waited for the consumer admits no fetch of its own
-        before the consumer's task has gone on)."""
+        window slot; a plain ``collate_fn`` runs without an await (``collate_now``)."""
         results = self.results
-        free = results.reserve_nowait(job.seq)
-        if not free:
-            await results.reserve(job.seq)
+        await results.reserve(job.seq)
         samples = self._samples_of(job)
         if job.error is not None:
             results.publish(job.seq, None, job.error)
