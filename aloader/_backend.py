@@ -4,6 +4,10 @@ A loader iterator must keep fetching while the consumer's ``async for`` body run
 ``async for`` gives it no task group to live in. So the pipeline runs as a detached background
 task (an asyncio task, or a trio system task) that owns its own task group, and the iterator
 cancels it explicitly on close, cancellation or garbage collection.
+
+The hot paths wait with :func:`waiters`' one-shot waiters, made by a factory looked up once
+(per epoch, per :class:`~aloader._util.Signal`): a plain future of the running asyncio loop,
+or a ``trio.Event``, with none of anyio's per-object look-up of the running library.
 """
 
 from __future__ import annotations
@@ -12,12 +16,19 @@ import asyncio
 import contextlib
 import contextvars
 import sys
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any, Protocol
 
 import anyio
 
-__all__ = ("Detached", "current_backend", "spawn_background", "threadsafe_caller")
+__all__ = (
+    "Detached",
+    "Waiter",
+    "current_backend",
+    "spawn_background",
+    "threadsafe_caller",
+    "waiters",
+)
 
 # asyncio only keeps weak references to tasks: hold them until they finish.
 _ASYNCIO_TASKS: set[asyncio.Task[Any]] = set()
@@ -38,6 +49,57 @@ def current_backend() -> str | None:
     except RuntimeError:
         return None
     return "asyncio"
+
+
+class Waiter(Protocol):
+    """A one-shot wake-up for ONE task, shaped like a future: ``await waiter`` returns once
+    ``set_result(None)`` ran; set it only while not :meth:`done`.
+
+    One task only: on asyncio it is the loop's plain future, which a cancelled waiter cancels
+    (so a waiter is never shared, and a cancelled one is :meth:`done`, never woken). Set it on
+    the loop's thread.
+    """
+
+    def done(self) -> bool: ...
+
+    def set_result(self, result: None, /) -> None: ...
+
+    def __await__(self) -> Generator[Any, None, Any]: ...
+
+
+class _EventWaiter:
+    """A :class:`Waiter` on trio: a ``trio.Event``."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        import trio
+
+        self._event = trio.Event()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def set_result(self, result: None, /) -> None:
+        self._event.set()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._event.wait().__await__()
+
+
+def waiters() -> Callable[[], Waiter]:
+    """The factory of :class:`Waiter` s for the running event loop (look it up once, use it
+    for many waits on this loop): the loop's ``create_future`` on asyncio.
+
+    Raises:
+        RuntimeError: outside an asyncio or trio event loop.
+    """
+    backend = current_backend()
+    if backend == "trio":
+        return _EventWaiter
+    if backend == "asyncio":
+        return asyncio.get_running_loop().create_future
+    raise RuntimeError("aloader needs a running asyncio or trio event loop")
 
 
 def threadsafe_caller() -> Callable[[Callable[[], None]], None]:

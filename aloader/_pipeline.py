@@ -22,6 +22,12 @@ With worker processes (``mode="process"``) the same pipeline runs; a job's fetch
 to a worker and awaits the batch the worker collated (see :mod:`aloader._pool`), and the plan's
 ``remote`` runs a service task beside the fetch workers for as long as the epoch lasts.
 
+The hot path, hundreds of single-item fetches in flight, costs little beyond the fetches' own
+awaits: a worker takes work without awaiting while there is some, parks on a waiter of the
+running loop (:func:`aloader._backend.waiters`: a plain future on asyncio, looked up once per
+epoch) only when there is none, awaits the dataset's own awaitable with no coroutine of ours
+around it, and a plain ``collate_fn`` runs without an await.
+
 Memory is bounded whatever the consumer does: a job holds a window slot from admission until its
 batch is collated, and a batch is collated only once it has an output slot.
 
@@ -43,6 +49,7 @@ waits for the fetches in threads to return, unless the epoch has abandoned its t
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 import queue
 import threading
@@ -56,7 +63,7 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 
-from ._backend import Detached, threadsafe_caller
+from ._backend import Detached, Waiter, threadsafe_caller, waiters
 from ._dataset import aiter_of, fetch_mode
 from ._exceptions import FailureBudgetExceeded, LoaderClosedError
 from ._failures import KNOWN_FAILED, Failures, resumable
@@ -75,10 +82,11 @@ __all__ = (
     "Results",
 )
 
-# Work queue positions that are not item positions: a job fetched in one call, and a job whose
-# items fetch threads are filling.
+# Work queue positions that are not item positions: a job fetched in one call, a job whose
+# items fetch threads are filling, and a job with no item to fetch (collated at once).
 _WHOLE_JOB = -1
 _AWAIT_THREADS = -2
+_NO_ITEMS = -3
 
 # Inline epochs give other tasks a turn at least this often (seconds).
 _YIELD_EVERY = 0.001
@@ -217,29 +225,40 @@ class _WorkQueue:
 
     Lighter than a memory object stream (the producer never waits on it: the window bounds
     what it holds), and it wakes one idle worker per new piece of work rather than all of them,
-    which matters with hundreds of workers at tens of thousands of items per second.
+    which matters with hundreds of workers at tens of thousands of items per second. A worker
+    takes work without awaiting anything while there is some (:attr:`items`), and parks on a
+    :class:`~aloader._backend.Waiter` of the epoch's loop (``new_waiter``) when there is none.
 
     Workers start on demand: work that no idle worker is woken for starts a new one, up to
     ``limit``, so workers never outnumber the work the window let in.
     """
 
-    __slots__ = ("_closed", "_idle", "_items", "_limit", "_spawned", "spawn")
+    __slots__ = ("_closed", "_idle", "_limit", "_new_waiter", "_spawned", "items", "spawn")
 
-    def __init__(self, limit: int, spawn: Callable[[], None] = lambda: None) -> None:
-        self._items: deque[tuple[_Job, int, Any]] = deque()
-        self._idle: deque[anyio.Event] = deque()
+    def __init__(self, limit: int, new_waiter: Callable[[], Waiter],
+                 spawn: Callable[[], None] = lambda: None) -> None:
+        self.items: deque[tuple[_Job, int, Any]] = deque()  # a worker pops what is here
+        self._idle: deque[Waiter] = deque()
         self._closed = False
         self._limit = limit
         self._spawned = 0
+        self._new_waiter = new_waiter
         self.spawn = spawn  # starts one more worker
 
     def put_many(self, items: Iterable[tuple[_Job, int, Any]]) -> None:
-        before = len(self._items)
-        self._items.extend(items)
-        new = len(self._items) - before
-        woken = min(new, len(self._idle))
-        for _ in range(woken):
-            self._idle.popleft().set()
+        """Add work, waking an idle worker (or starting one) for each piece."""
+        before = len(self.items)
+        self.items.extend(items)
+        self._wake(len(self.items) - before)
+
+    def _wake(self, new: int) -> None:
+        idle = self._idle
+        woken = 0
+        while woken < new and idle:
+            waiter = idle.popleft()
+            if not waiter.done():  # not a worker cancelled while it waited
+                waiter.set_result(None)
+                woken += 1
         more = min(new - woken, self._limit - self._spawned)
         if more > 0:
             self._spawned += more
@@ -249,17 +268,19 @@ class _WorkQueue:
     def close(self) -> None:
         self._closed = True
         while self._idle:
-            self._idle.popleft().set()
+            waiter = self._idle.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def get(self) -> tuple[_Job, int, Any] | None:
         """The next piece of work, or None once the queue is closed and drained."""
-        while not self._items:
+        while not self.items:
             if self._closed:
                 return None
-            wakeup = anyio.Event()
+            wakeup = self._new_waiter()
             self._idle.append(wakeup)
-            await wakeup.wait()
-        return self._items.popleft()
+            await wakeup
+        return self.items.popleft()
 
 
 @dataclass(eq=False)
@@ -563,6 +584,8 @@ class FetchPlan:
         getitems = getattr(self.dataset, "__getitems__", None)
         self._getitems: Callable[[Any], Any] | None = getitems if getitems else None
         self._async_collate = is_async_callable(self.collate_fn)
+        # Whether collate_fn returns plain values (None: not called on the loop yet).
+        self._collate_plain: bool | None = False if self._async_collate else None
         self.abandon = _Abandon()
 
     async def in_thread(
@@ -769,38 +792,159 @@ class FetchPlan:
         finally:
             self.stats.fetch.add(_now() - started)
 
-    async def fetch_item(self, index: Any, limiter: anyio.CapacityLimiter) -> Any:
-        started = _now()
-        try:
-            if self.mode == "thread":
-                return await self.in_thread(self.get_item, index, limiter=limiter)
-            scope = self._scope(index)
-            token = None if scope is None else scope_var.set(scope)
-            try:
-                return await resolve(self.dataset[index])
-            finally:
-                if token is not None:
-                    scope_var.reset(token)
-        finally:
-            self.stats.fetch.add(_now() - started)
+    def fetch_item(self, index: Any, limiter: anyio.CapacityLimiter) -> Awaitable[Any]:
+        """What to await for sample ``index`` alone: an async dataset's own awaitable,
+        without a coroutine of ours around it (with hundreds of fetches in flight, every frame
+        costs on every resume). The caller times the await (the ``fetch`` stage) and, for a
+        fetch on the loop (not ``"thread"``), awaits it in the sample's scope
+        (``scope_var`` set to ``Scope(seed, epoch, index)``), since an async fetch runs when
+        awaited."""
+        if self.mode == "thread":
+            return self.in_thread(self.get_item, index, limiter=limiter)
+        value = self.dataset[index]
+        return value if inspect.isawaitable(value) else resolve(value)
 
     async def load(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
         """Fetch and collate one job in a single thread call (``collate_in_thread`` plans)."""
         batch = await self.in_thread(self.load_sync, key, limiter=limiter)
         return await resolve(batch)
 
-    async def collate(self, samples: Any, limiter: anyio.CapacityLimiter) -> Any:
-        if self.collate_in_thread:
-            return await self.in_thread(self.collate_sync, samples, limiter=limiter)
+    @property
+    def collates_on_loop(self) -> bool:
+        """Whether :meth:`collate_now` may collate: a plain ``collate_fn``, not in a thread,
+        seen by :meth:`collate` to return plain values (not awaitables)."""
+        return self._collate_plain is True
+
+    def collate_now(self, samples: Any) -> Any:
+        """:meth:`collate` without an await: for SKIP, a remote's batch, or where the plan
+        :attr:`collates_on_loop`."""
         if samples is SKIP:  # every sample failed within the budget, or none came
             return SKIP
         if self.remote is not None:  # collated by the worker
             batch = samples
         else:
             started = _now()
-            batch = await resolve(self.collate_fn(samples))
+            batch = self.collate_fn(samples)
+            if inspect.isawaitable(batch):
+                if inspect.iscoroutine(batch):
+                    batch.close()
+                raise TypeError(f"collate_fn {self.collate_fn!r} returned an awaitable after "
+                                "returning plain batches; make it `async def`")
             self.stats.collated(samples, _now() - started)
         return batch if self.transform is None else self.transform(batch)
+
+    async def collate(self, samples: Any, limiter: anyio.CapacityLimiter) -> Any:
+        if self.collate_in_thread:
+            return await self.in_thread(self.collate_sync, samples, limiter=limiter)
+        if samples is SKIP or self.remote is not None:
+            return self.collate_now(samples)
+        started = _now()
+        batch = self.collate_fn(samples)
+        if inspect.isawaitable(batch):  # async def, or a plain function returning one
+            self._collate_plain = False
+            batch = await batch
+        elif self._collate_plain is None:
+            self._collate_plain = True
+        self.stats.collated(samples, _now() - started)
+        return batch if self.transform is None else self.transform(batch)
+
+
+class _Admission:
+    """The window of a :class:`MapEpoch`: jobs enter it here, at most ``plan.window`` at once.
+
+    A job holds a window slot from admission until its batch is collated (:meth:`release`).
+    :meth:`produce`, the epoch's producer task, admits jobs in sampler order, numbered from 0,
+    one per turn of the loop (as fetches start, the first may already stop the epoch before
+    the rest begin), and parks on a plain :class:`~aloader._backend.Waiter` while the window
+    is full: lighter than a semaphore, whose every acquire looks up the running library.
+    """
+
+    __slots__ = ("_epoch", "_free", "_new_waiter", "_queue", "_threads", "_waiting", "seq")
+
+    def __init__(self, epoch: MapEpoch, queue: _WorkQueue, threads: _FetchThreads | None,
+                 new_waiter: Callable[[], Waiter]) -> None:
+        self._epoch = epoch
+        self._queue = queue
+        self._threads = threads
+        self._new_waiter = new_waiter
+        self._free = epoch.plan.window
+        self._waiting: Waiter | None = None  # the producer, parked
+        self.seq = 0  # the next job's number
+
+    def release(self) -> None:
+        """A job left the window (its batch is collated, or its error published)."""
+        self._free += 1
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)
+
+    def _enter(self, key: Any) -> None:
+        self._free -= 1
+        plan = self._epoch.plan
+        job = _Job(self.seq, key)
+        self.seq += 1
+        queue = self._queue
+        if plan.granularity == "job":
+            queue.put_many(((job, _WHOLE_JOB, key),))
+            return
+        items = plan.items_of(key)
+        job.samples = [None] * len(items)
+        job.remaining = len(items)
+        if not items:
+            queue.put_many(((job, _NO_ITEMS, None),))
+        elif self._threads is not None:
+            self._threads.submit(job, items)
+            queue.put_many(((job, _AWAIT_THREADS, None),))
+        else:
+            queue.put_many(zip(itertools.repeat(job), range(len(items)), items))
+
+    async def produce(self) -> None:
+        """Admit jobs until the sampler ends or fails, then tell the results how many."""
+        epoch = self._epoch
+        keys = _Keys(epoch._keys)
+        sampling = epoch.plan.stats.sampling
+        error: Exception | None = None
+        while True:
+            if self._free > 0:
+                await anyio.lowlevel.checkpoint()
+            while self._free <= 0:
+                waiting = self._waiting = self._new_waiter()
+                await waiting
+            started = _now()
+            try:
+                key = await keys.__anext__()
+            except StopAsyncIteration:
+                break
+            except Exception as exc:
+                error = exc
+                break
+            sampling.add(_now() - started)
+            self._enter(key)
+        if error is not None:
+            results = epoch.results
+            await results.reserve(self.seq)
+            results.publish(self.seq, None, _note(error, "raised by the sampler"))
+            self.seq += 1
+        epoch.results.finish(self.seq)
+
+
+class _Guarded:
+    """``with epoch._guarded:`` is :meth:`Epoch._guard` around a block, for the fetch
+    workers, where a coroutine frame more would cost on every resume of every fetch."""
+
+    __slots__ = ("_epoch",)
+
+    def __init__(self, epoch: Epoch) -> None:
+        self._epoch = epoch
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, error: BaseException | None, traceback: object) -> bool:
+        if error is None or isinstance(error, (Exception, anyio.get_cancelled_exc_class())):
+            return False
+        self._epoch._abort(error)
+        return True
 
 
 class Epoch:
@@ -818,6 +962,7 @@ class Epoch:
         self.done = anyio.Event()
         # The thread whose event loop runs the epoch: only that loop can wait for ``done``.
         self.loop_thread = threading.get_ident()
+        self._guarded = _Guarded(self)
 
     # Lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -845,14 +990,8 @@ class Epoch:
         of the event loop, trio calls any a crash): it stops the epoch and the consumer gets
         it, the same object, once the batches before it are taken.
         """
-        try:
+        with self._guarded:
             await fn(*args)
-        except Exception:
-            raise
-        except anyio.get_cancelled_exc_class():
-            raise
-        except BaseException as exc:
-            self._abort(exc)
 
     def _abort(self, error: BaseException) -> None:
         if self._fatal is None:
@@ -958,7 +1097,6 @@ class MapEpoch(Epoch):
 
     async def _run(self) -> None:
         plan = self.plan
-        window = anyio.Semaphore(plan.window)
         limiter = anyio.CapacityLimiter(plan.concurrency)
         threads = None
         if plan.granularity == "item" and plan.mode == "thread":
@@ -967,90 +1105,75 @@ class MapEpoch(Epoch):
         workers = plan.concurrency if plan.granularity == "item" and threads is None else (
             plan.window
         )
-        queue = _WorkQueue(workers)
+        new_waiter = waiters()  # the backend, looked up once for the epoch
+        queue = _WorkQueue(workers, new_waiter)
+        admission = _Admission(self, queue, threads, new_waiter)
         try:
             async with anyio.create_task_group() as tg:
                 def spawn() -> None:
-                    tg.start_soon(self._guard, self._worker, queue, limiter, window)
+                    tg.start_soon(self._worker, queue, limiter, admission)
 
                 queue.spawn = spawn
                 try:
-                    await self._guard(self._produce, queue, window, threads)
+                    await self._guard(admission.produce)
                 finally:
                     queue.close()
         finally:
             if threads is not None:
                 await threads.close()
 
-    async def _produce(
-        self, queue: _WorkQueue, window: anyio.Semaphore, threads: _FetchThreads | None
-    ) -> None:
-        keys = _Keys(self._keys)
-        sampling = self.plan.stats.sampling
-        seq = 0
-        while True:
-            await window.acquire()
-            started = _now()
-            try:
-                key = await keys.__anext__()
-            except StopAsyncIteration:
-                window.release()
-                break
-            except Exception as exc:
-                await self.results.reserve(seq)
-                self.results.publish(seq, None, _note(exc, "raised by the sampler"))
-                seq += 1
-                break
-            sampling.add(_now() - started)
-            job = _Job(seq, key)
-            seq += 1
-            if self.plan.granularity == "job":
-                queue.put_many(((job, _WHOLE_JOB, key),))
-                continue
-            items = self.plan.items_of(key)
-            job.samples = [None] * len(items)
-            job.remaining = len(items)
-            if items and threads is not None:
-                threads.submit(job, items)
-                queue.put_many(((job, _AWAIT_THREADS, None),))
-            elif items:
-                queue.put_many((job, position, index) for position, index in enumerate(items))
-            else:
-                await self._complete(job, anyio.CapacityLimiter(1))
-                window.release()
-        self.results.finish(seq)
-
     async def _worker(
-        self, queue: _WorkQueue, limiter: anyio.CapacityLimiter, window: anyio.Semaphore
+        self, queue: _WorkQueue, limiter: anyio.CapacityLimiter, window: _Admission
     ) -> None:
-        while (work := await queue.get()) is not None:
-            job, position, index = work
-            if position == _WHOLE_JOB:
-                await self._run_job(job, limiter)
-                window.release()
-                continue
-            if position == _AWAIT_THREADS:
-                assert job.fetched is not None
-                await job.fetched.wait()
-                if job.error is not None and not isinstance(job.error, Exception):
-                    raise job.error  # a KeyboardInterrupt in a fetch thread: see _guard
-                await self._complete(job, limiter)
-                window.release()
-                continue
-            if job.error is None:
-                try:
-                    job.samples[position] = await self.plan.fetch_item(index, limiter)
-                except Exception as exc:
-                    error = self.plan.absorb(index, _note(exc, f"raised while fetching index "
-                                                               f"{index!r} of batch {job.seq}"))
-                    if error is None:
-                        job.samples[position] = _FAILED
-                    else:
-                        job.error = error
-            job.remaining -= 1
-            if job.remaining == 0:
-                await self._complete(job, limiter)
-                window.release()
+        plan = self.plan
+        fetch_item, add = plan.fetch_item, plan.stats.fetch.add
+        # The sample's scope, set here for a fetch on the loop (see FetchPlan.fetch_item);
+        # the epoch read per sample: a worker process's plan changes it per request.
+        seed = None if plan.mode == "thread" else plan.seed
+        items, get = queue.items, queue.get
+        with self._guarded:  # not _guard(): a frame less on every resume
+            while True:
+                if items:  # without a trip through the loop
+                    job, position, index = items.popleft()
+                else:
+                    work = await get()
+                    if work is None:
+                        return
+                    job, position, index = work
+                if position == _WHOLE_JOB:
+                    await self._run_job(job, limiter)
+                    window.release()
+                    continue
+                if position == _AWAIT_THREADS:
+                    assert job.fetched is not None
+                    await job.fetched.wait()
+                    if job.error is not None and not isinstance(job.error, Exception):
+                        raise job.error  # a KeyboardInterrupt in a fetch thread: see _guard
+                    await self._complete(job, limiter, window)
+                    continue
+                if position == _NO_ITEMS:
+                    await self._complete(job, limiter, window)
+                    continue
+                if job.error is None:
+                    started = _now()
+                    token = None if seed is None else scope_var.set(
+                        Scope(seed, plan.epoch, index))
+                    try:
+                        job.samples[position] = await fetch_item(index, limiter)
+                    except Exception as exc:
+                        error = plan.absorb(index, _note(exc, f"raised while fetching index "
+                                                              f"{index!r} of batch {job.seq}"))
+                        if error is None:
+                            job.samples[position] = _FAILED
+                        else:
+                            job.error = error
+                    finally:
+                        if token is not None:
+                            scope_var.reset(token)
+                        add(_now() - started)
+                job.remaining -= 1
+                if job.remaining == 0:
+                    await self._complete(job, limiter, window)
 
     async def _run_job(self, job: _Job, limiter: anyio.CapacityLimiter) -> None:
         """Load a job fetched in one call, publishing its batch or its error."""
@@ -1076,25 +1199,38 @@ class MapEpoch(Epoch):
         else:
             self.results.publish(job.seq, batch)
 
-    async def _complete(self, job: _Job, limiter: anyio.CapacityLimiter) -> None:
-        """Collate a job whose items are all in (or publish its first error)."""
-        await self.results.reserve(job.seq)
+    async def _complete(self, job: _Job, limiter: anyio.CapacityLimiter,
+                        window: _Admission) -> None:
+        """Collate a job whose items are all in (or publish its first error), then free its
+        window slot; a plain ``collate_fn`` runs without an await (``collate_now``)."""
+        results = self.results
+        await results.reserve(job.seq)
+        samples = self._samples_of(job)
+        if job.error is not None:
+            results.publish(job.seq, None, job.error)
+        else:
+            try:
+                if self.plan.collates_on_loop:
+                    batch = self.plan.collate_now(samples)
+                else:
+                    batch = await self.plan.collate(samples, limiter)
+            except Exception as exc:
+                results.publish(job.seq, None, _note(exc, f"raised while collating batch "
+                                                           f"{job.seq}"))
+            else:
+                results.publish(job.seq, batch)
+        job.samples = []
+        window.release()
+
+    def _samples_of(self, job: _Job) -> Any:
+        """The samples to collate: SKIP for a job failed before a resume, those that did not
+        fail within the budget (SKIP if none is left)."""
         samples: Any = job.samples if job.key is not KNOWN_FAILED else SKIP
         if samples is not SKIP and self.plan.failures is not None and job.error is None and any(
             sample is _FAILED for sample in samples  # not `in`: arrays compare elementwise
         ):
             samples = [sample for sample in samples if sample is not _FAILED] or SKIP
-        if job.error is not None:
-            self.results.publish(job.seq, None, job.error)
-        else:
-            try:
-                batch = await self.plan.collate(samples, limiter)
-            except Exception as exc:
-                self.results.publish(job.seq, None, _note(exc, f"raised while collating batch "
-                                                                f"{job.seq}"))
-            else:
-                self.results.publish(job.seq, batch)
-        job.samples = []
+        return samples
 
 
 class IterableEpoch(Epoch):

@@ -6,20 +6,25 @@ is awaitable), :func:`single_error` (the one error inside task-group exception g
 :func:`close_iterator` and :class:`Closing` (release a sync or async iterator's files and
 connections now, shielded from cancellation), and
 the argument checks :func:`check_int` and :func:`check_seconds`, whose messages name the
-argument and what it should be. It imports nothing from aloader, so any module may use it.
+argument and what it should be. It imports nothing from aloader but :mod:`aloader._backend`
+(which imports nothing from aloader), so any module may use it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import inspect
 import math
 import sys
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import anyio
 import anyio.to_thread
+
+from ._backend import Waiter, waiters
 
 __all__ = (
     "Signal",
@@ -38,27 +43,40 @@ class Signal:
     :meth:`wait` returns at the first :meth:`notify` after it started; a ``notify`` with no
     task waiting is forgotten, so a waiter re-checks its condition in a loop
     (``while not ready: await signal.wait()``) and never misses a change made before it waited.
-    ``notify`` is synchronous and cheap when nobody waits (no event is made); it must be
+    ``notify`` is synchronous and cheap when nobody waits (nothing is made); it must be
     called on the loop's thread (from another thread, through the loop's call-soon).
+
+    Each wait is one :func:`~aloader._backend.waiters` waiter of its own (a plain future on
+    asyncio), from a factory looked up at the first wait and again only when the running
+    asyncio loop is another one (a signal outliving its loop, as a pool's does).
     """
 
-    __slots__ = ("_event", "_waiters")
+    __slots__ = ("_loop", "_new", "_waiters")
 
     def __init__(self) -> None:
-        self._event = anyio.Event()
-        self._waiters = 0
+        self._waiters: list[Waiter] = []
+        self._new: Callable[[], Waiter] | None = None
+        self._loop: object = None
 
     def notify(self) -> None:
         if self._waiters:
-            self._event.set()
-            self._event = anyio.Event()
+            waiters, self._waiters = self._waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
 
     async def wait(self) -> None:
-        self._waiters += 1
+        loop = asyncio._get_running_loop()
+        if self._new is None or loop is not self._loop:
+            self._new, self._loop = waiters(), loop
+        waiter = self._new()
+        self._waiters.append(waiter)
         try:
-            await self._event.wait()
-        finally:
-            self._waiters -= 1
+            await waiter
+        except BaseException:  # cancelled: the next notify has no use for it
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(waiter)
+            raise
 
 
 def is_async_callable(fn: object) -> bool:

@@ -94,8 +94,9 @@ def test_bench_io_quick() -> None:
     assert any(line.startswith("| io: async dataset, max_concurrency=512, N=2,000 |")
                for line in lines)
     assert any(line.startswith("| io: same, through the sync `for` facade") for line in lines)
+    assert any(line.startswith("| io: same, vs the anchors' gather program") for line in lines)
     rows = [line for line in lines if line.startswith("| io")]
-    assert len(rows) == 2
+    assert len(rows) == 4  # the limit, the anchors' gather program, the facade, trio
     for line in rows:
         assert line.count("|") == 7, line  # six cells
     assert "rows in" in result.stdout
