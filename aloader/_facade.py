@@ -36,7 +36,15 @@ import anyio
 
 from ._backend import current_backend, threadsafe_caller
 
-__all__ = ("LoopOwner", "PrivateLoop", "SyncIterator", "forbid_running_loop", "loop_of")
+__all__ = (
+    "LocalIterator",
+    "LoopOwner",
+    "PrivateLoop",
+    "SyncIterator",
+    "forbid_running_loop",
+    "loop_of",
+    "run_here",
+)
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -91,9 +99,11 @@ class PrivateLoop:
             try:
                 result = await fn()
             except BaseException as exc:  # the caller's, never the loop's
+                # A cancellation too ends the task here, not re-raised: a cancelled task keeps
+                # its CancelledError, whose traceback holds fn's frames (an epoch's iterator,
+                # its loader) in a cycle that only a later garbage collection would free,
+                # after the caller was told that everything had ended.
                 _settle(future.set_exception, exc)
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
             else:
                 _settle(future.set_result, result)
 
@@ -265,6 +275,72 @@ def _shutdown(
                 future.result()
     if owns_loop:
         loop.close()
+
+
+def run_here(awaitable: Awaitable[T]) -> T:
+    """Run ``awaitable`` to its end on this thread, with no event loop, and return its result.
+
+    For a step that never awaits a real event (an inline epoch's, see
+    :attr:`aloader._pipeline.MapEpoch.loopless`): ``send(None)`` runs it to its end at once.
+    A bare ``yield`` (``asyncio.sleep(0)``) only gives turns, so it goes on; anything else
+    waits for a loop that is not there.
+
+    Raises:
+        RuntimeError: the step awaited an event (it is closed first).
+    """
+    step = awaitable.__await__()
+    try:
+        while True:
+            if step.send(None) is not None:
+                step.close()
+                raise RuntimeError(
+                    f"{awaitable!r} awaited an event, but it runs with no event loop"
+                )
+    except StopIteration as done:
+        return cast(T, done.value)
+
+
+class LocalIterator(Generic[T_co]):
+    """A plain iterator over an async iterator whose steps never await a real event, driven
+    on the consumer's thread (:func:`run_here`): no loop, no thread, no hand-off per item.
+
+    A BaseException of the async iterator (KeyboardInterrupt too) is raised by
+    :meth:`__next__` as itself, and the iterator goes on. It is closed (``aclose()``, when it
+    has one) at its end and by :meth:`close`; dropped, it is left to its own finalizer.
+
+    Args:
+        source: the async iterator.
+    """
+
+    def __init__(self, source: AsyncIterator[T_co]) -> None:
+        self._source = source
+        self._closed = False
+
+    @property
+    def source(self) -> AsyncIterator[T_co]:
+        """The async iterator this iterator drives."""
+        return self._source
+
+    def __iter__(self) -> LocalIterator[T_co]:
+        return self
+
+    def __next__(self) -> T_co:
+        if self._closed:
+            raise StopIteration
+        try:
+            return run_here(self._source.__anext__())
+        except StopAsyncIteration:
+            self.close()
+            raise StopIteration from None
+
+    def close(self) -> None:
+        """Close the async iterator (``aclose()``), once."""
+        if self._closed:
+            return
+        self._closed = True
+        aclose = getattr(self._source, "aclose", None)
+        if aclose is not None:
+            run_here(aclose())
 
 
 class SyncIterator(Generic[T_co]):
