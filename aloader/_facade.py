@@ -14,6 +14,13 @@ garbage-collected, and at interpreter exit; nothing on the loop holds the loader
 epochs, so the loop never keeps it alive. A stream's ``for`` gets a loop of its own, closed
 with its iterator.
 
+The private loop is uvloop's when uvloop is installed (``pip install 'aloader[fast]'``), else
+asyncio's; ``ALOADER_UVLOOP=0`` in the environment keeps asyncio's (read when a loop starts).
+
+An epoch that needs no event loop at all (an in-memory dataset's: see
+:attr:`aloader._pipeline.MapEpoch.loopless`) runs on the consumer's thread instead, with no
+loop and no thread: :class:`LocalIterator` drives its steps with :func:`run_here`.
+
 A pump task on the loop moves items into a thread-safe queue one step ahead of the consumer,
 so a ``next()`` that finds its item ready costs one queue read rather than a round trip
 through the loop. The async iterator is closed (``aclose()``, when it has one) when it ends,
@@ -25,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import importlib
 import os
 import queue
 import threading
@@ -42,18 +50,36 @@ __all__ = (
     "PrivateLoop",
     "SyncIterator",
     "forbid_running_loop",
+    "loop_factory",
     "loop_of",
     "run_here",
 )
 
 T = TypeVar("T")
+
+#: The environment variable that turns uvloop off for the private loops (``0``).
+UVLOOP_ENV = "ALOADER_UVLOOP"
 T_co = TypeVar("T_co", covariant=True)
 
 _END = object()
 
 
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """What makes a private loop: uvloop's ``new_event_loop`` when uvloop is installed, unless
+    the environment says ``ALOADER_UVLOOP=0`` (or ``false``, ``no``, ``off``); else None, for
+    asyncio's own loop."""
+    if os.environ.get(UVLOOP_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        uvloop = importlib.import_module("uvloop")
+    except ImportError:
+        return None
+    return cast(Callable[[], asyncio.AbstractEventLoop], uvloop.new_event_loop)
+
+
 class PrivateLoop:
-    """An asyncio event loop running in a daemon thread, for one loader's ``for`` epochs.
+    """An asyncio event loop running in a daemon thread, for one loader's ``for`` epochs:
+    uvloop's when :func:`loop_factory` says so.
 
     Invariant: once :meth:`close` has begun, nothing more is submitted, and everything
     submitted before has run (or been cancelled) by the time the thread exits, so no caller
@@ -82,8 +108,9 @@ class PrivateLoop:
             ready.set_result((asyncio.get_running_loop(), stop))
             await stop.wait()
 
-        # asyncio.run cancels what is left and waits for it: every epoch winds down first.
-        asyncio.run(main())
+        # Closing the runner cancels what is left and waits for it: every epoch winds down first.
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            runner.run(main())
 
     @property
     def closed(self) -> bool:

@@ -600,3 +600,43 @@ def test_a_ctrl_c_after_taking_a_batch_leaves_the_state_of_the_batches_received(
     loader.close()
     # Batches 2 and 3 were received, 0 and 1 lost with the interrupted next() calls.
     assert (state["yielded"], state["map"]["prefix"], state["map"]["delivered"]) == (2, 0, [2, 3])
+
+
+# uvloop -------------------------------------------------------------------------------------
+class _LoopKind(aloader.Dataset[Any]):
+    def __init__(self) -> None:
+        self.kinds: set[type] = set()
+
+    def __len__(self) -> int:
+        return 4
+
+    async def __getitem__(self, index: int) -> int:
+        self.kinds.add(type(asyncio.get_running_loop()))
+        return index
+
+
+def test_for_epochs_run_on_uvloop_when_it_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    uvloop = pytest.importorskip("uvloop")
+    monkeypatch.delenv("ALOADER_UVLOOP", raising=False)
+    dataset = _LoopKind()
+    loader = DataLoader(dataset, batch_size=2)
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+    loader.close()
+    assert dataset.kinds == {uvloop.Loop}
+
+
+@pytest.mark.parametrize("how", ["env", "missing"])
+def test_for_epochs_run_on_asyncio_without_uvloop(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    if how == "env":
+        monkeypatch.setenv("ALOADER_UVLOOP", "0")
+    else:
+        monkeypatch.delenv("ALOADER_UVLOOP", raising=False)
+        monkeypatch.setitem(sys.modules, "uvloop", None)  # its import fails, as uninstalled
+    dataset = _LoopKind()
+    loader = DataLoader(dataset, batch_size=2)
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+    loader.close()
+    (kind,) = dataset.kinds
+    assert kind.__module__.startswith("asyncio.")
