@@ -222,7 +222,11 @@ class _Pump:
 
     At most ``AHEAD`` batches wait in the hand-off queue. The pump counts them itself (the
     queue's size) and the consumer's thread wakes the loop only when the pump is actually
-    waiting, so a batch costs no cross-thread call while the pump keeps ahead.
+    waiting, so a batch costs no cross-thread call while the pump keeps ahead. Batches cross
+    in blocks: a pump waiting for room is woken once the consumer has taken the queue down to
+    ``LOW`` (or is about to wait for it), and refills it back to back, so that a consumer
+    slower than the pipeline costs one wake-up of the loop per ``AHEAD - LOW`` batches, and
+    each waiting pump is woken once.
 
     Invariant: a KeyboardInterrupt may land between any two steps of the consumer's (between
     taking a batch and waking the pump too); the pump's state never depends on the consumer
@@ -231,6 +235,7 @@ class _Pump:
     """
 
     AHEAD = 2
+    LOW = 0
     # In the main thread a wait wakes up this often (seconds) to let CPython run a signal's
     # handler, which it does only between bytecodes: a SIGINT that trips without interrupting
     # the blocked wait (landing just before the wait starts, handled by another thread, or
@@ -241,6 +246,7 @@ class _Pump:
         self.iterator = iterator
         self.out: queue.SimpleQueue[tuple[Any, BaseException | None]] = queue.SimpleQueue()
         self.waiting: anyio.Event | None = None
+        self.woken: anyio.Event | None = None  # the waiting event woken last (consumer's side)
         self.call_soon = threadsafe_caller()
 
     async def run(self) -> None:
@@ -273,7 +279,8 @@ class _Pump:
         except queue.Empty:
             main = threading.current_thread() is threading.main_thread()
             item = self._wait(self.SIGNAL_CHECK if main else None)
-        self.wake()
+        if self.out.qsize() <= self.LOW:
+            self.wake()
         return item
 
     def _wait(self, every: float | None) -> tuple[Any, BaseException | None]:
@@ -285,8 +292,9 @@ class _Pump:
     def wake(self) -> None:
         """Wake the pump if it waits for room in the queue (from the consumer's thread)."""
         waiting = self.waiting
-        if waiting is not None:
+        if waiting is not None and waiting is not self.woken:
             self.call_soon(waiting.set)
+            self.woken = waiting  # after the call: an interrupt in between only repeats it
 
 
 def _shutdown(

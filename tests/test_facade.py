@@ -640,3 +640,40 @@ def test_for_epochs_run_on_asyncio_without_uvloop(
     loader.close()
     (kind,) = dataset.kinds
     assert kind.__module__.startswith("asyncio.")
+
+
+def _until(condition: Any) -> None:
+    deadline = threading.Event()
+    for _ in range(int(GUARD * 100)):
+        if condition():
+            return
+        deadline.wait(0.01)
+    raise AssertionError("the pump never got there")
+
+
+def test_batches_cross_in_blocks_one_wake_up_of_the_loop_per_block() -> None:
+    from aloader._facade import PrivateLoop, SyncIterator, _Pump
+
+    async def numbers() -> Any:
+        for i in range(10):
+            yield i
+
+    items = SyncIterator(numbers, PrivateLoop(), owns_loop=True)
+    pump = items._pump
+    block = _Pump.AHEAD - _Pump.LOW
+    assert block >= 2
+    wakes: list[Any] = []
+    call_soon = pump.call_soon
+    pump.call_soon = lambda callback: (wakes.append(callback), call_soon(callback))[1]
+    got = []
+    for _ in range(3):
+        _until(lambda: pump.out.qsize() == _Pump.AHEAD and pump.waiting is not None)
+        before = len(wakes)
+        for _ in range(block - 1):
+            got.append(next(items))
+            assert len(wakes) == before  # the pump waits on: the consumer has enough
+        got.append(next(items))
+        assert len(wakes) == before + 1  # one wake-up, and the pump refills a block
+    got += list(items)
+    assert got == list(range(10))
+    assert len(_loop_threads()) == 0
