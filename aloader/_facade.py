@@ -21,10 +21,12 @@ An epoch that needs no event loop at all (an in-memory dataset's: see
 :attr:`aloader._pipeline.MapEpoch.loopless`) runs on the consumer's thread instead, with no
 loop and no thread: :class:`LocalIterator` drives its steps with :func:`run_here`.
 
-A pump task on the loop moves items into a thread-safe queue one step ahead of the consumer,
-so a ``next()`` that finds its item ready costs one queue read rather than a round trip
-through the loop. The async iterator is closed (``aclose()``, when it has one) when it ends,
-and when the sync iterator is closed, garbage-collected or still open when the loop closes.
+A pump task on the loop moves items into a thread-safe queue, at most ``_Pump.AHEAD`` ahead
+of the consumer, so a ``next()`` that finds its item ready costs one queue read rather than a
+round trip through the loop; items cross in blocks, the pump woken once the consumer has
+drained the queue (see :class:`_Pump`). The async iterator is closed (``aclose()``, when it
+has one) when it ends, and when the sync iterator is closed, garbage-collected or still open
+when the loop closes.
 """
 
 from __future__ import annotations

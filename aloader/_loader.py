@@ -126,7 +126,9 @@ class DataLoader(Generic[T_co]):
     run up to ``max_concurrency`` item fetches at once on the loop; synchronous datasets run in a
     worker thread, a whole batch per call by default or up to ``max_concurrency`` items at once
     when it is given. At most ``prefetch_factor`` collated batches wait for the consumer.
-    ``for batch in loader`` gives the same epochs to synchronous code.
+    ``for batch in loader`` gives the same epochs to synchronous code: an in-memory dataset's
+    epoch (no workers) runs on the calling thread, any other on the loader's event loop in a
+    background thread (uvloop's when installed; ``ALOADER_UVLOOP=0`` keeps asyncio's).
 
     With ``num_workers > 0``, worker processes fetch and collate whole batches, each with the
     same concurrency as above (async datasets keep ``max_concurrency`` fetches in flight per

@@ -677,3 +677,18 @@ def test_batches_cross_in_blocks_one_wake_up_of_the_loop_per_block() -> None:
     got += list(items)
     assert got == list(range(10))
     assert len(_loop_threads()) == 0
+
+
+def test_an_in_memory_epoch_with_a_plain_sampler_runs_on_the_consumers_thread() -> None:
+    class Backwards:  # a user's sampler: plain iteration, no array form
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(9, -1, -1))
+
+        def __len__(self) -> int:
+            return 10
+
+    dataset = _InMemory(10)
+    loader = DataLoader(dataset, batch_size=4, sampler=Backwards())
+    assert [b.ravel().tolist() for b in loader] == [[9, 8, 7, 6], [5, 4, 3, 2], [1, 0]]
+    assert dataset.threads == {threading.get_ident()}
+    assert _loop_threads() == []
