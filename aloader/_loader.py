@@ -1164,9 +1164,9 @@ class DataLoaderIter(Iterator[T_co]):
 
     An epoch that needs no event loop (an in-memory dataset without workers: see
     :meth:`AsyncDataLoaderIter._start_here`) runs its :class:`AsyncDataLoaderIter` on the
-    consumer's thread (:class:`~aloader._facade.LocalIterator`); any other runs it on the
-    loader's private event loop (:class:`~aloader._facade.SyncIterator`), which fetches ahead
-    of the consumer. Leaving the ``for`` early or :meth:`close` stops the epoch.
+    consumer's thread; any other runs it on the loader's private event loop, which fetches
+    ahead of the consumer (see :mod:`aloader._facade`). Leaving the ``for`` early or
+    :meth:`close` stops the epoch.
     """
 
     def __init__(self, loader: DataLoader[T_co]) -> None:
