@@ -243,7 +243,7 @@ class MapEpochs:
             indices = epoch_indices(sampler)
             if indices is not None:
                 return iter(cast(list[Any], indices[skip:].tolist()))
-        if skip and type(sampler) is BatchSampler:
+        if type(sampler) is BatchSampler:  # over a sync sampler: sync keys (no loop needed)
             after = sampler._batches_after(skip)
             if after is not None:
                 return after

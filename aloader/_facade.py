@@ -14,10 +14,19 @@ garbage-collected, and at interpreter exit; nothing on the loop holds the loader
 epochs, so the loop never keeps it alive. A stream's ``for`` gets a loop of its own, closed
 with its iterator.
 
-A pump task on the loop moves items into a thread-safe queue one step ahead of the consumer,
-so a ``next()`` that finds its item ready costs one queue read rather than a round trip
-through the loop. The async iterator is closed (``aclose()``, when it has one) when it ends,
-and when the sync iterator is closed, garbage-collected or still open when the loop closes.
+The private loop is uvloop's when uvloop is installed (``pip install 'aloader[fast]'``), else
+asyncio's; ``ALOADER_UVLOOP=0`` in the environment keeps asyncio's (read when a loop starts).
+
+An epoch that needs no event loop at all (an in-memory dataset's: see
+:attr:`aloader._pipeline.MapEpoch.loopless`) runs on the consumer's thread instead, with no
+loop and no thread: :class:`LocalIterator` drives its steps with :func:`run_here`.
+
+A pump task on the loop moves items into a thread-safe queue, at most ``_Pump.AHEAD`` ahead
+of the consumer, so a ``next()`` that finds its item ready costs one queue read rather than a
+round trip through the loop; items cross in blocks, the pump woken once the consumer has
+drained the queue (see :class:`_Pump`). The async iterator is closed (``aclose()``, when it
+has one) when it ends, and when the sync iterator is closed, garbage-collected or still open
+when the loop closes.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import importlib
 import os
 import queue
 import threading
@@ -36,16 +46,42 @@ import anyio
 
 from ._backend import current_backend, threadsafe_caller
 
-__all__ = ("LoopOwner", "PrivateLoop", "SyncIterator", "forbid_running_loop", "loop_of")
+__all__ = (
+    "LocalIterator",
+    "LoopOwner",
+    "PrivateLoop",
+    "SyncIterator",
+    "forbid_running_loop",
+    "loop_factory",
+    "loop_of",
+    "run_here",
+)
 
 T = TypeVar("T")
+
+#: The environment variable that turns uvloop off for the private loops (``0``).
+UVLOOP_ENV = "ALOADER_UVLOOP"
 T_co = TypeVar("T_co", covariant=True)
 
 _END = object()
 
 
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """What makes a private loop: uvloop's ``new_event_loop`` when uvloop is installed, unless
+    the environment says ``ALOADER_UVLOOP=0`` (or ``false``, ``no``, ``off``); else None, for
+    asyncio's own loop."""
+    if os.environ.get(UVLOOP_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        uvloop = importlib.import_module("uvloop")
+    except ImportError:
+        return None
+    return cast(Callable[[], asyncio.AbstractEventLoop], uvloop.new_event_loop)
+
+
 class PrivateLoop:
-    """An asyncio event loop running in a daemon thread, for one loader's ``for`` epochs.
+    """An asyncio event loop running in a daemon thread, for one loader's ``for`` epochs:
+    uvloop's when :func:`loop_factory` says so.
 
     Invariant: once :meth:`close` has begun, nothing more is submitted, and everything
     submitted before has run (or been cancelled) by the time the thread exits, so no caller
@@ -74,8 +110,9 @@ class PrivateLoop:
             ready.set_result((asyncio.get_running_loop(), stop))
             await stop.wait()
 
-        # asyncio.run cancels what is left and waits for it: every epoch winds down first.
-        asyncio.run(main())
+        # Closing the runner cancels what is left and waits for it: every epoch winds down first.
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            runner.run(main())
 
     @property
     def closed(self) -> bool:
@@ -91,9 +128,11 @@ class PrivateLoop:
             try:
                 result = await fn()
             except BaseException as exc:  # the caller's, never the loop's
+                # A cancellation too ends the task here, not re-raised: a cancelled task keeps
+                # its CancelledError, whose traceback holds fn's frames (an epoch's iterator,
+                # its loader) in a cycle that only a later garbage collection would free,
+                # after the caller was told that everything had ended.
                 _settle(future.set_exception, exc)
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
             else:
                 _settle(future.set_result, result)
 
@@ -185,7 +224,11 @@ class _Pump:
 
     At most ``AHEAD`` batches wait in the hand-off queue. The pump counts them itself (the
     queue's size) and the consumer's thread wakes the loop only when the pump is actually
-    waiting, so a batch costs no cross-thread call while the pump keeps ahead.
+    waiting, so a batch costs no cross-thread call while the pump keeps ahead. Batches cross
+    in blocks: a pump waiting for room is woken once the consumer has taken the queue down to
+    ``LOW`` (or is about to wait for it), and refills it back to back, so that a consumer
+    slower than the pipeline costs one wake-up of the loop per ``AHEAD - LOW`` batches, and
+    each waiting pump is woken once.
 
     Invariant: a KeyboardInterrupt may land between any two steps of the consumer's (between
     taking a batch and waking the pump too); the pump's state never depends on the consumer
@@ -194,6 +237,7 @@ class _Pump:
     """
 
     AHEAD = 2
+    LOW = 0
     # In the main thread a wait wakes up this often (seconds) to let CPython run a signal's
     # handler, which it does only between bytecodes: a SIGINT that trips without interrupting
     # the blocked wait (landing just before the wait starts, handled by another thread, or
@@ -204,6 +248,7 @@ class _Pump:
         self.iterator = iterator
         self.out: queue.SimpleQueue[tuple[Any, BaseException | None]] = queue.SimpleQueue()
         self.waiting: anyio.Event | None = None
+        self.woken: anyio.Event | None = None  # the waiting event woken last (consumer's side)
         self.call_soon = threadsafe_caller()
 
     async def run(self) -> None:
@@ -236,7 +281,8 @@ class _Pump:
         except queue.Empty:
             main = threading.current_thread() is threading.main_thread()
             item = self._wait(self.SIGNAL_CHECK if main else None)
-        self.wake()
+        if self.out.qsize() <= self.LOW:
+            self.wake()
         return item
 
     def _wait(self, every: float | None) -> tuple[Any, BaseException | None]:
@@ -248,8 +294,9 @@ class _Pump:
     def wake(self) -> None:
         """Wake the pump if it waits for room in the queue (from the consumer's thread)."""
         waiting = self.waiting
-        if waiting is not None:
+        if waiting is not None and waiting is not self.woken:
             self.call_soon(waiting.set)
+            self.woken = waiting  # after the call: an interrupt in between only repeats it
 
 
 def _shutdown(
@@ -265,6 +312,72 @@ def _shutdown(
                 future.result()
     if owns_loop:
         loop.close()
+
+
+def run_here(awaitable: Awaitable[T]) -> T:
+    """Run ``awaitable`` to its end on this thread, with no event loop, and return its result.
+
+    For a step that never awaits a real event (an inline epoch's, see
+    :attr:`aloader._pipeline.MapEpoch.loopless`): ``send(None)`` runs it to its end at once.
+    A bare ``yield`` (``asyncio.sleep(0)``) only gives turns, so it goes on; anything else
+    waits for a loop that is not there.
+
+    Raises:
+        RuntimeError: the step awaited an event (it is closed first).
+    """
+    step = awaitable.__await__()
+    try:
+        while True:
+            if step.send(None) is not None:
+                step.close()
+                raise RuntimeError(
+                    f"{awaitable!r} awaited an event, but it runs with no event loop"
+                )
+    except StopIteration as done:
+        return cast(T, done.value)
+
+
+class LocalIterator(Generic[T_co]):
+    """A plain iterator over an async iterator whose steps never await a real event, driven
+    on the consumer's thread (:func:`run_here`): no loop, no thread, no hand-off per item.
+
+    A BaseException of the async iterator (KeyboardInterrupt too) is raised by
+    :meth:`__next__` as itself, and the iterator goes on. It is closed (``aclose()``, when it
+    has one) at its end and by :meth:`close`; dropped, it is left to its own finalizer.
+
+    Args:
+        source: the async iterator.
+    """
+
+    def __init__(self, source: AsyncIterator[T_co]) -> None:
+        self._source = source
+        self._closed = False
+
+    @property
+    def source(self) -> AsyncIterator[T_co]:
+        """The async iterator this iterator drives."""
+        return self._source
+
+    def __iter__(self) -> LocalIterator[T_co]:
+        return self
+
+    def __next__(self) -> T_co:
+        if self._closed:
+            raise StopIteration
+        try:
+            return run_here(self._source.__anext__())
+        except StopAsyncIteration:
+            self.close()
+            raise StopIteration from None
+
+    def close(self) -> None:
+        """Close the async iterator (``aclose()``), once."""
+        if self._closed:
+            return
+        self._closed = True
+        aclose = getattr(self._source, "aclose", None)
+        if aclose is not None:
+            run_here(aclose())
 
 
 class SyncIterator(Generic[T_co]):

@@ -18,7 +18,6 @@ import threading
 import time
 import warnings
 import weakref
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeGuard, TypeVar, cast, overload
@@ -26,14 +25,15 @@ from typing import Any, Generic, TypeGuard, TypeVar, cast, overload
 import anyio
 import numpy as np
 
+from ._backend import current_backend
 from ._collate import default_collate, default_convert
 from ._dataset import is_iterable_dataset
 from ._epochs import EpochKind, IterableEpochs, MapEpochs, Progress, Skip
 from ._exceptions import FailureBudgetExceeded, LoaderTimeoutError
-from ._facade import PrivateLoop, SyncIterator, forbid_running_loop, loop_of
+from ._facade import LocalIterator, PrivateLoop, SyncIterator, forbid_running_loop, loop_of
 from ._failures import Failures, KnownFailed, check_max_failures, json_index
 from ._log import SLOW_FIRST_BATCH, loader_log, worker_log
-from ._pipeline import Epoch, FetchPlan, Results
+from ._pipeline import Epoch, FetchPlan, MapEpoch, Results
 from ._pool import PoolEpoch, WorkerPool, default_context, prepare_context, resolve_context
 from ._random import as_generator, draw_seed, restore_rng, rng_state
 from ._sample_rng import seed_of
@@ -126,7 +126,9 @@ class DataLoader(Generic[T_co]):
     run up to ``max_concurrency`` item fetches at once on the loop; synchronous datasets run in a
     worker thread, a whole batch per call by default or up to ``max_concurrency`` items at once
     when it is given. At most ``prefetch_factor`` collated batches wait for the consumer.
-    ``for batch in loader`` gives the same epochs to synchronous code.
+    ``for batch in loader`` gives the same epochs to synchronous code: an in-memory dataset's
+    epoch (no workers) runs on the calling thread, any other on the loader's event loop in a
+    background thread (uvloop's when installed; ``ALOADER_UVLOOP=0`` keeps asyncio's).
 
     With ``num_workers > 0``, worker processes fetch and collate whole batches, each with the
     same concurrency as above (async datasets keep ``max_concurrency`` fetches in flight per
@@ -970,9 +972,11 @@ class AsyncDataLoaderIter(Generic[T_co]):
             kind.epoch_length() if isinstance(kind, MapEpochs) else None, self._skip,
         )
         self.num_yielded: int = 0
-        # Under the synchronous facade, which runs ahead of its consumer, a batch counts as
-        # received only once the consumer takes it (DataLoaderIter confirms it).
-        self._deferred: deque[tuple[int, Any]] | None = None
+        # Under the synchronous facade's pump, which runs ahead of its consumer, a batch counts
+        # as received only once the consumer takes it: its receipt (batch number, metadata)
+        # travels with it (_Receipts), and DataLoaderIter records it.
+        self._deferred = False
+        self._receipt: tuple[int, Any] = (0, None)
         self._last_meta: Any = None  # the metadata of the batch handed out last (iterable)
         self._ended = False  # the epoch's last batch was handed out
         # The epoch's failure budget and record (None without max_failures).
@@ -985,6 +989,21 @@ class AsyncDataLoaderIter(Generic[T_co]):
 
     def __aiter__(self) -> AsyncDataLoaderIter[T_co]:
         return self
+
+    def _start_here(self) -> bool:
+        """Start the epoch now, on this thread, when it needs no event loop at all, and say
+        whether it did: an inline epoch (an in-memory dataset without workers, see
+        :attr:`~aloader._pipeline.MapEpoch.loopless`) with plain keys and collate and no
+        ``timeout`` never awaits a real event, so the sync facade drives :meth:`__anext__`
+        on the consumer's thread. An inline epoch starts no task, so one started here whose
+        keys turn out to be async still runs on an event loop (the caller's choice)."""
+        loader = self._loader
+        if (self._epoch is not None or self._timeout > 0 or loader.num_workers > 0
+                or not isinstance(loader._kind, MapEpochs)
+                or loader._plan(None).mode != "inline"):  # the plan decides, as in _start
+            return False
+        epoch = self._epoch = self._start()
+        return isinstance(epoch, MapEpoch) and epoch.loopless
 
     def _start(self) -> Epoch:
         loader = self._loader
@@ -1060,17 +1079,20 @@ class AsyncDataLoaderIter(Generic[T_co]):
             # Hand back control only once the pipeline's tasks have all returned.
             self._closed = True
             self._ended = True
-            if self._deferred is None:
+            if not self._deferred:
                 self._record.done = True
             stats.asked_again(asked)
             stats.ended = _now()
-            await epoch.done.wait()
+            if not epoch.done.is_set():  # an inline epoch's is, and may run with no loop
+                await epoch.done.wait()
             if self.failures is not None:
                 self.failures.finish()  # a fraction of samples counted as they came
             raise
-        except anyio.get_cancelled_exc_class():
-            # The consumer is gone: stop fetching for it.
-            self._shutdown()
+        except BaseException as exc:
+            # Cancelled: the consumer is gone, stop fetching for it. (Asked only on a loop:
+            # a loopless epoch's KeyboardInterrupt comes here with none running.)
+            if current_backend() is not None and isinstance(exc, anyio.get_cancelled_exc_class()):
+                self._shutdown()
             raise
         if error is not None:
             if isinstance(error, FailureBudgetExceeded):
@@ -1083,10 +1105,10 @@ class AsyncDataLoaderIter(Generic[T_co]):
             raise error
         self._last_meta = epoch.results.meta  # an iterable's position after this batch
         number = self._skip.global_number(epoch.results.last)
-        if self._deferred is None:
-            self._record.received(number, self._last_meta)
+        if self._deferred:
+            self._receipt = (number, self._last_meta)
         else:
-            self._deferred.append((number, self._last_meta))
+            self._record.received(number, self._last_meta)
         self.num_yielded += 1
         now = _now()
         stats.delivered(asked, now, epoch.results.ready())
@@ -1127,7 +1149,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         the thread is left running and its result discarded.
         """
         self._shutdown()
-        if self._epoch is not None:
+        if self._epoch is not None and not self._epoch.done.is_set():
             with anyio.CancelScope(shield=True):
                 await self._epoch.done.wait()
 
@@ -1136,41 +1158,63 @@ class AsyncDataLoaderIter(Generic[T_co]):
             self._shutdown()
 
 
+class _Receipts:
+    """An epoch's batches with their receipts (batch number, metadata), for the sync facade's
+    pump: a batch and its receipt cross to the consumer's thread as one item, so that a
+    consumer's ``next()`` interrupted after taking it (a KeyboardInterrupt) loses both, and
+    the receipts of later batches stay theirs."""
+
+    def __init__(self, source: AsyncDataLoaderIter[Any]) -> None:
+        source._deferred = True  # before the pump asks for the first batch
+        self.source = source
+
+    def __aiter__(self) -> _Receipts:
+        return self
+
+    async def __anext__(self) -> tuple[Any, tuple[int, Any]]:
+        batch = await self.source.__anext__()
+        return batch, self.source._receipt
+
+    async def aclose(self) -> None:
+        await self.source.aclose()
+
+
 class DataLoaderIter(Iterator[T_co]):
     """One epoch of a :class:`DataLoader` for synchronous code (``iter(loader)``).
 
-    It runs the epoch's :class:`AsyncDataLoaderIter` on the loader's private event loop (see
-    :mod:`aloader._facade`); leaving the ``for`` early or :meth:`close` stops the epoch.
+    An epoch that needs no event loop (an in-memory dataset without workers: see
+    :meth:`AsyncDataLoaderIter._start_here`) runs its :class:`AsyncDataLoaderIter` on the
+    consumer's thread; any other runs it on the loader's private event loop, which fetches
+    ahead of the consumer (see :mod:`aloader._facade`). Leaving the ``for`` early or
+    :meth:`close` stops the epoch.
     """
 
     def __init__(self, loader: DataLoader[T_co]) -> None:
-        received: deque[tuple[int, Any]] = deque()
-
-        def open_() -> AsyncDataLoaderIter[T_co]:
-            source = loader.__aiter__()
-            source._deferred = received  # before the pump asks for its first batch
-            return source
-
-        # Composition, not inheritance: the facade's iterator is private machinery.
-        self._sync = SyncIterator(open_, loop_of(loader))
-        source = self._sync.source
-        assert isinstance(source, AsyncDataLoaderIter)
+        source = loader.__aiter__()  # binds to no loop: made here, whichever runs it
         self._source: AsyncDataLoaderIter[T_co] = source
-        self._received = received
+        # Composition, not inheritance: the facade's iterators are private machinery.
+        self._sync: LocalIterator[Any] | SyncIterator[Any]
+        if source._start_here():
+            self._sync = LocalIterator(source)
+        else:
+            receipts = _Receipts(source)
+            self._sync = SyncIterator(lambda: receipts, loop_of(loader))
 
     def __iter__(self) -> DataLoaderIter[T_co]:
         return self
 
     def __next__(self) -> T_co:
         try:
-            value = next(self._sync)
+            item = next(self._sync)
         except StopIteration:
-            if self._source._ended and not self._received:
+            if self._source._ended:  # every batch before the end was received
                 self._source._record.done = True
             raise
-        # Only a batch, not an error, was recorded by the source.
-        self._source._record.received(*self._received.popleft())
-        return value
+        if isinstance(self._sync, LocalIterator):
+            return cast(T_co, item)  # the source recorded it: nothing runs ahead here
+        value, receipt = item  # only a batch, not an error, has a receipt
+        self._source._record.received(*receipt)
+        return cast(T_co, value)
 
     def close(self) -> None:
         """Stop the epoch and wait until it has stopped (see :meth:`DataLoader.aclose`)."""

@@ -63,7 +63,7 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 
-from ._backend import Detached, Waiter, threadsafe_caller, waiters
+from ._backend import Detached, Waiter, current_backend, threadsafe_caller, waiters
 from ._dataset import aiter_of, fetch_mode
 from ._exceptions import FailureBudgetExceeded, LoaderClosedError
 from ._failures import KNOWN_FAILED, Failures, resumable
@@ -1048,6 +1048,14 @@ class MapEpoch(Epoch):
         """
         return self.plan.mode == "inline"
 
+    @property
+    def loopless(self) -> bool:
+        """Whether :meth:`next` can run with no event loop at all: an inline epoch whose keys
+        and collate are plain calls never awaits a real event, so the sync facade can drive it
+        on the consumer's thread (:class:`aloader._facade.LocalIterator`)."""
+        return (self.inline and not self.plan.needs_event_loop
+                and not isinstance(self._keys, AsyncIterator))
+
     def start(self) -> None:
         if self.inline:
             self._inline_keys = _Keys(self._keys)
@@ -1080,11 +1088,13 @@ class MapEpoch(Epoch):
                 self.results.taken += 1
             if batch is not SKIP:
                 break
-        # Keep the loop responsive even if the consumer never awaits anything else.
+        # Keep the loop responsive even if the consumer never awaits anything else (driven
+        # with no loop, on the consumer's thread, there is none).
         now = time.monotonic()
         if now - self._last_yield > _YIELD_EVERY:
             self._last_yield = now
-            await anyio.lowlevel.checkpoint()
+            if current_backend() is not None:
+                await anyio.lowlevel.checkpoint()
         return batch, None
 
     def _fetch_inline(self, key: Any) -> Any:

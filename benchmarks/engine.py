@@ -28,12 +28,13 @@ import asyncio
 import gc
 import importlib
 import importlib.util
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.to_thread
@@ -41,6 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from aloader import ArrayDataset, DataLoader, Dataset
+from aloader._facade import UVLOOP_ENV
 
 __all__ = (
     "FULL",
@@ -67,7 +69,7 @@ _GATHER_CHUNK = 4096
 
 # Targets: the ratio each row must reach.
 IO_TARGET = 0.9
-FACADE_TARGET = 0.8
+FACADE_TARGET = 0.9  # the sync `for` against `async for`, on the io and mem workloads
 SYNC_TARGET = 0.8
 MEM_TARGET = 0.6
 LAG_P99_TARGET_MS = 5.0
@@ -524,13 +526,12 @@ def _on_trio(run: Callable[[], Any]) -> float:
 def _io_rows(sizes: Sizes, repeat: int, torch: _Torch, log: Callable[[str], None]) -> list[Row]:
     n = sizes.io_items
     has_trio = importlib.util.find_spec("trio") is not None
-    log(f"io: bare asyncio limits, async loader and `for` facade{', trio' if has_trio else ''}, "
+    log(f"io: bare asyncio limits, async loader{', trio' if has_trio else ''}, "
         f"N={n:,}")
     runs: list[Callable[[], float]] = [
         lambda: asyncio.run(_io_window_limit(n)),
         lambda: asyncio.run(_io_limit(n)),
         lambda: asyncio.run(_consume_async(_io_loader(n), n, "io aloader")),
-        lambda: _consume_sync(_io_loader(n), n, "io aloader (for)"),
     ]
     if has_trio:
         runs += [
@@ -538,7 +539,7 @@ def _io_rows(sizes: Sizes, repeat: int, torch: _Torch, log: Callable[[str], None
             lambda: _on_trio(lambda: _consume_async(_trio_io_loader(n), n, "io aloader trio")),
         ]
     rates = _best_of(repeat, *runs)
-    limit, gather_limit, async_rate, sync_rate = rates[:4]
+    limit, gather_limit, async_rate = rates[:3]
     torch_io = torch.io()
     name = f"io: async dataset, max_concurrency={IO_CONCURRENCY}, N={n:,}"
     rows = [
@@ -548,21 +549,76 @@ def _io_rows(sizes: Sizes, repeat: int, torch: _Torch, log: Callable[[str], None
         _ratio_row("io: same, vs the anchors' gather program", async_rate, gather_limit,
                    f"bare asyncio gather of {_GATHER_CHUNK:,} + Semaphore({IO_CONCURRENCY}), "
                    "slowest of each group", None, torch_io),
-        _ratio_row(
-            f"io: same, through the sync `for` facade, N={n:,}",
-            sync_rate,
-            async_rate,
-            "aloader `async for` (row above)",
-            FACADE_TARGET,
-            torch_io,
-        ),
     ]
     if has_trio:
-        trio_limit, trio_rate = rates[4:]
+        trio_limit, trio_rate = rates[3:]
         rows.append(_ratio_row(f"io: same on trio (trio.sleep), N={n:,}", trio_rate, trio_limit,
                                f"bare trio nursery of {IO_CONCURRENCY} tasks, same work",
                                IO_TARGET, "- (torch has no trio path)"))
-    return rows
+    return rows + _io_loop_rows(n, repeat, torch_io, log)
+
+
+def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        uvloop = importlib.import_module("uvloop")
+    except ImportError:
+        return None
+    return cast(Callable[[], asyncio.AbstractEventLoop], uvloop.new_event_loop)
+
+
+def _run_on(factory: Callable[[], asyncio.AbstractEventLoop] | None, main: Any) -> float:
+    """``asyncio.run(main)`` on the loop ``factory`` makes (asyncio's own with None)."""
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return cast(float, runner.run(main))
+
+
+def _sync_on(uvloop: bool, n: int) -> float:
+    """The io workload through the sync `for`, its private loop uvloop's or asyncio's."""
+    before = os.environ.get(UVLOOP_ENV)
+    os.environ[UVLOOP_ENV] = "1" if uvloop else "0"  # read when the loader's loop starts
+    try:
+        return _consume_sync(_io_loader(n), n, "io aloader (for)")
+    finally:
+        if before is None:
+            del os.environ[UVLOOP_ENV]
+        else:
+            os.environ[UVLOOP_ENV] = before
+
+
+def _io_loop_rows(n: int, repeat: int, torch_io: str, log: Callable[[str], None]) -> list[Row]:
+    """`async for` on asyncio's and uvloop's loops, the sync `for` with each private loop:
+    all four interleaved, so that the ratios compare runs on the same machine."""
+    uvloop = _uvloop_factory()
+    if uvloop is None:
+        log(f"io: `async for` and the sync `for` (uvloop not installed: asyncio only), N={n:,}")
+        async_rate, sync_rate = _best_of(
+            repeat,
+            lambda: _run_on(None, _consume_async(_io_loader(n), n, "io aloader")),
+            lambda: _sync_on(False, n),
+        )
+        return [_ratio_row(f"io: same, through the sync `for` facade (asyncio private loop; "
+                           f"uvloop not installed), N={n:,}", sync_rate, async_rate,
+                           "`async for` on asyncio", FACADE_TARGET, torch_io)]
+    log(f"io: `async for` and the sync `for`, each on asyncio and on uvloop, N={n:,}")
+    async_rate, uv_async_rate, sync_rate, uv_sync_rate = _best_of(
+        repeat,
+        lambda: _run_on(None, _consume_async(_io_loader(n), n, "io aloader")),
+        lambda: _run_on(uvloop, _consume_async(_io_loader(n), n, "io aloader (uvloop)")),
+        lambda: _sync_on(False, n),
+        lambda: _sync_on(True, n),
+    )
+    return [
+        _ratio_row(f"io: same, `async for` on a uvloop loop, N={n:,}", uv_async_rate,
+                   async_rate, "`async for` on asyncio", None, torch_io),
+        _ratio_row(f"io: same, through the sync `for` facade (asyncio private loop, "
+                   f"{UVLOOP_ENV}=0), N={n:,}", sync_rate, async_rate,
+                   "`async for` on asyncio", FACADE_TARGET, torch_io),
+        _ratio_row(f"io: same, through the sync `for` facade (uvloop private loop, the "
+                   f"default with uvloop installed), N={n:,}", uv_sync_rate, uv_async_rate,
+                   "`async for` on uvloop", FACADE_TARGET, torch_io),
+        _ratio_row("io: same, the sync `for` on uvloop vs `async for` on asyncio",
+                   uv_sync_rate, async_rate, "`async for` on asyncio", None, torch_io),
+    ]
 
 
 def _sync_rows(sizes: Sizes, repeat: int, torch: _Torch, log: Callable[[str], None]) -> list[Row]:
@@ -616,8 +672,9 @@ def _mem_rows(sizes: Sizes, repeat: int, torch: _Torch, log: Callable[[str], Non
                    "numpy x[perm[s:s+256]]", None, torch_mem),
         _ratio_row("mem: same, vs numpy's fastest gather in sampler order", async_rate,
                    take_limit, "numpy x.take(perm[s:s+256], axis=0)", None, torch_mem),
-        _ratio_row("mem: same, through the sync `for` facade", sync_rate, unsorted_limit,
-                   "numpy x[perm[s:s+256]]", None, torch_mem),
+        _ratio_row("mem: same, through the sync `for` (on the consumer's thread)", sync_rate,
+                   async_rate, "aloader `async for` (first mem row)", FACADE_TARGET,
+                   torch_mem),
     ]
 
 

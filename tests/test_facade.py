@@ -446,3 +446,249 @@ def test_ctrl_c_between_taking_a_batch_and_telling_the_pump_leaves_it_running() 
     # The interrupted next() calls took 0 and 1 with them; the rest comes once, in order.
     assert (len(interrupts), got) == (2, [2, 3, 4, 5])
     assert len(_loop_threads()) == 0
+
+
+# In-memory epochs run on the consumer's thread ---------------------------------------------
+class _InMemory(aloader.Dataset[Any]):
+    """A fast in-memory dataset (``_inline_fetch``) that records the threads fetching it, and
+    raises ``raises`` once when fetching index ``at``."""
+
+    _inline_fetch = True
+
+    def __init__(self, n: int, at: int = -1, raises: BaseException | None = None) -> None:
+        self.n = n
+        self.at = at
+        self.raises = raises
+        self.threads: set[int] = set()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        self.threads.add(threading.get_ident())
+        if index == self.at and self.raises is not None:
+            error, self.raises = self.raises, None
+            raise error
+        return np.array([index])
+
+
+def test_an_in_memory_for_epoch_runs_on_the_consumers_thread_without_a_loop() -> None:
+    dataset = _InMemory(10)
+    loader = DataLoader(dataset, batch_size=4, shuffle=True, generator=5)
+    sync = [[b.ravel().tolist() for b in loader] for _ in range(2)]
+    assert dataset.threads == {threading.get_ident()}
+    assert _loop_threads() == []  # no loop was started for it
+
+    async def run() -> list[list[list[int]]]:
+        fresh = DataLoader(_InMemory(10), batch_size=4, shuffle=True, generator=5)
+        return [[b.ravel().tolist() async for b in fresh] for _ in range(2)]
+
+    assert sync == anyio.run(run)
+
+
+def test_an_in_memory_for_epoch_resumes_from_the_batches_received() -> None:
+    def make() -> DataLoader[Any]:
+        return DataLoader(_InMemory(20), batch_size=3, shuffle=True, generator=2)
+
+    whole = [b.ravel().tolist() for b in make()]
+    loader = make()
+    it = iter(loader)
+    got = [next(it).ravel().tolist() for _ in range(3)]
+    state = loader.state_dict()
+    assert state["yielded"] == 3
+    it.close()
+    with pytest.raises(StopIteration):
+        next(it)
+    fresh = make()
+    fresh.load_state_dict(state)
+    assert got + [b.ravel().tolist() for b in fresh] == whole
+    assert fresh.state_dict()["epoch"] == 1  # the epoch ended: the state is the next one's
+
+
+def test_an_in_memory_for_epoch_takes_a_keyboard_interrupt_and_goes_on() -> None:
+    dataset = _InMemory(12, at=5, raises=KeyboardInterrupt())
+    loader = DataLoader(dataset, batch_size=2)
+    it = iter(loader)
+    got = [next(it).ravel().tolist() for _ in range(2)]
+    with pytest.raises(KeyboardInterrupt):
+        next(it)  # batch 2 (indices 4, 5) is lost with it
+    assert loader.state_dict()["yielded"] == 2
+    got += [b.ravel().tolist() for b in it]
+    assert got == [[0, 1], [2, 3], [6, 7], [8, 9], [10, 11]]
+
+
+def test_close_ends_an_in_memory_for_epoch() -> None:
+    loader = DataLoader(_InMemory(20), batch_size=2)
+    it = iter(loader)
+    next(it)
+    loader.close()
+    with pytest.raises(StopIteration):
+        next(it)
+    for _ in loader:  # a later epoch starts afresh
+        break
+    assert [b.ravel().tolist() for b in loader][:2] == [[0, 1], [2, 3]]
+
+
+def test_an_inline_epoch_with_an_async_collate_still_runs_on_a_loop() -> None:
+    dataset = _InMemory(6)
+
+    async def collate(samples: list[Any]) -> list[int]:
+        await asyncio.sleep(0.001)  # a real event: a loop is needed
+        return [int(s[0]) for s in samples]
+
+    loader = DataLoader(dataset, batch_size=3, collate_fn=collate)
+    assert list(loader) == [[0, 1, 2], [3, 4, 5]]
+    assert len(_loop_threads()) == 1
+    loader.close()
+
+
+def test_run_here_refuses_a_step_that_awaits_an_event() -> None:
+    from aloader._facade import run_here
+
+    async def plain() -> int:
+        await asyncio.sleep(0)  # a bare yield only gives turns
+        return 7
+
+    assert run_here(plain()) == 7
+
+    class Waits:
+        def __await__(self) -> Any:
+            yield "an event"
+
+    async def waits() -> None:
+        await Waits()
+
+    with pytest.raises(RuntimeError, match="awaited an event"):
+        run_here(waits())
+
+
+# The pump's hand-off keeps each batch with its receipt --------------------------------------
+def test_a_ctrl_c_after_taking_a_batch_leaves_the_state_of_the_batches_received() -> None:
+    gate = threading.Event()
+
+    class Gated(aloader.Dataset[Any]):
+        def __len__(self) -> int:
+            return 12
+
+        async def __getitem__(self, index: int) -> Any:
+            if index == 0:
+                await anyio.to_thread.run_sync(gate.wait, GUARD)  # until the queue is swapped
+            return index
+
+    loader = DataLoader(Gated(), batch_size=2)
+    it = iter(loader)
+    pump = it._sync._pump  # type: ignore[union-attr]
+    pump.out = _InterruptedAfterTaking(2)
+    gate.set()
+    got: list[list[int]] = []
+    interrupts = []
+
+    def consume() -> None:  # in a thread, so that a hang fails the test instead
+        while len(got) < 2:
+            try:
+                got.append(next(it).tolist())
+            except KeyboardInterrupt:
+                interrupts.append(True)
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    consumer.join(GUARD)
+    assert not consumer.is_alive()
+    assert (len(interrupts), got) == (2, [[4, 5], [6, 7]])
+    state = loader.state_dict()
+    it.close()
+    loader.close()
+    # Batches 2 and 3 were received, 0 and 1 lost with the interrupted next() calls.
+    assert (state["yielded"], state["map"]["prefix"], state["map"]["delivered"]) == (2, 0, [2, 3])
+
+
+# uvloop -------------------------------------------------------------------------------------
+class _LoopKind(aloader.Dataset[Any]):
+    def __init__(self) -> None:
+        self.kinds: set[type] = set()
+
+    def __len__(self) -> int:
+        return 4
+
+    async def __getitem__(self, index: int) -> int:
+        self.kinds.add(type(asyncio.get_running_loop()))
+        return index
+
+
+def test_for_epochs_run_on_uvloop_when_it_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    uvloop = pytest.importorskip("uvloop")
+    monkeypatch.delenv("ALOADER_UVLOOP", raising=False)
+    dataset = _LoopKind()
+    loader = DataLoader(dataset, batch_size=2)
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+    loader.close()
+    assert dataset.kinds == {uvloop.Loop}
+
+
+@pytest.mark.parametrize("how", ["env", "missing"])
+def test_for_epochs_run_on_asyncio_without_uvloop(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    if how == "env":
+        monkeypatch.setenv("ALOADER_UVLOOP", "0")
+    else:
+        monkeypatch.delenv("ALOADER_UVLOOP", raising=False)
+        monkeypatch.setitem(sys.modules, "uvloop", None)  # its import fails, as uninstalled
+    dataset = _LoopKind()
+    loader = DataLoader(dataset, batch_size=2)
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+    loader.close()
+    (kind,) = dataset.kinds
+    assert kind.__module__.startswith("asyncio.")
+
+
+def _until(condition: Any) -> None:
+    deadline = threading.Event()
+    for _ in range(int(GUARD * 100)):
+        if condition():
+            return
+        deadline.wait(0.01)
+    raise AssertionError("the pump never got there")
+
+
+def test_batches_cross_in_blocks_one_wake_up_of_the_loop_per_block() -> None:
+    from aloader._facade import PrivateLoop, SyncIterator, _Pump
+
+    async def numbers() -> Any:
+        for i in range(10):
+            yield i
+
+    items = SyncIterator(numbers, PrivateLoop(), owns_loop=True)
+    pump = items._pump
+    block = _Pump.AHEAD - _Pump.LOW
+    assert block >= 2
+    wakes: list[Any] = []
+    call_soon = pump.call_soon
+    pump.call_soon = lambda callback: (wakes.append(callback), call_soon(callback))[1]
+    got = []
+    for _ in range(3):
+        _until(lambda: pump.out.qsize() == _Pump.AHEAD and pump.waiting is not None)
+        before = len(wakes)
+        for _ in range(block - 1):
+            got.append(next(items))
+            assert len(wakes) == before  # the pump waits on: the consumer has enough
+        got.append(next(items))
+        assert len(wakes) == before + 1  # one wake-up, and the pump refills a block
+    got += list(items)
+    assert got == list(range(10))
+    assert len(_loop_threads()) == 0
+
+
+def test_an_in_memory_epoch_with_a_plain_sampler_runs_on_the_consumers_thread() -> None:
+    class Backwards:  # a user's sampler: plain iteration, no array form
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(9, -1, -1))
+
+        def __len__(self) -> int:
+            return 10
+
+    dataset = _InMemory(10)
+    loader = DataLoader(dataset, batch_size=4, sampler=Backwards())
+    assert [b.ravel().tolist() for b in loader] == [[9, 8, 7, 6], [5, 4, 3, 2], [1, 0]]
+    assert dataset.threads == {threading.get_ident()}
+    assert _loop_threads() == []
