@@ -92,11 +92,10 @@ def _ssl() -> Any:
 Runner = Callable[[str, int, list[tuple[int, int]]], Awaitable[int]]
 
 
-async def httpx_pool(url: str, concurrency: int, ranges: list[tuple[int, int]]) -> int:
-    import httpx
-
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=60, verify=_ssl()) as client:
+async def _httpx_one_client(client: Any, url: str, concurrency: int,
+                            ranges: list[tuple[int, int]]) -> int:
+    """The ranges through one httpx client (its pool shared by every request in flight)."""
+    async with client:
         async def fetch(slot: int, start: int, end: int) -> int:
             n = 0
             async with client.stream("GET", url,
@@ -106,21 +105,21 @@ async def httpx_pool(url: str, concurrency: int, ranges: list[tuple[int, int]]) 
             return n
 
         return await _window(concurrency, ranges, fetch)
+
+
+async def httpx_pool(url: str, concurrency: int, ranges: list[tuple[int, int]]) -> int:
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    return await _httpx_one_client(httpx.AsyncClient(limits=limits, timeout=60, verify=_ssl()),
+                                   url, concurrency, ranges)
 
 
 async def httpx_default(url: str, concurrency: int, ranges: list[tuple[int, int]]) -> int:
     import httpx
 
-    async with httpx.AsyncClient(timeout=60, verify=_ssl()) as client:
-        async def fetch(slot: int, start: int, end: int) -> int:
-            n = 0
-            async with client.stream("GET", url,
-                                     headers={"Range": f"bytes={start}-{end - 1}"}) as r:
-                async for piece in r.aiter_raw():
-                    n += len(piece)
-            return n
-
-        return await _window(concurrency, ranges, fetch)
+    return await _httpx_one_client(httpx.AsyncClient(timeout=60, verify=_ssl()), url,
+                                   concurrency, ranges)
 
 
 async def httpx_slots(url: str, concurrency: int, ranges: list[tuple[int, int]]) -> int:

@@ -216,11 +216,12 @@ async def _io_limit(n: int, concurrency: int = IO_CONCURRENCY) -> float:
     return n / elapsed
 
 
-async def _io_window_limit(n: int, concurrency: int = IO_CONCURRENCY) -> float:
-    # The tightest bare program: ``concurrency`` coroutines, each taking the next index,
-    # awaiting its fetch and writing the item into its batch's slot; the batch that completes
-    # the head of the line is stacked, with any complete ones behind it, in order.
-    fetch = AsyncIODataset(n).__getitem__
+def _window_program(n: int, fetch: Callable[[int], Any]
+                    ) -> tuple[Callable[[], Any], list[npt.NDArray[np.float32]]]:
+    """The tightest bare program's worker, run ``concurrency`` times at once by both bare
+    limits (asyncio's gather, trio's nursery): each takes the next index, awaits its fetch and
+    writes the item into its batch's slot; the batch that completes the head of the line is
+    stacked, with any complete ones behind it, in order. Returns (worker, the batches)."""
     sizes = [min(IO_BATCH, n - s) for s in range(0, n, IO_BATCH)]
     slots: list[list[Any]] = [[None] * size for size in sizes]
     missing = sizes.copy()
@@ -238,6 +239,11 @@ async def _io_window_limit(n: int, concurrency: int = IO_CONCURRENCY) -> float:
             while len(batches) < len(sizes) and not missing[len(batches)]:
                 batches.append(np.stack(slots[len(batches)]))
 
+    return one, batches
+
+
+async def _io_window_limit(n: int, concurrency: int = IO_CONCURRENCY) -> float:
+    one, batches = _window_program(n, AsyncIODataset(n).__getitem__)
     start = time.perf_counter()
     await asyncio.gather(*[one() for _ in range(min(concurrency, n))])
     elapsed = time.perf_counter() - start
@@ -259,24 +265,7 @@ async def _io_trio_limit(n: int, concurrency: int = IO_CONCURRENCY) -> float:
     # _io_window_limit as a trio nursery of ``concurrency`` tasks.
     import trio
 
-    fetch = _TrioIODataset(n).__getitem__
-    sizes = [min(IO_BATCH, n - s) for s in range(0, n, IO_BATCH)]
-    slots: list[list[Any]] = [[None] * size for size in sizes]
-    missing = sizes.copy()
-    batches: list[npt.NDArray[np.float32]] = []
-    taken = 0
-
-    async def one() -> None:
-        nonlocal taken
-        while taken < n:
-            i = taken
-            taken += 1
-            b, k = divmod(i, IO_BATCH)
-            slots[b][k] = await fetch(i)
-            missing[b] -= 1
-            while len(batches) < len(sizes) and not missing[len(batches)]:
-                batches.append(np.stack(slots[len(batches)]))
-
+    one, batches = _window_program(n, _TrioIODataset(n).__getitem__)
     start = time.perf_counter()
     async with trio.open_nursery() as nursery:
         for _ in range(min(concurrency, n)):
