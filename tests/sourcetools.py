@@ -1,5 +1,6 @@
-"""Helpers the source tests share: drain an async source, pretend to be a loader worker (or
-every consumer of ranks x workers in turn), write a file, and find a port nothing listens on.
+"""Helpers the source tests share: drain an async source, resume one after k items, pretend to
+be a loader worker (or every consumer of ranks x workers in turn), write a file, and find a
+port nothing listens on.
 
 Sources shard by :func:`aloader.get_worker_info`; the tests simulate worker ``w`` of ``W`` in
 this process instead of starting workers, so exactly-once reads can be checked directly.
@@ -8,6 +9,8 @@ this process instead of starting workers, so exactly-once reads can be checked d
 from __future__ import annotations
 
 import contextlib
+import json
+import pickle
 import socket
 from collections.abc import AsyncIterable, Callable, Iterator
 from pathlib import Path
@@ -15,7 +18,8 @@ from typing import Any, TypeVar
 
 from aloader._workerinfo import WorkerInfo, _set_worker_info
 
-__all__ = ("as_worker", "collect", "free_port", "read_as_consumers", "write")
+__all__ = ("as_worker", "collect", "free_port", "interrupted", "read_as_consumers", "roundtrip",
+           "write")
 
 T = TypeVar("T")
 
@@ -23,6 +27,30 @@ T = TypeVar("T")
 async def collect(source: AsyncIterable[T]) -> list[T]:
     """Every item of ``source``, in order."""
     return [item async for item in source]
+
+
+def roundtrip(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` through JSON (and pickle), as a checkpoint file would carry it."""
+    out = json.loads(json.dumps(state))
+    assert pickle.loads(pickle.dumps(out)) == out
+    return out  # type: ignore[no-any-return]
+
+
+async def interrupted(make: Callable[[], Any], k: int, epochs_before: int = 0
+                      ) -> tuple[list[Any], Any]:
+    """Items after the first ``k`` of epoch ``epochs_before``, read by a fresh stream resumed
+    from the state taken after them; and that state."""
+    stream = make()
+    for _ in range(epochs_before):
+        _ = [item async for item in stream]
+    iterator = stream.__aiter__()
+    for _ in range(k):
+        await iterator.__anext__()
+    state = roundtrip(stream.state_dict())
+    await iterator.aclose()
+    fresh = make()
+    fresh.load_state_dict(state)
+    return [item async for item in fresh], state
 
 
 @contextlib.contextmanager

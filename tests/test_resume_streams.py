@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import pytest
+from sourcetools import interrupted, roundtrip
 
 from aloader import JsonLines, Stream, TextLines, as_stream, interleave
 
@@ -32,28 +33,6 @@ def write_shards(root: Path, shards: int = 3, records: int = 40, *, compress: bo
             path.write_text(lines)
         paths.append(str(path))
     return paths
-
-
-def roundtrip(state: dict[str, Any]) -> dict[str, Any]:
-    out = json.loads(json.dumps(state))
-    assert pickle.loads(pickle.dumps(out)) == out
-    return out  # type: ignore[no-any-return]
-
-
-async def interrupted(make: Make, k: int, epochs_before: int = 0) -> tuple[list[Any], Any]:
-    """Items after the first ``k`` of epoch ``epochs_before``, read by a fresh stream resumed
-    from the state taken after them; and that state."""
-    stream = make()
-    for _ in range(epochs_before):
-        _ = [item async for item in stream]
-    iterator = stream.__aiter__()
-    for _ in range(k):
-        await iterator.__anext__()
-    state = roundtrip(stream.state_dict())
-    await iterator.aclose()  # type: ignore[attr-defined]
-    fresh = make()
-    fresh.load_state_dict(state)
-    return [item async for item in fresh], state
 
 
 async def check_resume(make: Make, ks: list[int] | None = None, epochs_before: int = 0
