@@ -26,10 +26,11 @@ _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "proxy-connec
 
 
 class _Rule:
-    __slots__ = ("after", "code", "status", "then", "times")
+    __slots__ = ("after", "code", "path", "status", "then", "times")
 
     def __init__(self, times: int, status: int = 0, code: str = "", after: int = 0,
-                 then: Callable[[], None] | None = None) -> None:
+                 then: Callable[[], None] | None = None, path: str | None = None) -> None:
+        self.path = path  # only GETs of paths ending so (None: any object)
         self.times = times
         self.status = status
         self.code = code
@@ -141,11 +142,14 @@ class FaultProxy:
         with self._lock:
             self._rules.append(_Rule(times, status=status, code=code))
 
-    def cut(self, times: int, after: int, then: Callable[[], None] | None = None) -> None:
+    def cut(self, times: int, after: int, then: Callable[[], None] | None = None,
+            path: str | None = None) -> None:
         """Send only ``after`` bytes of the next ``times`` object GETs' bodies (the full
-        length announced), then drop the connection (calling ``then`` first)."""
+        length announced), then drop the connection (calling ``then`` first); with ``path``,
+        only GETs of a path ending so (a read still in flight from an earlier, closed stream
+        of another object cannot take the fault)."""
         with self._lock:
-            self._rules.append(_Rule(times, after=after, then=then))
+            self._rules.append(_Rule(times, after=after, then=then, path=path))
 
     def reset(self) -> None:
         """Forget the faults not injected yet and the requests seen."""
@@ -160,6 +164,8 @@ class FaultProxy:
             if not is_object_get or not self._rules:
                 return None
             rule = self._rules[0]
+            if rule.path is not None and not path.split("?")[0].endswith(rule.path):
+                return None
             rule.times -= 1
             if rule.times <= 0:
                 self._rules.pop(0)
