@@ -290,7 +290,7 @@ class ShardCache:
         """Where the copy of ``url`` at ``version`` is kept."""
         return f"{self._base(url)}-{_hash(json.dumps(version), 16)}{_SUFFIX}"
 
-    def _touch(self, url: str, version: Version) -> str | None:
+    def kept(self, url: str, version: Version) -> str | None:
         """The committed copy's path, stamped as just used, or None if there is none."""
         path = self.path(url, version)
         now = time.time_ns()
@@ -446,7 +446,7 @@ class ShardCache:
         chunk_size: int, on_size: Callable[[int], None] | None, start: int,
     ) -> AsyncGenerator[bytes, None]:
         version = versions.get(url)
-        if version is not None and (path := self._touch(url, version)) is not None:
+        if version is not None and (path := self.kept(url, version)) is not None:
             async with Closing(self._local(path, stats, chunk_size, on_size, start)) as pieces:
                 async for piece in pieces:
                     yield piece
@@ -465,7 +465,7 @@ class ShardCache:
             found = self._recent(url, asked)
             if found is not None:
                 versions[url] = version = found
-            if version is not None and (path := self._touch(url, version)) is not None:
+            if version is not None and (path := self.kept(url, version)) is not None:
                 lock.release()
                 async with Closing(self._local(path, stats, chunk_size, on_size,
                                                start)) as pieces:
@@ -485,7 +485,7 @@ class ShardCache:
                 new = answer[0] if answer else None
                 if new is not None:
                     versions[url] = new
-                    cached = self._touch(url, new)
+                    cached = self.kept(url, new)
                     if cached is not None:
                         self._note(url, new)
                 if cached is None:

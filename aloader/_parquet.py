@@ -94,23 +94,33 @@ async def _cached_copy(name: str, source: ParquetRows, in_worker: bool) -> str |
     cache = source._shard_cache
     assert cache is not None
     version = source._versions.get(name)
-    if version is not None and (path := cache._touch(name, version)) is not None:
+    if version is not None and (path := cache.kept(name, version)) is not None:
         source.stats.cache_hits += 1  # pinned and kept: no request, nothing read
         return path
+    too_big = False
+
+    def sized(size: int) -> None:
+        # A file larger than the whole limit is never kept: stop at once and read it by
+        # ranges rather than download it for nothing.
+        nonlocal too_big
+        too_big = cache.limit is not None and size > cache.limit
+
     client = make_client(source.http, 1) if is_url(name) else None
     try:
         fetch = functools.partial(source._fetch, name,
                                   None if client is None else (lambda: client), source.stats)
         async with Closing(cache.chunks(name, fetch, source._versions, source.stats,
-                                        source.chunk_size)) as pieces:
+                                        source.chunk_size, sized)) as pieces:
             async for _ in pieces:
-                pass  # the bytes land in the cache; pyarrow reads the copy
+                if too_big:
+                    return None
+                # the bytes land in the cache; pyarrow reads the copy
     finally:
         if client is not None:
             with anyio.CancelScope(shield=True):
                 await client.aclose()
     version = source._versions.get(name)
-    return None if version is None else cache._touch(name, version)
+    return None if version is None else cache.kept(name, version)
 
 
 def _is_remote(name: str) -> bool:
