@@ -48,6 +48,7 @@ waits for the fetches in threads to return, unless the epoch has abandoned its t
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import math
@@ -67,7 +68,7 @@ from ._backend import Detached, Waiter, current_backend, threadsafe_caller, wait
 from ._dataset import aiter_of, fetch_mode
 from ._exceptions import FailureBudgetExceeded, LoaderClosedError
 from ._failures import KNOWN_FAILED, Failures, resumable
-from ._sample_rng import BATCH, Scope, scope_var
+from ._sample_rng import BATCH, IDLE, Scope, scope_var
 from ._stats import Collector
 from ._util import Signal, close_iterator, is_async_callable, resolve
 
@@ -110,6 +111,7 @@ _now = time.perf_counter_ns
 _cpu = time.thread_time_ns
 
 _CLOSED = LoaderClosedError()  # never raised itself: a fresh one is, without a traceback
+_ENDED: Any = object()  # a sampler with no more keys
 
 
 class Results:
@@ -126,12 +128,23 @@ class Results:
     samples were drawn, for a resume): when ``metas`` is set (a mapping from job number to
     metadata, with ``pop``), taking job ``k`` pops its entry into :attr:`meta`. Without it
     (map-style epochs) nothing of this runs.
+
+    A job that may not publish yet and can finish without an await (a plain collate on the
+    loop) need not wait for its slot either: :meth:`defer` keeps the job's ``finish`` and runs
+    it when the slot frees, from the :meth:`poll` that freed it (the consumer's), so no task
+    waits, and no task wakes, per batch. In order, the slot freed by taking job ``t`` belongs
+    to exactly one job, ``t + capacity``; out of order to the job deferred first.
     """
 
     #: The metadata of the batch taken last (None without ``metas``).
     meta: Any = None
     #: Job number -> metadata of the jobs published, popped as they are taken (or None).
     metas: Any = None
+    #: Called each time a job is taken (or None): a map epoch's work queue frees room.
+    on_take: Callable[[], None] | None = None
+    #: The batches left ready when the last one was taken, before a deferred job took the
+    #: slot it freed (the statistics' occupancy of the buffer).
+    left = 0
 
     def __init__(self, capacity: int, in_order: bool, skips: bool = False) -> None:
         self._capacity = max(1, capacity)
@@ -146,6 +159,23 @@ class Results:
         self._total: int | None = None
         self._closed: BaseException | None = None
         self._changed = Signal()
+        # Deferred finishes: job -> finish in order, (job, finish) in deferral order otherwise.
+        self._deferred: dict[int, Callable[[], None]] = {}
+        self._deferred_fifo: deque[Callable[[], None]] = deque()
+
+    def defer(self, seq: int, finish: Callable[[], None]) -> None:
+        """Run ``finish`` (which publishes job ``seq``) once the job has its output slot: now
+        if it has one, else from the :meth:`poll` that frees it. ``finish`` must not raise."""
+        if self._in_order:
+            if seq < self.taken + self._capacity:
+                finish()
+            else:
+                self._deferred[seq] = finish
+        elif self._reserved < self._capacity:
+            self._reserved += 1
+            finish()
+        else:
+            self._deferred_fifo.append(finish)
 
     async def reserve(self, seq: int) -> None:
         """Wait until job ``seq`` may collate and publish without exceeding the capacity."""
@@ -165,8 +195,13 @@ class Results:
             self._fifo_seqs.append(seq)
         self._changed.notify()
 
+    @property
+    def capacity(self) -> int:
+        """The batches that may wait for the consumer."""
+        return self._capacity
+
     def ready(self) -> int:
-        """Batches published and not yet taken (the statistics' occupancy)."""
+        """Batches published and not yet taken."""
         return len(self._ready) if self._in_order else len(self._fifo)
 
     def finish(self, total: int) -> None:
@@ -200,7 +235,18 @@ class Results:
             if self.metas is not None:
                 self.meta = self.metas.pop(seq, None)
             self.taken += 1
+            self.left = self.ready()
             self._changed.notify()
+            if self.on_take is not None:
+                self.on_take()
+            if self._in_order:
+                if self._deferred:
+                    finish = self._deferred.pop(self.taken + self._capacity - 1, None)
+                    if finish is not None:
+                        finish()
+            elif self._deferred_fifo:
+                self._reserved += 1
+                self._deferred_fifo.popleft()()
             if item[0] is not SKIP or self._skips:
                 return item
 
@@ -224,20 +270,29 @@ class _WorkQueue:
     """Work for the fetch workers: a deque, and the idle workers parked in arrival order.
 
     Lighter than a memory object stream (the producer never waits on it: the window bounds
-    what it holds), and it wakes one idle worker per new piece of work rather than all of them,
-    which matters with hundreds of workers at tens of thousands of items per second. A worker
-    takes work without awaiting anything while there is some (:attr:`items`), and parks on a
-    :class:`~aloader._backend.Waiter` of the epoch's loop (``new_waiter``) when there is none.
+    what it holds), and it wakes one idle worker per piece of work that may start rather than
+    all of them, which matters with hundreds of workers at tens of thousands of items per
+    second. A worker takes work without awaiting anything while there is some (:meth:`take`),
+    and parks on a :class:`~aloader._backend.Waiter` of the epoch's loop (``new_waiter``) when
+    there is none. Pieces start in queue order (a woken worker takes the queue's head).
+
+    ``room`` bounds the jobs started and not yet taken by the consumer (what holds fetched
+    data): a job's first piece (position 0, or a whole-job piece) takes one, and :meth:`free`
+    (the results' ``on_take``) gives it back. The window may admit jobs ahead of that (indices
+    only), so that a worker finishing a fetch finds its next one waiting, even in a turn of
+    the loop where hundreds finish at once.
 
     Workers start on demand: work that no idle worker is woken for starts a new one, up to
     ``limit``, so workers never outnumber the work the window let in.
     """
 
-    __slots__ = ("_closed", "_idle", "_limit", "_new_waiter", "_spawned", "items", "spawn")
+    __slots__ = ("_closed", "_idle", "_limit", "_new_waiter", "_spawned", "items", "room",
+                 "spawn")
 
-    def __init__(self, limit: int, new_waiter: Callable[[], Waiter],
+    def __init__(self, limit: int, new_waiter: Callable[[], Waiter], room: int,
                  spawn: Callable[[], None] = lambda: None) -> None:
-        self.items: deque[tuple[_Job, int, Any]] = deque()  # a worker pops what is here
+        self.items: deque[tuple[_Job, int, Any]] = deque()  # taken in order
+        self.room = room
         self._idle: deque[Waiter] = deque()
         self._closed = False
         self._limit = limit
@@ -245,42 +300,76 @@ class _WorkQueue:
         self._new_waiter = new_waiter
         self.spawn = spawn  # starts one more worker
 
+    def take(self) -> tuple[_Job, int, Any] | None:
+        """The next piece of work if it may start now, else None (never waits)."""
+        items = self.items
+        if items:
+            if items[0][1] > 0:  # a later item of a job already started
+                return items.popleft()
+            if self.room > 0:
+                self.room -= 1
+                return items.popleft()
+        return None
+
     def put_many(self, items: Iterable[tuple[_Job, int, Any]]) -> None:
         """Add work, waking an idle worker (or starting one) for each piece."""
         before = len(self.items)
         self.items.extend(items)
-        self._wake(len(self.items) - before)
-
-    def _wake(self, new: int) -> None:
-        idle = self._idle
-        woken = 0
-        while woken < new and idle:
-            waiter = idle.popleft()
-            if not waiter.done():  # not a worker cancelled while it waited
-                waiter.set_result(None)
-                woken += 1
-        more = min(new - woken, self._limit - self._spawned)
+        new = len(self.items) - before
+        more = min(new - self._wake(new), self._limit - self._spawned)
         if more > 0:
             self._spawned += more
             for _ in range(more):
                 self.spawn()
 
-    def close(self) -> None:
-        self._closed = True
-        while self._idle:
-            waiter = self._idle.popleft()
-            if not waiter.done():
+    def free(self) -> None:
+        """A started job is taken by the consumer: the next job may start."""
+        self.room += 1
+        if not self._idle:
+            return
+        # Wake a worker for each piece at the head that may start now.
+        startable, room = 0, self.room
+        for _, position, _ in self.items:
+            if position <= 0:
+                if room <= 0:
+                    break
+                room -= 1
+            startable += 1
+            if startable >= len(self._idle):
+                break
+        self._wake(startable)
+        if self._closed and not self.items:
+            self._wake(len(self._idle))  # nothing left: the idle workers leave
+
+    def _wake(self, count: int) -> int:
+        """Wake up to ``count`` idle workers; returns how many."""
+        idle = self._idle
+        woken = 0
+        while woken < count and idle:
+            waiter = idle.popleft()
+            if not waiter.done():  # not a worker cancelled while it waited
                 waiter.set_result(None)
+                woken += 1
+        return woken
+
+    def close(self) -> None:
+        """No more work will come: idle workers leave once the queue is empty (every piece
+        taken leads to a :meth:`free`, which checks)."""
+        self._closed = True
+        if not self.items:
+            self._wake(len(self._idle))
 
     async def get(self) -> tuple[_Job, int, Any] | None:
         """The next piece of work, or None once the queue is closed and drained."""
-        while not self.items:
-            if self._closed:
+        while True:
+            piece = self.take()
+            if piece is not None:
+                return piece
+            if self._closed and not self.items:
                 return None
             wakeup = self._new_waiter()
             self._idle.append(wakeup)
             await wakeup
-        return self.items.popleft()
 
 
 @dataclass(eq=False)
@@ -792,6 +881,15 @@ class FetchPlan:
         finally:
             self.stats.fetch.add(_now() - started)
 
+    def async_getitem(self) -> Callable[[Any], Awaitable[Any]] | None:
+        """The dataset's own ``async def __getitem__`` (bound), for fetches on the loop: what
+        :meth:`fetch_item` returns without checking (None for any other dataset or mode)."""
+        getitem = getattr(type(self.dataset), "__getitem__", None)
+        if self.mode != "async" or not inspect.iscoroutinefunction(getitem):
+            return None
+        bound: Callable[[Any], Awaitable[Any]] = getitem.__get__(self.dataset)
+        return bound
+
     def fetch_item(self, index: Any, limiter: anyio.CapacityLimiter) -> Awaitable[Any]:
         """What to await for sample ``index`` alone: an async dataset's own awaitable,
         without a coroutine of ours around it (with hundreds of fetches in flight, every frame
@@ -857,9 +955,14 @@ class _Admission:
     one per turn of the loop (as fetches start, the first may already stop the epoch before
     the rest begin), and parks on a plain :class:`~aloader._backend.Waiter` while the window
     is full: lighter than a semaphore, whose every acquire looks up the running library.
+    While it is parked on a full window, a slot freed by :meth:`release` is refilled there and
+    then from a plain (sync) sampler: the next job's items are in the queue before the fetch
+    workers finishing in the same turn of the loop look for work, and no task wakes per job.
+    The sampler's end or error (``_end``) wakes the producer, which reports it.
     """
 
-    __slots__ = ("_epoch", "_free", "_new_waiter", "_queue", "_threads", "_waiting", "seq")
+    __slots__ = ("_ahead", "_end", "_epoch", "_free", "_keys", "_new_waiter", "_queue",
+                 "_sampling", "_threads", "_waiting", "seq")
 
     def __init__(self, epoch: MapEpoch, queue: _WorkQueue, threads: _FetchThreads | None,
                  new_waiter: Callable[[], Waiter]) -> None:
@@ -867,16 +970,48 @@ class _Admission:
         self._queue = queue
         self._threads = threads
         self._new_waiter = new_waiter
-        self._free = epoch.plan.window
+        plan = epoch.plan
+        # Items fetched one by one on the loop: admit a second window of jobs ahead (their
+        # indices wait in the queue, whose room lets only so many jobs start).
+        ahead = self._ahead = plan.granularity == "item" and threads is None
+        self._free = plan.window * (3 if ahead else 1) + (epoch.results.capacity if ahead else 0)
         self._waiting: Waiter | None = None  # the producer, parked
+        keys = epoch._keys
+        self._keys: Iterator[Any] | None = None if isinstance(keys, AsyncIterator) else keys
+        self._sampling = epoch.plan.stats.sampling
+        self._end: object = None  # _ENDED, or the sampler's error, once it has no more keys
         self.seq = 0  # the next job's number
 
     def release(self) -> None:
         """A job left the window (its batch is collated, or its error published)."""
         self._free += 1
-        waiting, self._waiting = self._waiting, None
-        if waiting is not None and not waiting.done():
+        waiting = self._waiting
+        if waiting is None:
+            return
+        if self._keys is not None and self._end is None:
+            self._admit_next()
+            if self._end is None:
+                return
+        self._waiting = None
+        if not waiting.done():
             waiting.set_result(None)
+
+    def _ended(self) -> bool:
+        return self._end is not None
+
+    def _admit_next(self) -> None:
+        """Admit the plain sampler's next key, or record its end (``_end``)."""
+        started = _now()
+        try:
+            key = next(self._keys)  # type: ignore[arg-type]
+        except StopIteration:
+            self._end = _ENDED
+            return
+        except Exception as exc:
+            self._end = exc
+            return
+        self._sampling.add(_now() - started)
+        self._enter(key)
 
     def _enter(self, key: Any) -> None:
         self._free -= 1
@@ -901,29 +1036,38 @@ class _Admission:
     async def produce(self) -> None:
         """Admit jobs until the sampler ends or fails, then tell the results how many."""
         epoch = self._epoch
-        keys = _Keys(epoch._keys)
-        sampling = epoch.plan.stats.sampling
-        error: Exception | None = None
-        while True:
+        keys = epoch._keys
+        while self._end is None:
             if self._free > 0:
                 await anyio.lowlevel.checkpoint()
-            while self._free <= 0:
+            while self._free <= 0 and self._end is None:
                 waiting = self._waiting = self._new_waiter()
                 await waiting
+            if self._ended():  # while it waited (mypy keeps `_end is None` across the awaits)
+                break
+            if self._keys is not None:
+                self._admit_next()
+                # Items on the loop, after the first job: fill the window in one turn (the
+                # queue's room decides what starts), as one job per turn would let a loop busy
+                # with hundreds of fetches admit far fewer jobs than it finishes.
+                while self._ahead and self.seq > 1 and self._free > 0 and self._end is None:
+                    self._admit_next()
+                continue
             started = _now()
             try:
-                key = await keys.__anext__()
+                key = await keys.__anext__()  # type: ignore[union-attr]
             except StopAsyncIteration:
+                self._end = _ENDED
                 break
             except Exception as exc:
-                error = exc
+                self._end = exc
                 break
-            sampling.add(_now() - started)
+            self._sampling.add(_now() - started)
             self._enter(key)
-        if error is not None:
+        if isinstance(self._end, Exception):
             results = epoch.results
             await results.reserve(self.seq)
-            results.publish(self.seq, None, _note(error, "raised by the sampler"))
+            results.publish(self.seq, None, _note(self._end, "raised by the sampler"))
             self.seq += 1
         epoch.results.finish(self.seq)
 
@@ -1116,7 +1260,10 @@ class MapEpoch(Epoch):
             plan.window
         )
         new_waiter = waiters()  # the backend, looked up once for the epoch
-        queue = _WorkQueue(workers, new_waiter)
+        # Jobs started and not yet taken by the consumer: the window, and the batches that
+        # may wait for the consumer (collated, or fetched and waiting for their slot).
+        queue = _WorkQueue(workers, new_waiter, 2 * plan.window + self.results.capacity)
+        self.results.on_take = queue.free
         admission = _Admission(self, queue, threads, new_waiter)
         try:
             async with anyio.create_task_group() as tg:
@@ -1137,19 +1284,26 @@ class MapEpoch(Epoch):
     ) -> None:
         plan = self.plan
         fetch_item, add = plan.fetch_item, plan.stats.fetch.add
-        # The sample's scope, set here for a fetch on the loop (see FetchPlan.fetch_item);
-        # the epoch read per sample: a worker process's plan changes it per request.
-        seed = None if plan.mode == "thread" else plan.seed
-        items, get = queue.items, queue.get
+        # An ``async def __getitem__`` returns a coroutine: awaited as it is, nothing to check.
+        getitem = plan.async_getitem()
+        # The sample's scope for a fetch on the loop (see FetchPlan.fetch_item): one per
+        # worker, set in the worker task's own context once (a context variable's set and
+        # reset cost more than the rest of a fetch's bookkeeping), at the sample's index
+        # while it is fetched, IDLE between fetches; the epoch read per sample: a worker
+        # process's plan changes it per request.
+        scope = None
+        if plan.mode != "thread" and plan.seed is not None:
+            scope = Scope(plan.seed, plan.epoch, IDLE)
+            scope_var.set(scope)
+        take, get = queue.take, queue.get
         with self._guarded:  # not _guard(): a frame less on every resume
             while True:
-                if items:  # without a trip through the loop
-                    job, position, index = items.popleft()
-                else:
+                work = take()  # without a trip through the loop while there is work
+                if work is None:
                     work = await get()
                     if work is None:
                         return
-                    job, position, index = work
+                job, position, index = work
                 if position == _WHOLE_JOB:
                     await self._run_job(job, limiter)
                     window.release()
@@ -1166,10 +1320,15 @@ class MapEpoch(Epoch):
                     continue
                 if job.error is None:
                     started = _now()
-                    token = None if seed is None else scope_var.set(
-                        Scope(seed, plan.epoch, index))
+                    if scope is not None:
+                        if scope.epoch != plan.epoch:
+                            scope = Scope(plan.seed, plan.epoch)  # type: ignore[arg-type]
+                            scope_var.set(scope)
+                        scope.begin(index)
                     try:
-                        job.samples[position] = await fetch_item(index, limiter)
+                        job.samples[position] = await (
+                            getitem(index) if getitem is not None else fetch_item(index, limiter)
+                        )
                     except Exception as exc:
                         error = plan.absorb(index, _note(exc, f"raised while fetching index "
                                                               f"{index!r} of batch {job.seq}"))
@@ -1178,8 +1337,8 @@ class MapEpoch(Epoch):
                         else:
                             job.error = error
                     finally:
-                        if token is not None:
-                            scope_var.reset(token)
+                        if scope is not None:
+                            scope.index = IDLE
                         add(_now() - started)
                 job.remaining -= 1
                 if job.remaining == 0:
@@ -1212,25 +1371,43 @@ class MapEpoch(Epoch):
     async def _complete(self, job: _Job, limiter: anyio.CapacityLimiter,
                         window: _Admission) -> None:
         """Collate a job whose items are all in (or publish its first error), then free its
-        window slot; a plain ``collate_fn`` runs without an await (``collate_now``)."""
+        window slot. A plain ``collate_fn`` (``collates_on_loop``) runs without an await, and
+        the job does not wait for its output slot: it is deferred to the slot's freeing
+        (:meth:`Results.defer`), and the worker goes on to other work."""
         results = self.results
+        if job.error is not None or self.plan.collates_on_loop:
+            results.defer(job.seq, functools.partial(self._finish, job, window))
+            return
         await results.reserve(job.seq)
         samples = self._samples_of(job)
-        if job.error is not None:
-            results.publish(job.seq, None, job.error)
+        try:
+            batch = await self.plan.collate(samples, limiter)
+        except Exception as exc:
+            results.publish(job.seq, None, _note(exc, f"raised while collating batch "
+                                                       f"{job.seq}"))
         else:
-            try:
-                if self.plan.collates_on_loop:
-                    batch = self.plan.collate_now(samples)
-                else:
-                    batch = await self.plan.collate(samples, limiter)
-            except Exception as exc:
-                results.publish(job.seq, None, _note(exc, f"raised while collating batch "
-                                                           f"{job.seq}"))
-            else:
-                results.publish(job.seq, batch)
+            results.publish(job.seq, batch)
         job.samples = []
         window.release()
+
+    def _finish(self, job: _Job, window: _Admission) -> None:
+        """Publish a job that has its output slot: its first error, or its batch collated
+        now; then free its window slot. Run by a fetch worker or by the consumer's take (see
+        :meth:`Results.defer`), so a BaseException ends the epoch here as in a worker."""
+        results = self.results
+        with self._guarded:
+            if job.error is not None:
+                results.publish(job.seq, None, job.error)
+            else:
+                try:
+                    batch = self.plan.collate_now(self._samples_of(job))
+                except Exception as exc:
+                    results.publish(job.seq, None, _note(exc, f"raised while collating batch "
+                                                               f"{job.seq}"))
+                else:
+                    results.publish(job.seq, batch)
+            job.samples = []
+            window.release()
 
     def _samples_of(self, job: _Job) -> Any:
         """The samples to collate: SKIP for a job failed before a resume, those that did not

@@ -28,13 +28,16 @@ from numpy.random.bit_generator import ISeedSequence
 
 from ._exceptions import SampleRngError
 
-__all__ = ("BATCH", "Scope", "index_key", "sample_rng", "scope_var", "seed_of")
+__all__ = ("BATCH", "IDLE", "Scope", "index_key", "sample_rng", "scope_var", "seed_of")
 
 _M = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
 # The index of a batch fetch (``__getitems__``): sample_rng needs the index passed.
 BATCH: Any = object()
+# The index of a scope between two fetches (a fetch worker's own scope, reused for each of
+# its fetches: see aloader._pipeline): sample_rng is as unavailable as with no scope.
+IDLE: Any = object()
 
 
 def _mix(x: int) -> int:
@@ -78,7 +81,8 @@ class Scope:
     """What a fetch tells :func:`sample_rng`: the loader's seed, the epoch, and the index of the
     sample being fetched (:data:`BATCH` in ``__getitems__``). A fetch path that fetches several
     samples one after the other reuses one scope, setting :attr:`index` (and clearing the cached
-    generator with :meth:`at`) for each."""
+    generator with :meth:`at`) for each; a fetch worker on the loop keeps one scope for all its
+    fetches (:meth:`begin`), :data:`IDLE` between them."""
 
     __slots__ = ("_base", "_buf", "_cache", "_last", "epoch", "index", "seed")
 
@@ -96,6 +100,12 @@ class Scope:
         self.index = index
         self._last = None
         return self
+
+    def begin(self, index: Any) -> None:
+        """This scope, now fetching sample ``index`` alone: as a fresh scope would be."""
+        self.index = index
+        self._last = None
+        self._cache = None
 
     def generator(self, index: Any) -> np.random.Generator:
         if index is None:
@@ -156,7 +166,7 @@ def sample_rng(index: Any = None) -> np.random.Generator:
             ``__getitems__`` without ``index``.
     """
     scope = scope_var.get()
-    if scope is None:
+    if scope is None or scope.index is IDLE:
         raise SampleRngError(
             "sample_rng() is only available while a DataLoader fetches a sample (inside the "
             "dataset's __getitem__ or __getitems__)"
