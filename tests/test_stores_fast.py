@@ -3,16 +3,21 @@ per-batch path, obstore's chunks (issue 14's speed targets), each checked for be
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.to_thread
+import numpy as np
 import pytest
 from faulty_server import FaultyServer, make_jsonl_shards
 from sourcetools import collect
 
-from aloader import JsonLines
+from aloader import JsonLines, ParquetRows, _parquet
 from aloader._cache import ShardCache
 
 pytestmark = pytest.mark.anyio
@@ -100,3 +105,100 @@ async def test_an_unreadable_pinned_copy_names_the_url_and_the_cache(
         await collect(source)
     assert any(server.urls[0] in note and str(tmp_path) in note
                for note in getattr(info.value, "__notes__", []))
+
+
+# ------------------------------------------------------------------------------- Parquet
+
+needs_pyarrow = pytest.mark.skipif(importlib.util.find_spec("pyarrow") is None,
+                                   reason="needs pyarrow")
+
+
+def write_parquet(path: Path, start: int, rows: int, group_rows: int) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ids = np.arange(start, start + rows, dtype=np.int64)
+    pq.write_table(pa.table({"id": ids, "x": ids * 0.5}), path, row_group_size=group_rows)
+    return str(path)
+
+
+@needs_pyarrow
+async def test_whole_local_files_are_planned_and_read_without_anyio_threads(
+        tmp_path: Path, anyio_backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole local files: the epoch's plan reads no footer (no thread call), and the batches
+    are read in the pass's own thread, every row once, in order."""
+    paths = [write_parquet(tmp_path / f"{i}.parquet", 100 * i, 100, 30) for i in range(3)]
+    source = ParquetRows(paths, columns=["id"], batch_rows=40, as_batches=True)
+    names: set[str] = set()
+    next_batch = _parquet._UnitReader.next
+
+    def spy(self: Any) -> Any:
+        names.add(threading.current_thread().name)
+        return next_batch(self)
+
+    async def no_anyio_thread(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a thread call of anyio's")
+
+    monkeypatch.setattr(_parquet._UnitReader, "next", spy)
+    monkeypatch.setattr(_parquet.anyio.to_thread, "run_sync", no_anyio_thread)
+    batches = [batch async for batch in source]
+    assert np.concatenate([b["id"] for b in batches]).tolist() == list(range(300))
+    assert names == {"aloader-parquet"}
+    assert source.stats.records == 300 and source.stats.shards == 3
+
+
+@needs_pyarrow
+async def test_the_read_thread_hands_on_errors_and_ends(anyio_backend: str) -> None:
+    thread = _parquet._ReadThread()
+    assert await thread.run(lambda: [1]) == [1]
+
+    def fail() -> Any:
+        raise OSError(5, "Input/output error")
+
+    with pytest.raises(OSError) as info:
+        await thread.run(fail)
+    assert info.value.errno == 5
+    assert await thread.run(lambda: None) is None  # still serving after an error
+    running = [t for t in threading.enumerate() if t.name == "aloader-parquet"]
+    thread.close()
+    for t in running:
+        t.join(5)
+    assert not any(t.is_alive() for t in running)
+
+
+@needs_pyarrow
+async def test_a_cancelled_read_waits_for_the_call_in_hand(anyio_backend: str) -> None:
+    """Cancelling the reader does not leave its call running (the file closed under it)."""
+    thread = _parquet._ReadThread()
+    started, release = threading.Event(), threading.Event()
+    finished: list[bool] = []
+
+    def slow() -> Any:
+        started.set()
+        release.wait(5)
+        finished.append(True)
+        return [1]
+
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as group:
+            group.start_soon(thread.run, slow)
+            await anyio.to_thread.run_sync(started.wait)
+            scope.cancel()
+            release.set()
+    assert finished == [True]
+    thread.close()
+
+
+@needs_pyarrow
+async def test_an_abandoned_pass_stops_its_thread(tmp_path: Path, anyio_backend: str) -> None:
+    paths = [write_parquet(tmp_path / f"{i}.parquet", 100 * i, 100, 30) for i in range(3)]
+    source = ParquetRows(paths, batch_rows=40, as_batches=True)
+    before = {t for t in threading.enumerate() if t.name == "aloader-parquet"}
+    stream = source.__aiter__()
+    first = await stream.__anext__()
+    assert first["id"].tolist() == list(range(40))
+    await stream.aclose()  # type: ignore[attr-defined]
+    for t in threading.enumerate():
+        if t.name == "aloader-parquet" and t not in before:
+            t.join(5)
+            assert not t.is_alive()
