@@ -3,6 +3,7 @@ per-batch path, obstore's chunks (issue 14's speed targets), each checked for be
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import threading
@@ -149,8 +150,12 @@ async def test_whole_local_files_are_planned_and_read_without_anyio_threads(
 
 @needs_pyarrow
 async def test_the_read_thread_hands_on_errors_and_ends(anyio_backend: str) -> None:
+    before = set(threading.enumerate())
     thread = _parquet._ReadThread()
     assert await thread.run(lambda: [1]) == [1]
+    running = [t for t in threading.enumerate()
+               if t.name == "aloader-parquet" and t not in before]
+    assert len(running) == 1
 
     def fail() -> Any:
         raise OSError(5, "Input/output error")
@@ -159,7 +164,6 @@ async def test_the_read_thread_hands_on_errors_and_ends(anyio_backend: str) -> N
         await thread.run(fail)
     assert info.value.errno == 5
     assert await thread.run(lambda: None) is None  # still serving after an error
-    running = [t for t in threading.enumerate() if t.name == "aloader-parquet"]
     thread.close()
     for t in running:
         t.join(5)
@@ -202,3 +206,16 @@ async def test_an_abandoned_pass_stops_its_thread(tmp_path: Path, anyio_backend:
         if t.name == "aloader-parquet" and t not in before:
             t.join(5)
             assert not t.is_alive()
+
+
+@needs_pyarrow
+async def test_a_read_thread_left_unclosed_exits_when_collected(anyio_backend: str) -> None:
+    before = set(threading.enumerate())
+    thread = _parquet._ReadThread()
+    await thread.run(lambda: None)
+    (started,) = [t for t in threading.enumerate()
+                  if t.name == "aloader-parquet" and t not in before]
+    del thread
+    gc.collect()
+    started.join(5)
+    assert not started.is_alive()
