@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -373,7 +374,7 @@ class ShardCache:
             lock.release()
 
     # Reading -----------------------------------------------------------------------------
-    async def chunks(
+    def chunks(
         self,
         url: str,
         fetch: Fetch,
@@ -385,6 +386,12 @@ class ShardCache:
     ) -> AsyncGenerator[bytes, None]:
         """The bytes of ``url`` from ``start``: from the cache, or from ``fetch`` (kept in the
         cache as they stream), as the module describes.
+
+        A copy of the version this source pinned is read as a local file is (one
+        :func:`~aloader._files.file_chunks` and the counting of its bytes, nothing else per
+        chunk): a cached epoch costs what an epoch over local files does, plus a stamp of
+        each copy's last use. Only without one does the read go through the locks and the
+        store.
 
         Args:
             url: the shard's URL (its name in the cache).
@@ -400,28 +407,23 @@ class ShardCache:
             OSError: the cache directory cannot be used (with a note naming the URL and the
                 directory).
         """
-        try:
-            for _ in range(3):
-                try:
-                    async with Closing(self._attempt(url, fetch, versions, stats, chunk_size,
-                                                     on_size, start)) as pieces:
-                        async for piece in pieces:
-                            yield piece
-                    return
-                except _Gone:
-                    continue  # evicted before it was opened: nothing was handed on
-            async with Closing(_uncached(fetch, stats, on_size, start)) as pieces:
-                async for piece in pieces:
-                    yield piece
-        except OSError as exc:
-            if not isinstance(exc, FetchError):  # the store's errors name the URL already
-                exc.add_note(f"while reading {url} through the shard cache {self.directory}")
-            raise
+        version = versions.get(url)
+        if version is not None and (path := self.kept(url, version)) is not None:
+            return self._local(path, stats, chunk_size, on_size, start, (url, functools.partial(
+                self._chunks, url, fetch, versions, stats, chunk_size, on_size, start)))
+        return self._chunks(url, fetch, versions, stats, chunk_size, on_size, start)
 
-    async def _local(self, path: str, stats: SourceStats, chunk_size: int,
-                     on_size: Callable[[int], None] | None, start: int
-                     ) -> AsyncGenerator[bytes, None]:
-        """A cached file's bytes; :class:`_Gone` if it vanished before it was opened."""
+    async def _local(
+        self, path: str, stats: SourceStats, chunk_size: int,
+        on_size: Callable[[int], None] | None, start: int,
+        instead: tuple[str, Callable[[], AsyncGenerator[bytes, None]]] | None = None,
+    ) -> AsyncGenerator[bytes, None]:
+        """A cached file's bytes; :class:`_Gone` if it vanished before it was opened (evicted).
+
+        With ``instead`` (``(url, read)``: a read outside :meth:`_chunks`, which notes the
+        errors), a copy evicted before it was opened is ``read()`` instead, and the errors of
+        the copy are noted as :meth:`_chunks` notes them.
+        """
         opened = False
 
         def sized(size: int) -> None:
@@ -436,10 +438,47 @@ class ShardCache:
                 async for piece in pieces:
                     stats.cache_bytes += len(piece)
                     yield piece
-        except FileNotFoundError:
+            return
+        except FileNotFoundError as exc:
+            if instead is None:
+                if opened:
+                    raise
+                raise _Gone from None
             if opened:
+                self._noted(exc, instead[0])
                 raise
-            raise _Gone from None
+        except OSError as exc:
+            if instead is not None:
+                self._noted(exc, instead[0])
+            raise
+        async with Closing(instead[1]()) as pieces:
+            async for piece in pieces:
+                yield piece
+
+    async def _chunks(
+        self, url: str, fetch: Fetch, versions: dict[str, Version], stats: SourceStats,
+        chunk_size: int, on_size: Callable[[int], None] | None, start: int,
+    ) -> AsyncGenerator[bytes, None]:
+        try:
+            for _ in range(3):
+                try:
+                    async with Closing(self._attempt(url, fetch, versions, stats, chunk_size,
+                                                     on_size, start)) as pieces:
+                        async for piece in pieces:
+                            yield piece
+                    return
+                except _Gone:
+                    continue  # evicted before it was opened: nothing was handed on
+            async with Closing(_uncached(fetch, stats, on_size, start)) as pieces:
+                async for piece in pieces:
+                    yield piece
+        except OSError as exc:
+            self._noted(exc, url)
+            raise
+
+    def _noted(self, exc: OSError, url: str) -> None:
+        if not isinstance(exc, FetchError):  # the store's errors name the URL already
+            exc.add_note(f"while reading {url} through the shard cache {self.directory}")
 
     async def _attempt(
         self, url: str, fetch: Fetch, versions: dict[str, Version], stats: SourceStats,
