@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import random
 import re
 import ssl
@@ -62,8 +63,8 @@ from ._util import Closing
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ("HttpClient", "HttpOptions", "http_chunks", "make_client", "retry_delay",
-           "split_chunks")
+__all__ = ("HttpClient", "HttpOptions", "env_configures_http", "http_chunks", "make_client",
+           "retry_delay", "split_chunks")
 
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 # Statuses worth retrying: server errors, request timeout, too many requests.
@@ -110,10 +111,14 @@ def _ssl_context() -> ssl.SSLContext:
     return _SSL_CONTEXT
 
 
-def make_client(options: HttpOptions, connections: int) -> HttpClient:
+def make_client(options: HttpOptions, connections: int, env: bool | None = None
+                ) -> HttpClient:
     """The client for one epoch (closed at its end), keeping up to ``connections``
     connections: aiohttp on asyncio when it is installed, else httpx (see the module's
-    docstring); the ``client_factory``'s ``httpx.AsyncClient`` when there is one."""
+    docstring); the ``client_factory``'s ``httpx.AsyncClient`` when there is one.
+
+    ``env`` is :func:`env_configures_http` when the caller already asked (the clients of one
+    epoch share the answer), None to ask here."""
     if options.client_factory is not None:
         return _HttpxClient(options.client_factory())
     if current_backend() == "asyncio":
@@ -128,7 +133,10 @@ def make_client(options: HttpOptions, connections: int) -> HttpClient:
                                               sock_read=options.timeout),
                 headers=dict(options.headers) if options.headers else None,
                 auto_decompress=False,  # the body as sent: this module decodes it
-                trust_env=True,  # proxies from HTTP(S)_PROXY and NO_PROXY, as httpx has it
+                # Proxies from HTTP(S)_PROXY and NO_PROXY, as httpx has it (and aiohttp's
+                # .netrc credentials). Only when there are some: with trust_env, aiohttp looks
+                # both up in a thread at every request, two thread hops in each request's path.
+                trust_env=env_configures_http() if env is None else env,
             ))
     import httpx
 
@@ -140,6 +148,22 @@ def make_client(options: HttpOptions, connections: int) -> HttpClient:
         follow_redirects=True,
         verify=_ssl_context(),
     ))
+
+
+def env_configures_http() -> bool:
+    """Whether the environment sets a proxy or has a ``.netrc`` file: what aiohttp's
+    ``trust_env`` would find (without either it finds nothing, so it is turned off)."""
+    import urllib.request  # aiohttp imports it already
+
+    if urllib.request.getproxies():
+        return True
+    path = os.environ.get("NETRC")
+    if path is None:
+        try:
+            path = os.path.join(os.path.expanduser("~"), ".netrc")
+        except RuntimeError:  # no home directory: aiohttp finds no file either
+            return False
+    return os.path.exists(path)
 
 
 class _Failed(Exception):

@@ -37,7 +37,7 @@ from ._formats import (
     TextDecoder,
     _check_encoding,
 )
-from ._http import HttpClient, HttpOptions, http_chunks, make_client
+from ._http import HttpClient, HttpOptions, env_configures_http, http_chunks, make_client
 from ._objstore import ObjectAccess, is_object_url
 from ._sharding import (
     EvenRanks,
@@ -248,6 +248,7 @@ class _Clients:
     def __init__(self, options: HttpOptions, count: int) -> None:
         self._options = options
         self._made: list[HttpClient | None] = [None] * count
+        self._env: bool | None = None  # env_configures_http(), asked once per epoch
 
     def slot(self, number: int) -> Callable[[], HttpClient]:
         """What gives the client of the ``number``-th shard read."""
@@ -256,7 +257,9 @@ class _Clients:
     def _get(self, index: int) -> HttpClient:
         client = self._made[index]
         if client is None:
-            client = self._made[index] = make_client(self._options, 1)
+            if self._env is None:
+                self._env = env_configures_http()
+            client = self._made[index] = make_client(self._options, 1, self._env)
         return client
 
     async def aclose(self) -> None:
