@@ -37,7 +37,14 @@ from ._formats import (
     TextDecoder,
     _check_encoding,
 )
-from ._http import HttpClient, HttpOptions, env_configures_http, http_chunks, make_client
+from ._http import (
+    HttpClient,
+    HttpOptions,
+    env_configures_http,
+    http_chunks,
+    make_client,
+    shares_one_pool,
+)
 from ._objstore import ObjectAccess, is_object_url
 from ._sharding import (
     EvenRanks,
@@ -242,12 +249,15 @@ async def _read_ahead(
 
 
 class _Clients:
-    """An epoch's HTTP clients, ``count`` of them shared round-robin by the shards, each made
-    when a shard first needs it (an epoch read from the cache makes none)."""
+    """An epoch's HTTP clients for ``count`` shards read at once, each made when a shard first
+    needs it (an epoch read from the cache makes none): one client of ``count`` connections
+    shared by all where its pool allows (:func:`~aloader._http.shares_one_pool`), else
+    ``count`` single-connection clients shared round-robin by the shards."""
 
     def __init__(self, options: HttpOptions, count: int) -> None:
         self._options = options
-        self._made: list[HttpClient | None] = [None] * count
+        self._connections = count if shares_one_pool(options) else 1
+        self._made: list[HttpClient | None] = [None] * (count // self._connections)
         self._env: bool | None = None  # env_configures_http(), asked once per epoch
 
     def slot(self, number: int) -> Callable[[], HttpClient]:
@@ -259,7 +269,8 @@ class _Clients:
         if client is None:
             if self._env is None:
                 self._env = env_configures_http()
-            client = self._made[index] = make_client(self._options, 1, self._env)
+            client = self._made[index] = make_client(self._options, self._connections,
+                                                     self._env)
         return client
 
     async def aclose(self) -> None:
@@ -662,8 +673,8 @@ class ShardedSource(Stream[T_co]):
         slots = min(self.concurrency, len(names) - first)
         clients: _Clients | None = None
         if any(is_url(name) for name in names[first:]):
-            # One single-connection client per read-ahead slot: shard i reuses the keep-alive
-            # connection of shard i - concurrency, and no pool has to scan the others.
+            # A connection per read-ahead slot (shard i reuses the keep-alive connection of
+            # shard i - concurrency); a client_factory's one client is shared by all.
             clients = _Clients(self.http, 1 if self.http.client_factory is not None else slots)
         try:
             readers = [
