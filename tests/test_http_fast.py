@@ -9,6 +9,7 @@ when it does.
 from __future__ import annotations
 
 import base64
+import importlib.util
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -161,3 +162,27 @@ async def test_netrc_credentials_on_aiohttp(bare_env: pytest.MonkeyPatch, tmp_pa
     assert len(records) == 20
     expected = "Basic " + base64.b64encode(b"reader:secret").decode()
     assert server.authorizations == [expected, expected]
+
+
+async def test_one_aiohttp_session_per_epoch(serve: Callable[..., FaultyServer],
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             anyio_backend: str) -> None:
+    """On aiohttp the shards read at once share one client of ``concurrency`` connections;
+    httpx keeps one single-connection client per read-ahead slot. Either way no more
+    connections are open than shards read at once, and every record arrives once."""
+    import aloader._sources as sources
+
+    made: list[int] = []
+    real = sources.make_client
+
+    def counting(options: HttpOptions, connections: int, env: bool | None = None) -> Any:
+        made.append(connections)
+        return real(options, connections, env)
+
+    monkeypatch.setattr(sources, "make_client", counting)
+    server = serve(make_jsonl_shards(8, 30))
+    records = await collect(JsonLines(server.urls, concurrency=4))
+    assert [r["id"] for r in records] == list(range(240))
+    aiohttp = anyio_backend == "asyncio" and importlib.util.find_spec("aiohttp") is not None
+    assert made == ([4] if aiohttp else [1, 1, 1, 1])
+    assert server.max_open_connections <= 4
