@@ -404,7 +404,8 @@ class ShardedSource(Stream[T_co]):
     shard is read exactly once per epoch across all ranks and workers. Up to ``concurrency``
     shards are read at once and their records handed on in shard order, so the output is
     reproducible. The memory held is bounded: at most ``concurrency * 3`` chunks of
-    ``chunk_size`` bytes (decoded) plus the stream's few blocks of read-ahead.
+    ``chunk_size`` bytes (decompressed) plus the stream's few blocks of read-ahead. The
+    read-ahead holds bytes: a chunk is parsed into records when the consumer reaches it.
 
     Args:
         shards: a path, directory, glob pattern or ``http(s)://`` URL, or a sequence of them.

@@ -1,7 +1,7 @@
 """Streaming JSON Lines shards over HTTP and from local files.
 
-Run: ``python benchmarks/bench_sources.py [--http-only] [--no-torch]``. Everything below is
-measured in the same run.
+Run: ``python benchmarks/bench_sources.py [--http-only] [--no-torch] [--breakdown]``.
+Everything below is measured in the same run.
 
 HTTP: 64 shards of 1,000 JSON Lines records (~106 bytes each) served by a local HTTP server
 (a separate process, ``aloader._demo.ShardServer``) that waits 20 ms before answering each
@@ -19,6 +19,12 @@ each round, interleaved:
   too. Both aloader rows are quoted against it (issue 13's targets: 0.7x in one process,
   0.85x with 2 worker processes). The load average is printed with the table: the server
   and the loader share the machine's cores, and so does anything else running.
+
+``--breakdown`` adds where one HTTP epoch's time goes: the parse floor's two halves alone,
+the bare HTTP client fetching the same bodies (aiohttp, 16 at once, one session), aloader over
+local files holding the same bytes (the loader without HTTP), and aloader over HTTP; each with
+its wall time, this process's CPU time and the cyclic garbage collector's time, interleaved,
+best of 5 (the server's CPU is its own process's).
 
 Local files (``python benchmarks/bench_sources.py local`` runs only these): the same records
 in 32 files of 20,000 lines (~68 MB, in the page cache), read with ``TextLines`` and
@@ -149,6 +155,119 @@ def interleaved(programs: list[tuple[str, Callable[[], int]]], runs: int = RUNS
             seconds[label] = min(seconds[label], time.perf_counter() - start)
             assert items == TOTAL, (label, items, TOTAL)
     return seconds
+
+
+def _bare_fetch(urls: list[str]) -> int:
+    """The 64 bodies through aiohttp alone, CONCURRENCY at once on one session: the HTTP
+    client's own cost in an epoch. Returns TOTAL (the bytes are checked, not parsed)."""
+    import asyncio
+
+    import aiohttp
+
+    async def main() -> int:
+        async with aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=CONCURRENCY)) as session:
+            slots = asyncio.Semaphore(CONCURRENCY)
+
+            async def one(url: str) -> int:
+                async with slots, session.get(url) as response:
+                    lines = 0
+                    while piece := await response.content.readany():
+                        lines += piece.count(b"\n")
+                    return lines
+
+            return sum(await asyncio.gather(*(one(url) for url in urls)))
+
+    return asyncio.run(main())
+
+
+def breakdown(urls: list[str], bodies: list[bytes], runs: int = 5) -> list[str]:
+    """The lines of a table of where one HTTP epoch's time goes (see the module's
+    docstring)."""
+    import gc
+
+    source = JsonLines(["http://127.0.0.1/x.jsonl"])
+    records: list[Any] = []
+    for body in bodies:
+        decoder = source._decoder("x", BadRecords(False, SourceStats()))
+        for start in range(0, len(body), 1 << 16):
+            records.extend(decoder.feed(body[start : start + (1 << 16)]))
+
+    def parse_only() -> int:
+        count = 0
+        for body in bodies:
+            decoder = source._decoder("x", BadRecords(False, SourceStats()))
+            for start in range(0, len(body), 1 << 16):
+                count += len(decoder.feed(body[start : start + (1 << 16)]))
+        return count
+
+    def collate_only() -> int:
+        for start in range(0, len(records), BATCH):
+            default_collate(records[start : start + BATCH])
+        return len(records)
+
+    with tempfile.TemporaryDirectory() as directory:
+        for i, body in enumerate(bodies):
+            with open(os.path.join(directory, f"shard-{i:05d}.jsonl"), "wb") as f:
+                f.write(body)
+
+        def local() -> int:
+            async def epoch() -> int:
+                count = 0
+                async for batch in DataLoader(JsonLines(directory, concurrency=CONCURRENCY),
+                                              batch_size=BATCH):
+                    count += len(batch["id"])
+                return count
+
+            return anyio.run(epoch)
+
+        programs: list[tuple[str, Callable[[], int]]] = [
+            ("parse only (JsonLinesDecoder.feed, 64 KiB pieces)", parse_only),
+            ("collate only (default_collate, batches of 256)", collate_only),
+            ("parse floor (both)", parse_work(bodies)),
+            ("bare aiohttp fetch of the bodies", lambda: _bare_fetch(urls)),
+            ("aloader JsonLines over local files", local),
+            ("aloader JsonLines over HTTP", lambda: run_aloader(urls)),
+        ]
+        gc_time = [0.0, 0.0]  # total, start of the collection under way
+
+        def on_gc(phase: str, info: dict[str, Any]) -> None:
+            if phase == "start":
+                gc_time[1] = time.perf_counter()
+            else:
+                gc_time[0] += time.perf_counter() - gc_time[1]
+
+        best_of: dict[str, tuple[float, float, float]] = {}
+        for _, fn in programs:
+            fn()  # warm-up
+        gc.callbacks.append(on_gc)
+        try:
+            for _ in range(runs):
+                for label, fn in programs:
+                    gc_time[0] = 0.0
+                    wall, cpu = time.perf_counter(), time.process_time()
+                    items = fn()
+                    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                    assert items == TOTAL, (label, items)
+                    if label not in best_of or wall < best_of[label][0]:
+                        best_of[label] = (wall, cpu, gc_time[0])
+        finally:
+            gc.callbacks.remove(on_gc)
+    lines = [f"Where an HTTP epoch's time goes (best wall of {runs}, interleaved; load "
+             f"average {os.getloadavg()[0]:.2f})",
+             f"{'':52} {'wall ms':>8} {'cpu ms':>8} {'gc ms':>8}"]
+    for label, (wall, cpu, gc_seconds) in best_of.items():
+        lines.append(f"{label:52} {wall * 1e3:>8.1f} {cpu * 1e3:>8.1f} "
+                     f"{gc_seconds * 1e3:>8.1f}")
+    floor_cpu = best_of["parse floor (both)"][1]
+    local_cpu = best_of["aloader JsonLines over local files"][1]
+    http_wall, http_cpu, _ = best_of["aloader JsonLines over HTTP"]
+    lines += [
+        f"loader without HTTP, beyond the floor (cpu):  {(local_cpu - floor_cpu) * 1e3:6.1f} ms",
+        f"HTTP in the loader (cpu, over local files):   {(http_cpu - local_cpu) * 1e3:6.1f} ms",
+        f"idle in the HTTP epoch (wall - cpu):          {(http_wall - http_cpu) * 1e3:6.1f} ms",
+    ]
+    return lines
 
 
 def local_files(bodies: list[bytes]) -> list[tuple[str, float, str]]:
@@ -353,6 +472,7 @@ def main() -> None:
             programs.append(("PyTorch DataLoader, urllib, 8 persistent workers",
                              lambda: count_torch(persistent)))
         seconds = interleaved(programs)
+        where = breakdown(urls, bodies) if "--breakdown" in sys.argv else []
     finally:
         persistent = None  # its workers stop with it
         stop.set()
@@ -378,6 +498,9 @@ def main() -> None:
         ratio = TOTAL / seconds[label] / limit
         print(f"{label}: {ratio:.2f}x the limit (target {target}x: "
               f"{'met' if ratio >= target else 'NOT met'})")
+    if where:
+        print()
+        print("\n".join(where))
 
     if "--http-only" in sys.argv:
         return
