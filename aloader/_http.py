@@ -6,10 +6,14 @@ through httpx (aiohttp runs on asyncio only); a ``client_factory`` always gives 
 connection pool checks every connection it holds at each request (``is_idle``,
 ``has_expired``, a ``poll`` and a ``getpeername`` per connection), so its cost per request
 grows with the requests in flight, while aiohttp's stays flat and is several times smaller at
-8 in flight already. The two are wrapped in :class:`HttpClient`, which hands this module the
-status, headers and raw body of a response and sorts each library's errors into transient
-(retried) and fatal ones, so that everything below is one mechanism for both. Both libraries
-are imported on first use, so ``import aloader`` stays light.
+8 in flight already. So the shards an epoch reads at once share one aiohttp session (of as
+many connections), while on httpx each read-ahead slot has a client of its own connection
+(:func:`shares_one_pool`). aiohttp's ``trust_env`` (proxies from the environment, ``.netrc``
+credentials) is on only when the environment sets a proxy or has a ``.netrc`` file: it costs
+two thread hops per request. The two are wrapped in :class:`HttpClient`, which hands this
+module the status, headers and raw body of a response and sorts each library's errors into
+transient (retried) and fatal ones, so that everything below is one mechanism for both. Both
+libraries are imported on first use, so ``import aloader`` stays light.
 
 A body is read as a sequence of chunks. When the connection fails (refused, reset, cut in the
 middle of the body, timed out) or the server answers a transient status (5xx, 408, 429), the
