@@ -37,7 +37,14 @@ from ._formats import (
     TextDecoder,
     _check_encoding,
 )
-from ._http import HttpClient, HttpOptions, http_chunks, make_client
+from ._http import (
+    HttpClient,
+    HttpOptions,
+    env_configures_http,
+    http_chunks,
+    make_client,
+    shares_one_pool,
+)
 from ._objstore import ObjectAccess, is_object_url
 from ._sharding import (
     EvenRanks,
@@ -106,16 +113,47 @@ class SourceOptions(TypedDict, total=False):
     cache_limit: int | None
 
 
+class SplitReader:
+    """A shard read in two halves: ``fetch`` gives the shard's raw pieces (network, disk,
+    decompression), ``decode`` turns them, in order, into the blocks the reader hands on.
+
+    :func:`read_in_order` runs ``fetch`` ahead in its own task and ``decode`` where the blocks
+    are consumed, so that what waits in the read-ahead is bytes, which the cyclic garbage
+    collector never looks at, rather than thousands of decoded records per chunk, which every
+    collection would walk (tens of milliseconds per JSON Lines epoch).
+    """
+
+    __slots__ = ("decode", "fetch")
+
+    def __init__(self, fetch: Callable[[], AsyncGenerator[Any, None]],
+                 decode: Callable[[AsyncGenerator[Any, None]], AsyncGenerator[Any, None]]
+                 ) -> None:
+        self.fetch = fetch
+        self.decode = decode
+
+
+#: What reads one shard when called: its blocks (an async generator), or a SplitReader.
+Reader = Callable[[], AsyncGenerator[Any, None] | SplitReader]
+
+
+def _blocks_of(reader: Reader) -> AsyncGenerator[Any, None]:
+    """All of a reader's blocks, read and decoded in the calling task."""
+    made = reader()
+    if isinstance(made, SplitReader):
+        return made.decode(made.fetch())
+    return made
+
+
 async def read_in_order(
     ctx: _Context,
-    readers: Sequence[Callable[[], AsyncGenerator[Any, None]]],
+    readers: Sequence[Reader],
     slots: int,
 ) -> AsyncGenerator[Any, None]:
     """The blocks of ``readers`` in order: one after another, or ``slots`` reading at once
     (:func:`_read_ahead`, two blocks deep) when ``slots`` > 1."""
     if slots <= 1:
         for reader in readers:
-            async with Closing(reader()) as blocks:
+            async with Closing(_blocks_of(reader)) as blocks:
                 async for block in blocks:
                     yield block
         return
@@ -124,25 +162,39 @@ async def read_in_order(
             yield block
 
 
+async def _drain(channel: _Channel[Any]) -> AsyncGenerator[Any, None]:
+    """A channel's items until its end (its writer's error raised after them)."""
+    while True:
+        try:
+            item = await channel.get()
+        except StopAsyncIteration:
+            return
+        yield item
+
+
 async def _read_ahead(
     ctx: _Context,
-    readers: Sequence[Callable[[], AsyncGenerator[Any, None]]],
+    readers: Sequence[Reader],
     concurrency: int,
     depth: int,
 ) -> AsyncGenerator[Any, None]:
     """The blocks of ``readers`` in order, with up to ``concurrency`` of them reading at once.
 
     Reader ``i + concurrency`` starts once reader ``i`` has been consumed to its end. Each
-    running reader holds at most ``depth`` finished blocks plus the one it is handing over.
+    running reader holds at most ``depth`` finished blocks (a :class:`SplitReader`: pieces,
+    decoded here as they are consumed) plus the one it is handing over.
     """
     channels: list[_Channel[Any] | None] = [None] * len(readers)
+    # What each reader made (set with its channel): the decode half of a SplitReader, or None.
+    decoders: list[Callable[[AsyncGenerator[Any, None]], AsyncGenerator[Any, None]] | None] \
+        = [None] * len(readers)
     slots = anyio.Semaphore(concurrency)
     signal = Signal()
     scope = anyio.CancelScope()
 
-    async def read(index: int, channel: _Channel[Any]) -> None:
+    async def read(source: AsyncGenerator[Any, None], channel: _Channel[Any]) -> None:
         try:
-            async with Closing(readers[index]()) as blocks:
+            async with Closing(source) as blocks:
                 async for block in blocks:
                     await channel.put(block)
         except Exception as exc:  # _Abandoned included: then nobody reads it
@@ -159,9 +211,17 @@ async def _read_ahead(
                     for index in range(len(readers)):
                         await slots.acquire()
                         channel: _Channel[Any] = _Channel(depth)
+                        try:
+                            made = readers[index]()
+                        except Exception as exc:  # the reader's error, in its turn
+                            channel.end(exc)
+                        else:
+                            if isinstance(made, SplitReader):
+                                decoders[index] = made.decode
+                                made = made.fetch()
+                            group.start_soon(read, made, channel)
                         channels[index] = channel
                         signal.notify()
-                        group.start_soon(read, index, channel)
         finally:
             launched.set()
 
@@ -170,12 +230,13 @@ async def _read_ahead(
         for index in range(len(readers)):
             while (channel := channels[index]) is None:
                 await signal.wait()
-            while True:
-                try:
-                    block = await channel.get()
-                except StopAsyncIteration:
-                    break
-                yield block
+            items = _drain(channel)
+            decode = decoders[index]
+            if decode is not None:
+                items = decode(items)
+            async with Closing(items) as blocks:
+                async for block in blocks:
+                    yield block
             slots.release()
     finally:
         scope.cancel()
@@ -188,12 +249,16 @@ async def _read_ahead(
 
 
 class _Clients:
-    """An epoch's HTTP clients, ``count`` of them shared round-robin by the shards, each made
-    when a shard first needs it (an epoch read from the cache makes none)."""
+    """An epoch's HTTP clients for ``count`` shards read at once, each made when a shard first
+    needs it (an epoch read from the cache makes none): one client of ``count`` connections
+    shared by all where its pool allows (:func:`~aloader._http.shares_one_pool`), else
+    ``count`` single-connection clients shared round-robin by the shards."""
 
     def __init__(self, options: HttpOptions, count: int) -> None:
         self._options = options
-        self._made: list[HttpClient | None] = [None] * count
+        self._connections = count if shares_one_pool(options) else 1
+        self._made: list[HttpClient | None] = [None] * (count // self._connections)
+        self._env: bool | None = None  # env_configures_http(), asked once per epoch
 
     def slot(self, number: int) -> Callable[[], HttpClient]:
         """What gives the client of the ``number``-th shard read."""
@@ -202,7 +267,10 @@ class _Clients:
     def _get(self, index: int) -> HttpClient:
         client = self._made[index]
         if client is None:
-            client = self._made[index] = make_client(self._options, 1)
+            if self._env is None:
+                self._env = env_configures_http()
+            client = self._made[index] = make_client(self._options, self._connections,
+                                                     self._env)
         return client
 
     async def aclose(self) -> None:
@@ -336,7 +404,8 @@ class ShardedSource(Stream[T_co]):
     shard is read exactly once per epoch across all ranks and workers. Up to ``concurrency``
     shards are read at once and their records handed on in shard order, so the output is
     reproducible. The memory held is bounded: at most ``concurrency * 3`` chunks of
-    ``chunk_size`` bytes (decoded) plus the stream's few blocks of read-ahead.
+    ``chunk_size`` bytes (decompressed) plus the stream's few blocks of read-ahead. The
+    read-ahead holds bytes: a chunk is parsed into records when the consumer reaches it.
 
     Args:
         shards: a path, directory, glob pattern or ``http(s)://`` URL, or a sequence of them.
@@ -605,8 +674,8 @@ class ShardedSource(Stream[T_co]):
         slots = min(self.concurrency, len(names) - first)
         clients: _Clients | None = None
         if any(is_url(name) for name in names[first:]):
-            # One single-connection client per read-ahead slot: shard i reuses the keep-alive
-            # connection of shard i - concurrency, and no pool has to scan the others.
+            # A connection per read-ahead slot (shard i reuses the keep-alive connection of
+            # shard i - concurrency); a client_factory's one client is shared by all.
             clients = _Clients(self.http, 1 if self.http.client_factory is not None else slots)
         try:
             readers = [
@@ -652,18 +721,27 @@ class ShardedSource(Stream[T_co]):
     def _read(
         self, index: int, name: str, client: Callable[[], HttpClient] | None,
         resume: tuple[int, int, int] | None = None,
-    ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
+    ) -> SplitReader:
         """One shard's records, block by block (a block per chunk), with their tokens; from
         ``resume`` (offset, counter, records before) if given."""
         decoder = self._decoder(name, BadRecords(self.skip_errors, self.stats))
         inflate = decompressor_for(name, self.compression, self.chunk_size)
-        if resume is None:
-            return self._records(index, name, client, decoder, inflate, 0, 0)
-        offset, counter, records = resume
-        if decoder.seekable and inflate is None:
-            decoder.start_at(offset, counter)
-            return self._records(index, name, client, decoder, inflate, offset, records)
-        return _discard(self._records(index, name, client, decoder, inflate, 0, 0), records)
+        start = records = skip = 0
+        if resume is not None:
+            offset, counter, records = resume
+            if decoder.seekable and inflate is None:
+                decoder.start_at(offset, counter)
+                start = offset
+            else:
+                skip, records = records, 0
+
+        def decode(chunks: AsyncGenerator[bytes, None]
+                   ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
+            blocks = self._records(index, name, decoder, chunks, records)
+            return _discard(blocks, skip) if skip else blocks
+
+        return SplitReader(
+            functools.partial(self._chunks, name, client, decoder, inflate, start), decode)
 
     def _fetch(
         self, name: str, client: Callable[[], HttpClient] | None, stats: SourceStats,
@@ -675,11 +753,11 @@ class ShardedSource(Stream[T_co]):
             return http_chunks(client(), name, self.http, stats, on_size, start, on_version)
         return self._objects.chunks(name, stats, on_size, start, on_version)
 
-    async def _records(
-        self, index: int, name: str, client: Callable[[], HttpClient] | None,
-        decoder: Decoder[T_co],
-        inflate: Decompressor | None, start: int, records_before: int,
-    ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
+    def _chunks(
+        self, name: str, client: Callable[[], HttpClient] | None, decoder: Decoder[T_co],
+        inflate: Decompressor | None, start: int,
+    ) -> AsyncGenerator[bytes, None]:
+        """A shard's bytes from ``start`` (its store, the cache or a file), decompressed."""
         stats = self.stats
         # A compressed shard's size says nothing of the length its formats check.
         on_size = decoder.set_size if inflate is None else None
@@ -687,13 +765,21 @@ class ShardedSource(Stream[T_co]):
             fetch = functools.partial(self._fetch, name, client, stats)
             if self._shard_cache is not None:
                 chunks = self._shard_cache.chunks(name, fetch, self._versions, stats,
-                                           self.chunk_size, on_size, start)
+                                                  self.chunk_size, on_size, start)
             else:
                 chunks = fetch(on_size, None, start)
         else:
             chunks = file_chunks(name, self.chunk_size, on_size, start)
         if inflate is not None:
             chunks = decompressed(chunks, inflate)
+        return chunks
+
+    async def _records(
+        self, index: int, name: str, decoder: Decoder[T_co],
+        chunks: AsyncGenerator[bytes, None], records_before: int,
+    ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
+        """The records of a shard's ``chunks``, a block per chunk, with their tokens."""
+        stats = self.stats
         done = records_before
         try:
             async with Closing(chunks) as pieces:
