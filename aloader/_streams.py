@@ -366,8 +366,9 @@ class _StreamIterator(AsyncIterator[T]):
     path counts items one by one: :meth:`__anext__` and :meth:`_take` (the loader's, which
     slices whole batches off it), :meth:`items` (the async generator ``async for`` gets,
     whose items cost no Python frame each), and :func:`_sync_items` (a plain ``for``, fed
-    whole blocks from another thread). The consumer takes a block (:meth:`_enter`) only when
-    it starts on it, so a block read ahead is never counted as delivered.
+    whole blocks from another thread by :class:`_Pairs`). The consumer takes a block
+    (:meth:`_enter`) only when it starts on it, so a block read ahead is never counted as
+    delivered.
     """
 
     __slots__ = ("__weakref__", "_at", "_block", "_capacity", "_cursor", "_driver", "_epoch",
@@ -472,18 +473,6 @@ class _StreamIterator(AsyncIterator[T]):
             if not self._finished:  # closed early (aclose, garbage collection)
                 await self.aclose()
 
-    async def blocks(self) -> AsyncGenerator[tuple[list[T], Any], None]:
-        """The (block, token) pairs as they come, no block entered: for a consumer on another
-        thread (:func:`_sync_items`), which enters each one when it starts on it."""
-        try:
-            while True:
-                try:
-                    yield await self._receive()
-                except StopAsyncIteration:
-                    return
-        finally:
-            await self._stop()
-
     async def aclose(self) -> None:
         """Stop reading and wait until every file and connection of this epoch is closed."""
         self._end()
@@ -500,6 +489,23 @@ class _StreamIterator(AsyncIterator[T]):
         driver = self._driver
         if driver is not None and not driver.done.is_set():
             driver.stop()
+
+
+class _Pairs(AsyncIterator[tuple[list[T], Any]]):
+    """An epoch's (block, token) pairs as they come, none entered: for a consumer on another
+    thread (:func:`_sync_items`), which enters each block when it starts on it. ``aclose``
+    may come while a ``__anext__`` waits (from the thread that closes the loop)."""
+
+    __slots__ = ("_iterator",)
+
+    def __init__(self, iterator: _StreamIterator[T]) -> None:
+        self._iterator = iterator
+
+    async def __anext__(self) -> tuple[list[T], Any]:
+        return await self._iterator._receive()
+
+    async def aclose(self) -> None:
+        await self._iterator._stop()
 
 
 def _sync_items(iterator: _StreamIterator[T], pairs: SyncIterator[tuple[list[T], Any]]
@@ -751,7 +757,7 @@ class Stream(IterableDataset[T_co]):
         def open_() -> AsyncIterator[tuple[list[T_co], Any]]:
             # On the loop, as an async for would open it there.
             opened.append(self._open())
-            return opened[0].blocks()
+            return _Pairs(opened[0])
 
         pairs = SyncIterator(open_, PrivateLoop(), owns_loop=True)
         return _sync_items(opened[0], pairs)
