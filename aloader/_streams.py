@@ -365,7 +365,7 @@ class _StreamIterator(AsyncIterator[T]):
     list iterator over ``_block`` that every way of consuming takes its items from, so no
     path counts items one by one: :meth:`__anext__` and :meth:`_take` (the loader's, which
     slices whole batches off it), :meth:`items` (the async generator ``async for`` gets,
-    whose items cost no Python frame each), and :func:`_sync_items` (a plain ``for``, fed
+    whose items cost no Python frame each), and :class:`SyncItems` (a plain ``for``, fed
     whole blocks from another thread by :class:`_Pairs`). The consumer takes a block
     (:meth:`_enter`) only when it starts on it, so a block read ahead is never counted as
     delivered.
@@ -410,6 +410,9 @@ class _StreamIterator(AsyncIterator[T]):
     def _end(self) -> None:
         """The consumer has nothing more: the epoch ended, failed or was closed."""
         self._finished = True
+        # Spent, the cursor gives nothing more to a consumer still holding it (the chain of
+        # a sync for that was closed).
+        cast(Any, self._cursor).__setstate__(len(self._block))
         self._block = []
         self._cursor = iter(self._block)
 
@@ -493,7 +496,7 @@ class _StreamIterator(AsyncIterator[T]):
 
 class _Pairs(AsyncIterator[tuple[list[T], Any]]):
     """An epoch's (block, token) pairs as they come, none entered: for a consumer on another
-    thread (:func:`_sync_items`), which enters each block when it starts on it. ``aclose``
+    thread (:class:`SyncItems`), which enters each block when it starts on it. ``aclose``
     may come while a ``__anext__`` waits (from the thread that closes the loop)."""
 
     __slots__ = ("_iterator",)
@@ -508,16 +511,72 @@ class _Pairs(AsyncIterator[tuple[list[T], Any]]):
         await self._iterator._stop()
 
 
+class _EnteredBlocks(Iterator[Iterator[T]]):
+    """The cursor of each block of a sync ``for``'s epoch, entered when the consumer starts
+    on it (:class:`SyncItems` asks for the next one only once the last is spent).
+
+    It never raises but at its end: an error of the epoch comes back as a cursor that raises
+    it (:func:`_raising`), so the chain over it is not closed by it. An error of the stream ends
+    the epoch (as ``async for`` ends), while a KeyboardInterrupt (any BaseException) that
+    lands in the wait for a block leaves the epoch going on, as :class:`SyncIterator` does.
+    """
+
+    __slots__ = ("_iterator", "_pairs")
+
+    def __init__(self, iterator: _StreamIterator[T],
+                 pairs: SyncIterator[tuple[list[T], Any]]) -> None:
+        self._iterator = iterator
+        self._pairs = pairs
+
+    def __iter__(self) -> _EnteredBlocks[T]:
+        return self
+
+    def __next__(self) -> Iterator[T]:
+        try:
+            block, token = next(self._pairs)
+        except StopIteration:
+            self._iterator._end()
+            raise
+        except Exception as exc:
+            self._iterator._end()
+            return _raising(exc)
+        except BaseException as exc:
+            return _raising(exc)
+        return self._iterator._enter(block, token)
+
+    def close(self) -> None:
+        self._iterator._end()
+        self._pairs.close()
+
+
+def _raising(error: BaseException) -> Iterator[Any]:
+    """A cursor that raises ``error`` at its first step, then is spent."""
+    yield from ()
+    raise error
+
+
+class SyncItems(itertools.chain[T]):
+    """A plain ``for`` over one epoch of a stream (what ``Stream.__iter__`` returns).
+
+    Its blocks run on a private loop in another thread (:class:`_Pairs`, through a
+    :class:`SyncIterator`): whole blocks cross the threads, and an item costs a step of
+    ``itertools.chain`` over the block's cursor, no Python frame. :meth:`close` closes the
+    epoch (its files and connections) and the loop; so does dropping the iterator.
+    """
+
+    _blocks: _EnteredBlocks[T]
+
+    def close(self) -> None:
+        """Close the epoch's iterator and wait until it is closed, then its loop."""
+        self._blocks.close()
+
+
 def _sync_items(iterator: _StreamIterator[T], pairs: SyncIterator[tuple[list[T], Any]]
-                ) -> Iterator[T]:
-    """A plain ``for`` over ``iterator``'s epoch, its blocks run by ``pairs`` on a private
-    loop: whole blocks cross the threads, and an item costs a generator's step."""
-    try:
-        for block, token in pairs:
-            yield from iterator._enter(block, token)
-    finally:
-        iterator._end()
-        pairs.close()
+                ) -> SyncItems[T]:
+    blocks = _EnteredBlocks(iterator, pairs)
+    items: SyncItems[T] = SyncItems.from_iterable(blocks)  # type: ignore[assignment]
+    items._blocks = blocks
+    return items
 
 
 # --------------------------------------------------------------------------- the base class

@@ -18,7 +18,7 @@ import anyio
 import pytest
 from sourcetools import collect, roundtrip
 
-from aloader import DataLoader, JsonLines, RecordError, TextLines
+from aloader import DataLoader, JsonLines, RecordError, TextLines, _facade
 
 # 3 shards of 40 lines; chunks of 64 bytes hold about 6 lines, so blocks are short and the
 # cuts below land on block boundaries, just before and just after them.
@@ -156,6 +156,47 @@ def test_sync_for_stats_and_end(tmp_path: Path) -> None:
     assert source.stats.shards == SHARDS
     # The epoch ended: no epoch is under way any more.
     assert source.state_dict()["position"] is None
+
+
+def test_sync_for_goes_on_after_an_interrupt_in_its_wait(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A KeyboardInterrupt that lands while the consumer waits for a block leaves the epoch
+    # going on (as a SyncIterator does), at the same position.
+    write_shards(tmp_path)
+    full = list(make(tmp_path))
+    real = _facade._Pump.take
+    calls = itertools.count()
+
+    def take(self: Any) -> Any:
+        if next(calls) == 4:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(_facade._Pump, "take", take)
+    source = make(tmp_path)
+    iterator = iter(source)
+    got: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        for line in iterator:
+            got.append(line)
+    k = len(got)
+    assert 0 < k < len(full)
+    state = roundtrip(source.state_dict())
+    got += list(iterator)
+    assert got == full
+    fresh = make(tmp_path)
+    fresh.load_state_dict(state)
+    assert list(fresh) == full[k:]
+
+
+def test_sync_for_close_ends_it(tmp_path: Path) -> None:
+    write_shards(tmp_path)
+    iterator = iter(make(tmp_path))
+    assert next(iterator) == "s0-line000"
+    iterator.close()  # type: ignore[attr-defined]
+    assert open_handles(tmp_path) == 0
+    with pytest.raises(StopIteration):
+        next(iterator)
 
 
 def test_sync_for_break_closes_files(tmp_path: Path) -> None:
