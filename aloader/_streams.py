@@ -365,7 +365,7 @@ class _StreamIterator(AsyncIterator[T]):
     list iterator over ``_block`` that every way of consuming takes its items from, so no
     path counts items one by one: :meth:`__anext__` and :meth:`_take` (the loader's, which
     slices whole batches off it), :meth:`items` (the async generator ``async for`` gets,
-    whose items cost no Python frame each), and :class:`SyncItems` (a plain ``for``, fed
+    whose items cost no Python frame each), and :class:`_SyncItems` (a plain ``for``, fed
     whole blocks from another thread by :class:`_Pairs`). The consumer takes a block
     (:meth:`_enter`) only when it starts on it, so a block read ahead is never counted as
     delivered.
@@ -496,7 +496,7 @@ class _StreamIterator(AsyncIterator[T]):
 
 class _Pairs(AsyncIterator[tuple[list[T], Any]]):
     """An epoch's (block, token) pairs as they come, none entered: for a consumer on another
-    thread (:class:`SyncItems`), which enters each block when it starts on it. ``aclose``
+    thread (:class:`_SyncItems`), which enters each block when it starts on it. ``aclose``
     may come while a ``__anext__`` waits (from the thread that closes the loop)."""
 
     __slots__ = ("_iterator",)
@@ -513,7 +513,7 @@ class _Pairs(AsyncIterator[tuple[list[T], Any]]):
 
 class _EnteredBlocks(Iterator[Iterator[T]]):
     """The cursor of each block of a sync ``for``'s epoch, entered when the consumer starts
-    on it (:class:`SyncItems` asks for the next one only once the last is spent).
+    on it (:class:`_SyncItems` asks for the next one only once the last is spent).
 
     It never raises but at its end: an error of the epoch comes back as a cursor that raises
     it (:func:`_raising`), so the chain over it is not closed by it. An error of the stream ends
@@ -555,7 +555,7 @@ def _raising(error: BaseException) -> Iterator[Any]:
     raise error
 
 
-class SyncItems(itertools.chain[T]):
+class _SyncItems(itertools.chain[T]):
     """A plain ``for`` over one epoch of a stream (what ``Stream.__iter__`` returns).
 
     Its blocks run on a private loop in another thread (:class:`_Pairs`, through a
@@ -572,9 +572,10 @@ class SyncItems(itertools.chain[T]):
 
 
 def _sync_items(iterator: _StreamIterator[T], pairs: SyncIterator[tuple[list[T], Any]]
-                ) -> SyncItems[T]:
+                ) -> _SyncItems[T]:
+    """The plain ``for`` over ``iterator``'s epoch, whose blocks ``pairs`` brings."""
     blocks = _EnteredBlocks(iterator, pairs)
-    items: SyncItems[T] = SyncItems.from_iterable(blocks)  # type: ignore[assignment]
+    items: _SyncItems[T] = _SyncItems.from_iterable(blocks)  # type: ignore[assignment]
     items._blocks = blocks
     return items
 
