@@ -804,9 +804,11 @@ class Stream(IterableDataset[T_co]):
         """One epoch for synchronous code: what ``async for`` over the stream yields.
 
         The epoch runs on an event loop of its own in a background thread (see
-        :mod:`aloader._facade`), closed with the iterator; leaving the ``for`` early (``break``,
-        an exception) closes the stream's iterator and so its files and connections, as
-        leaving an ``async for`` does.
+        :mod:`aloader._facade`), closed with the iterator, and its items cross to this thread
+        in whole blocks; leaving the ``for`` early (``break``, an exception) closes the
+        stream's iterator and so its files and connections, as leaving an ``async for`` does,
+        and so does the iterator's ``close()``. :meth:`state_dict` says what this thread
+        received, not what the loop read ahead.
 
         Raises:
             RuntimeError: a ``for`` inside a running event loop, which it would block.
