@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 import pytest
-from sourcetools import collect, roundtrip
+from sourcetools import as_worker, collect, read_as_consumers, roundtrip
 
 from aloader import DataLoader, JsonLines, RecordError, TextLines, _facade
 
@@ -106,6 +106,31 @@ async def test_async_for_state_inside_the_loop_body(tmp_path: Path,
         fresh = make(tmp_path)
         fresh.load_state_dict(states[k - 1])
         assert await collect(fresh) == full[k:], k
+
+
+async def test_sharded_consumers_fast_and_general(tmp_path: Path, anyio_backend: str) -> None:
+    # 6 shards over 2 ranks x 2 workers: the fast path reads each consumer's share, every
+    # line once, and a consumer's mid-epoch state is the general path's, resuming exactly.
+    for shard in range(6):
+        (tmp_path / f"p{shard}.txt").write_text("".join(f"{shard}-{i}\n" for i in range(30)))
+
+    def shard_source(rank: int) -> TextLines:
+        return TextLines(tmp_path, chunk_size=64, rank=rank, world_size=2, even_ranks=False)
+
+    seen = await read_as_consumers(shard_source, 2, 2)
+    assert sorted(seen) == sorted(f"{s}-{i}" for s in range(6) for i in range(30))
+    source = shard_source(1)
+    with as_worker(1, 2, dataset=source, seed=0):
+        full = await collect(shard_source(1))
+        iterator = aiter(source)
+        head = [await anext(iterator) for _ in range(17)]
+        state = roundtrip(source.state_dict())
+        await iterator.aclose()  # type: ignore[attr-defined]
+        assert state == roundtrip((await general_path(shard_source(1), 17))[1])
+        fresh = shard_source(1)
+        fresh.load_state_dict(state)
+        assert head + await collect(fresh) == full
+    assert state["worker"] == [1, 2]
 
 
 async def test_take_state_is_the_general_paths(tmp_path: Path, anyio_backend: str) -> None:
