@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 from collections.abc import AsyncGenerator, Callable
 
 import anyio
@@ -29,6 +30,11 @@ _MARGIN = 1 << 16
 _NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
 # Errors of a preadv that refuses the flag itself (an old kernel, a file system without it).
 _NO_NOWAIT = frozenset({errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS})
+# Each thread reads into one buffer, kept for its next read (up to _KEEP bytes): a new one per
+# chunk costs more than the read itself (its allocation, zeroing and first touch), and the
+# bytes copied out of it are the chunk's only copy.
+_buffers = threading.local()
+_KEEP = 1 << 22
 
 
 def _read_cached(fd: int, size: int, position: int) -> bytes | None:
@@ -39,17 +45,21 @@ def _read_cached(fd: int, size: int, position: int) -> bytes | None:
         _NoWait: the file does not support cached-only reads.
     """
     assert _NOWAIT is not None
-    buffer = bytearray(size)
-    try:
-        count = os.preadv(fd, [buffer], position, _NOWAIT)
-    except BlockingIOError:
-        return None
-    except OSError as exc:
-        if exc.errno in _NO_NOWAIT:
-            raise _NoWait from None
-        raise
-    del buffer[count:]
-    return bytes(buffer)
+    buffer: bytearray | None = getattr(_buffers, "buffer", None)
+    if buffer is None or len(buffer) < size:
+        buffer = bytearray(size)
+        if size <= _KEEP:
+            _buffers.buffer = buffer
+    with memoryview(buffer) as view:
+        try:
+            count = os.preadv(fd, [view[:size]], position, _NOWAIT)
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            if exc.errno in _NO_NOWAIT:
+                raise _NoWait from None
+            raise
+        return view[:count].tobytes()
 
 
 class _NoWait(Exception):

@@ -105,12 +105,13 @@ def parse(dataset: Any, state: Any, slot: tuple[int, int]) -> Any:
 def resume(dataset: Any, parsed: Any) -> Iterator[Any] | AsyncIterator[Any]:
     """A new iterator over ``dataset``, from a state :func:`parse` validated (None: the
     start)."""
+    if isinstance(dataset, Stream):  # its epoch's iterator, which the loader slices batches off
+        if parsed is not None:
+            dataset._apply_state(parsed[1])
+        return dataset._open()
     if parsed is None:
         return iterate(dataset)
     kind = parsed[0]
-    if kind == "stream":
-        dataset._apply_state(parsed[1])
-        return iterate(dataset)
     if kind == "protocol":
         if parsed[3]:  # the last batch drew the replica's last samples: nothing is left
             return _skip(iter(()), 0, True)

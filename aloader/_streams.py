@@ -23,6 +23,7 @@ cancels the background task, which closes every file and connection the stages o
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -120,10 +121,17 @@ def _state_of(stage: Stream[Any], token: Any, skip: int) -> dict[str, Any] | Non
     return stage._state(token, skip)
 
 
-async def _discard(
+def _discard(
     pairs: AsyncGenerator[tuple[list[T], Any], None], count: int
 ) -> AsyncGenerator[tuple[list[T], Any], None]:
-    """``pairs`` without their first ``count`` items (what the resumed consumer had)."""
+    """``pairs`` without their first ``count`` items (what the resumed consumer had); ``pairs``
+    itself when there are none (one generator less for every block to pass through)."""
+    return _discarding(pairs, count) if count else pairs
+
+
+async def _discarding(
+    pairs: AsyncGenerator[tuple[list[T], Any], None], count: int
+) -> AsyncGenerator[tuple[list[T], Any], None]:
     async with Closing(pairs) as blocks:
         async for block, token in blocks:
             if count:
@@ -208,7 +216,19 @@ class _Channel(Generic[T]):
         self._error: BaseException | None = None
 
     async def put(self, item: T) -> None:
-        """Append ``item``, waiting while the channel is full; _Abandoned once the reader left."""
+        """Append ``item``, waiting while the channel is full; _Abandoned once the reader left.
+
+        An item that fits goes in without a turn of the loop (the writers' own reads give
+        the loop its turns): the reader then finds it without one either.
+        """
+        try:
+            self._send.send_nowait(item)
+        except anyio.WouldBlock:
+            pass
+        except anyio.BrokenResourceError:
+            raise _Abandoned from None
+        else:
+            return
         try:
             await self._send.send(item)
         except anyio.BrokenResourceError:
@@ -229,9 +249,17 @@ class _Channel(Generic[T]):
         self._receive.close()
 
     async def get(self) -> T:
-        """The next item; StopAsyncIteration at the end, or the writer's error (once)."""
+        """The next item; StopAsyncIteration at the end, or the writer's error (once).
+
+        A queued item is taken without a turn of the loop: a reader always waits once the
+        queue is empty, and the writer cannot refill it meanwhile, so it still waits (and
+        can be cancelled) at least once per ``capacity`` items.
+        """
         try:
-            return await self._receive.receive()
+            try:
+                return self._receive.receive_nowait()
+            except anyio.WouldBlock:
+                return await self._receive.receive()
         except anyio.EndOfStream:
             pass
         # Raised outside the except block: the writer's error keeps its own context.
@@ -330,10 +358,21 @@ class _Driver:
 
 
 class _StreamIterator(AsyncIterator[T]):
-    """One epoch of a stream, item by item, from the blocks the driver prefetches."""
+    """One epoch of a stream: the consumer's position, and the blocks the driver prefetches.
 
-    __slots__ = ("__weakref__", "_at", "_block", "_capacity", "_driver", "_epoch", "_finished",
-                 "_pos", "_slot", "_stream", "_token")
+    Invariant: the consumer is at item ``len(_block) - _cursor.__length_hint__()`` of the
+    block whose token is ``_token`` (before the first block, at ``_at``). ``_cursor`` is the
+    list iterator over ``_block`` that every way of consuming takes its items from, so no
+    path counts items one by one: :meth:`__anext__` and :meth:`_take` (the loader's, which
+    slices whole batches off it), :meth:`items` (the async generator ``async for`` gets,
+    whose items cost no Python frame each), and :class:`_SyncItems` (a plain ``for``, fed
+    whole blocks from another thread by :class:`_Pairs`). The consumer takes a block
+    (:meth:`_enter`) only when it starts on it, so a block read ahead is never counted as
+    delivered.
+    """
+
+    __slots__ = ("__weakref__", "_at", "_block", "_capacity", "_cursor", "_driver", "_epoch",
+                 "_finished", "_slot", "_stream", "_token")
 
     def __init__(self, stream: Stream[T], epoch: int, capacity: int, at: Any = None) -> None:
         self._stream = stream
@@ -341,30 +380,45 @@ class _StreamIterator(AsyncIterator[T]):
         self._capacity = capacity
         self._driver: _Driver | None = None
         self._block: list[T] = []
-        self._pos = 0
+        self._cursor: Iterator[T] = iter(self._block)
         self._finished = False
-        # Where the consumer is: item _pos of the block whose token is _token; before the
-        # first block, the position the epoch started from (_at: None for its start).
         self._at = at
         self._token: Any = _START
         self._slot = worker_slot()
 
     def _snapshot(self) -> tuple[Any, ...]:
         """The consumer's position now, cheaply (encoded only when a state is asked for)."""
-        return (self._epoch, self._token, self._pos, self._finished, self._at, self._slot)
+        # A list iterator's length hint is the number of items it has left (0 once spent).
+        pos = len(self._block) - self._cursor.__length_hint__()  # type: ignore[attr-defined]
+        return (self._epoch, self._token, pos, self._finished, self._at, self._slot)
 
     def __aiter__(self) -> _StreamIterator[T]:
         return self
 
     async def __anext__(self) -> T:
-        pos = self._pos
-        block = self._block
-        if pos < len(block):
-            self._pos = pos + 1
-            return block[pos]
-        return await self._refill()
+        for item in self._cursor:
+            return item
+        return next(await self._next_block())
 
-    async def _refill(self) -> T:
+    def _enter(self, block: list[T], token: Any) -> Iterator[T]:
+        """Start the consumer on ``block`` (the channel hands on no empty block)."""
+        self._block = block
+        self._token = token
+        cursor = self._cursor = iter(block)
+        return cursor
+
+    def _end(self) -> None:
+        """The consumer has nothing more: the epoch ended, failed or was closed."""
+        self._finished = True
+        # Spent, the cursor gives nothing more to a consumer still holding it (the chain of
+        # a sync for that was closed).
+        cast(Any, self._cursor).__setstate__(len(self._block))
+        self._block = []
+        self._cursor = iter(self._block)
+
+    async def _receive(self) -> tuple[list[T], Any]:
+        """The next (block, token) the driver (started by the first call) hands on;
+        StopAsyncIteration at the end, or the chain's error."""
         if self._finished:
             raise StopAsyncIteration
         driver = self._driver
@@ -373,49 +427,63 @@ class _StreamIterator(AsyncIterator[T]):
                                             self._slot)
             driver.start()
         try:
-            block, token = await driver.channel.get()
+            return await driver.channel.get()
         except anyio.get_cancelled_exc_class():
             # The consumer is gone (as the DataLoader treats it): stop reading for it now,
             # rather than when this iterator is garbage-collected.
-            self._finished = True
             driver.stop()
             raise
         except BaseException:
-            self._finished = True
-            self._block = []
             with anyio.CancelScope(shield=True):
                 await driver.done.wait()
             raise
-        self._block = block
-        self._token = token
-        self._pos = 1
-        return cast(T, block[0])
+
+    async def _next_block(self) -> Iterator[T]:
+        """The cursor of the next block, entered; StopAsyncIteration at the end."""
+        try:
+            block, token = await self._receive()
+        except BaseException:
+            self._end()
+            raise
+        return self._enter(block, token)
 
     async def _take(self, n: int) -> list[T]:
         """Up to ``n`` items (fewer only at the end), sliced from the prefetched blocks.
 
         The DataLoader cuts batches with this rather than ``n`` calls of ``__anext__``.
         """
-        out: list[T] = []
+        out = list(itertools.islice(self._cursor, n))
         while len(out) < n:
-            pos, block = self._pos, self._block
-            if pos >= len(block):
-                try:
-                    out.append(await self._refill())
-                except StopAsyncIteration:
-                    break
-                continue
-            chunk = block[pos : pos + n - len(out)]
-            self._pos = pos + len(chunk)
-            out.extend(chunk)
+            try:
+                cursor = await self._next_block()
+            except StopAsyncIteration:
+                break
+            out.extend(itertools.islice(cursor, n - len(out)))
         return out
+
+    async def items(self) -> AsyncGenerator[T, None]:
+        """The epoch's items, for ``async for``: a plain ``for`` over each block's cursor, so
+        that an item costs the async generator's step and nothing more."""
+        try:
+            while True:
+                try:
+                    cursor = await self._next_block()
+                except StopAsyncIteration:
+                    return
+                for item in cursor:
+                    yield item
+        finally:
+            if not self._finished:  # closed early (aclose, garbage collection)
+                await self.aclose()
 
     async def aclose(self) -> None:
         """Stop reading and wait until every file and connection of this epoch is closed."""
-        self._finished = True
-        self._block = []
+        self._end()
+        await self._stop()
+
+    async def _stop(self) -> None:
         driver = self._driver
-        if driver is not None:
+        if driver is not None and not driver.done.is_set():
             driver.stop()
             with anyio.CancelScope(shield=True):
                 await driver.done.wait()
@@ -424,6 +492,92 @@ class _StreamIterator(AsyncIterator[T]):
         driver = self._driver
         if driver is not None and not driver.done.is_set():
             driver.stop()
+
+
+class _Pairs(AsyncIterator[tuple[list[T], Any]]):
+    """An epoch's (block, token) pairs as they come, none entered: for a consumer on another
+    thread (:class:`_SyncItems`), which enters each block when it starts on it. ``aclose``
+    may come while a ``__anext__`` waits (from the thread that closes the loop)."""
+
+    __slots__ = ("_iterator",)
+
+    def __init__(self, iterator: _StreamIterator[T]) -> None:
+        self._iterator = iterator
+
+    async def __anext__(self) -> tuple[list[T], Any]:
+        return await self._iterator._receive()
+
+    async def aclose(self) -> None:
+        await self._iterator._stop()
+
+
+class _EnteredBlocks(Iterator[Iterator[T]]):
+    """The cursor of each block of a sync ``for``'s epoch, entered when the consumer starts
+    on it (:class:`_SyncItems` asks for the next one only once the last is spent).
+
+    It never raises but at its end: an error of the epoch comes back as a cursor that raises
+    it (:func:`_raising`), so the chain over it is not closed by it. An error of the stream ends
+    the epoch (as ``async for`` ends), while a KeyboardInterrupt (any BaseException) that
+    lands in the wait for a block leaves the epoch going on, as :class:`SyncIterator` does.
+    """
+
+    __slots__ = ("_iterator", "_pairs")
+
+    def __init__(self, iterator: _StreamIterator[T],
+                 pairs: SyncIterator[tuple[list[T], Any]]) -> None:
+        self._iterator = iterator
+        self._pairs = pairs
+
+    def __iter__(self) -> _EnteredBlocks[T]:
+        return self
+
+    def __next__(self) -> Iterator[T]:
+        try:
+            block, token = next(self._pairs)
+        except StopIteration:
+            self._iterator._end()
+            raise
+        except Exception as exc:
+            self._iterator._end()
+            return _raising(exc)
+        except BaseException as exc:
+            return _raising(exc)
+        return self._iterator._enter(block, token)
+
+    def close(self) -> None:
+        self._iterator._end()
+        self._pairs.close()
+
+
+def _raising(error: BaseException) -> Iterator[Any]:
+    """A cursor that raises ``error`` at its first step, then is spent."""
+    yield from ()
+    raise error
+
+
+class _SyncItems(itertools.chain[T]):
+    """A plain ``for`` over one epoch of a stream (what ``Stream.__iter__`` returns).
+
+    Its blocks run on a private loop in another thread (:class:`_Pairs`, through a
+    :class:`SyncIterator`): whole blocks cross the threads, and an item costs a step of
+    ``itertools.chain`` over the block's cursor, no Python frame. :meth:`close` closes the
+    epoch (its files and connections) and the loop; so does dropping the iterator.
+    """
+
+    _blocks: _EnteredBlocks[T]
+
+    def close(self) -> None:
+        """Close the epoch's iterator and wait until it is closed, then its loop."""
+        self._blocks.close()
+
+
+def _sync_items(iterator: _StreamIterator[T], pairs: SyncIterator[tuple[list[T], Any]]
+                ) -> _SyncItems[T]:
+    """The plain ``for`` over ``iterator``'s epoch, whose blocks ``pairs`` brings."""
+    blocks = _EnteredBlocks(iterator, pairs)
+    items: _SyncItems[T] = _SyncItems.from_iterable(blocks)  # type: ignore[assignment]
+    items._blocks = blocks
+    return items
 
 
 # --------------------------------------------------------------------------- the base class
@@ -499,7 +653,16 @@ class Stream(IterableDataset[T_co]):
 
     def __aiter__(self) -> AsyncIterator[T_co]:
         """Start one epoch: items one by one, read in the background at most a few blocks
-        ahead of the consumer; after :meth:`load_state_dict`, the rest of the epoch it saved."""
+        ahead of the consumer; after :meth:`load_state_dict`, the rest of the epoch it saved.
+
+        The iterator is an async generator (``aclose()`` closes it; leaving an ``async for``
+        early leaves it to be closed when it is garbage-collected, as any async generator).
+        """
+        return self._open().items()
+
+    def _open(self) -> _StreamIterator[T_co]:
+        """Start one epoch: its iterator, with the position :meth:`state_dict` reads (the
+        loader's way in: it cuts batches with ``_take``)."""
         at = self._resume_at
         epoch = self._claim_epoch()
         iterator = _StreamIterator(self, epoch, self._prefetch_blocks, at)
@@ -641,15 +804,25 @@ class Stream(IterableDataset[T_co]):
         """One epoch for synchronous code: what ``async for`` over the stream yields.
 
         The epoch runs on an event loop of its own in a background thread (see
-        :mod:`aloader._facade`), closed with the iterator; leaving the ``for`` early (``break``,
-        an exception) closes the stream's iterator and so its files and connections, as
-        leaving an ``async for`` does.
+        :mod:`aloader._facade`), closed with the iterator, and its items cross to this thread
+        in whole blocks; leaving the ``for`` early (``break``, an exception) closes the
+        stream's iterator and so its files and connections, as leaving an ``async for`` does,
+        and so does the iterator's ``close()``. :meth:`state_dict` says what this thread
+        received, not what the loop read ahead.
 
         Raises:
             RuntimeError: a ``for`` inside a running event loop, which it would block.
         """
         forbid_running_loop("Stream", "item in stream")
-        return SyncIterator(self.__aiter__, PrivateLoop(), owns_loop=True)
+        opened: list[_StreamIterator[T_co]] = []
+
+        def open_() -> AsyncIterator[tuple[list[T_co], Any]]:
+            # On the loop, as an async for would open it there.
+            opened.append(self._open())
+            return _Pairs(opened[0])
+
+        pairs = SyncIterator(open_, PrivateLoop(), owns_loop=True)
+        return _sync_items(opened[0], pairs)
 
     def _claim_epoch(self) -> int:
         """The epoch of an iteration starting now; advances the counter as iterating does.
