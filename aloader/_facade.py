@@ -38,6 +38,7 @@ import importlib
 import os
 import queue
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Generic, Protocol, TypeVar, cast
@@ -230,14 +231,20 @@ class _Pump:
     slower than the pipeline costs one wake-up of the loop per ``AHEAD - LOW`` batches, and
     each waiting pump is woken once.
 
+    A consumer blocked on the empty queue is handed the GIL as soon as ``HANDOFF`` batches
+    wait for it (:attr:`consumer_waits`): woken by the put, its thread would otherwise wait
+    for the interpreter's switch interval (5 ms) while the busy loop thread keeps the GIL,
+    and take one block of batches per interval at most.
+
     Invariant: a KeyboardInterrupt may land between any two steps of the consumer's (between
     taking a batch and waking the pump too); the pump's state never depends on the consumer
     finishing a step, and every wait for an empty queue first wakes the pump, so a later
     ``next()`` never waits for a pump that waits for it.
     """
 
-    AHEAD = 2
-    LOW = 0
+    AHEAD = 4
+    LOW = 1
+    HANDOFF = 2
     # In the main thread a wait wakes up this often (seconds) to let CPython run a signal's
     # handler, which it does only between bytecodes: a SIGINT that trips without interrupting
     # the blocked wait (landing just before the wait starts, handled by another thread, or
@@ -250,6 +257,8 @@ class _Pump:
         self.waiting: anyio.Event | None = None
         self.woken: anyio.Event | None = None  # the waiting event woken last (consumer's side)
         self.call_soon = threadsafe_caller()
+        # The consumer is blocked on an empty queue (set and cleared by its thread).
+        self.consumer_waits = False
 
     async def run(self) -> None:
         while True:
@@ -273,6 +282,8 @@ class _Pump:
                 self.out.put((None, exc))
             else:
                 self.out.put((value, None))
+                if self.consumer_waits and self.out.qsize() >= self.HANDOFF:
+                    time.sleep(0)  # the GIL to the waiting consumer now (see the class doc)
 
     def take(self) -> tuple[Any, BaseException | None]:
         """The next item of the queue, waiting for it (called from the consumer's thread)."""
@@ -286,10 +297,14 @@ class _Pump:
         return item
 
     def _wait(self, every: float | None) -> tuple[Any, BaseException | None]:
-        while True:
-            self.wake()  # an interrupted take may have left the pump waiting
-            with contextlib.suppress(queue.Empty):
-                return self.out.get(timeout=every)
+        self.consumer_waits = True
+        try:
+            while True:
+                self.wake()  # an interrupted take may have left the pump waiting
+                with contextlib.suppress(queue.Empty):
+                    return self.out.get(timeout=every)
+        finally:
+            self.consumer_waits = False
 
     def wake(self) -> None:
         """Wake the pump if it waits for room in the queue (from the consumer's thread)."""

@@ -1004,16 +1004,18 @@ class _Admission:
         started = _now()
         try:
             key = next(self._keys)  # type: ignore[arg-type]
-        except StopIteration:
-            self._end = _ENDED
-            return
-        except Exception as exc:
-            self._end = exc
-            return
-        self._sampling.add(_now() - started)
-        self._enter(key)
+        except Exception as exc:  # StopIteration included
+            self._stop(exc)
+        else:
+            self._enter(key, started)
 
-    def _enter(self, key: Any) -> None:
+    def _stop(self, error: Exception) -> None:
+        """The sampler raised ``error``: its end, or an error to report."""
+        self._end = _ENDED if isinstance(error, (StopIteration, StopAsyncIteration)) else error
+
+    def _enter(self, key: Any, started: int) -> None:
+        """Admit ``key``, which the sampler took from ``started`` to now to give."""
+        self._sampling.add(_now() - started)
         self._free -= 1
         plan = self._epoch.plan
         job = _Job(self.seq, key)
@@ -1056,14 +1058,10 @@ class _Admission:
             started = _now()
             try:
                 key = await keys.__anext__()  # type: ignore[union-attr]
-            except StopAsyncIteration:
-                self._end = _ENDED
-                break
-            except Exception as exc:
-                self._end = exc
-                break
-            self._sampling.add(_now() - started)
-            self._enter(key)
+            except Exception as exc:  # StopAsyncIteration included
+                self._stop(exc)
+            else:
+                self._enter(key, started)
         if isinstance(self._end, Exception):
             results = epoch.results
             await results.reserve(self.seq)

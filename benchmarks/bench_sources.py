@@ -215,14 +215,7 @@ def breakdown(urls: list[str], bodies: list[bytes], runs: int = 5) -> list[str]:
                 f.write(body)
 
         def local() -> int:
-            async def epoch() -> int:
-                count = 0
-                async for batch in DataLoader(JsonLines(directory, concurrency=CONCURRENCY),
-                                              batch_size=BATCH):
-                    count += len(batch["id"])
-                return count
-
-            return anyio.run(epoch)
+            return run_aloader([directory])
 
         programs: list[tuple[str, Callable[[], int]]] = [
             ("parse only (JsonLinesDecoder.feed, 64 KiB pieces)", parse_only),

@@ -4,15 +4,21 @@ Statistics are always collected (there is no switch), so "stats off" is this sam
 the :class:`~aloader._stats.Collector`'s record methods replaced by no-ops (:func:`no_stats`):
 what remains in both is the pipeline's clock reads around each stage. "Budget off" is
 ``max_failures=0``, "on" a budget no sample uses (``max_failures=5``, no failures). Each pair
-runs in this one process, the two alternating, best of ``--repeat`` (default 5): on a noisy
-machine that is the honest A/B, a ratio rather than two absolute numbers. The io and mem
-workloads are those of ``engine.py`` (full sizes; ``--quick`` for the small ones).
+runs in this one process in ``--repeat`` rounds (default 15), which of the two runs first
+alternating: the best of each, and the median over the rounds of the cost within a round (a
+drift of the machine's speed hits both halves of a round alike, so the median resolves a
+smaller cost than two best-of figures on a noisy machine). The io and mem workloads are those
+of ``engine.py`` (full sizes; ``--quick`` for the small ones).
+
+The clock reads the two share are costed apart, without timing an epoch: the
+``perf_counter_ns`` calls per batch of a mem epoch (counted) times the cost of one call
+(timed alone), against the epoch's time per batch.
 
 ``--baseline ROOT`` adds the older comparison against another checkout (e.g. one without
 statistics: ``git archive <commit> | tar -x -C /tmp/base`` and copy the built ``_cperm``
 extension beside its package), each figure in a fresh process, alternating.
 
-    python benchmarks/bench_stats.py [--repeat 5] [--quick] [--baseline /tmp/base]
+    python benchmarks/bench_stats.py [--repeat 15] [--quick] [--baseline /tmp/base]
 """
 
 from __future__ import annotations
@@ -20,9 +26,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import subprocess
 import sys
 import threading
+import time
+import timeit
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -88,14 +97,22 @@ def mem_epoch(max_failures: int, n: int) -> float:
     return max(float(anyio.run(engine._consume_columns, loader, n)) for _ in range(3))
 
 
-def interleaved(a: Callable[[], float], b: Callable[[], float], repeat: int) -> tuple[float,
-                                                                                     float]:
-    """Best items/s of ``a`` and of ``b``, run alternately ``repeat`` times each."""
+def interleaved(a: Callable[[], float], b: Callable[[], float], repeat: int
+                ) -> tuple[float, float, float]:
+    """Best items/s of ``a`` and of ``b``, run in ``repeat`` rounds (a then b, b then a in
+    turn), and the median over the rounds of b's cost against a (``1 - b / a``): a drift of
+    the machine's speed hits both halves of a round alike, so the median of the pairs
+    resolves a smaller cost than two best-of figures do."""
     best_a = best_b = 0.0
-    for _ in range(repeat):
-        best_a = max(best_a, a())
-        best_b = max(best_b, b())
-    return best_a, best_b
+    costs = []
+    for round_ in range(repeat):
+        if round_ % 2:
+            rate_b, rate_a = b(), a()
+        else:
+            rate_a, rate_b = a(), b()
+        best_a, best_b = max(best_a, rate_a), max(best_b, rate_b)
+        costs.append(1 - rate_b / rate_a)
+    return best_a, best_b, statistics.median(costs)
 
 
 def _off(run: Callable[[int, int], float], n: int) -> float:
@@ -104,17 +121,21 @@ def _off(run: Callable[[int, int], float], n: int) -> float:
 
 
 def calls_per_batch(stats_on: bool, max_failures: int = 0,
-                    n: int = 25_600) -> tuple[float, float]:
+                    n: int = 25_600) -> tuple[float, float, float]:
     """Python and C function calls per batch of a mem epoch (every thread), stats on or off,
-    with a budget or not: a load-independent measure of their cost."""
+    with a budget or not, and the clock reads among the C calls: a load-independent measure
+    of their cost."""
     x = np.random.default_rng(0).standard_normal((n, engine.MEM_COLS), dtype=np.float32)
     loader = DataLoader(ArrayDataset(x), batch_size=engine.MEM_BATCH, shuffle=True, generator=0,
                         max_failures=max_failures)
-    counts = {"call": 0, "c_call": 0}
+    counts = {"call": 0, "c_call": 0, "clock": 0}
+    clock = time.perf_counter_ns
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event in counts:
             counts[event] += 1
+            if arg is clock:
+                counts["clock"] += 1
 
     with contextlib.nullcontext() if stats_on else no_stats():
         anyio.run(engine._consume_columns, loader, n)  # warm up
@@ -126,7 +147,16 @@ def calls_per_batch(stats_on: bool, max_failures: int = 0,
             sys.setprofile(None)
             threading.setprofile(None)
     batches = n / engine.MEM_BATCH
-    return counts["call"] / batches, counts["c_call"] / batches
+    return counts["call"] / batches, counts["c_call"] / batches, counts["clock"] / batches
+
+
+def clock_cost(n: int) -> tuple[float, float]:
+    """The cost of one ``perf_counter_ns`` call (ns, best of 5 loops) and a mem epoch's time
+    per batch (ns, best of 5 epochs)."""
+    clock = time.perf_counter_ns
+    per_call = min(timeit.timeit(clock, number=200_000) / 200_000 for _ in range(5)) * 1e9
+    rate = max(mem_epoch(0, n) for _ in range(5))
+    return per_call, engine.MEM_BATCH / rate * 1e9
 
 
 _RUN = r"""
@@ -158,7 +188,7 @@ def figure(root: Path, which: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="the small sizes")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="also compare with the checkout at this root (fresh processes)")
@@ -167,9 +197,11 @@ def main() -> None:
         sys.exit("bench_stats needs a source checkout (benchmarks/engine.py)")
     sizes = engine.QUICK if args.quick else engine.FULL
     workloads = {"io": (io_epoch, sizes.io_items), "mem": (mem_epoch, sizes.mem_rows)}
-    print(f"same process, interleaved, best of {args.repeat}")
-    print("| workload | comparison | off items/s | on items/s | cost |")
-    print("|---|---|---|---|---|")
+    print(f"same process, {args.repeat} rounds of both (alternating which runs first): best "
+          "of each, and the median of the rounds' costs")
+    print("| workload | comparison | off items/s | on items/s | cost (bests) | cost (median "
+          "of rounds) |")
+    print("|---|---|---|---|---|---|")
     for which, (run, n) in workloads.items():
         rows = [
             ("stats (record no-ops vs on)",
@@ -178,14 +210,19 @@ def main() -> None:
              lambda run=run, n=n: run(0, n), lambda run=run, n=n: run(5, n)),
         ]
         for name, off, on in rows:
-            a, b = interleaved(off, on, args.repeat)
-            print(f"| {which} | {name} | {a:,.0f} | {b:,.0f} | {(a - b) / a:+.1%} |",
-                  flush=True)
+            a, b, median = interleaved(off, on, args.repeat)
+            print(f"| {which} | {name} | {a:,.0f} | {b:,.0f} | {(a - b) / a:+.1%} | "
+                  f"{median:+.1%} |", flush=True)
     stats_on, stats_off = calls_per_batch(True), calls_per_batch(False)
     budget = calls_per_batch(True, max_failures=5)
     print(f"\nmem epoch, calls per batch (load-independent): {stats_on[0]:.1f} Python + "
           f"{stats_on[1]:.1f} C with stats, {stats_off[0]:.1f} + {stats_off[1]:.1f} with record "
           f"no-ops, {budget[0]:.1f} + {budget[1]:.1f} with stats and max_failures=5", flush=True)
+    per_call, per_batch = clock_cost(sizes.mem_rows)
+    print(f"clock reads (in both halves above): {stats_on[2]:.1f} perf_counter_ns calls per "
+          f"batch x {per_call:.0f} ns = {stats_on[2] * per_call:.0f} ns, "
+          f"{stats_on[2] * per_call / per_batch:.2%} of a mem batch ({per_batch / 1e3:.1f} us)",
+          flush=True)
     if args.baseline is not None:
         print("\nfresh processes, alternating, best of", args.repeat)
         print("| workload | baseline items/s | this checkout items/s | cost |")

@@ -66,7 +66,7 @@ def serve_shards(port_queue: Any, stop: Any) -> None:
 
 def run_aloader(urls: list[str], backend: str = "asyncio") -> int:
     """One epoch of ``DataLoader(JsonLines(urls, concurrency=CONCURRENCY), batch_size=BATCH)``
-    on ``backend``; the records seen."""
+    on ``backend`` (URLs, or local paths and directories); the records seen."""
 
     async def epoch() -> int:
         count = 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pickle
 import socket
 from collections.abc import AsyncIterable, Callable, Iterator
@@ -97,3 +98,16 @@ def write(tmp_path: Path, name: str, data: bytes) -> str:
     path = tmp_path / name
     path.write_bytes(data)
     return str(path)
+
+
+def open_handles(directory: Path) -> int:
+    """File descriptors of this process open on files under ``directory``."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(directory)):
+            count += 1
+    return count

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sourcetools import as_worker, collect
+from sourcetools import as_worker, collect, open_handles
 
 import aloader
 from aloader import (
@@ -46,19 +46,6 @@ def write_jsonl(directory: Path, shards: int, per_shard: int) -> list[Path]:
                 f.write(json.dumps({"id": shard * per_shard + i, "shard": shard}) + "\n")
         paths.append(path)
     return paths
-
-
-def open_handles(directory: Path) -> int:
-    """File descriptors of this process open on files under ``directory``."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(str(directory)):
-            count += 1
-    return count
 
 
 async def settle(condition: Any, rounds: int = 200) -> bool:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import gc
 import itertools
-import os
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-from sourcetools import as_worker, collect, read_as_consumers, roundtrip
+from sourcetools import as_worker, collect, open_handles, read_as_consumers, roundtrip
 
 from aloader import DataLoader, JsonLines, RecordError, TextLines, _facade
 
@@ -38,19 +37,6 @@ def write_shards(directory: Path) -> list[Path]:
 
 def make(directory: Path, **options: Any) -> TextLines:
     return TextLines(directory, chunk_size=64, concurrency=2, **options)
-
-
-def open_handles(directory: Path) -> int:
-    """File descriptors of this process open on files under ``directory``."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(str(directory)):
-            count += 1
-    return count
 
 
 async def general_path(source: TextLines, k: int) -> tuple[list[str], dict[str, Any]]:
