@@ -1112,7 +1112,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         self.num_yielded += 1
         now = _now()
         stats.delivered(asked, now, epoch.results.left)
-        if stats.batches == 1 and now - stats.started > SLOW_FIRST_BATCH * 1e9:
+        if self.num_yielded == 1 and now - stats.started > SLOW_FIRST_BATCH * 1e9:
             loader_log.warning("the first batch took %.1f s (a cold start, or a stall: "
                                "see DataLoader.stats())", (now - stats.started) / 1e9)
         self._warn_length()

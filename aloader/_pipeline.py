@@ -89,8 +89,8 @@ _WHOLE_JOB = -1
 _AWAIT_THREADS = -2
 _NO_ITEMS = -3
 
-# Inline epochs give other tasks a turn at least this often (seconds).
-_YIELD_EVERY = 0.001
+# Inline epochs give other tasks a turn at least this often (ns).
+_YIELD_EVERY_NS = 1_000_000
 
 # Fetches in flight for async datasets when max_concurrency is not given.
 DEFAULT_MAX_CONCURRENCY = 64
@@ -931,12 +931,16 @@ class FetchPlan:
             self.stats.collated(samples, _now() - started)
         return batch if self.transform is None else self.transform(batch)
 
-    async def collate(self, samples: Any, limiter: anyio.CapacityLimiter) -> Any:
+    async def collate(self, samples: Any, limiter: anyio.CapacityLimiter,
+                      started: int | None = None) -> Any:
+        """The batch of ``samples`` (timed from ``started``, the clock read that ended the
+        stage before, when the caller has one)."""
         if self.collate_in_thread:
             return await self.in_thread(self.collate_sync, samples, limiter=limiter)
         if samples is SKIP or self.remote is not None:
             return self.collate_now(samples)
-        started = _now()
+        if started is None:
+            started = _now()
         batch = self.collate_fn(samples)
         if inspect.isawaitable(batch):  # async def, or a plain function returning one
             self._collate_plain = False
@@ -1201,7 +1205,7 @@ class MapEpoch(Epoch):
     def start(self) -> None:
         if self.inline:
             self._inline_keys = _Keys(self._keys)
-            self._last_yield = time.monotonic()
+            self._last_yield = _now()
             self.done.set()
         else:
             super().start()
@@ -1210,7 +1214,9 @@ class MapEpoch(Epoch):
         """The next batch (value, error); StopAsyncIteration at the end of the epoch."""
         if not self.inline:
             return await self.results.take()
+        stats = self.plan.stats
         while True:
+            # One clock read ends a stage and starts the next (the reads cost ~0.1 us each).
             started = _now()
             try:
                 key = await self._inline_keys.__anext__()
@@ -1218,10 +1224,16 @@ class MapEpoch(Epoch):
                 raise
             except Exception as exc:
                 return None, _note(exc, "raised by the sampler")
-            self.plan.stats.sampling.add(_now() - started)
+            fetching = _now()
+            stats.sampling.add(fetching - started)
             seq = self.results.taken
             try:
-                batch = await self.plan.collate(self._fetch_inline(key), _NO_LIMITER)
+                try:
+                    samples = self.plan.fetch_sync(key)
+                finally:
+                    collating = _now()
+                    stats.fetch.add(collating - fetching)
+                batch = await self.plan.collate(samples, _NO_LIMITER, collating)
             except Exception as exc:
                 return None, _note(exc, f"raised while loading batch {seq} (indices "
                                         f"{_describe(key)})")
@@ -1232,20 +1244,11 @@ class MapEpoch(Epoch):
                 break
         # Keep the loop responsive even if the consumer never awaits anything else (driven
         # with no loop, on the consumer's thread, there is none).
-        now = time.monotonic()
-        if now - self._last_yield > _YIELD_EVERY:
-            self._last_yield = now
+        if collating - self._last_yield > _YIELD_EVERY_NS:
+            self._last_yield = collating
             if current_backend() is not None:
                 await anyio.lowlevel.checkpoint()
         return batch, None
-
-    def _fetch_inline(self, key: Any) -> Any:
-        stats = self.plan.stats
-        started = _now()
-        try:
-            return self.plan.fetch_sync(key)
-        finally:
-            stats.fetch.add(_now() - started)
 
     async def _run(self) -> None:
         plan = self.plan

@@ -41,7 +41,7 @@ from typing import Any
 __all__ = ("Collector", "LoaderStats", "Occupancy", "Stage", "StageStats", "verdict")
 
 _RING = 1024  # latencies kept per stage for the percentiles (the most recent ones)
-_FLUSH = 63  # flush the stages every 64 batches
+_FLUSH = 1023  # fold the appends every 1024 batches
 _REPORT = 64  # latencies a worker sends per stage with one answer, at most
 STAGES = ("sampling", "fetch", "collate", "transfer", "wait", "consumer")
 
@@ -257,7 +257,8 @@ class Collector:
         # the batches' sizes appended since (any thread).
         self.items = 0
         self._collated: list[tuple[int, int]] = []  # (ns, samples) of each batch collated
-        self._marks: list[tuple[int, int]] = []  # (asked, got) of each batch delivered
+        # (asked, got, others ready) of each batch delivered, since the last fold
+        self._marks: list[tuple[int, int, int]] = []
         self._marked_last: int | None = None  # the got of the last mark folded
         self._cpu: list[int] = []  # ns of CPU of each fetch in a thread, since the last fold
         self.batches = 0
@@ -293,7 +294,12 @@ class Collector:
             self.items += sum(sizes)
         marks = _take(self._marks)
         if marks:
-            asked, got = zip(*marks, strict=True)
+            asked, got, ready = zip(*marks, strict=True)
+            if not self.batches:
+                self.first_wait = got[0] - asked[0]
+            self.batches += len(marks)
+            self.ready_sum += sum(ready)
+            self.last = got[-1]
             self.wait.pending.extend(map(sub, got, asked))
             # The consumer's time: from each batch to the next ask (after the first batch).
             before = got[:-1] if self._marked_last is None else (self._marked_last, *got[:-1])
@@ -327,19 +333,15 @@ class Collector:
 
     def delivered(self, asked: int, now: int, ready: int) -> None:
         """The consumer, back at ``asked`` (ns), got a batch at ``now`` with ``ready`` others
-        ready."""
-        batches = self.batches
-        if not batches:
-            self.first_wait = now - asked
-        self._marks.append((asked, now))
-        self.batches = batches + 1
-        self.ready_sum += ready
-        self.last = now
-        if not batches & _FLUSH:
+        ready: one append (the fold counts the batches, sums the ready ones, keeps the last)."""
+        marks = self._marks
+        marks.append((asked, now, ready))
+        if len(marks) > _FLUSH:
             self.flush()
 
     def asked_again(self, asked: int) -> None:
         """The consumer asked after its last batch and the epoch had ended."""
+        self.flush()
         if self.batches:
             self.consumer.add(asked - self.last)
 
@@ -384,11 +386,11 @@ class Collector:
     # The snapshot -----------------------------------------------------------------------------
     def snapshot(self) -> LoaderStats:
         end = self.ended if self.ended is not None else _now()
+        with self.lock:
+            self._fold()  # first: it sets the last batch's time
+            stages = {name: getattr(self, name).snapshot(name) for name in STAGES}
         last = self.last if self.ended is not None else end
         elapsed = max(1e-9, (last - self.started) / 1e9)
-        with self.lock:
-            self._fold()
-            stages = {name: getattr(self, name).snapshot(name) for name in STAGES}
         if self.mode == "process":
             in_flight = self.in_flight.mean(last)
         else:  # Little's law: the mean number in flight is their busy time over the time

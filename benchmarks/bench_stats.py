@@ -12,7 +12,9 @@ of ``engine.py`` (full sizes; ``--quick`` for the small ones).
 
 The clock reads the two share are costed apart, without timing an epoch: the
 ``perf_counter_ns`` calls per batch of a mem epoch (counted) times the cost of one call
-(timed alone), against the epoch's time per batch.
+(timed alone), against the epoch's time per batch; so are the record calls of one batch
+(timed alone, :func:`record_cost`): their sum is what statistics cost a mem batch, a figure
+this machine's spread does not blur.
 
 ``--baseline ROOT`` adds the older comparison against another checkout (e.g. one without
 statistics: ``git archive <commit> | tar -x -C /tmp/base`` and copy the built ``_cperm``
@@ -150,6 +152,26 @@ def calls_per_batch(stats_on: bool, max_failures: int = 0,
     return counts["call"] / batches, counts["c_call"] / batches, counts["clock"] / batches
 
 
+def record_cost(batches: int = 400) -> float:
+    """The record calls of one in-memory batch, timed alone (ns, best of 5): the sampling and
+    fetch appends, ``collated`` and ``delivered``, with the folds they trigger."""
+    samples = list(range(engine.MEM_BATCH))
+
+    def epoch(record: bool) -> Callable[[], None]:
+        def run() -> None:
+            stats = _stats.Collector("inline", 1, 2, 0, 0, "map", True)
+            for _ in range(batches):
+                if record:
+                    stats.sampling.add(100)
+                    stats.fetch.add(100)
+                    stats.collated(samples, 100)
+                    stats.delivered(1, 2, 0)
+        return run
+
+    timed = [min(timeit.repeat(epoch(record), number=20, repeat=5)) for record in (True, False)]
+    return (timed[0] - timed[1]) / 20 / batches * 1e9
+
+
 def clock_cost(n: int) -> tuple[float, float]:
     """The cost of one ``perf_counter_ns`` call (ns, best of 5 loops) and a mem epoch's time
     per batch (ns, best of 5 epochs)."""
@@ -219,10 +241,13 @@ def main() -> None:
           f"{stats_on[1]:.1f} C with stats, {stats_off[0]:.1f} + {stats_off[1]:.1f} with record "
           f"no-ops, {budget[0]:.1f} + {budget[1]:.1f} with stats and max_failures=5", flush=True)
     per_call, per_batch = clock_cost(sizes.mem_rows)
+    record = record_cost()
+    clocks = stats_on[2] * per_call
     print(f"clock reads (in both halves above): {stats_on[2]:.1f} perf_counter_ns calls per "
-          f"batch x {per_call:.0f} ns = {stats_on[2] * per_call:.0f} ns, "
-          f"{stats_on[2] * per_call / per_batch:.2%} of a mem batch ({per_batch / 1e3:.1f} us)",
-          flush=True)
+          f"batch x {per_call:.0f} ns = {clocks:.0f} ns, "
+          f"{clocks / per_batch:.2%} of a mem batch ({per_batch / 1e3:.1f} us)", flush=True)
+    print(f"statistics per mem batch, timed alone: {record:.0f} ns of record calls + {clocks:.0f}"
+          f" ns of clock reads = {(record + clocks) / per_batch:.2%} of a batch", flush=True)
     if args.baseline is not None:
         print("\nfresh processes, alternating, best of", args.repeat)
         print("| workload | baseline items/s | this checkout items/s | cost |")
