@@ -1380,35 +1380,38 @@ class MapEpoch(Epoch):
             results.defer(job.seq, functools.partial(self._finish, job, window))
             return
         await results.reserve(job.seq)
-        samples = self._samples_of(job)
         try:
-            batch = await self.plan.collate(samples, limiter)
+            batch, error = await self.plan.collate(self._samples_of(job), limiter), None
         except Exception as exc:
-            results.publish(job.seq, None, _note(exc, f"raised while collating batch "
-                                                       f"{job.seq}"))
-        else:
-            results.publish(job.seq, batch)
-        job.samples = []
-        window.release()
+            batch, error = None, exc
+        self._publish(job, window, batch, error)
 
     def _finish(self, job: _Job, window: _Admission) -> None:
         """Publish a job that has its output slot: its first error, or its batch collated
         now; then free its window slot. Run by a fetch worker or by the consumer's take (see
         :meth:`Results.defer`), so a BaseException ends the epoch here as in a worker."""
-        results = self.results
         with self._guarded:
-            if job.error is not None:
-                results.publish(job.seq, None, job.error)
-            else:
+            batch, error = None, None
+            if job.error is None:
                 try:
                     batch = self.plan.collate_now(self._samples_of(job))
                 except Exception as exc:
-                    results.publish(job.seq, None, _note(exc, f"raised while collating batch "
-                                                               f"{job.seq}"))
-                else:
-                    results.publish(job.seq, batch)
-            job.samples = []
-            window.release()
+                    error = exc
+            self._publish(job, window, batch, error)
+
+    def _publish(self, job: _Job, window: _Admission, batch: Any,
+                 collate_error: Exception | None) -> None:
+        """Publish a collated job: its first error, the error its collate raised, or its
+        batch; then free its window slot."""
+        if job.error is not None:
+            self.results.publish(job.seq, None, job.error)
+        elif collate_error is not None:
+            self.results.publish(job.seq, None, _note(collate_error, f"raised while collating "
+                                                                     f"batch {job.seq}"))
+        else:
+            self.results.publish(job.seq, batch)
+        job.samples = []
+        window.release()
 
     def _samples_of(self, job: _Job) -> Any:
         """The samples to collate: SKIP for a job failed before a resume, those that did not
