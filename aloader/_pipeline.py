@@ -952,13 +952,15 @@ class FetchPlan:
 
 
 class _Admission:
-    """The window of a :class:`MapEpoch`: jobs enter it here, at most ``plan.window`` at once.
+    """The window of a :class:`MapEpoch`: jobs enter it here, at most ``window`` at once
+    (``plan.window``, or more where items are fetched on the loop: see :meth:`MapEpoch._run`).
 
     A job holds a window slot from admission until its batch is collated (:meth:`release`).
     :meth:`produce`, the epoch's producer task, admits jobs in sampler order, numbered from 0,
     one per turn of the loop (as fetches start, the first may already stop the epoch before
-    the rest begin), and parks on a plain :class:`~aloader._backend.Waiter` while the window
-    is full: lighter than a semaphore, whose every acquire looks up the running library.
+    the rest begin; with a window ahead, after the first job it fills in one turn), and parks
+    on a plain :class:`~aloader._backend.Waiter` while the window is full: lighter than a
+    semaphore, whose every acquire looks up the running library.
     While it is parked on a full window, a slot freed by :meth:`release` is refilled there and
     then from a plain (sync) sampler: the next job's items are in the queue before the fetch
     workers finishing in the same turn of the loop look for work, and no task wakes per job.
@@ -969,16 +971,15 @@ class _Admission:
                  "_sampling", "_threads", "_waiting", "seq")
 
     def __init__(self, epoch: MapEpoch, queue: _WorkQueue, threads: _FetchThreads | None,
-                 new_waiter: Callable[[], Waiter]) -> None:
+                 new_waiter: Callable[[], Waiter], window: int) -> None:
         self._epoch = epoch
         self._queue = queue
         self._threads = threads
         self._new_waiter = new_waiter
         plan = epoch.plan
-        # Items fetched one by one on the loop: admit a second window of jobs ahead (their
-        # indices wait in the queue, whose room lets only so many jobs start).
-        ahead = self._ahead = plan.granularity == "item" and threads is None
-        self._free = plan.window * (3 if ahead else 1) + (epoch.results.capacity if ahead else 0)
+        # Jobs admitted ahead of those the queue's room lets start wait there as indices.
+        self._ahead = window > plan.window
+        self._free = window
         self._waiting: Waiter | None = None  # the producer, parked
         keys = epoch._keys
         self._keys: Iterator[Any] | None = None if isinstance(keys, AsyncIterator) else keys
@@ -1257,15 +1258,19 @@ class MapEpoch(Epoch):
         if plan.granularity == "item" and plan.mode == "thread":
             threads = _FetchThreads(plan.get_item, plan.concurrency, plan.abandon, plan.absorb,
                                     plan.stats)
-        workers = plan.concurrency if plan.granularity == "item" and threads is None else (
-            plan.window
-        )
+        # Items fetched one by one on the loop: in a turn of a busy loop hundreds of fetches
+        # finish before the consumer takes their batches, so a second window of jobs may hold
+        # data, and a third waits as indices, each worker finding its next fetch at once.
+        ahead = plan.granularity == "item" and threads is None
+        workers = plan.concurrency if ahead else plan.window
         new_waiter = waiters()  # the backend, looked up once for the epoch
-        # Jobs started and not yet taken by the consumer: the window, and the batches that
+        # Jobs started and not yet taken by the consumer: the windows, and the batches that
         # may wait for the consumer (collated, or fetched and waiting for their slot).
-        queue = _WorkQueue(workers, new_waiter, 2 * plan.window + self.results.capacity)
+        room = (2 if ahead else 1) * plan.window + self.results.capacity
+        queue = _WorkQueue(workers, new_waiter, room)
         self.results.on_take = queue.free
-        admission = _Admission(self, queue, threads, new_waiter)
+        admission = _Admission(self, queue, threads, new_waiter,
+                               room + plan.window if ahead else plan.window)
         try:
             async with anyio.create_task_group() as tg:
                 def spawn() -> None:
