@@ -111,3 +111,27 @@ def open_handles(directory: Path) -> int:
         if target.startswith(str(directory)):
             count += 1
     return count
+
+
+@contextlib.contextmanager
+def local_s3(bucket: str, objects: dict[str, bytes]) -> Iterator[Any]:
+    """moto's S3 server behind aloader's fault proxy (``aloader._demo._s3.LocalS3``) holding
+    ``objects`` (key -> body) in ``bucket``; the test is skipped without obstore, moto's
+    server or boto3."""
+    import pytest
+
+    for module in ("obstore", "moto.server", "boto3"):
+        pytest.importorskip(module)
+    from aloader._demo._s3 import LocalS3
+
+    with LocalS3() as server:
+        server.put(bucket, objects)
+        yield server
+
+
+def reset_proxy(server: Any) -> Iterator[Any]:
+    """The body of a ``proxy`` fixture: ``server``'s proxy with its request log cleared
+    before and after the test."""
+    server.proxy.reset()
+    yield server.proxy
+    server.proxy.reset()

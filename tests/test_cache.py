@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 import pytest
 from faulty_server import FaultyServer, make_jsonl_shards
-from sourcetools import collect
+from sourcetools import collect, local_s3
 
 from aloader import DataLoader, FetchError, JsonLines, TarShards, TextLines, _cache, interleave
 from aloader._cache import ShardCache, make_version
@@ -528,13 +528,7 @@ BUCKET = "cache-bucket"
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[Any]:
-    pytest.importorskip("obstore")
-    pytest.importorskip("moto.server")
-    pytest.importorskip("boto3")
-    from aloader._demo._s3 import LocalS3
-
-    with LocalS3() as server:
-        server.put(BUCKET, {f"data/{name}": body for name, body in SHARDS.items()})
+    with local_s3(BUCKET, {f"data/{name}": body for name, body in SHARDS.items()}) as server:
         yield server
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sourcetools import collect, free_port, read_as_consumers
+from sourcetools import collect, free_port, read_as_consumers, reset_proxy
 
 pytest.importorskip("obstore")
 pytest.importorskip("moto.server")
@@ -58,9 +58,7 @@ def s3() -> Iterator[LocalS3]:
 
 @pytest.fixture
 def proxy(s3: LocalS3) -> Iterator[Any]:
-    s3.proxy.reset()
-    yield s3.proxy
-    s3.proxy.reset()
+    yield from reset_proxy(s3)
 
 
 def url(key: str, bucket: str = BUCKET) -> str:

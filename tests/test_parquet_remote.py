@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sourcetools import collect, interrupted, read_as_consumers
+from sourcetools import collect, interrupted, local_s3, read_as_consumers, reset_proxy
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -54,22 +54,14 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def s3(files: dict[str, bytes]) -> Iterator[Any]:
-    pytest.importorskip("obstore")
-    pytest.importorskip("moto.server")
-    pytest.importorskip("boto3")
-    from aloader._demo._s3 import LocalS3
-
-    with LocalS3() as server:
-        server.put(BUCKET, {f"pq/{name}": body for name, body in files.items()}
-                   | {"pq/notes.txt": b"not parquet"})
+    with local_s3(BUCKET, {f"pq/{name}": body for name, body in files.items()}
+                  | {"pq/notes.txt": b"not parquet"}) as server:
         yield server
 
 
 @pytest.fixture
 def proxy(s3: Any) -> Iterator[Any]:
-    s3.proxy.reset()
-    yield s3.proxy
-    s3.proxy.reset()
+    yield from reset_proxy(s3)
 
 
 def local(tmp_path: Path, files: dict[str, bytes]) -> list[str]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import anyio
 import pytest
-from sourcetools import interrupted, roundtrip
+from sourcetools import interrupted, local_s3, roundtrip
 
 from aloader import JsonLines, Stream, TextLines, as_stream, interleave
 
@@ -549,15 +549,10 @@ async def test_binary_npy_and_tar_shards(tmp_path: Path, anyio_backend: str) -> 
 
 
 async def test_object_store_resume_asks_for_a_byte_range(anyio_backend: str) -> None:
-    pytest.importorskip("obstore")
-    pytest.importorskip("moto.server")
-    pytest.importorskip("boto3")
     from aloader._demo import make_jsonl_shards
-    from aloader._demo._s3 import LocalS3
 
     shards = make_jsonl_shards(2, 100)
-    with LocalS3() as server:
-        server.put("resume", {f"d/{name}": body for name, body in shards.items()})
+    with local_s3("resume", {f"d/{name}": body for name, body in shards.items()}) as server:
         urls = [f"s3://resume/d/{name}" for name in sorted(shards)]
 
         def make() -> Stream[Any]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from faulty_server import FaultyServer
-from sourcetools import collect, interrupted, read_as_consumers, write
+from sourcetools import collect, interrupted, local_s3, read_as_consumers, write
 
 from aloader import DataLoader, RecordError, TarShards
 from aloader._tar import split_key
@@ -316,15 +316,10 @@ TAR_BUCKET = "tar-bucket"
 @pytest.fixture(scope="module")
 def s3() -> Iterator[Any]:
     """moto's S3 server with 5 shards under tars/ (20 samples each; the last one gzipped)."""
-    pytest.importorskip("obstore")
-    pytest.importorskip("moto.server")
-    pytest.importorskip("boto3")
-    from aloader._demo._s3 import LocalS3
-
     shards = {f"tars/s{shard}.tar": make_tar(samples(shard * 20, 20)) for shard in range(4)}
     shards["tars/s4.tar.gz"] = gzip.compress(make_tar(samples(80, 20)))
-    with LocalS3() as server:
-        server.put(TAR_BUCKET, {**shards, "tars/.hidden.tar": make_tar(samples(500, 1))})
+    with local_s3(TAR_BUCKET, {**shards, "tars/.hidden.tar": make_tar(samples(500, 1))}
+                  ) as server:
         yield server
 
 
