@@ -141,7 +141,7 @@ def _mirror_to_torch() -> None:
     virtual replicas of a resumed epoch see the process's facts there, not their own.
     """
     info = _worker_info
-    worker = sys.modules.get("torch.utils.data._utils.worker")
+    worker: Any = sys.modules.get("torch.utils.data._utils.worker")  # torch's private module
     if info is None or worker is None:
         return
     current = getattr(worker, "_worker_info", None)
