@@ -124,20 +124,25 @@ class _AsyncioSpawner:
 async def task_group() -> AsyncIterator[Spawner]:
     """A task group for many short-lived children (a :class:`Spawner`).
 
-    The contract of anyio's task group, which it is on trio: the block exits once every
-    child has; a child's exception cancels the others and the block, and is raised in an
-    ``ExceptionGroup``; cancelling the block's task (an enclosing cancel scope) cancels the
-    children and waits for them. On asyncio it is ``asyncio.TaskGroup``, whose children are
-    plain tasks: anyio's start costs about ten times a task's creation (a cancel scope, an
-    event and a wrapper coroutine each, the wrapper a frame more on every resume), which an
-    epoch of hundreds of fetch workers paid at every start.
+    The contract of anyio's task group: the block exits once every child has; a child's
+    exception cancels the others and the block, and is raised in an ``ExceptionGroup``;
+    cancelling the block's task (an enclosing cancel scope) cancels the children and waits
+    for them. It is the backend's own group, ``asyncio.TaskGroup`` or a trio nursery, whose
+    children are plain tasks: anyio's start costs several times a task's creation (on asyncio
+    a cancel scope, an event and a wrapper coroutine each, the wrapper a frame more on every
+    resume), which an epoch of hundreds of fetch workers paid at every start.
     """
-    if current_backend() == "asyncio":
+    backend = current_backend()
+    if backend == "asyncio":
         async with asyncio.TaskGroup() as group:
             yield _AsyncioSpawner(group)
+    elif backend == "trio":
+        import trio
+
+        async with trio.open_nursery() as nursery:
+            yield cast(Spawner, nursery)  # its start_soon takes a coroutine function, as here
     else:
-        async with anyio.create_task_group() as tg:
-            yield cast(Spawner, tg)  # its start_soon takes a coroutine function, as the protocol
+        raise RuntimeError("aloader needs a running asyncio or trio event loop")
 
 
 def threadsafe_caller() -> Callable[[Callable[[], None]], None]:
