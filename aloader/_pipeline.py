@@ -1311,19 +1311,17 @@ class MapEpoch(Epoch):
                     if work is None:
                         return
                 job, position, index = work
-                if position == _WHOLE_JOB:
-                    await self._run_job(job, limiter)
-                    window.release()
-                    continue
-                if position == _AWAIT_THREADS:
-                    assert job.fetched is not None
-                    await job.fetched.wait()
-                    if job.error is not None and not isinstance(job.error, Exception):
-                        raise job.error  # a KeyboardInterrupt in a fetch thread: see _guard
-                    await self._complete(job, limiter, window)
-                    continue
-                if position == _NO_ITEMS:
-                    await self._complete(job, limiter, window)
+                if position < 0:  # not one item: one comparison on the items' path
+                    if position == _WHOLE_JOB:
+                        await self._run_job(job, limiter)
+                        window.release()
+                        continue
+                    if position == _AWAIT_THREADS:
+                        assert job.fetched is not None
+                        await job.fetched.wait()
+                        if job.error is not None and not isinstance(job.error, Exception):
+                            raise job.error  # a KeyboardInterrupt in a fetch thread: see _guard
+                    await self._complete(job, limiter, window)  # _AWAIT_THREADS, _NO_ITEMS
                     continue
                 if job.error is None:
                     started = _now()
