@@ -112,9 +112,20 @@ class IterableDataset(Dataset[T_co]):
 # --------------------------------------------------------------------------- iteration
 
 
+def is_stream_class(dataset: object) -> bool:
+    """Whether ``dataset`` is an :class:`IterableDataset`: aloader's, or torch's when torch is
+    loaded (a torch script's ``IterableDataset`` subclass inherits ``Dataset.__getitem__``, so
+    duck typing alone would take it for a map)."""
+    if isinstance(dataset, IterableDataset):
+        return True
+    torch_data = sys.modules.get("torch.utils.data")
+    torch_stream = getattr(torch_data, "IterableDataset", None)
+    return isinstance(torch_stream, type) and isinstance(dataset, torch_stream)
+
+
 def is_iterable_dataset(dataset: object) -> bool:
     """Whether the loader treats ``dataset`` as a stream of samples rather than a map."""
-    if isinstance(dataset, IterableDataset):
+    if is_stream_class(dataset):
         return True
     # Duck typing: something iterable without item access is a stream, not a map.
     has_iter = hasattr(dataset, "__iter__") or hasattr(dataset, "__aiter__")
@@ -506,7 +517,7 @@ class ConcatDataset(Dataset[T_co]):
         if len(self.datasets) == 0:
             raise AssertionError("datasets should not be an empty iterable")
         for dataset in self.datasets:
-            if isinstance(dataset, IterableDataset):
+            if is_stream_class(dataset):
                 raise AssertionError("ConcatDataset does not support IterableDataset")
         self.cumulative_sizes = self.cumsum(self.datasets)
         # Computed once, like cumulative_sizes: per-item fetches must not scan every child.
@@ -711,7 +722,7 @@ class ChainDataset(IterableDataset[T_co]):
             TypeError: for a child that can only be iterated with ``async for``.
         """
         for position, dataset in enumerate(self.datasets):
-            if not isinstance(dataset, IterableDataset):
+            if not is_stream_class(dataset):
                 raise AssertionError("ChainDataset only supports IterableDataset")
             if _async_only(dataset):
                 raise TypeError(
@@ -728,7 +739,7 @@ class ChainDataset(IterableDataset[T_co]):
             AssertionError: for a child that is not an :class:`IterableDataset` (as torch).
         """
         for dataset in self.datasets:
-            if not isinstance(dataset, IterableDataset):
+            if not is_stream_class(dataset):
                 raise AssertionError("ChainDataset only supports IterableDataset")
             if getattr(dataset, "__aiter__", None) is not None:
                 iterator: Any = dataset.__aiter__()  # type: ignore[attr-defined]
@@ -757,7 +768,7 @@ class ChainDataset(IterableDataset[T_co]):
         """
         total = 0
         for dataset in self.datasets:
-            if not isinstance(dataset, IterableDataset):
+            if not is_stream_class(dataset):
                 raise AssertionError("ChainDataset only supports IterableDataset")
             total += len(dataset)  # type: ignore[arg-type]
         return total

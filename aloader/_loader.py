@@ -118,6 +118,22 @@ class _EpochRecord:
         return self.done or (self.length is not None and self.prefix >= self.length)
 
 
+
+def _check_process_limit(num_workers: int) -> None:
+    """Refuse more workers than this user may run processes (``ulimit -u``): starting them
+    would fail only after creating as many as the system allows, one by one (torch only
+    warns, then does that)."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    limit = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    if limit != resource.RLIM_INFINITY and num_workers > limit:
+        raise ValueError(
+            f"num_workers={num_workers} is more worker processes than this user may run "
+            f"(RLIMIT_NPROC, `ulimit -u`: {limit})"
+        )
+
 class DataLoader(Generic[T_co]):
     """Combines a dataset and a sampler, and iterates over batches of the dataset.
 
@@ -332,6 +348,7 @@ class DataLoader(Generic[T_co]):
             )
         # torch raises these (its range() calls) at the first iteration; here, at once.
         operator.index(num_workers)
+        _check_process_limit(num_workers)
         if timeout < 0:
             raise ValueError("timeout option should be non-negative")
         # Unlike torch, prefetch_factor means something without workers (the loop prefetches).

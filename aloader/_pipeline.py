@@ -64,7 +64,7 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 
-from ._backend import Detached, Waiter, current_backend, threadsafe_caller, waiters
+from ._backend import Detached, Waiter, current_backend, task_group, threadsafe_caller, waiters
 from ._dataset import aiter_of, fetch_mode
 from ._exceptions import FailureBudgetExceeded, LoaderClosedError
 from ._failures import KNOWN_FAILED, Failures, resumable
@@ -1271,10 +1271,12 @@ class MapEpoch(Epoch):
         self.results.on_take = queue.free
         admission = _Admission(self, queue, threads, new_waiter,
                                room + plan.window if ahead else plan.window)
+        # An ``async def __getitem__`` returns a coroutine: awaited as it is, nothing to check.
+        getitem = plan.async_getitem()
         try:
-            async with anyio.create_task_group() as tg:
+            async with task_group() as tg:
                 def spawn() -> None:
-                    tg.start_soon(self._worker, queue, limiter, admission)
+                    tg.start_soon(self._worker, queue, limiter, admission, getitem)
 
                 queue.spawn = spawn
                 try:
@@ -1286,12 +1288,11 @@ class MapEpoch(Epoch):
                 await threads.close()
 
     async def _worker(
-        self, queue: _WorkQueue, limiter: anyio.CapacityLimiter, window: _Admission
+        self, queue: _WorkQueue, limiter: anyio.CapacityLimiter, window: _Admission,
+        getitem: Callable[[Any], Awaitable[Any]] | None,
     ) -> None:
         plan = self.plan
         fetch_item, add = plan.fetch_item, plan.stats.fetch.add
-        # An ``async def __getitem__`` returns a coroutine: awaited as it is, nothing to check.
-        getitem = plan.async_getitem()
         # The sample's scope for a fetch on the loop (see FetchPlan.fetch_item): one per
         # worker, set in the worker task's own context once (a context variable's set and
         # reset cost more than the rest of a fetch's bookkeeping), at the sample's index
@@ -1310,19 +1311,17 @@ class MapEpoch(Epoch):
                     if work is None:
                         return
                 job, position, index = work
-                if position == _WHOLE_JOB:
-                    await self._run_job(job, limiter)
-                    window.release()
-                    continue
-                if position == _AWAIT_THREADS:
-                    assert job.fetched is not None
-                    await job.fetched.wait()
-                    if job.error is not None and not isinstance(job.error, Exception):
-                        raise job.error  # a KeyboardInterrupt in a fetch thread: see _guard
-                    await self._complete(job, limiter, window)
-                    continue
-                if position == _NO_ITEMS:
-                    await self._complete(job, limiter, window)
+                if position < 0:  # not one item: one comparison on the items' path
+                    if position == _WHOLE_JOB:
+                        await self._run_job(job, limiter)
+                        window.release()
+                        continue
+                    if position == _AWAIT_THREADS:
+                        assert job.fetched is not None
+                        await job.fetched.wait()
+                        if job.error is not None and not isinstance(job.error, Exception):
+                            raise job.error  # a KeyboardInterrupt in a fetch thread: see _guard
+                    await self._complete(job, limiter, window)  # _AWAIT_THREADS, _NO_ITEMS
                     continue
                 if job.error is None:
                     started = _now()

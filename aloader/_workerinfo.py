@@ -16,6 +16,7 @@ the replica's iteration starts), which wins over the process's facts.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any, NamedTuple
@@ -121,8 +122,30 @@ def get_worker_info() -> WorkerInfo | None:
 def _set_worker_info(info: WorkerInfo | None) -> None:
     global _worker_info
     _worker_info = info
+    _mirror_to_torch()
 
 
 def _set_served_epoch(epoch: int | None) -> None:
     global _served_epoch
     _served_epoch = epoch
+    _mirror_to_torch()  # torch may have been imported since the worker started
+
+
+def _mirror_to_torch() -> None:
+    """Make torch's own ``torch.utils.data.get_worker_info()`` answer in this worker.
+
+    A torch script's iterable dataset shards itself with torch's function, not aloader's;
+    answering None there would make every worker yield the whole stream (each sample
+    ``num_workers`` times, silently). torch keeps the answer in a module global, which is
+    set here once torch is loaded (whichever way the user imported the function). The
+    virtual replicas of a resumed epoch see the process's facts there, not their own.
+    """
+    info = _worker_info
+    worker: Any = sys.modules.get("torch.utils.data._utils.worker")  # torch's private module
+    if info is None or worker is None:
+        return
+    current = getattr(worker, "_worker_info", None)
+    if current is not None and current.id == info.id and current.dataset is info.dataset:
+        return
+    worker._worker_info = worker.WorkerInfo(id=info.id, num_workers=info.num_workers,
+                                            seed=info.seed, dataset=info.dataset)

@@ -12,7 +12,13 @@ from collections.abc import Awaitable, Callable
 import anyio
 import pytest
 
-from aloader._backend import Detached, current_backend, spawn_background, threadsafe_caller
+from aloader._backend import (
+    Detached,
+    current_backend,
+    spawn_background,
+    task_group,
+    threadsafe_caller,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -133,3 +139,64 @@ async def test_detached_cancel_after_the_work_ended_is_harmless(anyio_backend: s
     detached.cancel()
     detached.cancel()
     await anyio.sleep(0)
+
+
+# task_group: anyio's task-group contract, on asyncio with plain tasks ---------------------------
+async def test_task_group_waits_for_every_child(anyio_backend: str) -> None:
+    done: list[int] = []
+
+    async def child(i: int) -> None:
+        await anyio.sleep(0.001 * (i % 3))
+        done.append(i)
+
+    async with task_group() as tg:
+        for i in range(50):
+            tg.start_soon(child, i)
+    assert sorted(done) == list(range(50))
+
+
+async def test_task_group_child_error_cancels_the_rest_and_is_raised(anyio_backend: str) -> None:
+    cancelled: list[int] = []
+
+    async def sleeper(i: int) -> None:
+        try:
+            await anyio.sleep(60)
+        except anyio.get_cancelled_exc_class():
+            cancelled.append(i)
+            raise
+
+    async def failing() -> None:
+        await anyio.sleep(0.01)
+        raise ValueError("child failed")
+
+    with pytest.raises(ExceptionGroup) as info:
+        async with task_group() as tg:
+            for i in range(5):
+                tg.start_soon(sleeper, i)
+            tg.start_soon(failing)
+            await anyio.sleep(60)  # the block itself is cancelled too
+    assert [type(e) for e in info.value.exceptions] == [ValueError]
+    assert sorted(cancelled) == list(range(5))
+
+
+async def test_task_group_cancelled_from_outside_cancels_children(anyio_backend: str) -> None:
+    cancelled: list[int] = []
+    started = anyio.Event()
+
+    async def sleeper(i: int) -> None:
+        try:
+            started.set()
+            await anyio.sleep(60)
+        except anyio.get_cancelled_exc_class():
+            cancelled.append(i)
+            raise
+
+    with anyio.CancelScope() as scope:
+        async with task_group() as tg:
+            for i in range(5):
+                tg.start_soon(sleeper, i)
+            await started.wait()
+            scope.cancel()
+            await anyio.sleep(60)
+    assert scope.cancelled_caught
+    assert sorted(cancelled) == list(range(5))

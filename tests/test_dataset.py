@@ -1046,3 +1046,26 @@ def test_tensor_dataset_of_tensors_matches_torchs_tensor_dataset() -> None:
                                                    batch_size=4)))
     assert [t.dtype for t in ours] == [t.dtype for t in theirs] == [torch.float32, torch.int64]
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+def test_torch_iterable_dataset_subclass_is_a_stream() -> None:
+    """torch's ``IterableDataset`` inherits ``Dataset.__getitem__``: still a stream here, in
+    aloader's ``ChainDataset`` too, and not a map for ``ConcatDataset``."""
+    tud = pytest.importorskip("torch.utils.data")
+
+    class Stream(tud.IterableDataset):  # type: ignore[misc]
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(self.n))
+
+    batches = [b.tolist() for b in aloader.DataLoader(Stream(5), batch_size=2)]
+    assert batches == [[0, 1], [2, 3], [4]]
+    chained = [b.tolist() for b in aloader.DataLoader(aloader.ChainDataset([Stream(2), Stream(3)]),
+                                              batch_size=4)]
+    assert chained == [[0, 1, 0, 1], [2]]
+    with pytest.raises(AssertionError, match="does not support IterableDataset"):
+        aloader.ConcatDataset([Stream(2)])
+    with pytest.raises(ValueError, match="expected unspecified shuffle option"):
+        aloader.DataLoader(Stream(5), shuffle=True)

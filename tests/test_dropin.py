@@ -181,3 +181,49 @@ def test_torch_manual_seed_script_gives_torchs_exact_batches(tmp_path: Path) -> 
     # The sampler's orders, the workers' seeds (so their torch.rand draws), round-robin
     # assignment, persistent workers' epochs, dtypes: all torch's.
     assert ours == theirs
+
+
+# torch's own dataset classes and get_worker_info, with only the DataLoader swapped -------------
+STREAM = textwrap.dedent(
+    """
+    import json
+    import os
+
+    import torch
+    from torch.utils.data import ChainDataset, IterableDataset, get_worker_info
+    {import_line}
+
+    with open(os.environ["RUNS_FILE"], "a") as runs:
+        runs.write("ran\\n")
+
+    class Stream(IterableDataset):  # torch's class: it inherits Dataset.__getitem__
+        def __init__(self, start, stop):
+            self.start, self.stop = start, stop
+
+        def __iter__(self):
+            info = get_worker_info()  # torch's function, as in torch's own docs
+            if info is None:
+                return iter(range(self.start, self.stop))
+            return iter(range(self.start + info.id, self.stop, info.num_workers))
+
+    out = []
+    for workers in (0, 2):
+        for data in (Stream(0, 23), ChainDataset([Stream(0, 5), Stream(100, 111)])):
+            loader = DataLoader(data, batch_size=4, num_workers=workers)
+            for epoch in range(2):
+                out.append([workers, epoch, [torch.as_tensor(b).tolist() for b in loader]])
+    print(json.dumps(out))
+    """
+)
+
+
+def test_torch_iterable_dataset_and_get_worker_info_with_aloader_loader(tmp_path: Path) -> None:
+    """A torch ``IterableDataset`` subclass is a stream (not a map that has no ``len``), and
+    torch's ``get_worker_info()`` answers inside aloader's workers, so each worker reads its
+    own share: every sample exactly once, in torch's batches."""
+    theirs = _run(tmp_path, "from torch.utils.data import DataLoader", "torch", STREAM)
+    ours = _run(tmp_path, "from aloader import DataLoader", "aloader", STREAM)
+    assert ours == theirs
+    for _workers, _epoch, batches in ours:
+        flat = sorted(i for batch in batches for i in batch)
+        assert flat in (list(range(23)), [*range(5), *range(100, 111)])

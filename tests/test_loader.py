@@ -148,6 +148,19 @@ def test_argument_errors(kwargs: dict[str, Any], exc: type[Exception], message: 
     assert message in str(info.value)
 
 
+def test_more_workers_than_the_process_limit_fail_at_construction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """num_workers=10**6 used to start a million reader tasks and then processes one by one
+    (torch warns and does the same): past ``ulimit -u`` it is a clear error at once."""
+    resource = pytest.importorskip("resource")
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (3, 3))
+    with pytest.raises(ValueError, match=r"num_workers=4 is more worker processes than this "
+                                         r"user may run \(RLIMIT_NPROC, `ulimit -u`: 3\)"):
+        DataLoader(list(range(10)), num_workers=4)
+    DataLoader(list(range(10)), num_workers=3)  # within the limit: accepted (not started)
+
+
 @pytest.mark.parametrize(("kwargs", "exc", "message"), ARG_ERRORS[:-1])
 def test_argument_errors_match_torch(
     kwargs: dict[str, Any], exc: type[Exception], message: str
