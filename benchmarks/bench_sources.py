@@ -28,7 +28,8 @@ each round, interleaved:
   process; the limit ``max(a, b)`` assumes the parsing overlaps that first wait too.
 
 ``--breakdown`` adds where one HTTP epoch's time goes: the parse floor's two halves alone,
-the bare HTTP client fetching the same bodies (aiohttp, 16 at once, one session), aloader over
+the bare HTTP client fetching the same bodies (aiohttp, 16 at once, one session), the
+no-loader program (the same fetches, parsed and collated), aloader over
 local files holding the same bytes (the loader without HTTP), and aloader over HTTP; each with
 its wall time, this process's CPU time and the cyclic garbage collector's time, interleaved,
 best of 5 (the server's CPU is its own process's).
@@ -281,6 +282,7 @@ def breakdown(urls: list[str], bodies: list[bytes], runs: int = 5) -> list[str]:
             ("collate only (default_collate, batches of 256)", collate_only),
             ("parse floor (both)", parse_work(bodies)),
             ("bare aiohttp fetch of the bodies", lambda: _bare_fetch(urls)),
+            ("no loader: aiohttp + parse + collate", lambda: no_loader(urls)),
             ("aloader JsonLines over local files", local),
             ("aloader JsonLines over HTTP", lambda: run_aloader(urls)),
         ]
@@ -317,7 +319,9 @@ def breakdown(urls: list[str], bodies: list[bytes], runs: int = 5) -> list[str]:
     floor_cpu = best_of["parse floor (both)"][1]
     local_cpu = best_of["aloader JsonLines over local files"][1]
     http_wall, http_cpu, _ = best_of["aloader JsonLines over HTTP"]
+    bare_cpu = best_of["no loader: aiohttp + parse + collate"][1]
     lines += [
+        f"the loader beyond the no-loader program (cpu): {(http_cpu - bare_cpu) * 1e3:6.1f} ms",
         f"loader without HTTP, beyond the floor (cpu):  {(local_cpu - floor_cpu) * 1e3:6.1f} ms",
         f"HTTP in the loader (cpu, over local files):   {(http_cpu - local_cpu) * 1e3:6.1f} ms",
         f"idle in the HTTP epoch (wall - cpu):          {(http_wall - http_cpu) * 1e3:6.1f} ms",
