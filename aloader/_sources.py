@@ -723,8 +723,9 @@ class ShardedSource(Stream[T_co]):
         self, index: int, name: str, client: Callable[[], HttpClient] | None,
         resume: tuple[int, int, int] | None = None,
     ) -> SplitReader:
-        """One shard's records, block by block (a block per chunk), with their tokens; from
-        ``resume`` (offset, counter, records before) if given."""
+        """One shard's records, block by block (a block per chunk, or per piece of one where
+        the decoder has a ``piece``), with their tokens; from ``resume`` (offset, counter,
+        records before) if given."""
         decoder = self._decoder(name, BadRecords(self.skip_errors, self.stats))
         inflate = decompressor_for(name, self.compression, self.chunk_size)
         start = records = skip = 0
@@ -779,7 +780,8 @@ class ShardedSource(Stream[T_co]):
         self, index: int, name: str, decoder: Decoder[T_co],
         chunks: AsyncGenerator[bytes, None], records_before: int,
     ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
-        """The records of a shard's ``chunks``, a block per chunk, with their tokens."""
+        """The records of a shard's ``chunks``, a block per chunk (per piece of one where the
+        decoder has a ``piece``), with their tokens."""
         stats = self.stats
         done = records_before
         piece = decoder.piece
