@@ -44,6 +44,7 @@ from ._http import (
     http_chunks,
     make_client,
     shares_one_pool,
+    split_chunks,
 )
 from ._objstore import ObjectAccess, is_object_url
 from ._sharding import (
@@ -722,8 +723,9 @@ class ShardedSource(Stream[T_co]):
         self, index: int, name: str, client: Callable[[], HttpClient] | None,
         resume: tuple[int, int, int] | None = None,
     ) -> SplitReader:
-        """One shard's records, block by block (a block per chunk), with their tokens; from
-        ``resume`` (offset, counter, records before) if given."""
+        """One shard's records, block by block (a block per chunk, or per piece of one where
+        the decoder has a ``piece``), with their tokens; from ``resume`` (offset, counter,
+        records before) if given."""
         decoder = self._decoder(name, BadRecords(self.skip_errors, self.stats))
         inflate = decompressor_for(name, self.compression, self.chunk_size)
         start = records = skip = 0
@@ -778,20 +780,24 @@ class ShardedSource(Stream[T_co]):
         self, index: int, name: str, decoder: Decoder[T_co],
         chunks: AsyncGenerator[bytes, None], records_before: int,
     ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
-        """The records of a shard's ``chunks``, a block per chunk, with their tokens."""
+        """The records of a shard's ``chunks``, a block per chunk (per piece of one where the
+        decoder has a ``piece``), with their tokens."""
         stats = self.stats
         done = records_before
+        piece = decoder.piece
         try:
             async with Closing(chunks) as pieces:
                 async for chunk in pieces:
                     stats.bytes += len(chunk)
-                    records = decoder.feed(chunk)
-                    if records:
-                        stats.records += len(records)
-                        yield records, (index, name, *decoder.mark, done)
-                        done += len(records)
-                    if decoder.pending is not None:
-                        raise decoder.pending
+                    # A block per piece of the chunk where the format asks for smaller ones.
+                    for part in (chunk,) if piece is None else split_chunks(chunk, piece):
+                        records = decoder.feed(part)
+                        if records:
+                            stats.records += len(records)
+                            yield records, (index, name, *decoder.mark, done)
+                            done += len(records)
+                        if decoder.pending is not None:
+                            raise decoder.pending
         except CorruptStream as exc:
             # The rest of the shard is lost, its last partial record with it (never parsed).
             if not decoder.bad(exc.error):
@@ -852,6 +858,10 @@ class JsonLines(ShardedSource[Any]):
         async for batch in DataLoader(source, batch_size=256):
             ...
     """
+
+    # One decoded block waiting for the consumer, not two: its records are objects the GC
+    # tracks (see JsonLinesDecoder.piece); the bytes are read ahead all the same.
+    _prefetch_blocks = 1
 
     def __init__(self, shards: ShardsLike, *, loads: Callable[[str], Any] | None = None,
                  **options: Unpack[SourceOptions]) -> None:

@@ -19,9 +19,17 @@ each round, interleaved:
   too. Both aloader rows are quoted against it (issue 13's targets: 0.7x in one process,
   0.85x with 2 worker processes). The load average is printed with the table: the server
   and the loader share the machine's cores, and so does anything else running.
+* no loader (the fastest honest program for the same work): aiohttp on one session, a
+  sliding window of 16 requests, each body parsed and collated in order as the floor does
+  (``no_loader``); and the bare fetch alone (aiohttp, 16 in flight, no parsing), which shows
+  what the server and the client deliver without parsing (the latency floor's real value).
+* first-response bound: no program parses a record before its first response, so
+  ``latency + parse`` (one request's wait, then the parse floor) bounds every program in one
+  process; the limit ``max(a, b)`` assumes the parsing overlaps that first wait too.
 
 ``--breakdown`` adds where one HTTP epoch's time goes: the parse floor's two halves alone,
-the bare HTTP client fetching the same bodies (aiohttp, 16 at once, one session), aloader over
+the bare HTTP client fetching the same bodies (aiohttp, 16 at once, one session), the
+no-loader program (the same fetches, parsed and collated), aloader over
 local files holding the same bytes (the loader without HTTP), and aloader over HTTP; each with
 its wall time, this process's CPU time and the cyclic garbage collector's time, interleaved,
 best of 5 (the server's CPU is its own process's).
@@ -42,12 +50,14 @@ and by a plain loop. Every figure is the best of 3, the programs interleaved in 
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import os
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -111,32 +121,81 @@ def run_torch(urls: list[str], workers: int) -> int:
     return count_torch(torch_loader(urls, workers))
 
 
+class _Batches:
+    """The parse floor's consumer: records decoded from each body the way ``JsonLines``
+    decodes it (the decoder it makes, ``_decoder``, fed pieces of its ``piece`` size, 16 KiB,
+    which the GC finds cheaper than 64 KiB ones: so the floor parses with whatever parser and
+    pieces aloader uses, and a faster parse makes a tighter limit), collated in batches of
+    BATCH across bodies; ``count`` is the records batched."""
+
+    def __init__(self) -> None:
+        self.source = JsonLines(["http://127.0.0.1/x.jsonl"])
+        self.stats = SourceStats()
+        self.count = 0
+        self.pending: list[Any] = []
+
+    def feed(self, body: bytes) -> None:
+        decoder = self.source._decoder("x", BadRecords(False, self.stats))
+        piece = decoder.piece or 1 << 16
+        pending = self.pending
+        for start in range(0, len(body), piece):
+            pending.extend(decoder.feed(body[start : start + piece]))
+            while len(pending) >= BATCH:
+                default_collate(pending[:BATCH])
+                self.count += BATCH
+                del pending[:BATCH]
+
+    def finish(self) -> int:
+        if self.pending:
+            default_collate(self.pending)
+            self.count += len(self.pending)
+            self.pending = []
+        return self.count
+
+
 def parse_work(bodies: list[bytes]) -> Callable[[], int]:
     """The parse floor's work: decode all bodies (as 64 KiB network reads) and collate them
-    in batches; returns the records.
-
-    The decoder is the one ``JsonLines`` itself makes (``_decoder``), so the floor parses
-    with whatever parser aloader uses: a faster parse makes a tighter limit."""
-    source = JsonLines(["http://127.0.0.1/x.jsonl"])
+    in batches (:class:`_Batches`); returns the records."""
 
     def work() -> int:
-        stats = SourceStats()
-        count = 0
-        pending: list[Any] = []
+        batches = _Batches()
         for body in bodies:
-            decoder = source._decoder("x", BadRecords(False, stats))
-            for start in range(0, len(body), 1 << 16):
-                pending.extend(decoder.feed(body[start : start + (1 << 16)]))
-                while len(pending) >= BATCH:
-                    default_collate(pending[:BATCH])
-                    count += BATCH
-                    del pending[:BATCH]
-        if pending:
-            default_collate(pending)
-            count += len(pending)
-        return count
+            batches.feed(body)
+        return batches.finish()
 
     return work
+
+
+def no_loader(urls: list[str]) -> int:
+    """The whole HTTP workload with no loader, as tight as one event loop can run it: aiohttp
+    on one session, a sliding window of CONCURRENCY requests (the next one sent as each body
+    is taken), the bodies parsed and collated in order (:class:`_Batches`). The fastest
+    honest program for the same work: it has to wait for the first response too, and pays
+    the HTTP client's CPU on the same core as the parsing."""
+    import asyncio
+
+    import aiohttp
+
+    async def main() -> int:
+        async with aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=CONCURRENCY)) as session:
+
+            async def body(url: str) -> bytes:
+                async with session.get(url) as response:
+                    return await response.read()
+
+            queue = iter(urls)
+            window = deque(asyncio.ensure_future(body(url))
+                           for url in itertools.islice(queue, CONCURRENCY))
+            batches = _Batches()
+            while window:
+                data = await window.popleft()
+                if (url := next(queue, None)) is not None:
+                    window.append(asyncio.ensure_future(body(url)))
+                batches.feed(data)
+            return batches.finish()
+
+    return asyncio.run(main())
 
 
 def parse_floor(bodies: list[bytes]) -> float:
@@ -193,15 +252,16 @@ def breakdown(urls: list[str], bodies: list[bytes], runs: int = 5) -> list[str]:
     records: list[Any] = []
     for body in bodies:
         decoder = source._decoder("x", BadRecords(False, SourceStats()))
-        for start in range(0, len(body), 1 << 16):
-            records.extend(decoder.feed(body[start : start + (1 << 16)]))
+        piece = decoder.piece or 1 << 16
+        for start in range(0, len(body), piece):
+            records.extend(decoder.feed(body[start : start + piece]))
 
     def parse_only() -> int:
         count = 0
         for body in bodies:
             decoder = source._decoder("x", BadRecords(False, SourceStats()))
-            for start in range(0, len(body), 1 << 16):
-                count += len(decoder.feed(body[start : start + (1 << 16)]))
+            for start in range(0, len(body), piece):
+                count += len(decoder.feed(body[start : start + piece]))
         return count
 
     def collate_only() -> int:
@@ -218,10 +278,11 @@ def breakdown(urls: list[str], bodies: list[bytes], runs: int = 5) -> list[str]:
             return run_aloader([directory])
 
         programs: list[tuple[str, Callable[[], int]]] = [
-            ("parse only (JsonLinesDecoder.feed, 64 KiB pieces)", parse_only),
+            ("parse only (JsonLinesDecoder.feed, its pieces)", parse_only),
             ("collate only (default_collate, batches of 256)", collate_only),
             ("parse floor (both)", parse_work(bodies)),
             ("bare aiohttp fetch of the bodies", lambda: _bare_fetch(urls)),
+            ("no loader: aiohttp + parse + collate", lambda: no_loader(urls)),
             ("aloader JsonLines over local files", local),
             ("aloader JsonLines over HTTP", lambda: run_aloader(urls)),
         ]
@@ -258,7 +319,9 @@ def breakdown(urls: list[str], bodies: list[bytes], runs: int = 5) -> list[str]:
     floor_cpu = best_of["parse floor (both)"][1]
     local_cpu = best_of["aloader JsonLines over local files"][1]
     http_wall, http_cpu, _ = best_of["aloader JsonLines over HTTP"]
+    bare_cpu = best_of["no loader: aiohttp + parse + collate"][1]
     lines += [
+        f"the loader beyond the no-loader program (cpu): {(http_cpu - bare_cpu) * 1e3:6.1f} ms",
         f"loader without HTTP, beyond the floor (cpu):  {(local_cpu - floor_cpu) * 1e3:6.1f} ms",
         f"HTTP in the loader (cpu, over local files):   {(http_cpu - local_cpu) * 1e3:6.1f} ms",
         f"idle in the HTTP epoch (wall - cpu):          {(http_wall - http_cpu) * 1e3:6.1f} ms",
@@ -496,6 +559,8 @@ def main() -> None:
     one = f"aloader JsonLines(concurrency={CONCURRENCY}) + DataLoader"
     two = "aloader, 2 persistent workers, in_order=False"
     floor = "parse floor"
+    bare = f"no loader: aiohttp, {CONCURRENCY} in flight, parse + collate"
+    fetch = f"bare aiohttp fetch, {CONCURRENCY} in flight, no parsing"
     load_before = os.getloadavg()
     persistent: Any = None
     try:
@@ -507,6 +572,8 @@ def main() -> None:
             (one, lambda: run_aloader(urls)),
             (two, run_workers),
             (floor, parse_work(bodies)),
+            (bare, lambda: no_loader(urls)),
+            (fetch, lambda: _bare_fetch(urls)),
         ]
         if torch_rows:
             for workers in (0, 2, 8):
@@ -530,6 +597,9 @@ def main() -> None:
     rows.append((f"limit max(latency {latency_floor * 1e3:.0f} ms, parse "
                  f"{parse * 1e3:.0f} ms)", limit))
     rows.append(("no-overlap bound (latency + parse)", TOTAL / (latency_floor + parse)))
+    # No program parses before its first response: one request's latency + parse bounds any.
+    first_wait = TOTAL / (LATENCY + parse)
+    rows.append((f"first-response bound (latency {LATENCY * 1e3:.0f} ms + parse)", first_wait))
     torch_8 = seconds.get("PyTorch DataLoader, urllib, num_workers=8")
 
     print(f"HTTP: {SHARDS} shards x {RECORDS:,} JSON Lines records, {LATENCY * 1e3:.0f} ms per "
@@ -543,6 +613,10 @@ def main() -> None:
         ratio = TOTAL / seconds[label] / limit
         print(f"{label}: {ratio:.2f}x the limit (target {target}x: "
               f"{'met' if ratio >= target else 'NOT met'})")
+    print(f"{bare}: {TOTAL / seconds[bare] / limit:.2f}x the limit, "
+          f"{TOTAL / seconds[bare] / first_wait:.2f}x the first-response bound; {one}: "
+          f"{seconds[bare] / seconds[one]:.2f}x of the no-loader program, "
+          f"{TOTAL / seconds[one] / first_wait:.2f}x the first-response bound")
     if where:
         print()
         print("\n".join(where))
