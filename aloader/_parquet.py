@@ -13,13 +13,16 @@ pyarrow (the extra ``aloader[parquet]``) is imported when a :class:`ParquetRows`
 with aloader. Its reads block, so each batch is read and converted in a worker thread: for
 local files, one thread of the pass's own (:class:`_ReadThread`: a call costs a third of an
 anyio thread call, which showed at narrow batches); for remote ones, anyio's, whose reads run
-on the event loop from there. The epoch's plan runs in a thread only when it reads footers. A
-consumer whose files are all local reads them one at a time, whatever ``concurrency`` says: a
-local read waits on the CPU, not on a device, pyarrow already decodes a batch's columns on its
-own threads, and the conversion to numpy or Python values holds the GIL, so reading two or four
-local files at once only holds more batches and contends (measured: 1.3x and 1.8x the CPU time
-of one at a time, 0.3-0.8x its rate); the stream's driver still reads the next batch while the
-consumer handles one.
+on the event loop from there. A local file's next batch is asked of that thread before the
+batch in hand is handed on (one batch read ahead), so the thread does not wait, batch after
+batch, for the event loop to take a batch and ask for the next one (a wait of its own on a
+loaded machine, ~10% of an epoch of two narrow columns). The epoch's plan runs in a thread
+only when it reads footers. A consumer whose files are all local reads them one at a time,
+whatever ``concurrency`` says: a local read waits on the CPU, not on a device, pyarrow already
+decodes a batch's columns on its own threads, and the conversion to numpy or Python values
+holds the GIL, so reading two or four local files at once only holds more batches and
+contends (measured: 1.3x and 1.8x the CPU time of one at a time, 0.3-0.8x its rate); the
+stream's driver still reads the next batch while the consumer handles one.
 
 Remote files (``s3://``, ``gs://``, ``az://``, ``http(s)://``) are random-access files of
 bounded ranged reads (:class:`_RangeFile`): a byte for the size, the footer (pyarrow reads the
@@ -35,7 +38,9 @@ since their reads wait on the network.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import contextlib
 import functools
 import importlib
 import io
@@ -65,8 +70,13 @@ T = TypeVar("T")
 
 __all__ = ("ParquetRows", "open_parquet_shard")
 
-# How a unit's blocking reads are made: a thread call (see _ReadThread).
-_Run = Callable[[Callable[[], "list[Any] | None"]], Awaitable["list[Any] | None"]]
+# What one blocking read of a unit gives (see _UnitReader.next).
+_Step = tuple["list[Any] | None", int, int]
+# How a unit's blocking reads are made: a thread call made at once, whose result is awaited
+# later (see _ReadThread.submit), or None for anyio's threads, one call at a time.
+_Submit = Callable[[Callable[[], _Step]], Callable[[], Awaitable[_Step]]]
+# Batches of a local file asked of its thread ahead of the one handed on.
+_AHEAD = 1
 
 DEFAULT_BATCH_ROWS = 65536  # pyarrow's own default for iter_batches
 _INSTALL = "pip install aloader[parquet]"
@@ -307,7 +317,8 @@ class ParquetRows(ShardedSource[Any]):
     epoch, the same on every consumer. A consumer reads up to ``concurrency`` remote files at
     once (local files one at a time: their reads need the CPU, which pyarrow already uses on
     several threads) and hands their rows on in order, so the output is reproducible. It holds
-    at most about ``3 * concurrency + 2`` batches of ``batch_rows`` rows.
+    at most about ``3 * concurrency + 3`` batches of ``batch_rows`` rows (local files: one
+    batch read ahead).
 
     Rows (``as_batches=False``) are dicts ``{column: value}`` of Python values
     (``RecordBatch.to_pylist()``: nested structs are dicts, lists are lists, nulls None); the
@@ -559,10 +570,10 @@ class ParquetRows(ShardedSource[Any]):
         # Local files one at a time (see the module's description), in one thread of their
         # own; remote ones in anyio's threads (their reads run on the loop from there).
         remote = any(_is_remote(unit.name) for unit in plan)
-        thread = None if remote or not plan else _ReadThread()
-        run: _Run = anyio.to_thread.run_sync if thread is None else thread.run
+        thread = None if remote or not plan else _ReadThread(shared=True)
+        submit = None if thread is None else thread.submit
         readers: list[Callable[[], AsyncGenerator[list[Any], None]]] = [
-            functools.partial(self._read_unit, unit, run) for unit in plan
+            functools.partial(self._read_unit, unit, submit) for unit in plan
         ]
         slots = min(self.concurrency if remote else 1, len(readers))
         try:
@@ -597,38 +608,56 @@ class ParquetRows(ShardedSource[Any]):
         rows: list[Any] = batch.to_pylist()
         return rows
 
-    async def _read_unit(self, unit: _Unit, run: _Run) -> AsyncGenerator[list[Any], None]:
-        """One file's (or its row groups') rows, a block per batch, each read by ``run``
-        (a thread call)."""
+    async def _read_unit(self, unit: _Unit, submit: _Submit | None
+                         ) -> AsyncGenerator[list[Any], None]:
+        """One file's (or its row groups') rows, a block per batch, each read in a thread:
+        ``submit``'s, ``_AHEAD`` batches ahead of the one handed on, or (None) anyio's, one
+        at a time.
+
+        Invariant: while a thread call is pending only the thread touches the reader, and
+        every call is awaited (``pending`` drained) before the reader is closed or its
+        :attr:`~_UnitReader.footer` read here: the file is never closed under a read.
+        """
         stats = self.stats
         bad = BadRecords(self.skip_errors, stats)
         reader = _UnitReader(self, unit)
+        pending: collections.deque[Callable[[], Awaitable[_Step]]] = collections.deque()
+
+        async def drain() -> None:
+            while pending:
+                with contextlib.suppress(Exception):  # the reader stopped at its first error
+                    await pending.popleft()()
+
         try:
-            counted = 0  # row groups whose bytes are counted
-            while not reader.finished:
-                before = reader.rows
+            while True:
                 try:
-                    items = await run(reader.next)
+                    if submit is None:
+                        step = await anyio.to_thread.run_sync(reader.next)
+                    else:
+                        while len(pending) <= _AHEAD:
+                            pending.append(submit(reader.next))
+                        step = await pending.popleft()()
                 except Exception as exc:
+                    await drain()
+                    stats.bytes += reader.footer  # what the failed call read, if anything
                     error = _located(unit.name, exc)
                     if isinstance(error, RecordError) and bad(error):
                         return
                     _reraise(error, exc)
-                finally:
-                    stats.bytes += reader.footer
-                    reader.footer = 0
+                items, rows, read = step
+                stats.bytes += read
+                stats.records += rows
                 if items is None:
                     break
-                ends = reader.ends
-                while counted < len(ends) and ends[counted][0] <= reader.rows:
-                    stats.bytes += ends[counted][1]
-                    counted += 1
-                stats.records += reader.rows - before
                 if items:
                     yield items
+                if reader.finished_at(rows):
+                    break
             if unit.owns_last:
                 stats.shards += 1
         finally:
+            with anyio.CancelScope(shield=True):
+                await drain()
             reader.close()
             if isinstance(reader.handle, _RangeFile):
                 await reader.handle.aclose()
@@ -642,58 +671,125 @@ class _ReadThread:
     70 against 200 us on a loaded 2-core machine), which, at a batch of two narrow columns
     every 2 ms, was 5-10% of an epoch. Like ``run_sync`` (not abandoning), a call runs to its
     end: a cancellation of the caller waits for it, so a file is never closed under a read.
-    The thread exits when :meth:`close` is called, or this object is collected.
+    The thread exits when :meth:`close` is called, or this object is collected; with
+    ``shared``, it is left idle instead, for the next pass (of any source) to take, and exits
+    after ``_LINGER`` seconds without one: starting a thread waits for it to be scheduled,
+    which on a loaded machine took 2-5 ms of every epoch (a pass per epoch).
+
+    Args:
+        shared: take an idle thread of an earlier pass, if any, and leave this one idle at
+            the end (:meth:`close`, or collection), rather than start and end one's own.
     """
 
-    def __init__(self) -> None:
-        self._work: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], Waiter] | None] = \
-            queue.SimpleQueue()
+    def __init__(self, shared: bool = False) -> None:
+        self._shared = shared
+        self._work: _Queue | None = None
+        self._end: weakref.finalize[Any, Any] | None = None
         self._waiter = waiters()
         self._call_soon = threadsafe_caller()
-        self._started = False
-        weakref.finalize(self, self._work.put, None)
+
+    def _queue(self) -> _Queue:
+        """The work queue of this object's thread, taken or started at the first call."""
+        work = self._work
+        if work is None:
+            with _IDLE_LOCK:
+                work = _IDLE.pop() if self._shared and _IDLE else None
+            if work is None:
+                work = queue.SimpleQueue()
+                threading.Thread(target=_serve, args=(work, self._shared),
+                                 name="aloader-parquet", daemon=True).start()
+            self._work = work
+            # Once only (close, or collection): a second None would make it idle twice.
+            self._end = weakref.finalize(self, work.put, None)
+        return work
 
     async def run(self, fn: Callable[[], T]) -> T:
         """``fn()`` in the thread; its exception, if it raises."""
-        if not self._started:
-            self._started = True
-            threading.Thread(target=_serve, args=(self._work, self._call_soon),
-                             name="aloader-parquet", daemon=True).start()
+        return await self.submit(fn)()
+
+    def submit(self, fn: Callable[[], T]) -> Callable[[], Awaitable[T]]:
+        """Queue ``fn()`` for the thread now (calls run in the order submitted); what is
+        returned gives its result (or raises its exception) when awaited, once."""
+        work = self._queue()
         waiter = self._waiter()
         box: list[Any] = []
-        self._work.put((fn, box, waiter))
-        with anyio.CancelScope(shield=True):
-            await waiter
-        ok, value = box
-        if not ok:
-            raise value
-        result: T = value
+        work.put((fn, box, waiter, self._call_soon))
+
+        async def result() -> T:
+            with anyio.CancelScope(shield=True):
+                await waiter
+            ok, value = box
+            if not ok:
+                raise value
+            done: T = value
+            return done
+
         return result
 
     def close(self) -> None:
-        self._work.put(None)
+        if self._end is not None:
+            self._end()
 
 
-def _serve(work: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], Waiter] | None],
-           call_soon: Callable[[Callable[[], None]], None]) -> None:
-    """:class:`_ReadThread`'s loop (it holds no reference to the object, which may go)."""
-    while (call := work.get()) is not None:
-        fn, box, waiter = call
+# A read thread's work: (call, result box, waiter, the waiter's loop's call_soon), or None
+# at the end of its _ReadThread.
+_Queue = queue.SimpleQueue[
+    tuple[Callable[[], Any], list[Any], Waiter, Callable[[Callable[[], None]], None]] | None]
+# The queues of the shared read threads now idle; guarded by _IDLE_LOCK.
+_IDLE: list[_Queue] = []
+_IDLE_LOCK = threading.Lock()
+# Seconds an idle shared read thread waits for a pass before it exits.
+_LINGER = 1.0
+
+
+def _forget_idle() -> None:
+    # A forked child has none of its parent's threads: their queues would never be served.
+    global _IDLE_LOCK
+    _IDLE.clear()
+    _IDLE_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_idle)
+
+
+def _serve(work: _Queue, shared: bool) -> None:
+    """A read thread's loop (it holds no reference to its :class:`_ReadThread`, which may
+    go). A shared one, at its end, is idle (in ``_IDLE``) until a pass takes its queue or
+    ``_LINGER`` seconds pass; it exits once it took itself out of ``_IDLE`` (under the lock,
+    so a queue taken is always served)."""
+    while True:
+        try:
+            call = work.get(timeout=_LINGER) if shared else work.get()
+        except queue.Empty:
+            with _IDLE_LOCK:
+                if any(idle is work for idle in _IDLE):
+                    _IDLE[:] = [idle for idle in _IDLE if idle is not work]
+                    return
+            continue  # taken by a pass: its calls are coming
+        if call is None:
+            if not shared:
+                return
+            with _IDLE_LOCK:
+                _IDLE.append(work)
+            continue
+        fn, box, waiter, call_soon = call
         try:
             box[:] = (True, fn())
         except BaseException as exc:  # handed to the caller, whatever it is
             box[:] = (False, exc)
         call_soon(functools.partial(waiter.set_result, None))
-        del call, fn, box, waiter  # nothing kept while the thread waits
+        del call, fn, box, waiter, call_soon  # nothing kept while the thread waits
 
 
 class _UnitReader:
     """Reads one unit, a batch per call of :meth:`next` (blocking: called in a thread).
 
     The first call also opens the file, and the end is known from the footer's row counts
-    (:attr:`finished`), so a unit of ``n`` batches costs ``n`` thread calls. It counts
-    nothing itself (it runs in a thread); the caller reads :attr:`rows`, :attr:`footer` and
-    :attr:`ends` between calls.
+    (:meth:`finished_at`), so a unit of ``n`` batches costs ``n`` thread calls (and those
+    asked ahead of the end). It counts nothing itself (it runs in a thread, while the caller
+    may be reading it): each call returns what to count, and after a failed call the caller
+    reads :attr:`footer` (the bytes read and not yet returned) once no call is pending.
+    After a failed call, the later ones return ``(None, 0, 0)``.
     """
 
     def __init__(self, source: ParquetRows, unit: _Unit) -> None:
@@ -709,6 +805,10 @@ class _UnitReader:
         self.footer = 0
         #: Per row group read: (rows up to its end, bytes of its column chunks read).
         self.ends: list[tuple[int, int]] = []
+        self._counted = 0  # row groups whose bytes were returned
+        self._failed = False
+        # The rows handed on so far, as the caller counts them (see finished_at).
+        self._handed = 0
 
     def _open(self) -> None:
         _, pq = _pyarrow()
@@ -732,23 +832,43 @@ class _UnitReader:
         self.batches = parquet.iter_batches(batch_size=source.batch_rows,
                                             row_groups=list(groups), columns=source.columns)
 
-    @property
-    def finished(self) -> bool:
-        """Whether every row of the unit was read (known without a thread call, from the
-        footer's counts, once the file is open)."""
-        return self.handle is not None and self.rows >= self.total
+    def finished_at(self, rows: int) -> bool:
+        """Whether every row of the unit was handed on, once the caller counted ``rows``
+        more (known without a thread call, from the footer's counts: the call that read
+        them has returned)."""
+        self._handed += rows
+        return self._handed >= self.total
 
-    def next(self) -> list[Any] | None:
-        """The items of the next batch, or None at the end of the unit."""
-        if self.handle is None:
-            self._open()
-        if self.rows >= self.total:
-            return None
-        batch = next(self.batches, None)
-        if batch is None:
-            return None
-        self.rows += batch.num_rows
-        return self.source._convert(batch)
+    def next(self) -> _Step:
+        """``(items, rows, bytes)``: the items of the next batch (None at the end of the
+        unit), its rows, and the bytes read that were not returned yet (the footer at the
+        first call, a row group's column chunks once its last row was read)."""
+        if self._failed:
+            return None, 0, 0
+        try:
+            if self.handle is None:
+                self._open()
+            if self.rows >= self.total:
+                return None, 0, self._take_footer()
+            batch = next(self.batches, None)
+            if batch is None:
+                return None, 0, self._take_footer()
+            rows = batch.num_rows
+            self.rows += rows
+            items = self.source._convert(batch)
+        except BaseException:
+            self._failed = True  # the footer's bytes, if just read, stay for the caller
+            raise
+        read = self._take_footer()
+        ends = self.ends
+        while self._counted < len(ends) and ends[self._counted][0] <= self.rows:
+            read += ends[self._counted][1]
+            self._counted += 1
+        return items, rows, read
+
+    def _take_footer(self) -> int:
+        footer, self.footer = self.footer, 0
+        return footer
 
     def close(self) -> None:
         if self.parquet is not None:
