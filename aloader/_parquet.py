@@ -72,10 +72,7 @@ __all__ = ("ParquetRows", "open_parquet_shard")
 
 # What one blocking read of a unit gives (see _UnitReader.next).
 _Step = tuple["list[Any] | None", int, int]
-# How a unit's blocking reads are made: a thread call made at once, whose result is awaited
-# later (see _ReadThread.submit), or None for anyio's threads, one call at a time.
-_Submit = Callable[[Callable[[], _Step]], Callable[[], Awaitable[_Step]]]
-# Batches of a local file asked of its thread ahead of the one handed on.
+# Batches of local files asked of their thread ahead of the one handed on.
 _AHEAD = 1
 
 DEFAULT_BATCH_ROWS = 65536  # pyarrow's own default for iter_batches
@@ -569,20 +566,20 @@ class ParquetRows(ShardedSource[Any]):
             self._count_dropped(ctx, num_units)
         # Local files one at a time (see the module's description), in one thread of their
         # own; remote ones in anyio's threads (their reads run on the loop from there).
-        remote = any(_is_remote(unit.name) for unit in plan)
-        thread = None if remote or not plan else _ReadThread(shared=True)
-        submit = None if thread is None else thread.submit
-        readers: list[Callable[[], AsyncGenerator[list[Any], None]]] = [
-            functools.partial(self._read_unit, unit, submit) for unit in plan
-        ]
-        slots = min(self.concurrency if remote else 1, len(readers))
-        try:
-            async with Closing(read_in_order(ctx, readers, slots)) as blocks:
+        if not plan:
+            return
+        if any(_is_remote(unit.name) for unit in plan):
+            readers: list[Callable[[], AsyncGenerator[list[Any], None]]] = [
+                functools.partial(self._read_unit, unit) for unit in plan
+            ]
+            async with Closing(read_in_order(ctx, readers, min(self.concurrency,
+                                                               len(readers)))) as blocks:
                 async for block in blocks:
                     yield block
-        finally:
-            if thread is not None:
-                thread.close()
+            return
+        async with Closing(self._read_local(plan)) as blocks:
+            async for block in blocks:
+                yield block
 
     def _leaves(self, name: str, schema: Any) -> list[int]:
         """Indices of the leaf columns read; an unknown column is an error (pyarrow would
@@ -608,59 +605,85 @@ class ParquetRows(ShardedSource[Any]):
         rows: list[Any] = batch.to_pylist()
         return rows
 
-    async def _read_unit(self, unit: _Unit, submit: _Submit | None
-                         ) -> AsyncGenerator[list[Any], None]:
-        """One file's (or its row groups') rows, a block per batch, each read in a thread:
-        ``submit``'s, ``_AHEAD`` batches ahead of the one handed on, or (None) anyio's, one
-        at a time.
-
-        Invariant: while a thread call is pending only the thread touches the reader, and
-        every call is awaited (``pending`` drained) before the reader is closed or its
-        :attr:`~_UnitReader.footer` read here: the file is never closed under a read.
-        """
+    async def _read_unit(self, unit: _Unit) -> AsyncGenerator[list[Any], None]:
+        """One remote file's (or its row groups') rows, a block per batch, each read by a
+        call of anyio's threads (whose reads run on the event loop from there)."""
         stats = self.stats
         bad = BadRecords(self.skip_errors, stats)
         reader = _UnitReader(self, unit)
-        pending: collections.deque[Callable[[], Awaitable[_Step]]] = collections.deque()
-
-        async def drain() -> None:
-            while pending:
-                with contextlib.suppress(Exception):  # the reader stopped at its first error
-                    await pending.popleft()()
-
         try:
             while True:
                 try:
-                    if submit is None:
-                        step = await anyio.to_thread.run_sync(reader.next)
-                    else:
-                        while len(pending) <= _AHEAD:
-                            pending.append(submit(reader.next))
-                        step = await pending.popleft()()
+                    items, rows, read = await anyio.to_thread.run_sync(reader.next)
                 except Exception as exc:
-                    await drain()
                     stats.bytes += reader.footer  # what the failed call read, if anything
                     error = _located(unit.name, exc)
                     if isinstance(error, RecordError) and bad(error):
                         return
                     _reraise(error, exc)
-                items, rows, read = step
                 stats.bytes += read
                 stats.records += rows
-                if items is None:
+                if items is None or reader.finished_at(rows):
+                    if items:
+                        yield items
                     break
                 if items:
                     yield items
-                if reader.finished_at(rows):
-                    break
             if unit.owns_last:
                 stats.shards += 1
         finally:
-            with anyio.CancelScope(shield=True):
-                await drain()
             reader.close()
             if isinstance(reader.handle, _RangeFile):
                 await reader.handle.aclose()
+
+    async def _read_local(self, plan: list[_Unit]) -> AsyncGenerator[list[Any], None]:
+        """A pass's local units' rows, a block per batch, one unit after another, read by
+        one :class:`_ReadThread` (see :class:`_LocalReader`) ``_AHEAD`` batches ahead of the
+        one handed on, the next file's opening included.
+
+        Invariant: while a call is pending only the thread touches the readers, and every
+        call is awaited (``pending`` drained) before a reader is closed here: a file is never
+        closed under a read.
+        """
+        stats = self.stats
+        bad = BadRecords(self.skip_errors, stats)
+        local = _LocalReader(self, plan)
+        thread = _ReadThread(shared=True)
+        pending: collections.deque[Callable[[], Awaitable[_LocalStep | None]]] = \
+            collections.deque()
+
+        async def drain() -> None:
+            while pending:
+                with contextlib.suppress(Exception):  # read ahead of an error: not handed on
+                    await pending.popleft()()
+
+        try:
+            while True:
+                while len(pending) <= _AHEAD:
+                    pending.append(thread.submit(local.next))
+                try:
+                    got = await pending.popleft()()
+                except _UnitFailed as failed:
+                    stats.bytes += failed.read  # what the failed call read, if anything
+                    unit = plan[failed.index]
+                    error = _located(unit.name, failed.error)
+                    if isinstance(error, RecordError) and bad(error):
+                        continue  # the thread went on with the next unit
+                    _reraise(error, failed.error)
+                if got is None:
+                    break
+                index, items, rows, read, done = got
+                stats.bytes += read
+                stats.records += rows
+                if items:
+                    yield items
+                if done and plan[index].owns_last:
+                    stats.shards += 1
+        finally:
+            with anyio.CancelScope(shield=True):
+                await drain()
+            local.close()
+            thread.close()
 
 
 class _ReadThread:
@@ -781,6 +804,66 @@ def _serve(work: _Queue, shared: bool) -> None:
         del call, fn, box, waiter, call_soon  # nothing kept while the thread waits
 
 
+# What a call of _LocalReader.next gives: (unit index, items or None, rows, bytes, whether
+# the unit ended).
+_LocalStep = tuple[int, "list[Any] | None", int, int, bool]
+
+
+class _UnitFailed(Exception):
+    """A unit's read failed (in :class:`_LocalReader`): which unit, the error, and the bytes
+    the failed call read (to count)."""
+
+    def __init__(self, index: int, error: Exception, read: int) -> None:
+        super().__init__(index, error, read)
+        self.index = index
+        self.error = error
+        self.read = read
+
+
+class _LocalReader:
+    """Reads a pass's local units one after another, a batch per call of :meth:`next`
+    (blocking: called in the pass's :class:`_ReadThread`, in order), going on to the next
+    unit by itself: the thread opens the next file without waiting for the event loop.
+
+    After an error the unit is given up (closed) and the next call goes on with the next
+    unit when the source skips errors, else every later call returns None (the pass is
+    over).
+    """
+
+    def __init__(self, source: ParquetRows, plan: list[_Unit]) -> None:
+        self.readers = [_UnitReader(source, unit) for unit in plan]
+        self.skip = source.skip_errors
+        self.index = 0
+
+    def next(self) -> _LocalStep | None:
+        """The next batch of the pass (see :data:`_LocalStep`), or None at its end.
+
+        Raises:
+            _UnitFailed: the read of a unit failed.
+        """
+        if self.index < len(self.readers):
+            index = self.index
+            reader = self.readers[index]
+            try:
+                items, rows, read = reader.next()
+            except Exception as exc:
+                self.index = index + 1 if self.skip else len(self.readers)
+                read = reader._take_footer()
+                reader.close()
+                raise _UnitFailed(index, exc, read) from None
+            done = items is None or reader.rows >= reader.total
+            if done:
+                self.index += 1
+                reader.close()
+            return index, items, rows, read, done
+        return None
+
+    def close(self) -> None:
+        """Close every reader still open (once no call is pending)."""
+        for reader in self.readers:
+            reader.close()
+
+
 class _UnitReader:
     """Reads one unit, a batch per call of :meth:`next` (blocking: called in a thread).
 
@@ -873,5 +956,6 @@ class _UnitReader:
     def close(self) -> None:
         if self.parquet is not None:
             self.parquet.close()  # closes the file it opened itself (from a path)
+            self.parquet = None
         if self.handle is not None and not isinstance(self.handle, str):
             self.handle.close()
