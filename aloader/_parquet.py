@@ -722,8 +722,9 @@ class _ReadThread:
                 threading.Thread(target=_serve, args=(work, self._shared),
                                  name="aloader-parquet", daemon=True).start()
             self._work = work
-            # Once only (close, or collection): a second None would make it idle twice.
-            self._end = weakref.finalize(self, work.put, None)
+            # Once only (close, or collection): a queue made idle twice would have two owners.
+            self._end = (weakref.finalize(self, _make_idle, work) if self._shared
+                         else weakref.finalize(self, work.put, None))
         return work
 
     async def run(self, fn: Callable[[], T]) -> T:
@@ -755,7 +756,7 @@ class _ReadThread:
 
 
 # A read thread's work: (call, result box, waiter, the waiter's loop's call_soon), or None
-# at the end of its _ReadThread.
+# at the end of its (not shared) _ReadThread.
 _Queue = queue.SimpleQueue[
     tuple[Callable[[], Any], list[Any], Waiter, Callable[[Callable[[], None]], None]] | None]
 # The queues of the shared read threads now idle; guarded by _IDLE_LOCK.
@@ -775,11 +776,20 @@ def _forget_idle() -> None:
 os.register_at_fork(after_in_child=_forget_idle)
 
 
+def _make_idle(work: _Queue) -> None:
+    """Leave a shared read thread idle, for the next pass: at once, from the closing side, so
+    that a pass starting right after the last one ended takes it (its thread serves what is
+    queued in order: the last pass's calls, if any, then the next one's)."""
+    with _IDLE_LOCK:
+        _IDLE.append(work)
+
+
 def _serve(work: _Queue, shared: bool) -> None:
     """A read thread's loop (it holds no reference to its :class:`_ReadThread`, which may
-    go). A shared one, at its end, is idle (in ``_IDLE``) until a pass takes its queue or
-    ``_LINGER`` seconds pass; it exits once it took itself out of ``_IDLE`` (under the lock,
-    so a queue taken is always served)."""
+    go). A shared one, once its _ReadThread ended, is idle (its queue in ``_IDLE``) until a
+    pass takes its queue; after ``_LINGER`` seconds without work it exits if it is still
+    idle, once it took itself out of ``_IDLE`` (under the lock, so a queue taken is always
+    served)."""
     while True:
         try:
             call = work.get(timeout=_LINGER) if shared else work.get()
@@ -790,11 +800,7 @@ def _serve(work: _Queue, shared: bool) -> None:
                     return
             continue  # taken by a pass: its calls are coming
         if call is None:
-            if not shared:
-                return
-            with _IDLE_LOCK:
-                _IDLE.append(work)
-            continue
+            return
         fn, box, waiter, call_soon = call
         try:
             box[:] = (True, fn())

@@ -5,6 +5,7 @@ the errors), on asyncio and trio, so that the benchmark's S3 rows measure a test
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -153,3 +154,105 @@ def test_http_mode_unchanged(serve: Callable[..., FaultyServer]) -> None:
     response.read()
     assert response.status == 501
     connection.close()
+
+
+# ------------------------------------------------------------------ Parquet's local reads
+
+
+def write_parquet(path: Path, start: int, rows: int, group_rows: int) -> str:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    ids = list(range(start, start + rows))
+    pq.write_table(pa.table({"id": ids, "x": [i * 0.5 for i in ids]}), path,
+                   row_group_size=group_rows)
+    return str(path)
+
+
+async def test_parquet_passes_share_an_idle_read_thread(tmp_path: Path,
+                                                        anyio_backend: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The epochs' passes over local files are read by one thread, not one started per pass
+    (whose start waited for it to be scheduled), with every row once."""
+    from aloader import ParquetRows, _parquet
+
+    paths = [write_parquet(tmp_path / f"{i}.parquet", 100 * i, 100, 30) for i in range(3)]
+    threads: set[Any] = set()
+    next_batch = _parquet._UnitReader.next
+
+    def spy(self: Any) -> Any:
+        threads.add(threading.current_thread())
+        return next_batch(self)
+
+    monkeypatch.setattr(_parquet._UnitReader, "next", spy)
+    monkeypatch.setattr(_parquet, "_LINGER", 30.0)  # idle for longer than the test lasts
+    source = ParquetRows(paths, columns=["id"], batch_rows=40, as_batches=True)
+    for _ in range(3):
+        batches = [batch async for batch in source]
+        assert [int(i) for b in batches for i in b["id"]] == list(range(300))
+    assert len(threads) == 1
+    assert source.stats.records == 900 and source.stats.shards == 9
+
+
+async def test_parquet_opens_the_next_local_file_ahead(tmp_path: Path, anyio_backend: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the last batch of a file is handed on, the read thread already opens the next
+    file (the thread does not wait for the event loop between files); rows and counts stay
+    exact, an unreadable file skipped in between included."""
+    from aloader import ParquetRows, _parquet
+
+    paths = [write_parquet(tmp_path / f"{i}.parquet", 10 * i, 10, 10) for i in range(2)]
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"PAR1 not a parquet file PAR1")
+    paths.insert(1, str(bad))
+    opened: dict[str, threading.Event] = {p: threading.Event() for p in paths}
+    open_file = _parquet._UnitReader._open
+
+    def spy(self: Any) -> None:
+        opened[self.unit.name].set()
+        open_file(self)
+
+    monkeypatch.setattr(_parquet._UnitReader, "_open", spy)
+    source = ParquetRows(paths, batch_rows=100, as_batches=True, skip_errors=True)
+    plan, _ = source._plan(0, 0, 1)
+    blocks = source._read_local(plan)
+    first = await blocks.__anext__()
+    assert [int(i) for i in first[0]["id"]] == list(range(10))
+    # The next call was asked before the first batch was handed on: the bad file, then
+    # (skipped) the last one are opened without another request of the loop's.
+    assert opened[str(bad)].wait(5)
+    rest = [block async for block in blocks]
+    assert [int(i) for block in rest for b in block for i in b["id"]] == list(range(10, 20))
+    assert opened[paths[2]].is_set()
+    assert (source.stats.records, source.stats.shards, source.stats.skipped) == (20, 2, 1)
+
+
+async def test_read_thread_submit_runs_before_it_is_awaited(anyio_backend: str) -> None:
+    from aloader import _parquet
+
+    thread = _parquet._ReadThread(shared=True)
+    ran = threading.Event()
+
+    def work() -> int:
+        ran.set()
+        return 7
+
+    result = thread.submit(work)
+    assert ran.wait(5)  # queued and run at once, not when awaited
+    assert await result() == 7
+    thread.close()
+
+
+async def test_an_idle_shared_read_thread_exits(anyio_backend: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from aloader import _parquet
+
+    monkeypatch.setattr(_parquet, "_LINGER", 0.05)
+    before = set(threading.enumerate())
+    thread = _parquet._ReadThread(shared=True)
+    assert await thread.run(lambda: 1) == 1
+    started = [t for t in threading.enumerate()
+               if t.name == "aloader-parquet" and t not in before]
+    thread.close()
+    for t in started:
+        t.join(5)
+        assert not t.is_alive()
