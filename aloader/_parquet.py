@@ -11,18 +11,21 @@ reads the same number of, and what a rank drops one of in turn (see :mod:`aloade
 
 pyarrow (the extra ``aloader[parquet]``) is imported when a :class:`ParquetRows` is made, not
 with aloader. Its reads block, so each batch is read and converted in a worker thread: for
-local files, one thread of the pass's own (:class:`_ReadThread`: a call costs a third of an
+local files, one thread per pass (:class:`_ReadThread`: a call costs a third of an
 anyio thread call, which showed at narrow batches); for remote ones, anyio's, whose reads run
-on the event loop from there. A local file's next batch is asked of that thread before the
-batch in hand is handed on (one batch read ahead), so the thread does not wait, batch after
-batch, for the event loop to take a batch and ask for the next one (a wait of its own on a
-loaded machine, ~10% of an epoch of two narrow columns). The epoch's plan runs in a thread
-only when it reads footers. A consumer whose files are all local reads them one at a time,
-whatever ``concurrency`` says: a local read waits on the CPU, not on a device, pyarrow already
-decodes a batch's columns on its own threads, and the conversion to numpy or Python values
-holds the GIL, so reading two or four local files at once only holds more batches and
-contends (measured: 1.3x and 1.8x the CPU time of one at a time, 0.3-0.8x its rate); the
-stream's driver still reads the next batch while the consumer handles one.
+on the event loop from there. A pass's local files are read one after another by one
+reader in that thread (:class:`_LocalReader`), which opens the next file in the call that
+asks for its first batch, and the thread outlives its pass for the next one to take (starting
+one waited for it to be scheduled: 2-5 ms per epoch on a loaded machine). Nothing is read
+ahead in that thread: measured, reading the next batch (even as Arrow data) while the
+consumer handles one doubled the CPU time of rows handed to a DataLoader, the two threads
+contending for the GIL. The epoch's plan runs in a thread only when it reads footers. A
+consumer whose files are all local reads them one at a time, whatever ``concurrency`` says: a
+local read waits on the CPU, not on a device, pyarrow already decodes a batch's columns on its
+own threads, and the conversion to numpy or Python values holds the GIL, so reading two or four
+local files at once only holds more batches and contends (measured: 1.3x and 1.8x the CPU time
+of one at a time, 0.3-0.8x its rate); the stream's driver still reads the next batch while the
+consumer handles one.
 
 Remote files (``s3://``, ``gs://``, ``az://``, ``http(s)://``) are random-access files of
 bounded ranged reads (:class:`_RangeFile`): a byte for the size, the footer (pyarrow reads the
@@ -38,9 +41,7 @@ since their reads wait on the network.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
-import contextlib
 import functools
 import importlib
 import io
@@ -72,8 +73,6 @@ __all__ = ("ParquetRows", "open_parquet_shard")
 
 # What one blocking read of a unit gives (see _UnitReader.next).
 _Step = tuple["list[Any] | None", int, int]
-# Batches of local files asked of their thread ahead of the one handed on.
-_AHEAD = 1
 
 DEFAULT_BATCH_ROWS = 65536  # pyarrow's own default for iter_batches
 _INSTALL = "pip install aloader[parquet]"
@@ -314,8 +313,7 @@ class ParquetRows(ShardedSource[Any]):
     epoch, the same on every consumer. A consumer reads up to ``concurrency`` remote files at
     once (local files one at a time: their reads need the CPU, which pyarrow already uses on
     several threads) and hands their rows on in order, so the output is reproducible. It holds
-    at most about ``3 * concurrency + 3`` batches of ``batch_rows`` rows (local files: one
-    batch read ahead).
+    at most about ``3 * concurrency + 2`` batches of ``batch_rows`` rows.
 
     Rows (``as_batches=False``) are dicts ``{column: value}`` of Python values
     (``RecordBatch.to_pylist()``: nested structs are dicts, lists are lists, nulls None); the
@@ -637,32 +635,17 @@ class ParquetRows(ShardedSource[Any]):
                 await reader.handle.aclose()
 
     async def _read_local(self, plan: list[_Unit]) -> AsyncGenerator[list[Any], None]:
-        """A pass's local units' rows, a block per batch, one unit after another, read by
-        one :class:`_ReadThread` (see :class:`_LocalReader`) ``_AHEAD`` batches ahead of the
-        one handed on, the next file's opening included.
-
-        Invariant: while a call is pending only the thread touches the readers, and every
-        call is awaited (``pending`` drained) before a reader is closed here: a file is never
-        closed under a read.
-        """
+        """A pass's local units' rows, a block per batch, one unit after another, each batch
+        read by a call of one :class:`_ReadThread` (see :class:`_LocalReader`). A call runs
+        to its end (a cancellation waits for it), so a file is never closed under a read."""
         stats = self.stats
         bad = BadRecords(self.skip_errors, stats)
         local = _LocalReader(self, plan)
         thread = _ReadThread(shared=True)
-        pending: collections.deque[Callable[[], Awaitable[_LocalStep | None]]] = \
-            collections.deque()
-
-        async def drain() -> None:
-            while pending:
-                with contextlib.suppress(Exception):  # read ahead of an error: not handed on
-                    await pending.popleft()()
-
         try:
             while True:
-                while len(pending) <= _AHEAD:
-                    pending.append(thread.submit(local.next))
                 try:
-                    got = await pending.popleft()()
+                    got = await thread.run(local.next)
                 except _UnitFailed as failed:
                     stats.bytes += failed.read  # what the failed call read, if anything
                     unit = plan[failed.index]
@@ -680,8 +663,6 @@ class ParquetRows(ShardedSource[Any]):
                 if done and plan[index].owns_last:
                     stats.shards += 1
         finally:
-            with anyio.CancelScope(shield=True):
-                await drain()
             local.close()
             thread.close()
 
@@ -874,11 +855,10 @@ class _UnitReader:
     """Reads one unit, a batch per call of :meth:`next` (blocking: called in a thread).
 
     The first call also opens the file, and the end is known from the footer's row counts
-    (:meth:`finished_at`), so a unit of ``n`` batches costs ``n`` thread calls (and those
-    asked ahead of the end). It counts nothing itself (it runs in a thread, while the caller
-    may be reading it): each call returns what to count, and after a failed call the caller
-    reads :attr:`footer` (the bytes read and not yet returned) once no call is pending.
-    After a failed call, the later ones return ``(None, 0, 0)``.
+    (:meth:`finished_at`, or the caller's own count), so a unit of ``n`` batches costs ``n``
+    thread calls. It counts nothing itself (it runs in a thread): each call returns what to
+    count, and after a failed call the caller reads :attr:`footer` (the bytes read and not yet
+    returned). After a failed call, the later ones return ``(None, 0, 0)``.
     """
 
     def __init__(self, source: ParquetRows, unit: _Unit) -> None:

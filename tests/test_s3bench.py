@@ -193,37 +193,32 @@ async def test_parquet_passes_share_an_idle_read_thread(tmp_path: Path,
     assert source.stats.records == 900 and source.stats.shards == 9
 
 
-async def test_parquet_opens_the_next_local_file_ahead(tmp_path: Path, anyio_backend: str,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """While the last batch of a file is handed on, the read thread already opens the next
-    file (the thread does not wait for the event loop between files); rows and counts stay
-    exact, an unreadable file skipped in between included."""
+async def test_parquet_local_pass_goes_on_after_a_skipped_file(
+        tmp_path: Path, anyio_backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One reader in the read thread goes from file to file, an unreadable one skipped in
+    between: every row once, in order, the counts exact, every file closed."""
     from aloader import ParquetRows, _parquet
 
-    paths = [write_parquet(tmp_path / f"{i}.parquet", 10 * i, 10, 10) for i in range(2)]
+    paths = [write_parquet(tmp_path / f"{i}.parquet", 10 * i, 10, 4) for i in range(2)]
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(b"PAR1 not a parquet file PAR1")
     paths.insert(1, str(bad))
-    opened: dict[str, threading.Event] = {p: threading.Event() for p in paths}
-    open_file = _parquet._UnitReader._open
+    closed: list[str] = []
+    close = _parquet._UnitReader.close
 
     def spy(self: Any) -> None:
-        opened[self.unit.name].set()
-        open_file(self)
+        closed.append(self.unit.name)
+        close(self)
 
-    monkeypatch.setattr(_parquet._UnitReader, "_open", spy)
-    source = ParquetRows(paths, batch_rows=100, as_batches=True, skip_errors=True)
-    plan, _ = source._plan(0, 0, 1)
-    blocks = source._read_local(plan)
-    first = await blocks.__anext__()
-    assert [int(i) for i in first[0]["id"]] == list(range(10))
-    # The next call was asked before the first batch was handed on: the bad file, then
-    # (skipped) the last one are opened without another request of the loop's.
-    assert opened[str(bad)].wait(5)
-    rest = [block async for block in blocks]
-    assert [int(i) for block in rest for b in block for i in b["id"]] == list(range(10, 20))
-    assert opened[paths[2]].is_set()
+    monkeypatch.setattr(_parquet._UnitReader, "close", spy)
+    source = ParquetRows(paths, batch_rows=3, as_batches=True, skip_errors=True)
+    batches = [batch async for batch in source]
+    assert [int(i) for b in batches for i in b["id"]] == list(range(20))
+    assert [len(b["id"]) for b in batches] == [3, 3, 3, 1] * 2
     assert (source.stats.records, source.stats.shards, source.stats.skipped) == (20, 2, 1)
+    assert set(closed) == set(paths)
+    first = [b async for b in ParquetRows(paths[:1], batch_rows=3, as_batches=True)]
+    assert len(first) == 4
 
 
 async def test_read_thread_submit_runs_before_it_is_awaited(anyio_backend: str) -> None:
