@@ -18,7 +18,9 @@ answer:
   implementation, but one whose Python request handling (moto, then the proxy) is several
   times slower than ``ShardServer``'s, so its row measures moto as much as aloader.
 
-One epoch, batches of 256, best of 3, the rows interleaved (PyTorch's after them):
+One epoch, batches of 256, best of 5 (``BENCH_RUNS``), the rows interleaved (PyTorch's after them):
+Each row also gives the CPU time of this process per epoch (best of the rounds): the client's
+work, which the wall clock of a loaded machine shows less faithfully.
 
 * aloader http: ``DataLoader(JsonLines(http_urls, concurrency=16), batch_size=256)``.
 * aloader s3: ``DataLoader(JsonLines(s3_urls, concurrency=16), batch_size=256)`` against the
@@ -46,6 +48,7 @@ import json
 import multiprocessing
 import os
 import sys
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -56,7 +59,6 @@ from common import (
     CONCURRENCY,
     LATENCY,
     RECORDS,
-    RUNS,
     SHARDS,
     TOTAL,
     best,
@@ -70,6 +72,9 @@ from aloader._demo import ShardServer, make_jsonl_shards
 from aloader._objstore import ObjectAccess
 
 BUCKET = "bench"
+# Rounds of the interleaved rows (each figure the best of them): more than common.RUNS, since
+# an epoch here is a few hundred ms, whose wall clock varies by 20% on a loaded machine.
+RUNS = int(os.environ.get("BENCH_RUNS", "5"))
 # The credentials both S3 servers are given (neither checks them).
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
           "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1",
@@ -230,14 +235,18 @@ def main() -> None:
     rows: list[tuple[str, float]] = []
     bare: dict[str, float] = {}
     times: dict[str, float] = {}
+    cpu: dict[str, float] = {}  # this process's CPU seconds per epoch (all its threads)
     try:
         for label, fn, expected in contestants:
             assert fn() == expected, label  # warm-up: imports, connections, thread pools
         for _ in range(RUNS):  # interleaved: a change of load hits every row alike
             for label, fn, expected in contestants:
+                start_cpu = time.process_time()
                 seconds, got = best(fn, 1)
+                used = time.process_time() - start_cpu
                 assert got == expected, (label, got, expected)
                 times[label] = min(times.get(label, seconds), seconds)
+                cpu[label] = min(cpu.get(label, used), used)
         for label, _, _ in contestants:
             if label.startswith("bare "):
                 # the records those bytes hold, per second
@@ -265,17 +274,18 @@ def main() -> None:
     print(f"{SHARDS} shards x {RECORDS:,} JSON Lines records, {LATENCY * 1e3:.0f} ms per "
           f"request, batch {BATCH}, best of {RUNS}; S3 rows against ShardServer's S3 mode "
           "unless marked moto")
-    print(f"{'':60} {'items/s':>11} {'vs http':>8} {'vs torch-8':>10}")
+    print(f"{'':60} {'items/s':>11} {'vs http':>8} {'vs torch-8':>10} {'CPU ms':>7}")
     for label, rate in rows:
         vs_torch = f"{rate / torch_rate:.2f}x" if torch_rate else "-"
-        print(f"{label:60} {rate:>11,.0f} {rate / http:>7.2f}x {vs_torch:>10}")
+        used = f"{cpu[label] * 1e3:.0f}" if label in cpu else "-"
+        print(f"{label:60} {rate:>11,.0f} {rate / http:>7.2f}x {vs_torch:>10} {used:>7}")
     pairs = [("http", http_label, "aiohttp"), ("s3", s3_label, "obstore")]
     if "s3 moto" in bare:
         pairs.append(("s3 moto", s3_label.replace("asyncio", "moto server"), "obstore"))
     for store_name, label, client in pairs:
         print(f"bare {store_name} ({client}, {CONCURRENCY} in flight, no parsing): "
-              f"{bare[store_name]:,.0f} records/s; {label}: "
-              f"{rates[label] / bare[store_name]:.2f}x of it")
+              f"{bare[store_name]:,.0f} records/s, {cpu['bare ' + store_name] * 1e3:.0f} ms "
+              f"CPU; {label}: {rates[label] / bare[store_name]:.2f}x of it")
     for store_name in ("s3", "s3 moto"):
         if store_name in bare:
             print(f"bare {store_name} / bare http: {bare[store_name] / bare['http']:.2f}x")
