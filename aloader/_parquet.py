@@ -620,7 +620,7 @@ class ParquetRows(ShardedSource[Any]):
                     _reraise(error, exc)
                 stats.bytes += read
                 stats.records += rows
-                if items is None or reader.finished_at(rows):
+                if items is None or reader.rows >= reader.total:
                     if items:
                         yield items
                     break
@@ -854,10 +854,11 @@ class _UnitReader:
     """Reads one unit, a batch per call of :meth:`next` (blocking: called in a thread).
 
     The first call also opens the file, and the end is known from the footer's row counts
-    (:meth:`finished_at`, or the caller's own count), so a unit of ``n`` batches costs ``n``
-    thread calls. It counts nothing itself (it runs in a thread): each call returns what to
-    count, and after a failed call the caller reads :attr:`footer` (the bytes read and not yet
-    returned). After a failed call, the later ones return ``(None, 0, 0)``.
+    (:attr:`rows` reaching :attr:`total`, read by the caller between calls), so a unit of
+    ``n`` batches costs ``n`` thread calls. It counts nothing itself (it runs in a thread):
+    each call returns what to count, and after a failed call the caller reads :attr:`footer`
+    (the bytes read and not yet returned). After a failed call, the later ones return
+    ``(None, 0, 0)``.
     """
 
     def __init__(self, source: ParquetRows, unit: _Unit) -> None:
@@ -875,8 +876,6 @@ class _UnitReader:
         self.ends: list[tuple[int, int]] = []
         self._counted = 0  # row groups whose bytes were returned
         self._failed = False
-        # The rows handed on so far, as the caller counts them (see finished_at).
-        self._handed = 0
 
     def _open(self) -> None:
         _, pq = _pyarrow()
@@ -899,13 +898,6 @@ class _UnitReader:
                               sum(chunk.column(i).total_compressed_size for i in leaves)))
         self.batches = parquet.iter_batches(batch_size=source.batch_rows,
                                             row_groups=list(groups), columns=source.columns)
-
-    def finished_at(self, rows: int) -> bool:
-        """Whether every row of the unit was handed on, once the caller counted ``rows``
-        more (known without a thread call, from the footer's counts: the call that read
-        them has returned)."""
-        self._handed += rows
-        return self._handed >= self.total
 
     def next(self) -> _Step:
         """``(items, rows, bytes)``: the items of the next batch (None at the end of the
