@@ -11,9 +11,14 @@ reads the same number of, and what a rank drops one of in turn (see :mod:`aloade
 
 pyarrow (the extra ``aloader[parquet]``) is imported when a :class:`ParquetRows` is made, not
 with aloader. Its reads block, so each batch is read and converted in a worker thread: for
-local files, one thread of the pass's own (:class:`_ReadThread`: a call costs a third of an
+local files, one thread per pass (:class:`_ReadThread`: a call costs a third of an
 anyio thread call, which showed at narrow batches); for remote ones, anyio's, whose reads run
-on the event loop from there. The epoch's plan runs in a thread only when it reads footers. A
+on the event loop from there. A pass's local files are read one after another by one
+reader in that thread (:class:`_LocalReader`), which opens the next file in the call that
+asks for its first batch, and the thread outlives its pass for the next one to take (starting
+one waited for it to be scheduled: 2-5 ms per epoch on a loaded machine). Nothing is read
+ahead in that thread (the stream's driver asks for the next batch while the consumer handles
+one). The epoch's plan runs in a thread only when it reads footers. A
 consumer whose files are all local reads them one at a time, whatever ``concurrency`` says: a
 local read waits on the CPU, not on a device, pyarrow already decodes a batch's columns on its
 own threads, and the conversion to numpy or Python values holds the GIL, so reading two or four
@@ -65,8 +70,8 @@ T = TypeVar("T")
 
 __all__ = ("ParquetRows", "open_parquet_shard")
 
-# How a unit's blocking reads are made: a thread call (see _ReadThread).
-_Run = Callable[[Callable[[], "list[Any] | None"]], Awaitable["list[Any] | None"]]
+# What one blocking read of a unit gives (see _UnitReader.next).
+_Step = tuple["list[Any] | None", int, int]
 
 DEFAULT_BATCH_ROWS = 65536  # pyarrow's own default for iter_batches
 _INSTALL = "pip install aloader[parquet]"
@@ -558,20 +563,20 @@ class ParquetRows(ShardedSource[Any]):
             self._count_dropped(ctx, num_units)
         # Local files one at a time (see the module's description), in one thread of their
         # own; remote ones in anyio's threads (their reads run on the loop from there).
-        remote = any(_is_remote(unit.name) for unit in plan)
-        thread = None if remote or not plan else _ReadThread()
-        run: _Run = anyio.to_thread.run_sync if thread is None else thread.run
-        readers: list[Callable[[], AsyncGenerator[list[Any], None]]] = [
-            functools.partial(self._read_unit, unit, run) for unit in plan
-        ]
-        slots = min(self.concurrency if remote else 1, len(readers))
-        try:
-            async with Closing(read_in_order(ctx, readers, slots)) as blocks:
+        if not plan:
+            return
+        if any(_is_remote(unit.name) for unit in plan):
+            readers: list[Callable[[], AsyncGenerator[list[Any], None]]] = [
+                functools.partial(self._read_unit, unit) for unit in plan
+            ]
+            async with Closing(read_in_order(ctx, readers, min(self.concurrency,
+                                                               len(readers)))) as blocks:
                 async for block in blocks:
                     yield block
-        finally:
-            if thread is not None:
-                thread.close()
+            return
+        async with Closing(self._read_local(plan)) as blocks:
+            async for block in blocks:
+                yield block
 
     def _leaves(self, name: str, schema: Any) -> list[int]:
         """Indices of the leaf columns read; an unknown column is an error (pyarrow would
@@ -597,33 +602,28 @@ class ParquetRows(ShardedSource[Any]):
         rows: list[Any] = batch.to_pylist()
         return rows
 
-    async def _read_unit(self, unit: _Unit, run: _Run) -> AsyncGenerator[list[Any], None]:
-        """One file's (or its row groups') rows, a block per batch, each read by ``run``
-        (a thread call)."""
+    async def _read_unit(self, unit: _Unit) -> AsyncGenerator[list[Any], None]:
+        """One remote file's (or its row groups') rows, a block per batch, each read by a
+        call of anyio's threads (whose reads run on the event loop from there)."""
         stats = self.stats
         bad = BadRecords(self.skip_errors, stats)
         reader = _UnitReader(self, unit)
         try:
-            counted = 0  # row groups whose bytes are counted
-            while not reader.finished:
-                before = reader.rows
+            while True:
                 try:
-                    items = await run(reader.next)
+                    items, rows, read = await anyio.to_thread.run_sync(reader.next)
                 except Exception as exc:
+                    stats.bytes += reader.footer  # what the failed call read, if anything
                     error = _located(unit.name, exc)
                     if isinstance(error, RecordError) and bad(error):
                         return
                     _reraise(error, exc)
-                finally:
-                    stats.bytes += reader.footer
-                    reader.footer = 0
-                if items is None:
+                stats.bytes += read
+                stats.records += rows
+                if items is None or reader.rows >= reader.total:
+                    if items:
+                        yield items
                     break
-                ends = reader.ends
-                while counted < len(ends) and ends[counted][0] <= reader.rows:
-                    stats.bytes += ends[counted][1]
-                    counted += 1
-                stats.records += reader.rows - before
                 if items:
                     yield items
             if unit.owns_last:
@@ -632,6 +632,38 @@ class ParquetRows(ShardedSource[Any]):
             reader.close()
             if isinstance(reader.handle, _RangeFile):
                 await reader.handle.aclose()
+
+    async def _read_local(self, plan: list[_Unit]) -> AsyncGenerator[list[Any], None]:
+        """A pass's local units' rows, a block per batch, one unit after another, each batch
+        read by a call of one :class:`_ReadThread` (see :class:`_LocalReader`). A call runs
+        to its end (a cancellation waits for it), so a file is never closed under a read."""
+        stats = self.stats
+        bad = BadRecords(self.skip_errors, stats)
+        local = _LocalReader(self, plan)
+        thread = _ReadThread(shared=True)
+        try:
+            while True:
+                try:
+                    got = await thread.run(local.next)
+                except _UnitFailed as failed:
+                    stats.bytes += failed.read  # what the failed call read, if anything
+                    unit = plan[failed.index]
+                    error = _located(unit.name, failed.error)
+                    if isinstance(error, RecordError) and bad(error):
+                        continue  # the thread went on with the next unit
+                    _reraise(error, failed.error)
+                if got is None:
+                    break
+                index, items, rows, read, done = got
+                stats.bytes += read
+                stats.records += rows
+                if items:
+                    yield items
+                if done and plan[index].owns_last:
+                    stats.shards += 1
+        finally:
+            local.close()
+            thread.close()
 
 
 class _ReadThread:
@@ -642,58 +674,191 @@ class _ReadThread:
     70 against 200 us on a loaded 2-core machine), which, at a batch of two narrow columns
     every 2 ms, was 5-10% of an epoch. Like ``run_sync`` (not abandoning), a call runs to its
     end: a cancellation of the caller waits for it, so a file is never closed under a read.
-    The thread exits when :meth:`close` is called, or this object is collected.
+    The thread exits when :meth:`close` is called, or this object is collected; with
+    ``shared``, it is left idle instead, for the next pass (of any source) to take, and exits
+    after ``_LINGER`` seconds without one: starting a thread waits for it to be scheduled,
+    which on a loaded machine took 2-5 ms of every epoch (a pass per epoch).
+
+    Args:
+        shared: take an idle thread of an earlier pass, if any, and leave this one idle at
+            the end (:meth:`close`, or collection), rather than start and end one's own.
     """
 
-    def __init__(self) -> None:
-        self._work: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], Waiter] | None] = \
-            queue.SimpleQueue()
+    def __init__(self, shared: bool = False) -> None:
+        self._shared = shared
+        self._work: _Queue | None = None
+        self._end: weakref.finalize[Any, Any] | None = None
         self._waiter = waiters()
         self._call_soon = threadsafe_caller()
-        self._started = False
-        weakref.finalize(self, self._work.put, None)
+
+    def _queue(self) -> _Queue:
+        """The work queue of this object's thread, taken or started at the first call."""
+        work = self._work
+        if work is None:
+            with _IDLE_LOCK:
+                work = _IDLE.pop() if self._shared and _IDLE else None
+            if work is None:
+                work = queue.SimpleQueue()
+                threading.Thread(target=_serve, args=(work, self._shared),
+                                 name="aloader-parquet", daemon=True).start()
+            self._work = work
+            # Once only (close, or collection): a queue made idle twice would have two owners.
+            self._end = (weakref.finalize(self, _make_idle, work) if self._shared
+                         else weakref.finalize(self, work.put, None))
+        return work
 
     async def run(self, fn: Callable[[], T]) -> T:
         """``fn()`` in the thread; its exception, if it raises."""
-        if not self._started:
-            self._started = True
-            threading.Thread(target=_serve, args=(self._work, self._call_soon),
-                             name="aloader-parquet", daemon=True).start()
+        return await self.submit(fn)()
+
+    def submit(self, fn: Callable[[], T]) -> Callable[[], Awaitable[T]]:
+        """Queue ``fn()`` for the thread now (calls run in the order submitted); what is
+        returned gives its result (or raises its exception) when awaited, once."""
+        work = self._queue()
         waiter = self._waiter()
         box: list[Any] = []
-        self._work.put((fn, box, waiter))
-        with anyio.CancelScope(shield=True):
-            await waiter
-        ok, value = box
-        if not ok:
-            raise value
-        result: T = value
+        work.put((fn, box, waiter, self._call_soon))
+
+        async def result() -> T:
+            with anyio.CancelScope(shield=True):
+                await waiter
+            ok, value = box
+            if not ok:
+                raise value
+            done: T = value
+            return done
+
         return result
 
     def close(self) -> None:
-        self._work.put(None)
+        if self._end is not None:
+            self._end()
 
 
-def _serve(work: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], Waiter] | None],
-           call_soon: Callable[[Callable[[], None]], None]) -> None:
-    """:class:`_ReadThread`'s loop (it holds no reference to the object, which may go)."""
-    while (call := work.get()) is not None:
-        fn, box, waiter = call
+# A read thread's work: (call, result box, waiter, the waiter's loop's call_soon), or None
+# at the end of its (not shared) _ReadThread.
+_Queue = queue.SimpleQueue[
+    tuple[Callable[[], Any], list[Any], Waiter, Callable[[Callable[[], None]], None]] | None]
+# The queues of the shared read threads now idle; guarded by _IDLE_LOCK.
+_IDLE: list[_Queue] = []
+_IDLE_LOCK = threading.Lock()
+# Seconds an idle shared read thread waits for a pass before it exits.
+_LINGER = 1.0
+
+
+def _forget_idle() -> None:
+    # A forked child has none of its parent's threads: their queues would never be served.
+    global _IDLE_LOCK
+    _IDLE.clear()
+    _IDLE_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_idle)
+
+
+def _make_idle(work: _Queue) -> None:
+    """Leave a shared read thread idle, for the next pass: at once, from the closing side, so
+    that a pass starting right after the last one ended takes it (its thread serves what is
+    queued in order: the last pass's calls, if any, then the next one's)."""
+    with _IDLE_LOCK:
+        _IDLE.append(work)
+
+
+def _serve(work: _Queue, shared: bool) -> None:
+    """A read thread's loop (it holds no reference to its :class:`_ReadThread`, which may
+    go). A shared one, once its _ReadThread ended, is idle (its queue in ``_IDLE``) until a
+    pass takes its queue; after ``_LINGER`` seconds without work it exits if it is still
+    idle, once it took itself out of ``_IDLE`` (under the lock, so a queue taken is always
+    served)."""
+    while True:
+        try:
+            call = work.get(timeout=_LINGER) if shared else work.get()
+        except queue.Empty:
+            with _IDLE_LOCK:
+                if any(idle is work for idle in _IDLE):
+                    _IDLE[:] = [idle for idle in _IDLE if idle is not work]
+                    return
+            continue  # taken by a pass: its calls are coming
+        if call is None:
+            return
+        fn, box, waiter, call_soon = call
         try:
             box[:] = (True, fn())
         except BaseException as exc:  # handed to the caller, whatever it is
             box[:] = (False, exc)
         call_soon(functools.partial(waiter.set_result, None))
-        del call, fn, box, waiter  # nothing kept while the thread waits
+        del call, fn, box, waiter, call_soon  # nothing kept while the thread waits
+
+
+# What a call of _LocalReader.next gives: (unit index, items or None, rows, bytes, whether
+# the unit ended).
+_LocalStep = tuple[int, "list[Any] | None", int, int, bool]
+
+
+class _UnitFailed(Exception):
+    """A unit's read failed (in :class:`_LocalReader`): which unit, the error, and the bytes
+    the failed call read (to count)."""
+
+    def __init__(self, index: int, error: Exception, read: int) -> None:
+        super().__init__(index, error, read)
+        self.index = index
+        self.error = error
+        self.read = read
+
+
+class _LocalReader:
+    """Reads a pass's local units one after another, a batch per call of :meth:`next`
+    (blocking: called in the pass's :class:`_ReadThread`, in order), going on to the next
+    unit by itself: the thread opens the next file without waiting for the event loop.
+
+    After an error the unit is given up (closed) and the next call goes on with the next
+    unit when the source skips errors, else every later call returns None (the pass is
+    over).
+    """
+
+    def __init__(self, source: ParquetRows, plan: list[_Unit]) -> None:
+        self.readers = [_UnitReader(source, unit) for unit in plan]
+        self.skip = source.skip_errors
+        self.index = 0
+
+    def next(self) -> _LocalStep | None:
+        """The next batch of the pass (see :data:`_LocalStep`), or None at its end.
+
+        Raises:
+            _UnitFailed: the read of a unit failed.
+        """
+        if self.index < len(self.readers):
+            index = self.index
+            reader = self.readers[index]
+            try:
+                items, rows, read = reader.next()
+            except Exception as exc:
+                self.index = index + 1 if self.skip else len(self.readers)
+                read = reader._take_footer()
+                reader.close()
+                raise _UnitFailed(index, exc, read) from None
+            done = items is None or reader.rows >= reader.total
+            if done:
+                self.index += 1
+                reader.close()
+            return index, items, rows, read, done
+        return None
+
+    def close(self) -> None:
+        """Close every reader still open (once no call is pending)."""
+        for reader in self.readers:
+            reader.close()
 
 
 class _UnitReader:
     """Reads one unit, a batch per call of :meth:`next` (blocking: called in a thread).
 
     The first call also opens the file, and the end is known from the footer's row counts
-    (:attr:`finished`), so a unit of ``n`` batches costs ``n`` thread calls. It counts
-    nothing itself (it runs in a thread); the caller reads :attr:`rows`, :attr:`footer` and
-    :attr:`ends` between calls.
+    (:attr:`rows` reaching :attr:`total`, read by the caller between calls), so a unit of
+    ``n`` batches costs ``n`` thread calls. It counts nothing itself (it runs in a thread):
+    each call returns what to count, and after a failed call the caller reads :attr:`footer`
+    (the bytes read and not yet returned). After a failed call, the later ones return
+    ``(None, 0, 0)``.
     """
 
     def __init__(self, source: ParquetRows, unit: _Unit) -> None:
@@ -709,6 +874,8 @@ class _UnitReader:
         self.footer = 0
         #: Per row group read: (rows up to its end, bytes of its column chunks read).
         self.ends: list[tuple[int, int]] = []
+        self._counted = 0  # row groups whose bytes were returned
+        self._failed = False
 
     def _open(self) -> None:
         _, pq = _pyarrow()
@@ -732,26 +899,44 @@ class _UnitReader:
         self.batches = parquet.iter_batches(batch_size=source.batch_rows,
                                             row_groups=list(groups), columns=source.columns)
 
-    @property
-    def finished(self) -> bool:
-        """Whether every row of the unit was read (known without a thread call, from the
-        footer's counts, once the file is open)."""
-        return self.handle is not None and self.rows >= self.total
+    def next(self) -> _Step:
+        """``(items, rows, bytes)``: the items of the next batch (None at the end of the
+        unit), its rows, and the bytes read that were not returned yet (the footer at the
+        first call, a row group's column chunks once its last row was read)."""
+        if self._failed:
+            return None, 0, 0
+        try:
+            if self.handle is None:
+                self._open()
+            if self.rows >= self.total:
+                return None, 0, self._take_footer()
+            batch = next(self.batches, None)
+            if batch is None:
+                return None, 0, self._take_footer()
+            rows = batch.num_rows
+            self.rows += rows
+            items = self.source._convert(batch)
+        except BaseException:
+            self._failed = True  # the footer's bytes, if just read, stay for the caller
+            raise
+        read = self._take_footer()
+        ends = self.ends
+        while self._counted < len(ends) and ends[self._counted][0] <= self.rows:
+            read += ends[self._counted][1]
+            self._counted += 1
+        return items, rows, read
 
-    def next(self) -> list[Any] | None:
-        """The items of the next batch, or None at the end of the unit."""
-        if self.handle is None:
-            self._open()
-        if self.rows >= self.total:
-            return None
-        batch = next(self.batches, None)
-        if batch is None:
-            return None
-        self.rows += batch.num_rows
-        return self.source._convert(batch)
+    def _take_footer(self) -> int:
+        footer, self.footer = self.footer, 0
+        return footer
 
     def close(self) -> None:
+        # The batch generator goes first: one left alive keeps pyarrow's reading of the
+        # file going in its own threads (measured: twice the CPU time of an epoch of rows,
+        # when a pass's finished readers were kept until its end).
+        self.batches = None
         if self.parquet is not None:
             self.parquet.close()  # closes the file it opened itself (from a path)
+            self.parquet = None
         if self.handle is not None and not isinstance(self.handle, str):
             self.handle.close()

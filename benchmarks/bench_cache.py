@@ -1,7 +1,7 @@
 """The local shard cache: a cached epoch against local files, and the downloading epoch.
 
-Run: ``python benchmarks/bench_cache.py`` (the S3 rows need ``obstore``, ``moto[server]`` and
-``boto3``, and are skipped without them). Everything below is measured in the same run, the
+Run: ``python benchmarks/bench_cache.py`` (the S3 rows need ``obstore``, and are skipped
+without it). Everything below is measured in the same run, the
 variants interleaved (one epoch of each in turn, the local files right before each
 cached epoch, three such pairs a round), best of 5 rounds (``BENCH_RUNS``). Each row also
 gives the process's CPU time per epoch (all its threads, best of the rounds) and the local
@@ -11,8 +11,9 @@ identical runs, its CPU time less.
 The workload of ``bench_sources.py`` and ``bench_objstore.py``: 64 shards of 1,000 JSON Lines
 records (~106 bytes each), read with ``DataLoader(JsonLines(..., concurrency=16),
 batch_size=256)`` on one asyncio event loop. HTTP: ``aloader._demo.ShardServer`` in another
-process; S3: moto's server behind aloader's proxy (``aloader._demo._s3.LocalS3``, another
-process); both wait 20 ms per request. The local files are the same bodies, written to a
+process; S3: the same server in its S3 mode (``ShardServer(bucket=...)``, another process, as
+in ``bench_objstore.py``: the same server code as the HTTP rows, not moto's much slower one);
+both wait 20 ms per request. The local files are the same bodies, written to a
 temporary directory (page cache, as the cache's files are after their first epoch).
 
 * local files: an epoch (after the first) of the loader over the local files.
@@ -44,7 +45,7 @@ import anyio
 from common import BATCH, CONCURRENCY, LATENCY, RECORDS, SHARDS, TOTAL, serve_shards
 
 from aloader import DataLoader, JsonLines
-from aloader._demo import make_jsonl_shards
+from aloader._demo import ShardServer, make_jsonl_shards
 
 BUCKET = "bench"
 TARGET = 0.9
@@ -53,12 +54,14 @@ PAIRS = 3  # (local files, cached epoch) pairs timed per round
 
 
 def _serve_s3(queue: Any, stop: Any) -> None:
-    from aloader._demo._s3 import LocalS3
-
-    with LocalS3(latency=LATENCY) as server:
-        server.put(BUCKET, make_jsonl_shards(SHARDS, RECORDS))
-        queue.put(server.env())
-        stop.wait()
+    """Server process: the workload's shards as the S3 bucket BUCKET of a ShardServer."""
+    server = ShardServer(make_jsonl_shards(SHARDS, RECORDS), latency=LATENCY,
+                         bucket=BUCKET).start()
+    queue.put({"AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": "testing",
+               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
+               "AWS_ALLOW_HTTP": "true"})
+    stop.wait()
+    server.close()
 
 
 async def _epoch(loader: DataLoader[Any]) -> int:
@@ -156,8 +159,8 @@ def main() -> None:
     files = make_jsonl_shards(SHARDS, RECORDS)
     names = sorted(files)
     stores = {"http": [f"http://127.0.0.1:{port}/{name}" for name in names]}
-    if any(importlib.util.find_spec(name) is None for name in ("boto3", "moto", "obstore")):
-        print("obstore, moto[server] or boto3 missing: the S3 rows are skipped",
+    if importlib.util.find_spec("obstore") is None:
+        print("obstore is not installed: the S3 rows are skipped",
               file=sys.stderr)
     else:
         processes.append(context.Process(target=_serve_s3, args=(queue, stop), daemon=True))
