@@ -9,9 +9,14 @@ the cores.
 - cpu: 1,000 items of ~0.7 ms GIL-holding Python work (``anchors_torch_spdl.py``'s
   ``cpu_work``), batch 32, num_workers=2, with ``import torch`` at the top of this script:
   each epoch starting its workers (as torch's anchor), and persistent workers (the epoch after
-  a warm-up one), for aloader and torch alike. The limit is two cores at the single-item speed
-  measured in this process (as the anchor script does); two bare processes computing half the
-  items each show what the cores deliver in this run, loader aside.
+  a warm-up one), for aloader and torch alike. The limit is the same work with no loader: two
+  forked processes each making every other batch (32 items, ``np.stack``) and sending it over
+  a socket pair, received in order here; the anchors' limit (two cores at the single-item
+  speed measured in this process) and two bare processes computing half the items each are
+  shown beside it. aloader / torch is given as the ratio of the bests and as the median of
+  each round's own ratio (the two run next to each other). A second table gives the CPU
+  time per epoch of the main process and of the workers (persistent), which shows what each
+  loader costs beside the items' own work.
 - ttfb: time to the first batch of the cpu dataset with 2 workers, each measured in a fresh
   process of this script whose main module imports torch at the top, or does not (aloader
   only: torch's loader needs torch): the first loader of the process iterated at once (and
@@ -107,12 +112,17 @@ def _has_torch() -> bool:
     return True
 
 
-def _best(contenders: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
-    """Best of ``rounds`` for each contender, interleaved round by round."""
+def _best(contenders: dict[str, Callable[[], float]], rounds: int,
+          each: dict[str, list[float]] | None = None) -> dict[str, float]:
+    """Best of ``rounds`` for each contender, interleaved round by round (every round's
+    figures appended to ``each`` too, when given)."""
     best: dict[str, float] = {}
     for _ in range(rounds):
         for name, run in contenders.items():
-            best[name] = max(best.get(name, 0.0), run())
+            figure = run()
+            best[name] = max(best.get(name, 0.0), figure)
+            if each is not None:
+                each.setdefault(name, []).append(figure)
     return best
 
 
@@ -125,6 +135,9 @@ def _table(title: str, rows: list[tuple[str, str, str]]) -> None:
 
 
 # cpu ---------------------------------------------------------------------------------------------
+BATCH = 32
+
+
 def _half(start: int) -> None:
     for i in range(start, N_CPU, 2):
         cpu_work(i)
@@ -146,6 +159,53 @@ def _bare_processes() -> float:
     return N_CPU / (time.perf_counter() - begin)
 
 
+def _batches_to(conn: Any, worker: int) -> None:
+    """Worker ``worker`` of :func:`_bare_batches`: its whole batches, stacked, over ``conn``."""
+    for start in range(worker * BATCH, N_CPU, 2 * BATCH):
+        batch = np.stack([cpu_work(i) for i in range(start, min(start + BATCH, N_CPU))])
+        conn.send_bytes(batch.tobytes())
+    conn.close()
+
+
+def _bare_batches() -> float:
+    """Items per second of the loaders' work with no loader: two forked processes, batch ``k``
+    made by process ``k % 2`` (32 items, ``np.stack``), sent over a socket pair and received
+    here in order, start included. Nothing holds a process back (the sockets buffer every
+    batch), so it bounds what any loader with 2 workers can reach in this run."""
+    import multiprocessing
+
+    context: Any = multiprocessing.get_context("fork")
+    begin = time.perf_counter()
+    pairs = [context.Pipe() for _ in range(2)]
+    processes = [context.Process(target=_batches_to, args=(pairs[k][1], k)) for k in range(2)]
+    for process, (_, theirs) in zip(processes, pairs, strict=True):
+        process.start()
+        theirs.close()
+    n = 0
+    for k in range((N_CPU + BATCH - 1) // BATCH):
+        n += len(np.frombuffer(pairs[k % 2][0].recv_bytes(), np.float32)) // 16
+    for process in processes:
+        process.join()
+    return n / (time.perf_counter() - begin)
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_of(pid: int) -> float:
+    """CPU seconds (user and system) that process ``pid`` has used."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _worker_pids(loader: Any) -> list[int]:
+    """The worker processes of a loader of either kind, once it has iterated (persistent)."""
+    if type(loader).__module__.startswith("aloader"):
+        return [w.process.pid for w in loader._pool.workers]
+    return [w.pid for w in loader._iterator._workers]
+
+
 def bench_cpu(rounds: int, torch: bool) -> None:
     def limit() -> float:  # as anchors_torch_spdl.py measures it: 100 items in this process
         start = time.perf_counter()
@@ -153,27 +213,46 @@ def bench_cpu(rounds: int, torch: bool) -> None:
             cpu_work(i)
         return 2 / ((time.perf_counter() - start) / 100)
 
-    def persistent(factory: Callable[..., Any]) -> Callable[[], float]:
-        loader = factory(CpuDataset(), batch_size=32, num_workers=2, persistent_workers=True)
+    cpu: dict[str, list[tuple[float, float, float]]] = {}  # (wall, main CPU, workers' CPU)
+
+    def persistent(name: str, factory: Callable[..., Any]) -> Callable[[], float]:
+        loader = factory(CpuDataset(), batch_size=BATCH, num_workers=2, persistent_workers=True)
         _count(loader)  # a warm-up epoch starts the workers; the timed ones reuse them
-        return lambda: _rate(lambda: loader)
+        pids = _worker_pids(loader)
+
+        def run() -> float:
+            workers = [_cpu_of(pid) for pid in pids]
+            main = time.process_time()
+            rate = _rate(lambda: loader)
+            main = time.process_time() - main
+            spent = sum(_cpu_of(pid) - before for pid, before in zip(pids, workers, strict=True))
+            cpu.setdefault(name, []).append((N_CPU / rate, main, spent))
+            return rate
+
+        return run
 
     contenders: dict[str, Callable[[], float]] = {
         "limit": limit,
         "bare": _bare_processes,
-        "aloader": lambda: _rate(lambda: _aloader(CpuDataset(), batch_size=32, num_workers=2)),
-        "aloader persistent": persistent(_aloader),
+        "batches": _bare_batches,
+        "aloader": lambda: _rate(lambda: _aloader(CpuDataset(), batch_size=BATCH,
+                                                  num_workers=2)),
+        "aloader persistent": persistent("aloader", _aloader),
     }
     if torch:
         contenders["torch"] = lambda: _rate(
-            lambda: _torch(CpuDataset(), batch_size=32, num_workers=2))
-        contenders["torch persistent"] = persistent(_torch)
-    _aloader(CpuDataset(), batch_size=32, num_workers=2)  # the fork server starts once
-    best = _best(contenders, rounds)
-    lim = best["limit"]
-    rows = [("limit: 2 cores x single-item speed", f"{lim:,.0f} items/s", "1.00"),
-            ("(2 bare processes, half the items each, no loader)", f"{best['bare']:,.0f} items/s",
-             f"{best['bare'] / lim:.2f}")]
+            lambda: _torch(CpuDataset(), batch_size=BATCH, num_workers=2))
+        contenders["torch persistent"] = persistent("torch", _torch)
+    _aloader(CpuDataset(), batch_size=BATCH, num_workers=2)  # the fork server starts once
+    each: dict[str, list[float]] = {}
+    best = _best(contenders, rounds, each)
+    lim = best["batches"]
+    rows = [("limit: 2 forked processes, batch k by process k % 2 (32 items, np.stack), sent "
+             "over a socket pair, received in order, no loader", f"{lim:,.0f} items/s", "1.00"),
+            ("(2 cores x single-item speed in this process, the anchors' limit)",
+             f"{best['limit']:,.0f} items/s", f"{best['limit'] / lim:.2f}"),
+            ("(2 bare processes, half the items each, no batches)",
+             f"{best['bare']:,.0f} items/s", f"{best['bare'] / lim:.2f}")]
     for kind, label in (("", "num_workers=2"), (" persistent", "2 persistent workers")):
         rows.append((f"aloader {label}", f"{best['aloader' + kind]:,.0f} items/s",
                      f"{best['aloader' + kind] / lim:.2f}"))
@@ -182,9 +261,23 @@ def bench_cpu(rounds: int, torch: bool) -> None:
                          f"{best['torch' + kind] / lim:.2f}"))
             rows.append((f"aloader / torch, {label}", "",
                          f"{best['aloader' + kind] / best['torch' + kind]:.2f}"))
+            # The two ran next to each other in every round: on a machine whose speed drifts
+            # the median of the rounds' own ratios is steadier than the ratio of the bests.
+            paired = np.median(np.divide(each["aloader" + kind], each["torch" + kind]))
+            rows.append((f"(aloader / torch, {label}: median of the rounds' ratios)", "",
+                         f"{paired:.2f}"))
     imported = "torch imported" if "torch" in sys.modules else "torch not imported"
+    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     _table(f"cpu: 1,000 items x ~0.7 ms of Python, batch 32, 2 workers, {imported} in the "
-           "main module (ratio: of the limit)", rows)
+           f"main module (ratio: of the limit; load average {load})", rows)
+    rows = []
+    for name, runs in cpu.items():
+        wall, main, workers = (float(np.median(column)) for column in zip(*runs, strict=True))
+        rows.append((name, f"main {main * 1e3:.0f} ms, workers {workers:.2f} s, "
+                     f"wall {wall:.2f} s", f"{workers / (2 * wall):.2f}"))
+    _table("cpu: CPU time per epoch of persistent workers, median of the rounds above (ratio: "
+           "the workers' CPU over 2 x wall, below 1 where a worker waited or another program "
+           "ran)", rows)
 
 
 # ttfb --------------------------------------------------------------------------------------------
