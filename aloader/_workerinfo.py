@@ -72,6 +72,8 @@ class WorkerInfo:
 
 
 _worker_info: WorkerInfo | None = None
+# The answer this module gave torch's get_worker_info() (see _mirror_to_torch), if any.
+_torch_mirror: Any = None
 # The loader epoch of this worker's latest task; None outside workers.
 _served_epoch: int | None = None
 
@@ -140,12 +142,17 @@ def _mirror_to_torch() -> None:
     set here once torch is loaded (whichever way the user imported the function). The
     virtual replicas of a resumed epoch see the process's facts there, not their own.
     """
+    global _torch_mirror
     info = _worker_info
     worker: Any = sys.modules.get("torch.utils.data._utils.worker")  # torch's private module
-    if info is None or worker is None:
+    if worker is None:
         return
     current = getattr(worker, "_worker_info", None)
+    if info is None:
+        if current is not None and current is _torch_mirror:  # ours: gone with aloader's
+            worker._worker_info = _torch_mirror = None
+        return
     if current is not None and current.id == info.id and current.dataset is info.dataset:
         return
-    worker._worker_info = worker.WorkerInfo(id=info.id, num_workers=info.num_workers,
-                                            seed=info.seed, dataset=info.dataset)
+    worker._worker_info = _torch_mirror = worker.WorkerInfo(
+        id=info.id, num_workers=info.num_workers, seed=info.seed, dataset=info.dataset)

@@ -38,3 +38,21 @@ def test_sources_do_not_import_the_worker_server() -> None:
         tree = ast.parse((package / name).read_text())
         modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         assert "_worker" not in modules, name
+
+
+def test_torch_get_worker_info_follows_aloaders_and_is_cleared_with_it() -> None:
+    """torch's own get_worker_info() answers what aloader's does in a worker (a torch
+    script's stream shards itself with it), and is None again once aloader's is: a worker
+    simulated in this process (as the source tests do) must not leave torch believing it
+    runs in a worker (webdataset, for one, would then split its shards)."""
+    tud = pytest.importorskip("torch.utils.data")
+    dataset = object()
+    assert tud.get_worker_info() is None
+    _workerinfo._set_worker_info(WorkerInfo(id=1, num_workers=3, seed=9, dataset=dataset))
+    try:
+        theirs = tud.get_worker_info()
+        assert (theirs.id, theirs.num_workers, theirs.seed) == (1, 3, 9)
+        assert theirs.dataset is dataset
+    finally:
+        _workerinfo._set_worker_info(None)
+    assert tud.get_worker_info() is None
