@@ -17,10 +17,12 @@ from collections.abc import AsyncIterable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import anyio
+
 from aloader._workerinfo import WorkerInfo, _set_worker_info
 
-__all__ = ("as_worker", "collect", "free_port", "interrupted", "read_as_consumers", "roundtrip",
-           "write")
+__all__ = ("as_worker", "collect", "decoded_ahead", "free_port", "interrupted",
+           "read_as_consumers", "roundtrip", "write")
 
 T = TypeVar("T")
 
@@ -28,6 +30,23 @@ T = TypeVar("T")
 async def collect(source: AsyncIterable[T]) -> list[T]:
     """Every item of ``source``, in order."""
     return [item async for item in source]
+
+
+async def decoded_ahead(source: Any, server: Any, shards: int) -> tuple[int, list[int]]:
+    """Take one record of ``source``, let its readers of ``shards`` shards (served by
+    ``server``) run on until every shard was asked for, then read the rest: (the records
+    decoded when the readers had settled, the ids of every record in order)."""
+    iterator: Any = source.__aiter__()
+    first = await iterator.__anext__()
+    for _ in range(100):  # until every shard was asked for, then let the readers run on
+        if len(server.requests) == shards:
+            break
+        await anyio.sleep(0.01)
+    for _ in range(10):
+        await anyio.sleep(0.01)
+    decoded = source.stats.records
+    rest = [record async for record in iterator]
+    return decoded, [r["id"] for r in [first, *rest]]
 
 
 def roundtrip(state: dict[str, Any]) -> dict[str, Any]:

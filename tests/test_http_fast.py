@@ -15,10 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 from faulty_server import FaultyServer, make_jsonl_shards
-from sourcetools import collect
+from sourcetools import collect, decoded_ahead
 
 from aloader import JsonLines
 from aloader._demo import ShardServer
@@ -55,20 +54,11 @@ async def test_read_ahead_holds_bytes_not_records(serve: Callable[..., FaultySer
                    if line)
     per_chunk = chunk_size // shortest + 1
     source = JsonLines(server.urls, concurrency=4, chunk_size=chunk_size)
-    iterator: Any = source.__aiter__()
-    first = await iterator.__anext__()
-    assert first["id"] == 0
-    for _ in range(100):  # until every shard was asked for, then let the readers run on
-        if len(server.requests) == 4:
-            break
-        await anyio.sleep(0.01)
-    for _ in range(10):
-        await anyio.sleep(0.01)
+    decoded, ids = await decoded_ahead(source, server, 4)
     # The stream prefetches 2 blocks, holds 1 while it waits to hand it over, and the
     # consumer has 1: a block per chunk.
-    assert source.stats.records <= 5 * per_chunk
-    rest = [record async for record in iterator]
-    assert [r["id"] for r in [first, *rest]] == list(range(400))
+    assert decoded <= 5 * per_chunk
+    assert ids == list(range(400))
     assert source.stats.records == 400 and source.stats.shards == 4
 
 

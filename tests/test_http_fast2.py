@@ -14,10 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 from faulty_server import FaultyServer
-from sourcetools import interrupted, roundtrip
+from sourcetools import decoded_ahead, interrupted, roundtrip
 
 from aloader import DataLoader, JsonLines, RecordError
 from aloader._formats import JsonLinesDecoder
@@ -58,18 +57,9 @@ async def test_records_decoded_ahead_are_a_few_pieces(serve: Callable[..., Fault
     files = shards(2, 3000)
     server = serve(files)
     source = JsonLines(server.urls, concurrency=2)
-    iterator: Any = source.__aiter__()
-    first = await iterator.__anext__()
-    assert first["id"] == 0
-    for _ in range(100):  # until both shards were asked for, then let the readers run on
-        if len(server.requests) == 2:
-            break
-        await anyio.sleep(0.01)
-    for _ in range(10):
-        await anyio.sleep(0.01)
-    assert source.stats.records <= 3 * per_piece(files)
-    rest = [record async for record in iterator]
-    assert [r["id"] for r in [first, *rest]] == list(range(6000))
+    decoded, ids = await decoded_ahead(source, server, 2)
+    assert decoded <= 3 * per_piece(files)
+    assert ids == list(range(6000))
     assert source.stats.records == 6000 and source.stats.shards == 2
 
 
