@@ -219,3 +219,51 @@ async def test_a_read_thread_left_unclosed_exits_when_collected(anyio_backend: s
     gc.collect()
     started.join(5)
     assert not started.is_alive()
+
+
+# obstore's runtime threads ------------------------------------------------------------------------
+def test_obstore_runtime_threads_are_set_until_its_first_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """aloader asks tokio for half the cores as obstore's worker threads (one thread per core
+    cost an S3 epoch ~20% more CPU on 2 cores), through TOKIO_WORKER_THREADS, read when the
+    runtime starts: set at obstore's first use in the process, gone after its first request,
+    and never over a value the user set."""
+    pytest.importorskip("obstore")
+    from aloader import _objstore
+
+    monkeypatch.delenv("TOKIO_WORKER_THREADS", raising=False)
+    monkeypatch.setattr(_objstore, "_RUNTIME_PID", None)
+    monkeypatch.setattr(_objstore, "_SET_THREADS", False)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    _objstore._obstore("s3://bucket/key")
+    assert os.environ["TOKIO_WORKER_THREADS"] == str(max(1, (cores or 2) // 2))
+    _objstore._obstore("s3://bucket/key")  # a later use sets nothing more
+    _objstore._runtime_started()
+    assert "TOKIO_WORKER_THREADS" not in os.environ
+    _objstore._runtime_started()  # idempotent
+    assert "TOKIO_WORKER_THREADS" not in os.environ
+
+    monkeypatch.setenv("TOKIO_WORKER_THREADS", "7")
+    monkeypatch.setattr(_objstore, "_RUNTIME_PID", None)
+    _objstore._obstore("s3://bucket/key")
+    _objstore._runtime_started()
+    assert os.environ["TOKIO_WORKER_THREADS"] == "7"
+
+
+async def test_obstore_first_request_clears_the_runtime_variable(
+    monkeypatch: pytest.MonkeyPatch, anyio_backend: str,
+) -> None:
+    """The variable goes with the first request's answer, failed ones included."""
+    pytest.importorskip("obstore")
+    from aloader import _objstore
+
+    monkeypatch.setattr(_objstore, "_SET_THREADS", True)
+    monkeypatch.setenv("TOKIO_WORKER_THREADS", "1")
+    import obstore
+    from obstore.store import MemoryStore
+
+    calls = _objstore._Calls(obstore, threaded=anyio_backend == "trio")
+    with pytest.raises(FileNotFoundError):
+        await calls.get(MemoryStore(), "missing", {})
+    assert "TOKIO_WORKER_THREADS" not in os.environ
