@@ -118,7 +118,6 @@ class _EpochRecord:
         return self.done or (self.length is not None and self.prefix >= self.length)
 
 
-
 def _check_process_limit(num_workers: int) -> None:
     """Refuse more workers than this user may run processes (``ulimit -u``): starting them
     would fail only after creating as many as the system allows, one by one (torch only
@@ -133,6 +132,7 @@ def _check_process_limit(num_workers: int) -> None:
             f"num_workers={num_workers} is more worker processes than this user may run "
             f"(RLIMIT_NPROC, `ulimit -u`: {limit})"
         )
+
 
 class DataLoader(Generic[T_co]):
     """Combines a dataset and a sampler, and iterates over batches of the dataset.
