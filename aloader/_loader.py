@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import operator
-import os
 import threading
 import time
 import warnings
@@ -41,6 +40,7 @@ from ._sampler import BatchSampler, RandomSampler, SequentialSampler
 from ._sources import source_stats
 from ._stats import Collector, LoaderStats
 from ._streams import Stream
+from ._util import usable_cpus
 from ._worker import WorkerSetup
 
 __all__ = ("AsyncDataLoaderIter", "DataLoader", "DataLoaderIter")
@@ -550,12 +550,7 @@ class DataLoader(Generic[T_co]):
         workers = self.num_workers
         if workers == 0 or (self.persistent_workers and self._pool is not None):
             return
-        try:
-            cpus: int | None = len(os.sched_getaffinity(0))
-            cpuset = True
-        except AttributeError:
-            cpus = os.cpu_count()
-            cpuset = False
+        cpus, cpuset = usable_cpus()
         if cpus is not None and workers <= cpus:
             return
         if cpus is None:

@@ -65,6 +65,7 @@ from ._exceptions import (
 )
 from ._formats import SourceStats
 from ._http import HttpOptions, retry_delay, split_chunks
+from ._util import usable_cpus
 
 __all__ = ("ObjectAccess", "is_object_url", "runtime_started")
 
@@ -146,8 +147,8 @@ def _start_runtime(obstore: Any) -> None:
     global _SET_THREADS
     if "TOKIO_WORKER_THREADS" in os.environ:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    os.environ["TOKIO_WORKER_THREADS"] = str(max(1, (cores or 2) // 2))
+    cores = usable_cpus()[0] or 2
+    os.environ["TOKIO_WORKER_THREADS"] = str(max(1, cores // 2))
     _SET_THREADS = True
 
 

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import inspect
 import math
+import os
 import sys
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
@@ -77,6 +78,15 @@ class Signal:
             with contextlib.suppress(ValueError):
                 self._waiters.remove(waiter)
             raise
+
+
+def usable_cpus() -> tuple[int | None, bool]:
+    """(the CPUs this process may run on, whether its cpuset was taken into account): the
+    affinity mask where the platform has one, else ``os.cpu_count()`` (None if unknown)."""
+    try:
+        return len(os.sched_getaffinity(0)), True
+    except AttributeError:
+        return os.cpu_count(), False
 
 
 def is_async_callable(fn: object) -> bool:
