@@ -50,13 +50,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 import math
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -83,8 +82,10 @@ __all__ = (
     "Results",
 )
 
-# Work queue positions that are not item positions: a job fetched in one call, a job whose
-# items fetch threads are filling, and a job with no item to fetch (collated at once).
+# The kinds of a job's work (``_Job.kind``): items fetched one by one on the loop, a job
+# fetched in one call, a job whose items fetch threads are filling, and a job with no item to
+# fetch (collated at once). All but the first are one piece of work, and negative.
+_ITEMS = 0
 _WHOLE_JOB = -1
 _AWAIT_THREADS = -2
 _NO_ITEMS = -3
@@ -267,7 +268,13 @@ class Results:
 
 
 class _WorkQueue:
-    """Work for the fetch workers: a deque, and the idle workers parked in arrival order.
+    """Work for the fetch workers: a deque of jobs, and the idle workers parked in arrival
+    order.
+
+    A job is ``count`` pieces of work, handed out in order from the queue's head job: its
+    cursor ``next`` is the position the next taker gets, and the job leaves the queue with its
+    last piece. So an item costs no object of its own in the queue (a tuple per item was most
+    of the epoch's young-generation garbage collections).
 
     Lighter than a memory object stream (the producer never waits on it: the window bounds
     what it holds), and it wakes one idle worker per piece of work that may start rather than
@@ -291,7 +298,7 @@ class _WorkQueue:
 
     def __init__(self, limit: int, new_waiter: Callable[[], Waiter], room: int,
                  spawn: Callable[[], None] = lambda: None) -> None:
-        self.items: deque[tuple[_Job, int, Any]] = deque()  # taken in order
+        self.items: deque[_Job] = deque()  # jobs with pieces left, taken in order
         self.room = room
         self._idle: deque[Waiter] = deque()
         self._closed = False
@@ -300,22 +307,29 @@ class _WorkQueue:
         self._new_waiter = new_waiter
         self.spawn = spawn  # starts one more worker
 
-    def take(self) -> tuple[_Job, int, Any] | None:
-        """The next piece of work if it may start now, else None (never waits)."""
+    def take(self) -> _Job | None:
+        """The job of the next piece of work if it may start now, else None (never waits).
+
+        The piece is the job's position ``next - 1``: read it before the next await.
+        """
         items = self.items
         if items:
-            if items[0][1] > 0:  # a later item of a job already started
-                return items.popleft()
-            if self.room > 0:
+            job = items[0]
+            position = job.next
+            if position == 0:  # a job's first piece starts it
+                if self.room <= 0:
+                    return None
                 self.room -= 1
-                return items.popleft()
+            job.next = position = position + 1
+            if position == job.count:
+                items.popleft()
+            return job
         return None
 
-    def put_many(self, items: Iterable[tuple[_Job, int, Any]]) -> None:
-        """Add work, waking an idle worker (or starting one) for each piece."""
-        before = len(self.items)
-        self.items.extend(items)
-        new = len(self.items) - before
+    def put(self, job: _Job) -> None:
+        """Add a job's pieces, waking an idle worker (or starting one) for each."""
+        self.items.append(job)
+        new = job.count
         more = min(new - self._wake(new), self._limit - self._spawned)
         if more > 0:
             self._spawned += more
@@ -328,16 +342,16 @@ class _WorkQueue:
         if not self._idle:
             return
         # Wake a worker for each piece at the head that may start now.
-        startable, room = 0, self.room
-        for _, position, _ in self.items:
-            if position <= 0:
+        startable, room, idle = 0, self.room, len(self._idle)
+        for job in self.items:
+            if job.next == 0:
                 if room <= 0:
                     break
                 room -= 1
-            startable += 1
-            if startable >= len(self._idle):
+            startable += job.count - job.next
+            if startable >= idle:
                 break
-        self._wake(startable)
+        self._wake(min(startable, idle))
         if self._closed and not self.items:
             self._wake(len(self._idle))  # nothing left: the idle workers leave
 
@@ -359,12 +373,13 @@ class _WorkQueue:
         if not self.items:
             self._wake(len(self._idle))
 
-    async def get(self) -> tuple[_Job, int, Any] | None:
-        """The next piece of work, or None once the queue is closed and drained."""
+    async def get(self) -> _Job | None:
+        """The job of the next piece of work (as :meth:`take`), or None once the queue is
+        closed and drained."""
         while True:
-            piece = self.take()
-            if piece is not None:
-                return piece
+            job = self.take()
+            if job is not None:
+                return job
             if self._closed and not self.items:
                 return None
             wakeup = self._new_waiter()
@@ -372,14 +387,24 @@ class _WorkQueue:
             await wakeup
 
 
-@dataclass(eq=False)
 class _Job:
-    seq: int
-    key: Any
-    samples: list[Any] = field(default_factory=list)
-    remaining: int = 0
-    error: BaseException | None = None
-    fetched: anyio.Event | None = None  # set when fetch threads have filled every sample
+    """One batch (or one index without auto-batching) of a map epoch, from admission to its
+    publication: its samples as they are fetched, and its pieces of work in the queue."""
+
+    __slots__ = ("count", "error", "fetched", "indices", "key", "kind", "next", "remaining",
+                 "samples", "seq")
+
+    def __init__(self, seq: int, key: Any) -> None:
+        self.seq = seq
+        self.key = key
+        self.samples: list[Any] = []
+        self.remaining = 0  # samples not yet fetched
+        self.error: BaseException | None = None
+        self.fetched: anyio.Event | None = None  # set when fetch threads filled every sample
+        self.kind = _ITEMS
+        self.indices: list[Any] = []  # the items' indices (kind _ITEMS)
+        self.count = 1  # pieces of work: an item each (kind _ITEMS), else one
+        self.next = 0  # the position of the piece the queue hands out next
 
 
 def _note(error: BaseException, text: str) -> BaseException:
@@ -1025,20 +1050,21 @@ class _Admission:
         plan = self._epoch.plan
         job = _Job(self.seq, key)
         self.seq += 1
-        queue = self._queue
         if plan.granularity == "job":
-            queue.put_many(((job, _WHOLE_JOB, key),))
-            return
-        items = plan.items_of(key)
-        job.samples = [None] * len(items)
-        job.remaining = len(items)
-        if not items:
-            queue.put_many(((job, _NO_ITEMS, None),))
-        elif self._threads is not None:
-            self._threads.submit(job, items)
-            queue.put_many(((job, _AWAIT_THREADS, None),))
+            job.kind = _WHOLE_JOB
         else:
-            queue.put_many(zip(itertools.repeat(job), range(len(items)), items))
+            items = plan.items_of(key)
+            job.samples = [None] * len(items)
+            job.remaining = len(items)
+            if not items:
+                job.kind = _NO_ITEMS
+            elif self._threads is not None:
+                self._threads.submit(job, items)
+                job.kind = _AWAIT_THREADS
+            else:
+                job.indices = items
+                job.count = len(items)
+        self._queue.put(job)
 
     async def produce(self) -> None:
         """Admit jobs until the sampler ends or fails, then tell the results how many."""
@@ -1260,13 +1286,18 @@ class MapEpoch(Epoch):
                                     plan.stats)
         # Items fetched one by one on the loop: in a turn of a busy loop hundreds of fetches
         # finish before the consumer takes their batches, so a second window of jobs may hold
-        # data, and a third waits as indices, each worker finding its next fetch at once.
+        # data, and another waits as indices, each worker finding its next fetch at once. On
+        # trio a turn runs every task that is ready, and the consumer, woken by the first
+        # batch of a turn, runs in the next one, anywhere in it: two windows may finish
+        # between two of its takes, so a third may hold data (without it, workers idled
+        # for room in ~1 fetch of 7, and parking them cost more than the fetches).
         ahead = plan.granularity == "item" and threads is None
         workers = plan.concurrency if ahead else plan.window
         new_waiter = waiters()  # the backend, looked up once for the epoch
         # Jobs started and not yet taken by the consumer: the windows, and the batches that
         # may wait for the consumer (collated, or fetched and waiting for their slot).
-        room = (2 if ahead else 1) * plan.window + self.results.capacity
+        holding = (3 if current_backend() == "trio" else 2) if ahead else 1
+        room = holding * plan.window + self.results.capacity
         queue = _WorkQueue(workers, new_waiter, room)
         self.results.on_take = queue.free
         admission = _Admission(self, queue, threads, new_waiter,
@@ -1305,18 +1336,18 @@ class MapEpoch(Epoch):
         take, get = queue.take, queue.get
         with self._guarded:  # not _guard(): a frame less on every resume
             while True:
-                work = take()  # without a trip through the loop while there is work
-                if work is None:
-                    work = await get()
-                    if work is None:
+                job = take()  # without a trip through the loop while there is work
+                if job is None:
+                    job = await get()
+                    if job is None:
                         return
-                job, position, index = work
-                if position < 0:  # not one item: one comparison on the items' path
-                    if position == _WHOLE_JOB:
+                position = job.next - 1  # the piece taken, read before any await
+                if job.kind:  # not one item: one test on the items' path
+                    if job.kind == _WHOLE_JOB:
                         await self._run_job(job, limiter)
                         window.release()
                         continue
-                    if position == _AWAIT_THREADS:
+                    if job.kind == _AWAIT_THREADS:
                         assert job.fetched is not None
                         await job.fetched.wait()
                         if job.error is not None and not isinstance(job.error, Exception):
@@ -1324,6 +1355,7 @@ class MapEpoch(Epoch):
                     await self._complete(job, limiter, window)  # _AWAIT_THREADS, _NO_ITEMS
                     continue
                 if job.error is None:
+                    index = job.indices[position]
                     started = _now()
                     if scope is not None:
                         if scope.epoch != plan.epoch:
