@@ -60,6 +60,7 @@ import functools
 import inspect
 import math
 import sys
+import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from types import TracebackType
@@ -192,7 +193,8 @@ def _current_loop() -> object:
 
 def _clock_of(loop: object) -> Callable[[], float]:
     if isinstance(loop, asyncio.AbstractEventLoop):
-        return loop.time
+        # asyncio's own loop.time() is time.monotonic() behind a Python frame.
+        return time.monotonic if type(loop).time is asyncio.BaseEventLoop.time else loop.time
     import trio
 
     return trio.current_time
@@ -906,27 +908,33 @@ class Batcher(Generic[T, R]):
                 if self._binding.now() < deadline:
                     await self._sleep(self._fill_target, deadline)
                     continue  # re-evaluate: the queue may have grown, shrunk or emptied
-            batch = self._take()
+            batch, items = self._take()
             self._running += 1
             if self._max_concurrent == 1:
                 # No other batch can start meanwhile: run inline, saving a task per batch.
-                await self._run_batch(batch)
+                await self._run_batch(batch, items)
             else:
-                task_group.start_soon(self._run_batch, batch)
+                task_group.start_soon(self._run_batch, batch, items)
 
-    def _take(self) -> list[_Request]:
+    def _take(self) -> tuple[list[_Request], list[Any]]:
+        """The next batch out of the queue, running: its requests and their items."""
         queue = self._queue
         size = min(len(queue), self._max_batch_size)
         if self._preferred and size >= self._preferred[0]:
             size = max(p for p in self._preferred if p <= size)
         popitem = queue.popitem
-        batch = [popitem(last=False)[0] for _ in range(size)]
-        for request in batch:
+        batch = []
+        items = []
+        for _ in range(size):
+            request = popitem(last=False)[0]
             request.state = _RUNNING
-        return batch
+            batch.append(request)
+            items.append(request.item)
+        return batch, items
 
-    async def _run_batch(self, batch: list[_Request]) -> None:
-        """Run one batch and answer every caller still waiting for it.
+    async def _run_batch(self, batch: list[_Request], items: list[Any]) -> None:
+        """Run one batch (``items``, one per request of ``batch``) and answer every caller
+        still waiting for it.
 
         Invariant: whatever the batch function does or returns, each request of ``batch``
         that is still running leaves this method answered (a result or an error), and no
@@ -941,7 +949,6 @@ class Batcher(Generic[T, R]):
         n = len(batch)
         try:
             try:
-                items = [r.item for r in batch]
                 if self._in_loop:
                     result = self._fn(items if self._collate is None else self._collate(items))
                 else:
