@@ -141,7 +141,8 @@ async def saturation_round(backend: str, serve: Any | None) -> dict[str, tuple[f
     """One round of the saturation programs on one backend: name -> (requests/s, note)."""
     out: dict[str, tuple[float, str]] = {}
     out[f"same batch fn back to back, no batcher ({backend})"] = (
-        await direct_full_batches(1.0), "measured"
+        await direct_full_batches(1.0),
+        "measured",
     )
     rate, mean = await batcher_rate(0.0)
     out[f"aloader Batcher (max_wait=0, {backend})"] = (rate, f"mean batch {mean:.1f}")
@@ -370,12 +371,17 @@ def main() -> None:
     for backend in backends:
         rate = sat[f"aloader Batcher (max_wait=0, {backend})"][0]
         direct = sat[f"same batch fn back to back, no batcher ({backend})"][0]
-        checks.append((
-            f"{backend}: saturation >= 0.93 x limit ({rate / limit:.3f}; "
-            f"{rate / direct:.3f} x the batch fn back to back)",
-            rate / limit >= 0.93,
-        ))
-        for name in (f"aloader Batcher ({backend})", f"aloader Batcher, with a timeout ({backend})"):
+        checks.append(
+            (
+                f"{backend}: saturation >= 0.93 x limit ({rate / limit:.3f}; "
+                f"{rate / direct:.3f} x the batch fn back to back)",
+                rate / limit >= 0.93,
+            )
+        )
+        for name in (
+            f"aloader Batcher ({backend})",
+            f"aloader Batcher, with a timeout ({backend})",
+        ):
             p50, p99 = low[name]
             checks.append((f"{name}: low-load added p50 < 0.2 ms ({p50 * 1e6:.1f} us)", p50 < 2e-4))
             checks.append((f"{name}: low-load added p99 < 100 us ({p99 * 1e6:.1f} us)", p99 < 1e-4))
