@@ -141,7 +141,7 @@ async def saturation_round(backend: str, serve: Any | None) -> dict[str, tuple[f
     """One round of the saturation programs on one backend: name -> (requests/s, note)."""
     out: dict[str, tuple[float, str]] = {}
     out[f"same batch fn back to back, no batcher ({backend})"] = (
-        await direct_full_batches(1.0),
+        await direct_full_batches(SATURATION_SECONDS),
         "measured",
     )
     rate, mean = await batcher_rate(0.0)
