@@ -710,7 +710,7 @@ class Batcher(Generic[T, R]):
             raise BatcherClosedError(f"batcher {self._name!r} is closed and admits no request")
         binding = self._binding
         # The running asyncio loop is its own identity, without a call of ours.
-        loop = asyncio._get_running_loop()
+        loop: object = asyncio._get_running_loop()
         if loop is None:
             loop = _current_loop()  # trio's run token
         if loop is not binding.loop or not binding.alive:
