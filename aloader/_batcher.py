@@ -44,6 +44,13 @@ runs.
 All times come from the event loop's clock (:func:`anyio.current_time`), so trio's
 ``MockClock`` drives batch formation, timeouts and the metrics deterministically in tests.
 
+Cost (the hot path, counted in tests/test_batcher_fast.py): a request is one ``_Request``
+and one waiter of the bound loop (:func:`~aloader._backend.waiters`: a plain future on
+asyncio), with no anyio object; its timeout is one loop timer on asyncio (no cancel scope,
+so a late caller is answered, never cancelled), trio's cancel scope on trio. A lone request
+costs two loop steps (the caller wakes the dispatcher, which answers it); under load the next
+batch starts in the loop step the previous one ended, before its callers run again.
+
 The module owns three pieces, each with its own contract: :class:`Batcher` is the batching
 policy (admission, batch formation, running a batch, answering its callers, shutdown);
 :class:`_LoopBinding` says which event loop its dispatcher task lives on and how a call from
@@ -60,6 +67,7 @@ import functools
 import inspect
 import math
 import sys
+import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from types import TracebackType
@@ -68,7 +76,7 @@ from typing import Any, Generic, Protocol, TypedDict, TypeVar, cast, overload
 import anyio
 from anyio.abc import TaskGroup
 
-from ._backend import spawn_background
+from ._backend import Waiter, spawn_background, waiters
 from ._exceptions import (
     BatcherClosedError,
     BatcherTimeoutError,
@@ -142,35 +150,45 @@ class BatcherMetrics(TypedDict):
     """Time the batch function took, per batch (collate included)."""
 
 
-# Request states.
+# Request states: a caller still waiting is _QUEUED or _RUNNING (below _DONE).
 _QUEUED = 0
 _RUNNING = 1
 _DONE = 2
 _ABANDONED = 3
+_TIMED_OUT = 4
 
 _UNSET: Any = object()
 _NEVER = sys.maxsize
 
 
 class _Request:
-    __slots__ = ("enqueued", "error", "event", "item", "result", "state", "tb")
+    """One caller's item and answer. The caller waits on ``waiter`` (one :class:`Waiter` of
+    the bound loop, woken once); whoever moves ``state`` from ``_QUEUED``/``_RUNNING`` to
+    another state answers it, and only then sets the waiter (unless the waiter is done: a
+    cancelled caller's future on asyncio)."""
 
-    def __init__(self, item: Any, enqueued: float) -> None:
+    __slots__ = ("enqueued", "error", "item", "result", "state", "tb", "waiter")
+
+    def __init__(self, item: Any, enqueued: float, waiter: Waiter) -> None:
         self.item = item
         self.enqueued = enqueued
         self.state = _QUEUED
         self.result: Any = None
         self.error: BaseException | None = None
         self.tb: TracebackType | None = None
-        self.event = anyio.Event()
+        self.waiter = waiter
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if not waiter.done():
+            waiter.set_result(None)
 
 
 def _current_loop() -> object:
     """An identity for the running event loop: the asyncio loop or trio's run token."""
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        pass
+    loop = asyncio._get_running_loop()  # None rather than an exception to catch on trio
+    if loop is not None:
+        return loop
     trio = sys.modules.get("trio")
     if trio is not None:
         try:
@@ -182,7 +200,8 @@ def _current_loop() -> object:
 
 def _clock_of(loop: object) -> Callable[[], float]:
     if isinstance(loop, asyncio.AbstractEventLoop):
-        return loop.time
+        # asyncio's own loop.time() is time.monotonic() behind a Python frame.
+        return time.monotonic if type(loop).time is asyncio.BaseEventLoop.time else loop.time
     import trio
 
     return trio.current_time
@@ -258,17 +277,26 @@ class _LoopBinding:
         loop: the bound loop's identity (the asyncio loop or trio's run token), None before
             the first start.
         now: that loop's clock (what :func:`anyio.current_time` returns there).
+        new_waiter: that loop's :func:`waiters` factory (a plain future on asyncio).
+        timers: the asyncio loop, whose timers time requests out there (None on trio, where
+            ``deadline_scope``, trio's cancel scope, does).
         alive: a dispatcher is running, or about to.
         managed: the dispatcher was started by ``async with`` (it stays so after the block).
         stopped: set when the latest dispatcher has ended (None before the first start).
         scope: the running dispatcher's cancel scope (a drain that times out cancels it).
     """
 
-    __slots__ = ("alive", "loop", "managed", "now", "scope", "stopped")
+    __slots__ = (
+        "alive", "deadline_scope", "loop", "managed", "new_waiter", "now", "scope", "stopped",
+        "timers",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.loop: object = None
         self.now: Callable[[], float] = anyio.current_time
+        self.new_waiter: Callable[[], Waiter] = lambda: waiters()()  # until start binds a loop
+        self.timers: asyncio.AbstractEventLoop | None = None
+        self.deadline_scope: Callable[..., Any] = anyio.CancelScope
         self.alive = False
         self.managed = False
         self.stopped: anyio.Event | None = None
@@ -297,6 +325,14 @@ class _LoopBinding:
         background of the loop (lazy)."""
         self.loop = loop
         self.now = _clock_of(loop)
+        self.new_waiter = waiters()
+        if isinstance(loop, asyncio.AbstractEventLoop):
+            self.timers = loop
+        else:
+            import trio
+
+            self.timers = None
+            self.deadline_scope = trio.CancelScope
         self.alive = True
         self.stopped = anyio.Event()
         if task_group is None:
@@ -417,7 +453,8 @@ def _unpack(results: Any, n: int, name: str) -> Sequence[Any]:
     """
     if type(results) is list or type(results) is tuple:
         if len(results) == n:
-            return cast("Sequence[Any]", results)
+            checked: Sequence[Any] = results
+            return checked
         raise _count_error(len(results), n, name)
     what = f"batch function {name!r} returned "
     must = "; it must return a sequence (list, tuple or array) with one result per item"
@@ -597,8 +634,8 @@ class Batcher(Generic[T, R]):
 
         self._fn = fn
         self._collate = collate_fn
-        self._is_async = is_async_callable(fn)
-        self._to_thread = bool(to_thread)
+        # Called on the loop (async, or to_thread=False), or in a worker thread.
+        self._in_loop = is_async_callable(fn) or not to_thread
         self._name = name if name is not None else getattr(fn, "__name__", type(fn).__name__)
 
         # OrderedDict: O(1) append, O(1) pop of the oldest, O(1) removal of a cancelled request.
@@ -608,7 +645,7 @@ class Batcher(Generic[T, R]):
         self._binding = _LoopBinding()
         self._task_group: TaskGroup | None = None  # the `async with` block's
         # The dispatcher sleeps on _wake; callers set it once the queue holds _wake_at items.
-        self._wake: anyio.Event | None = None
+        self._wake: Waiter | None = None
         self._wake_at = _NEVER
 
         self._metrics = _BatcherMetricsRecorder(window)
@@ -672,7 +709,10 @@ class Batcher(Generic[T, R]):
         if self._closing:
             raise BatcherClosedError(f"batcher {self._name!r} is closed and admits no request")
         binding = self._binding
-        loop = _current_loop()
+        # The running asyncio loop is its own identity, without a call of ours.
+        loop: object = asyncio._get_running_loop()
+        if loop is None:
+            loop = _current_loop()  # trio's run token
         if loop is not binding.loop or not binding.alive:
             self._bind(loop)
         queue = self._queue
@@ -687,39 +727,42 @@ class Batcher(Generic[T, R]):
             timeout = self._timeout
         elif timeout is not None:
             timeout = check_seconds("timeout", timeout, allow_zero=False)
-        request = _Request(item, binding.now())
+        waiter = binding.new_waiter()
+        request = _Request(item, binding.now(), waiter)
         queue[request] = None
         metrics.submitted += 1
-        wake = self._wake
-        if wake is not None and len(queue) >= self._wake_at:
-            self._wake = None
-            wake.set()
+        if len(queue) >= self._wake_at:
+            self._wake_dispatcher()
         try:
             if timeout is None:
-                await request.event.wait()
+                await waiter
+            elif binding.timers is not None:
+                # A loop timer answers the late request (no cancel scope, no cancellation).
+                timer = binding.timers.call_later(timeout, self._expire, request)
+                try:
+                    await waiter
+                finally:
+                    timer.cancel()
             else:
-                with anyio.fail_after(timeout):
-                    await request.event.wait()
-        except TimeoutError:
-            if request.state == _DONE:
-                # The result arrived as the deadline hit: a served request is not late.
-                pass
-            else:
-                self._abandon(request)
-                metrics.timed_out += 1
-                raise BatcherTimeoutError(
-                    f"batcher {self._name!r}: request not served within {timeout} s"
-                ) from None
+                with binding.deadline_scope(deadline=binding.now() + timeout) as scope:
+                    await waiter
+                if scope.cancelled_caught and request.state < _DONE:
+                    self._expire(request)  # a result that arrived meanwhile still counts
         except BaseException as exc:
-            if request.state != _DONE:
+            if request.state < _DONE:
                 self._abandon(request)
                 if isinstance(exc, anyio.get_cancelled_exc_class()):
                     metrics.cancelled += 1
             raise
+        if request.state == _TIMED_OUT:
+            raise BatcherTimeoutError(
+                f"batcher {self._name!r}: request not served within {timeout} s"
+            ) from None
         error = request.error
         if error is not None:
             raise error.with_traceback(request.tb)
-        return cast(R, request.result)
+        result: R = request.result
+        return result
 
     async def aclose(self, timeout: float | None = _UNSET) -> None:
         """Stop admitting requests, drain the queued and running ones, then stop the dispatcher.
@@ -837,23 +880,25 @@ class Batcher(Generic[T, R]):
         wake = self._wake
         if wake is not None:
             self._wake = None
-            wake.set()
+            self._wake_at = _NEVER
+            if not wake.done():
+                wake.set_result(None)
 
     async def _sleep(self, wake_at: int, deadline: float = math.inf) -> None:
         """Sleep until ``wake_at`` requests are queued, a wake-up, or ``deadline``."""
-        event = anyio.Event()
-        self._wake = event
+        waiter = self._binding.new_waiter()
+        self._wake = waiter
         self._wake_at = wake_at
         try:
             if deadline == math.inf:
-                await event.wait()  # no cancel scope: the idle -> busy path stays cheap
+                await waiter  # no cancel scope: the idle -> busy path stays cheap
             else:
                 with anyio.CancelScope(deadline=deadline):
-                    await event.wait()
+                    await waiter
         finally:
-            if self._wake is event:
+            if self._wake is waiter:
                 self._wake = None
-            self._wake_at = _NEVER
+                self._wake_at = _NEVER
 
     async def _dispatch(self, task_group: TaskGroup) -> None:
         queue = self._queue
@@ -872,24 +917,33 @@ class Batcher(Generic[T, R]):
                 if self._binding.now() < deadline:
                     await self._sleep(self._fill_target, deadline)
                     continue  # re-evaluate: the queue may have grown, shrunk or emptied
-            batch = self._take()
+            batch, items = self._take()
             self._running += 1
             if self._max_concurrent == 1:
                 # No other batch can start meanwhile: run inline, saving a task per batch.
-                await self._run_batch(batch)
+                await self._run_batch(batch, items)
             else:
-                task_group.start_soon(self._run_batch, batch)
+                task_group.start_soon(self._run_batch, batch, items)
 
-    def _take(self) -> list[_Request]:
+    def _take(self) -> tuple[list[_Request], list[Any]]:
+        """The next batch out of the queue, running: its requests and their items."""
         queue = self._queue
         size = min(len(queue), self._max_batch_size)
         if self._preferred and size >= self._preferred[0]:
             size = max(p for p in self._preferred if p <= size)
         popitem = queue.popitem
-        return [popitem(last=False)[0] for _ in range(size)]
+        batch = []
+        items = []
+        for _ in range(size):
+            request = popitem(last=False)[0]
+            request.state = _RUNNING
+            batch.append(request)
+            items.append(request.item)
+        return batch, items
 
-    async def _run_batch(self, batch: list[_Request]) -> None:
-        """Run one batch and answer every caller still waiting for it.
+    async def _run_batch(self, batch: list[_Request], items: list[Any]) -> None:
+        """Run one batch (``items``, one per request of ``batch``) and answer every caller
+        still waiting for it.
 
         Invariant: whatever the batch function does or returns, each request of ``batch``
         that is still running leaves this method answered (a result or an error), and no
@@ -900,13 +954,21 @@ class Batcher(Generic[T, R]):
         and never a part of them.
         """
         start = self._binding.now()
-        for request in batch:
-            request.state = _RUNNING
         self._metrics.batch_started(start, batch)
         n = len(batch)
         try:
             try:
-                results = _unpack(await self._call_fn([r.item for r in batch]), n, self._name)
+                if self._in_loop:
+                    result = self._fn(items if self._collate is None else self._collate(items))
+                else:
+                    result = await self._in_thread(items)
+                # Await whatever is awaitable rather than trusting how the function looks: a
+                # plain function may return a coroutine (a lambda around one), and a callable
+                # that looks async (an instance whose __call__ attribute is a coroutine
+                # function) may not. A list or tuple, the common result, is never awaitable.
+                if type(result) is not list and inspect.isawaitable(result):
+                    result = await result
+                results = _unpack(result, n, self._name)
             except anyio.get_cancelled_exc_class() as exc:
                 if _cancel_is_ours():
                     self._fail_batch(
@@ -940,26 +1002,16 @@ class Batcher(Generic[T, R]):
         finally:
             self._metrics.batch_ended(self._binding.now() - start)
             self._running -= 1
-            if self._wake_at == _NEVER:
-                self._wake_dispatcher()
+            if self._wake is not None and self._wake_at == _NEVER:
+                self._wake_dispatcher()  # it waits for a free slot
 
-    async def _call_fn(self, items: list[Any]) -> Any:
+    async def _in_thread(self, items: list[Any]) -> Any:
+        """The batch function (and its collate) called in a worker thread."""
         collate = self._collate
         fn = self._fn
-        if self._is_async or not self._to_thread:
-            result = fn(items if collate is None else collate(items))
-        elif collate is None:
-            result = await anyio.to_thread.run_sync(fn, items, abandon_on_cancel=True)
-        else:
-            result = await anyio.to_thread.run_sync(
-                lambda: fn(collate(items)), abandon_on_cancel=True
-            )
-        # Await whatever is awaitable rather than trusting how the function looks: a plain
-        # function may return a coroutine (a lambda around one), and a callable that looks
-        # async (an instance whose __call__ attribute is a coroutine function) may not.
-        if inspect.isawaitable(result):
-            result = await result
-        return result
+        if collate is None:
+            return await anyio.to_thread.run_sync(fn, items, abandon_on_cancel=True)
+        return await anyio.to_thread.run_sync(lambda: fn(collate(items)), abandon_on_cancel=True)
 
     def _deliver(self, batch: list[_Request], results: Sequence[Any]) -> None:
         """Answer the waiting callers from checked results (no user code runs here)."""
@@ -976,7 +1028,9 @@ class Batcher(Generic[T, R]):
                 request.result = result
                 completed += 1
             request.state = _DONE
-            request.event.set()
+            waiter = request.waiter
+            if not waiter.done():  # on asyncio, a cancelled caller's future is done
+                waiter.set_result(None)
         metrics = self._metrics
         metrics.completed += completed
         metrics.failed += failed
@@ -991,7 +1045,7 @@ class Batcher(Generic[T, R]):
                 request.error = error
                 request.tb = tb
                 request.state = _DONE
-                request.event.set()
+                request.wake()
                 failed += 1
         self._metrics.failed += failed
         return failed
@@ -1012,13 +1066,22 @@ class Batcher(Generic[T, R]):
             request = queue.popitem(last=False)[0]
             request.error = error
             request.state = _DONE
-            request.event.set()
+            request.wake()
             self._metrics.failed += 1
 
-    def _abandon(self, request: _Request) -> None:
+    def _abandon(self, request: _Request, state: int = _ABANDONED) -> None:
+        """The caller of ``request`` gives up (``state``): it leaves the queue, or its batch
+        goes on without answering it."""
         if request.state == _QUEUED:
             self._queue.pop(request, None)
-        request.state = _ABANDONED
+        request.state = state
+
+    def _expire(self, request: _Request) -> None:
+        """``request``'s timeout expired: time it out unless it was answered first."""
+        if request.state < _DONE:
+            self._abandon(request, _TIMED_OUT)
+            self._metrics.timed_out += 1
+            request.wake()
 
 
 class BatchMethod(Generic[S, T, R]):

@@ -1,14 +1,19 @@
 """Benchmark of aloader's inference micro-batcher, beside Ray Serve's ``@serve.batch``.
 
-Run: ``python benchmarks/bench_batcher.py`` (about 30 s). Every figure is a ratio against a
-limit measured in the same run:
+Run: ``python benchmarks/bench_batcher.py`` (about a minute). Every figure is a ratio against
+a limit measured in the same run, in ``ROUNDS`` interleaved rounds (each round runs every
+program once, on asyncio and on trio), best round of each program:
 
 * **saturation**: the batch function sleeps ``a + b*n`` seconds; many concurrent callers keep
   the queue full. Limit: ``max_batch_size / cost(max_batch_size)``; also shown, the same batch
-  function called back to back with full batches and no batcher (what sleeping really costs).
+  function called back to back with full batches and no batcher (what sleeping really costs:
+  the loop's timers overshoot, and the fastest honest program without a batcher). The loop's
+  epoll timeout is rounded up to whole milliseconds, so CPU work the callers do after a batch
+  starts (answering, re-submitting) delays that batch's wake-up by as much, up to 1 ms: here
+  the batcher's per-request CPU cost shows up as throughput.
 * **low load**: one caller at a time, ``max_wait=0``, a batch function that returns at once.
-  Added latency = batcher latency minus the latency of awaiting the batch function directly,
-  at p50 and at p99.
+  Added latency = batcher latency minus the latency of awaiting the batch function directly
+  (measured in the same round), at p50 and at p99; with and without a per-request timeout.
 * **overload**: the queue is full and the model busy; every further request must be refused.
   Rejection latency p99, and the memory held after an open-loop flood of 10k and of 50k
   requests (it must not grow with the flood).
@@ -26,11 +31,14 @@ import asyncio
 import contextlib
 import gc
 import math
+import os
 import platform
 import time
 import tracemalloc
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+import anyio
 
 import aloader
 
@@ -40,8 +48,9 @@ A_S = 0.010  # fixed cost of a batch (s)
 B_S = 0.0005  # cost per item (s)
 MAX_BATCH = 32
 CALLERS = 256
-SATURATION_SECONDS = 3.0
+SATURATION_SECONDS = 2.0
 LOW_LOAD_CALLS = 5_000
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 
 
 def cost(n: int) -> float:
@@ -87,7 +96,7 @@ def ray_method(
 
 
 async def sleepy_batch(items: list[Any]) -> list[Any]:
-    await asyncio.sleep(cost(len(items)))
+    await anyio.sleep(cost(len(items)))  # asyncio.sleep or trio.sleep, nothing more
     return items
 
 
@@ -102,7 +111,9 @@ async def saturate(call: Callable[[Any], Awaitable[Any]], seconds: float) -> flo
             done += 1
 
     start = time.perf_counter()
-    await asyncio.gather(*(caller() for _ in range(CALLERS)))
+    async with anyio.create_task_group() as group:
+        for _ in range(CALLERS):
+            group.start_soon(caller)
     return done / (time.perf_counter() - start)
 
 
@@ -116,34 +127,36 @@ async def direct_full_batches(seconds: float) -> float:
     return done / (time.perf_counter() - start)
 
 
-async def bench_saturation(serve: Any | None) -> list[tuple[str, float, str]]:
-    rows: list[tuple[str, float, str]] = []
-    limit = MAX_BATCH / cost(MAX_BATCH)
-    rows.append((f"limit: {MAX_BATCH} / cost({MAX_BATCH})", limit, ""))
-    rows.append(
-        ("same batch fn back to back, no batcher", await direct_full_batches(1.5), "measured")
+async def batcher_rate(max_wait: float) -> tuple[float, float]:
+    """Requests/s of a saturated Batcher and its mean batch size."""
+    async with aloader.Batcher(
+        sleepy_batch, max_batch_size=MAX_BATCH, max_wait=max_wait, max_queue=4 * CALLERS
+    ) as batcher:
+        rate = await saturate(batcher, SATURATION_SECONDS)
+        hist = batcher.metrics()["batch_size_histogram"]
+    return rate, sum(k * v for k, v in hist.items()) / max(1, sum(hist.values()))
+
+
+async def saturation_round(backend: str, serve: Any | None) -> dict[str, tuple[float, str]]:
+    """One round of the saturation programs on one backend: name -> (requests/s, note)."""
+    out: dict[str, tuple[float, str]] = {}
+    out[f"same batch fn back to back, no batcher ({backend})"] = (
+        await direct_full_batches(SATURATION_SECONDS),
+        "measured",
     )
-    async with aloader.Batcher(
-        sleepy_batch, max_batch_size=MAX_BATCH, max_wait=0.0, max_queue=4 * CALLERS
-    ) as batcher:
-        rate = await saturate(batcher, SATURATION_SECONDS)
-        m = batcher.metrics()
-    hist = m["batch_size_histogram"]
-    mean = sum(k * v for k, v in hist.items()) / max(1, sum(hist.values()))
-    rows.append(("aloader Batcher (max_wait=0)", rate, f"mean batch {mean:.1f}"))
-    async with aloader.Batcher(
-        sleepy_batch, max_batch_size=MAX_BATCH, max_wait=0.01, max_queue=4 * CALLERS
-    ) as batcher:
-        rate = await saturate(batcher, SATURATION_SECONDS)
-    rows.append(("aloader Batcher (max_wait=10 ms)", rate, ""))
-    if serve is not None:
-        for wait in (0.0, 0.01):
-            handle = ray_method(
-                serve, sleepy_batch, max_batch_size=MAX_BATCH, batch_wait_timeout_s=wait
-            )
-            rate = await saturate(handle, SATURATION_SECONDS)
-            rows.append((f"ray @serve.batch (batch_wait_timeout_s={wait:g})", rate, ""))
-    return rows
+    rate, mean = await batcher_rate(0.0)
+    out[f"aloader Batcher (max_wait=0, {backend})"] = (rate, f"mean batch {mean:.1f}")
+    if backend == "asyncio":
+        rate, mean = await batcher_rate(0.01)
+        out["aloader Batcher (max_wait=10 ms, asyncio)"] = (rate, f"mean batch {mean:.1f}")
+        if serve is not None:
+            for wait in (0.0, 0.01):
+                handle = ray_method(
+                    serve, sleepy_batch, max_batch_size=MAX_BATCH, batch_wait_timeout_s=wait
+                )
+                rate = await saturate(handle, SATURATION_SECONDS)
+                out[f"ray @serve.batch (batch_wait_timeout_s={wait:g})"] = (rate, "")
+    return out
 
 
 # -- low load ------------------------------------------------------------------------------------
@@ -165,42 +178,27 @@ async def latencies(call: Callable[[Any], Awaitable[Any]], n: int) -> list[float
     return out
 
 
-async def bench_low_load(serve: Any | None) -> list[tuple[str, float, float]]:
-    async def direct(x: Any) -> Any:
-        return (await instant_batch([x]))[0]
-
-    rows = []
-    base = await latencies(direct, LOW_LOAD_CALLS)
-    rows.append(("direct await fn([x])", pct(base, 0.5), pct(base, 0.99)))
-    async with aloader.Batcher(instant_batch, max_wait=0.0) as batcher:
-        lat = await latencies(batcher, LOW_LOAD_CALLS)
-    rows.append(("aloader Batcher", pct(lat, 0.5), pct(lat, 0.99)))
-    async with aloader.Batcher(instant_batch, max_wait=0.0, timeout=10.0) as batcher:
-        lat = await latencies(batcher, LOW_LOAD_CALLS)
-    rows.append(("aloader Batcher, with a timeout", pct(lat, 0.5), pct(lat, 0.99)))
-    if serve is not None:
-        handle = ray_method(serve, instant_batch, max_batch_size=MAX_BATCH, batch_wait_timeout_s=0)
-        lat = await latencies(handle, LOW_LOAD_CALLS)
-        rows.append(("ray @serve.batch (batch_wait_timeout_s=0)", pct(lat, 0.5), pct(lat, 0.99)))
-    return rows
-
-
-def trio_low_load() -> tuple[float, float, float, float] | None:
-    try:
-        import trio
-    except ImportError:
-        return None
+async def low_load_round(backend: str, serve: Any | None) -> dict[str, tuple[float, float]]:
+    """One round of the low-load programs on one backend: name -> (added p50, added p99),
+    each against the direct await measured just before it."""
 
     async def direct(x: Any) -> Any:
         return (await instant_batch([x]))[0]
 
-    async def main() -> tuple[float, float, float, float]:
+    async def added(call: Callable[[Any], Awaitable[Any]]) -> tuple[float, float]:
         base = await latencies(direct, LOW_LOAD_CALLS)
-        async with aloader.Batcher(instant_batch, max_wait=0.0) as batcher:
-            lat = await latencies(batcher, LOW_LOAD_CALLS)
-        return pct(base, 0.5), pct(base, 0.99), pct(lat, 0.5), pct(lat, 0.99)
+        lat = await latencies(call, LOW_LOAD_CALLS)
+        return pct(lat, 0.5) - pct(base, 0.5), pct(lat, 0.99) - pct(base, 0.99)
 
-    return trio.run(main)
+    out = {}
+    async with aloader.Batcher(instant_batch, max_wait=0.0) as batcher:
+        out[f"aloader Batcher ({backend})"] = await added(batcher)
+    async with aloader.Batcher(instant_batch, max_wait=0.0, timeout=10.0) as batcher:
+        out[f"aloader Batcher, with a timeout ({backend})"] = await added(batcher)
+    if serve is not None and backend == "asyncio":
+        handle = ray_method(serve, instant_batch, max_batch_size=MAX_BATCH, batch_wait_timeout_s=0)
+        out["ray @serve.batch (batch_wait_timeout_s=0)"] = await added(handle)
+    return out
 
 
 # -- overload ------------------------------------------------------------------------------------
@@ -291,7 +289,15 @@ async def bench_overload(serve: Any | None) -> dict[str, Any]:
 _KEEP_ALIVE: list[Any] = []  # Ray cancels its dispatcher task in __del__: keep them to the end
 
 
-async def main() -> None:
+def run_on(backend: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    if backend == "trio":
+        import trio
+
+        return trio.run(fn, backend, *args)
+    return asyncio.run(fn(backend, *args))  # type: ignore[arg-type]
+
+
+def main() -> None:
     serve = load_ray()
     gc.collect()
     gc.freeze()  # keep collections of import-time objects out of the latency tails
@@ -300,41 +306,52 @@ async def main() -> None:
         import ray
 
         ray_version = ray.__version__
+    backends = ["asyncio"]
+    try:
+        import trio  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        backends.append("trio")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
-        f"aloader batcher benchmark: python {platform.python_version()}, asyncio, "
-        f"ray serve {ray_version}"
+        f"aloader batcher benchmark: python {platform.python_version()}, "
+        f"{' and '.join(backends)}, ray serve {ray_version}; best of {ROUNDS} interleaved "
+        f"rounds; load average {load:.2f} at the start"
     )
 
+    # Interleaved: every round runs every program once; each figure is its best round.
+    sat: dict[str, tuple[float, str]] = {}
+    low: dict[str, tuple[float, float]] = {}
+    for _ in range(ROUNDS):
+        for backend in backends:
+            for name, (rate, note) in run_on(backend, saturation_round, serve).items():
+                if name not in sat or rate > sat[name][0]:
+                    sat[name] = (rate, note)
+            for name, (p50, p99) in run_on(backend, low_load_round, serve).items():
+                best = low.get(name, (math.inf, math.inf))
+                low[name] = (min(best[0], p50), min(best[1], p99))
+
+    limit = MAX_BATCH / cost(MAX_BATCH)
     print(
         f"\n## Saturation: batch fn sleeps {A_S * 1e3:g} ms + {B_S * 1e3:g} ms x n, "
         f"max_batch_size {MAX_BATCH}, {CALLERS} concurrent callers, {SATURATION_SECONDS:g} s\n"
     )
-    rows = await bench_saturation(serve)
-    limit = rows[0][1]
     print("| runner | requests/s | ratio to limit | note |\n|---|---:|---:|---|")
-    for name, rate, note in rows:
+    print(f"| limit: {MAX_BATCH} / cost({MAX_BATCH}) | {limit:,.0f} | 1.000 | |")
+    for name, (rate, note) in sat.items():
         print(f"| {name} | {rate:,.0f} | {rate / limit:.3f} | {note} |")
 
-    print(f"\n## Low load: one caller at a time, max_wait=0, {LOW_LOAD_CALLS:,} calls\n")
-    low = await bench_low_load(serve)
-    base50, base99 = low[0][1], low[0][2]
-    print("| runner | p50 us | p99 us | added p50 us | added p99 us |\n|---|---:|---:|---:|---:|")
-    for name, p50, p99 in low:
-        print(
-            f"| {name} | {p50 * 1e6:.1f} | {p99 * 1e6:.1f} | "
-            f"{(p50 - base50) * 1e6:.1f} | {(p99 - base99) * 1e6:.1f} |"
-        )
-    trio_row = trio_low_load()
-    if trio_row is not None:
-        b50, b99, p50, p99 = trio_row
-        print(
-            f"| aloader Batcher on trio (direct: {b50 * 1e6:.1f} / {b99 * 1e6:.1f}) | "
-            f"{p50 * 1e6:.1f} | {p99 * 1e6:.1f} | {(p50 - b50) * 1e6:.1f} | "
-            f"{(p99 - b99) * 1e6:.1f} |"
-        )
+    print(
+        f"\n## Low load: one caller at a time, max_wait=0, {LOW_LOAD_CALLS:,} calls; added to "
+        "a direct `await fn([x])`\n"
+    )
+    print("| runner | added p50 us | added p99 us |\n|---|---:|---:|")
+    for name, (p50, p99) in low.items():
+        print(f"| {name} | {p50 * 1e6:.1f} | {p99 * 1e6:.1f} |")
 
     print("\n## Overload: queue full (max_queue 1,000), model busy\n")
-    over = await bench_overload(serve)
+    over = asyncio.run(bench_overload(serve))
     print("| figure | value | limit |\n|---|---:|---:|")
     print(f"| rejection p50 | {over['reject_p50'] * 1e6:.1f} us | |")
     print(f"| rejection p99 | {over['reject_p99'] * 1e6:.1f} us | 1,000 us |")
@@ -349,15 +366,26 @@ async def main() -> None:
             cells = " | ".join(f"{held / 1e6:.1f} MB, {n:,} pending" for held, n in over[key])
             print(f"| {name} | {cells} |")
 
-    sat_ratio = rows[2][1] / limit
-    added99 = low[1][2] - base99
-    added50 = low[1][1] - base50
     # Issue 13, target 7: saturation at least 0.93x the limit, added p99 under 100 us.
-    checks = [
-        (f"saturation >= 0.93 x limit ({sat_ratio:.3f}; "
-         f"{rows[2][1] / rows[1][1]:.3f} x the batch fn back to back)", sat_ratio >= 0.93),
-        ("low-load added p50 < 0.2 ms", added50 < 0.0002),
-        (f"low-load added p99 < 100 us ({added99 * 1e6:,.1f} us)", added99 < 0.0001),
+    checks = []
+    for backend in backends:
+        rate = sat[f"aloader Batcher (max_wait=0, {backend})"][0]
+        direct = sat[f"same batch fn back to back, no batcher ({backend})"][0]
+        checks.append(
+            (
+                f"{backend}: saturation >= 0.93 x limit ({rate / limit:.3f}; "
+                f"{rate / direct:.3f} x the batch fn back to back)",
+                rate / limit >= 0.93,
+            )
+        )
+        for name in (
+            f"aloader Batcher ({backend})",
+            f"aloader Batcher, with a timeout ({backend})",
+        ):
+            p50, p99 = low[name]
+            checks.append((f"{name}: low-load added p50 < 0.2 ms ({p50 * 1e6:.1f} us)", p50 < 2e-4))
+            checks.append((f"{name}: low-load added p99 < 100 us ({p99 * 1e6:.1f} us)", p99 < 1e-4))
+    checks += [
         ("rejection p99 < 1 ms", over["reject_p99"] < 0.001),
         (
             "memory bounded under overload",
@@ -368,4 +396,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    main()
