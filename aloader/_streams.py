@@ -26,7 +26,15 @@ import contextlib
 import itertools
 import weakref
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterator,
+    Sequence,
+)
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast, overload
 
@@ -39,7 +47,7 @@ import numpy as np
 from ._backend import Detached
 from ._dataset import IterableDataset
 from ._exceptions import FetchError, RecordError, SourceError
-from ._facade import PrivateLoop, SyncIterator, forbid_running_loop
+from ._facade import PrivateLoop, SyncIterator, forbid_running_loop, run_here
 from ._pipeline import Results
 from ._random import GeneratorLike, as_generator, draw_seed, permutation
 from ._sharding import worker_slot
@@ -282,13 +290,26 @@ class _Context:
         epoch: the epoch (seeds shard orders and shuffles).
         worker_id: this loader worker's id (0 without workers).
         num_workers: loader workers per rank (1 without workers).
-        group: the background task's task group, for stages that run helper tasks.
+        group: the background task's task group, for stages that run helper tasks; None
+            for a loopless epoch (:meth:`Stream._loopless`), which no task may be started in.
     """
 
     epoch: int
     worker_id: int
     num_workers: int
-    group: anyio.abc.TaskGroup
+    group: anyio.abc.TaskGroup | None
+
+    @property
+    def loopless(self) -> bool:
+        """Whether this epoch runs with no event loop (driven by ``_facade.run_here`` on the
+        consumer's thread): its stages must never await a real event."""
+        return self.group is None
+
+    def spawn(self, fn: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+        """Start ``fn`` as a helper task of the epoch (never in a loopless one)."""
+        if self.group is None:
+            raise AssertionError("a loopless epoch cannot start a task")
+        self.group.start_soon(fn)
 
     def rng(self, base_seed: int) -> np.random.Generator:
         """A generator for one stage in this epoch and worker, reproducible from its seed."""
@@ -511,6 +532,67 @@ class _Pairs(AsyncIterator[tuple[list[T], Any]]):
         await self._iterator._stop()
 
 
+class _LocalPairs(Iterator[tuple[list[T], Any]]):
+    """An epoch's (block, token) pairs made on the consumer's thread, with no event loop and
+    no thread (a loopless stream's sync ``for``, see :meth:`Stream._loopless`): the chain of
+    stages is the one the driver runs (``_blocks_at``, the same decoding, tokens and resume),
+    each of its steps driven to its end by :func:`~aloader._facade.run_here`.
+
+    An error of the chain ends it (the caller ends the epoch). A KeyboardInterrupt (any
+    BaseException) that lands in a step unwinds the chain, closing its files, as it would
+    any generator; the next call opens the chain again from the position after the block
+    the consumer last entered (the resume path, exact), so the epoch goes on where it was, as
+    after an interrupt in the threaded path's wait. Closed (or dropped), it closes the chain.
+    """
+
+    __slots__ = ("_blocks", "_iterator")
+
+    def __init__(self, iterator: _StreamIterator[T]) -> None:
+        self._iterator = iterator
+        self._blocks: AsyncGenerator[tuple[list[T], Any], None] | None = None
+
+    def __iter__(self) -> _LocalPairs[T]:
+        return self
+
+    def _reopen(self) -> AsyncGenerator[tuple[list[T], Any], None]:
+        iterator = self._iterator
+        if iterator._token is _START:
+            at = iterator._at
+        else:  # after an interrupt: from the end of the block the consumer is on
+            at = _state_of(iterator._stream, iterator._token, len(iterator._block))
+        worker_id, num_workers = iterator._slot
+        ctx = _Context(iterator._epoch, worker_id, num_workers, None)
+        blocks = self._blocks = iterator._stream._blocks_at(ctx, at)
+        return blocks
+
+    def __next__(self) -> tuple[list[T], Any]:
+        if self._iterator._finished:
+            raise StopIteration
+        blocks = self._blocks
+        if blocks is None:
+            blocks = self._reopen()
+        try:
+            while True:
+                pair = run_here(blocks.__anext__())
+                if pair[0]:  # the driver hands on no empty block either
+                    return pair
+        except StopAsyncIteration:
+            self._blocks = None
+            raise StopIteration from None
+        except BaseException:
+            self._blocks = None  # unwound by the error: spent
+            raise
+
+    def close(self) -> None:
+        blocks, self._blocks = self._blocks, None
+        if blocks is not None:
+            run_here(blocks.aclose())
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
 class _EnteredBlocks(Iterator[Iterator[T]]):
     """The cursor of each block of a sync ``for``'s epoch, entered when the consumer starts
     on it (:class:`_SyncItems` asks for the next one only once the last is spent).
@@ -524,7 +606,7 @@ class _EnteredBlocks(Iterator[Iterator[T]]):
     __slots__ = ("_iterator", "_pairs")
 
     def __init__(self, iterator: _StreamIterator[T],
-                 pairs: SyncIterator[tuple[list[T], Any]]) -> None:
+                 pairs: SyncIterator[tuple[list[T], Any]] | _LocalPairs[T]) -> None:
         self._iterator = iterator
         self._pairs = pairs
 
@@ -571,8 +653,8 @@ class _SyncItems(itertools.chain[T]):
         self._blocks.close()
 
 
-def _sync_items(iterator: _StreamIterator[T], pairs: SyncIterator[tuple[list[T], Any]]
-                ) -> _SyncItems[T]:
+def _sync_items(iterator: _StreamIterator[T],
+                pairs: SyncIterator[tuple[list[T], Any]] | _LocalPairs[T]) -> _SyncItems[T]:
     """The plain ``for`` over ``iterator``'s epoch, whose blocks ``pairs`` brings."""
     blocks = _EnteredBlocks(iterator, pairs)
     items: _SyncItems[T] = _SyncItems.from_iterable(blocks)  # type: ignore[assignment]
@@ -635,6 +717,13 @@ class Stream(IterableDataset[T_co]):
 
     def _upstreams(self) -> Sequence[Stream[Any]]:
         return ()
+
+    def _loopless(self) -> bool:
+        """Whether this stage's epoch can run with no event loop: given a loopless
+        :class:`_Context` (no task group), its ``_blocks_at`` never awaits a real event (no
+        task, no thread, no sleep), so a sync ``for`` drives it on the consumer's thread
+        (:class:`_LocalPairs`). False unless a stage says so."""
+        return False
 
     @property
     def epoch(self) -> int:
@@ -803,17 +892,27 @@ class Stream(IterableDataset[T_co]):
     def __iter__(self) -> Iterator[T_co]:
         """One epoch for synchronous code: what ``async for`` over the stream yields.
 
-        The epoch runs on an event loop of its own in a background thread (see
+        A loopless stream (:meth:`_loopless`: a sharded source whose shards are all local
+        files, such as ``TextLines(dir)`` or ``JsonLines(dir)``, with any compression,
+        sharding, ``records_per_rank`` or ``skip_errors``) runs its epoch on this thread with
+        no event loop and no thread: each block is read (one shard after another, a blocking
+        read as a plain ``open(f)`` loop's), decoded and handed on when the consumer reaches
+        it (:class:`_LocalPairs`). Any other stream (remote shards, transforms, streams of
+        your own) runs on an event loop of its own in a background thread (see
         :mod:`aloader._facade`), closed with the iterator, and its items cross to this thread
-        in whole blocks; leaving the ``for`` early (``break``, an exception) closes the
+        in whole blocks. Both run the same chain of stages, so they give the same items,
+        stats and states. Leaving the ``for`` early (``break``, an exception) closes the
         stream's iterator and so its files and connections, as leaving an ``async for`` does,
         and so does the iterator's ``close()``. :meth:`state_dict` says what this thread
-        received, not what the loop read ahead.
+        received, not what was read ahead.
 
         Raises:
             RuntimeError: a ``for`` inside a running event loop, which it would block.
         """
         forbid_running_loop("Stream", "item in stream")
+        if self._loopless():
+            iterator = self._open()
+            return _sync_items(iterator, _LocalPairs(iterator))
         opened: list[_StreamIterator[T_co]] = []
 
         def open_() -> AsyncIterator[tuple[list[T_co], Any]]:
@@ -1253,7 +1352,7 @@ class _Mapped(Stream[U]):
 
         mapping: _ConcurrentMap[Any, U] = _ConcurrentMap(upstream, call, self.concurrency,
                                                          self.ordered)
-        ctx.group.start_soon(mapping.run)
+        ctx.spawn(mapping.run)
         results = mapping.results
         spans = mapping.spans
         emitted = 0  # results handed on: the input number of the next one, in order
