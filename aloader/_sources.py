@@ -676,9 +676,9 @@ class ShardedSource(Stream[T_co]):
             first = at["shard"]
             self._check_shard(at, names)
             resume = (at["offset"], at["counter"], at["records"])
-        # A loopless epoch reads one shard after another on the consumer's thread: with no
-        # loop, nothing could overlap the reads.
-        slots = 1 if ctx.loopless else min(self.concurrency, len(names) - first)
+        # An inline epoch reads one shard after another in the consumer's task (or thread):
+        # with no task of its own, nothing could read ahead.
+        slots = 1 if ctx.inline else min(self.concurrency, len(names) - first)
         clients: _Clients | None = None
         if any(is_url(name) for name in names[first:]):
             # A connection per read-ahead slot (shard i reuses the keep-alive connection of
@@ -688,7 +688,7 @@ class ShardedSource(Stream[T_co]):
             readers = [
                 functools.partial(self._read, index, names[index],
                                   None if clients is None else clients.slot(i),
-                                  resume if index == first else None, ctx.loopless)
+                                  resume if index == first else None, ctx.blocking)
                 for i, index in enumerate(range(first, len(names)))
             ]
             async with Closing(read_in_order(ctx, readers, slots)) as blocks:

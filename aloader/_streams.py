@@ -13,7 +13,10 @@ a time.
 
 Each ``async for`` over a stream (one epoch) runs the whole chain of stages in one background
 task that reads at most a few blocks ahead of the consumer, then waits: a slow consumer stops
-the sources. Stages that need concurrency (``map(..., concurrency=n)``, shard read-ahead) run
+the sources. A chain that needs no task (:meth:`Stream._loopless`: sources over local files)
+is pulled in the consumer's task instead, and its sync ``for`` on the consumer's thread with
+no event loop (:class:`_LocalPairs`): the same stages, tokens and resume on every path.
+Stages that need concurrency (``map(..., concurrency=n)``, shard read-ahead) run
 helper tasks in that background task's task group and talk to it through bounded channels. No
 stage holds a cancel scope or a task group across a ``yield``, so the chain can be closed from
 any task, and closing the iterator (``aclose()``, garbage collection, cancelling the loader)
@@ -291,24 +294,28 @@ class _Context:
         worker_id: this loader worker's id (0 without workers).
         num_workers: loader workers per rank (1 without workers).
         group: the background task's task group, for stages that run helper tasks; None
-            for a loopless epoch (:meth:`Stream._loopless`), which no task may be started in.
+            for an inline epoch (:meth:`Stream._loopless`), which no task may be started in:
+            its chain runs in the consumer's own task, or with no event loop at all.
+        blocking: the chain runs with no event loop (a sync ``for``, :class:`_LocalPairs`):
+            its stages must never await a real event (a local file is read on this thread).
     """
 
     epoch: int
     worker_id: int
     num_workers: int
     group: anyio.abc.TaskGroup | None
+    blocking: bool = False
 
     @property
-    def loopless(self) -> bool:
-        """Whether this epoch runs with no event loop (driven by ``_facade.run_here`` on the
-        consumer's thread): its stages must never await a real event."""
+    def inline(self) -> bool:
+        """Whether the chain runs with no task group (in the consumer's task, or with no
+        event loop when ``blocking``): one stage step at a time, no helper task."""
         return self.group is None
 
     def spawn(self, fn: Callable[[], Coroutine[Any, Any, Any]]) -> None:
-        """Start ``fn`` as a helper task of the epoch (never in a loopless one)."""
+        """Start ``fn`` as a helper task of the epoch (never in an inline one)."""
         if self.group is None:
-            raise AssertionError("a loopless epoch cannot start a task")
+            raise AssertionError("an inline epoch cannot start a task")
         self.group.start_soon(fn)
 
     def rng(self, base_seed: int) -> np.random.Generator:
@@ -393,13 +400,14 @@ class _StreamIterator(AsyncIterator[T]):
     """
 
     __slots__ = ("__weakref__", "_at", "_block", "_capacity", "_cursor", "_driver", "_epoch",
-                 "_finished", "_slot", "_stream", "_token")
+                 "_finished", "_inline", "_slot", "_stream", "_token")
 
     def __init__(self, stream: Stream[T], epoch: int, capacity: int, at: Any = None) -> None:
         self._stream = stream
         self._epoch = epoch
         self._capacity = capacity
         self._driver: _Driver | None = None
+        self._inline: AsyncGenerator[tuple[list[T], Any], None] | None = None
         self._block: list[T] = []
         self._cursor: Iterator[T] = iter(self._block)
         self._finished = False
@@ -438,10 +446,30 @@ class _StreamIterator(AsyncIterator[T]):
         self._cursor = iter(self._block)
 
     async def _receive(self) -> tuple[list[T], Any]:
-        """The next (block, token) the driver (started by the first call) hands on;
-        StopAsyncIteration at the end, or the chain's error."""
+        """The next (block, token) of the epoch; StopAsyncIteration at the end, or the
+        chain's error.
+
+        A loopless stream's chain (:meth:`Stream._loopless`) is pulled here, in the
+        consumer's task: a block is read and decoded when the consumer asks for it, with no
+        background task, no channel and no task switch (which cost more per block than the
+        read and the split together). Its reads still never make the loop wait on a disk
+        (:func:`aloader._files.file_chunks`: a read the page cache cannot serve goes to a
+        thread), but such a read is not overlapped with the consumer's work, and its shards
+        are read one after another. Any other stream's chain runs in the driver, started by
+        the first call, a few blocks ahead of the consumer.
+        """
         if self._finished:
             raise StopAsyncIteration
+        inline = self._inline
+        if inline is None and self._driver is None and self._stream._loopless():
+            worker_id, num_workers = self._slot
+            ctx = _Context(self._epoch, worker_id, num_workers, None)
+            inline = self._inline = self._stream._blocks_at(ctx, self._at)
+        if inline is not None:
+            while True:
+                pair = await inline.__anext__()
+                if pair[0]:
+                    return pair
         driver = self._driver
         if driver is None:
             driver = self._driver = _Driver(self._stream, self._epoch, self._capacity, self._at,
@@ -503,6 +531,9 @@ class _StreamIterator(AsyncIterator[T]):
         await self._stop()
 
     async def _stop(self) -> None:
+        inline, self._inline = self._inline, None
+        if inline is not None:
+            await close_iterator(inline)
         driver = self._driver
         if driver is not None and not driver.done.is_set():
             driver.stop()
@@ -561,7 +592,7 @@ class _LocalPairs(Iterator[tuple[list[T], Any]]):
         else:  # after an interrupt: from the end of the block the consumer is on
             at = _state_of(iterator._stream, iterator._token, len(iterator._block))
         worker_id, num_workers = iterator._slot
-        ctx = _Context(iterator._epoch, worker_id, num_workers, None)
+        ctx = _Context(iterator._epoch, worker_id, num_workers, None, blocking=True)
         blocks = self._blocks = iterator._stream._blocks_at(ctx, at)
         return blocks
 
@@ -719,10 +750,13 @@ class Stream(IterableDataset[T_co]):
         return ()
 
     def _loopless(self) -> bool:
-        """Whether this stage's epoch can run with no event loop: given a loopless
-        :class:`_Context` (no task group), its ``_blocks_at`` never awaits a real event (no
-        task, no thread, no sleep), so a sync ``for`` drives it on the consumer's thread
-        (:class:`_LocalPairs`). False unless a stage says so."""
+        """Whether this stage's epoch can run inline: given a :class:`_Context` with no task
+        group, its ``_blocks_at`` starts no task, and with ``blocking`` it awaits no real
+        event (no thread, no sleep). Then a sync ``for`` drives the chain on the consumer's
+        thread with no loop (:class:`_LocalPairs`), and an ``async for`` (or the loader's
+        ``_take``) pulls it in the consumer's own task, with no background task and no
+        channel between them (:meth:`_StreamIterator._receive`). False unless a stage says
+        so."""
         return False
 
     @property
@@ -742,7 +776,9 @@ class Stream(IterableDataset[T_co]):
 
     def __aiter__(self) -> AsyncIterator[T_co]:
         """Start one epoch: items one by one, read in the background at most a few blocks
-        ahead of the consumer; after :meth:`load_state_dict`, the rest of the epoch it saved.
+        ahead of the consumer (a loopless stream's, such as ``TextLines`` over local files:
+        in the consumer's task as it reaches them, see :meth:`_StreamIterator._receive`);
+        after :meth:`load_state_dict`, the rest of the epoch it saved.
 
         The iterator is an async generator (``aclose()`` closes it; leaving an ``async for``
         early leaves it to be closed when it is garbage-collected, as any async generator).

@@ -220,3 +220,60 @@ async def test_a_sync_for_in_a_running_loop_is_refused(tmp_path: Path,
     write_text(tmp_path, shards=1)
     with pytest.raises(RuntimeError):
         iter(TextLines(tmp_path))
+
+
+# --------------------------------------------------------------------------- async for inline
+
+
+@pytest.mark.parametrize("name", ["text", "jsonl", "gzip", "rank", "quota", "skip"])
+async def test_async_for_inline_same_items_and_states(tmp_path: Path, name: str,
+                                                      anyio_backend: str) -> None:
+    # A loopless stream's async for pulls its chain in the consumer's task (no driver): the
+    # same items, stats and states as the driver's path.
+    make = _configs(tmp_path)[name]
+    local, other = make(), threaded(make())
+    full = await collect(local)
+    assert full == await collect(other)
+    assert local.stats.counts() == other.stats.counts()
+    for k in (0, 1, 7, 60, 61):
+        if k > len(full):
+            continue
+        states = []
+        for source in (make(), threaded(make())):
+            iterator = source._open()
+            head = [await iterator.__anext__() for _ in range(k)]
+            assert head == full[:k]
+            assert k == 0 or (iterator._driver is None) == source._loopless()
+            states.append(roundtrip(source.state_dict()))
+            await iterator.aclose()
+        assert states[0] == states[1], (name, k)
+        fresh = make()
+        fresh.load_state_dict(states[0])
+        assert await collect(fresh) == full[k:], (name, k)
+
+
+async def test_async_for_inline_reads_in_a_thread_what_the_cache_lacks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, anyio_backend: str) -> None:
+    write_text(tmp_path)
+    full = await collect(TextLines(tmp_path, chunk_size=64))
+    monkeypatch.setattr("aloader._files._read_cached", lambda fd, size, position: None)
+    assert await collect(TextLines(tmp_path, chunk_size=64)) == full
+
+
+async def test_async_for_inline_cancelled_closes_files(tmp_path: Path,
+                                                       anyio_backend: str) -> None:
+    write_text(tmp_path)
+    source = TextLines(tmp_path, chunk_size=64)
+    got: list[str] = []
+    with anyio.CancelScope() as scope:
+        async for line in source:
+            got.append(line)
+            if len(got) == 10:
+                scope.cancel()
+                await anyio.sleep(0)  # cancelled here, between two items
+    assert len(got) == 10
+    for _ in range(100):
+        if open_handles(tmp_path) == 0:
+            break
+        await anyio.sleep(0.01)
+    assert open_handles(tmp_path) == 0
