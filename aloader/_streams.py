@@ -777,7 +777,7 @@ class Stream(IterableDataset[T_co]):
     def __aiter__(self) -> AsyncIterator[T_co]:
         """Start one epoch: items one by one, read in the background at most a few blocks
         ahead of the consumer (a loopless stream's, such as ``TextLines`` over local files:
-        in the consumer's task as it reaches them, see :meth:`_StreamIterator._receive`);
+        in the consumer's task as it reaches them);
         after :meth:`load_state_dict`, the rest of the epoch it saved.
 
         The iterator is an async generator (``aclose()`` closes it; leaving an ``async for``
@@ -933,7 +933,7 @@ class Stream(IterableDataset[T_co]):
         sharding, ``records_per_rank`` or ``skip_errors``) runs its epoch on this thread with
         no event loop and no thread: each block is read (one shard after another, a blocking
         read as a plain ``open(f)`` loop's), decoded and handed on when the consumer reaches
-        it (:class:`_LocalPairs`). Any other stream (remote shards, transforms, streams of
+        it. Any other stream (remote shards, transforms, streams of
         your own) runs on an event loop of its own in a background thread (see
         :mod:`aloader._facade`), closed with the iterator, and its items cross to this thread
         in whole blocks. Both run the same chain of stages, so they give the same items,
