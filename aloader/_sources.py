@@ -226,7 +226,7 @@ async def _read_ahead(
         finally:
             launched.set()
 
-    ctx.group.start_soon(launch)
+    ctx.spawn(launch)
     try:
         for index in range(len(readers)):
             while (channel := channels[index]) is None:
@@ -593,6 +593,10 @@ class ShardedSource(Stream[T_co]):
         if self.even_ranks is not None:
             self._check_ranks()
 
+    def _loopless(self) -> bool:
+        # Local files only: a remote shard's reads (HTTP, object stores, the cache) need a loop.
+        return not any(is_url(name) or is_object_url(name) for name in self.shards)
+
     def _check_ranks(self) -> None:
         """Refuse, at construction, a rank that would read nothing (ranks evened out)."""
         check_ranks(len(self.shards), rank=self.rank, world_size=self.world_size)
@@ -672,7 +676,9 @@ class ShardedSource(Stream[T_co]):
             first = at["shard"]
             self._check_shard(at, names)
             resume = (at["offset"], at["counter"], at["records"])
-        slots = min(self.concurrency, len(names) - first)
+        # An inline epoch reads one shard after another in the consumer's task (or thread):
+        # with no task of its own, nothing could read ahead.
+        slots = 1 if ctx.inline else min(self.concurrency, len(names) - first)
         clients: _Clients | None = None
         if any(is_url(name) for name in names[first:]):
             # A connection per read-ahead slot (shard i reuses the keep-alive connection of
@@ -682,7 +688,7 @@ class ShardedSource(Stream[T_co]):
             readers = [
                 functools.partial(self._read, index, names[index],
                                   None if clients is None else clients.slot(i),
-                                  resume if index == first else None)
+                                  resume if index == first else None, ctx.blocking)
                 for i, index in enumerate(range(first, len(names)))
             ]
             async with Closing(read_in_order(ctx, readers, slots)) as blocks:
@@ -721,11 +727,12 @@ class ShardedSource(Stream[T_co]):
 
     def _read(
         self, index: int, name: str, client: Callable[[], HttpClient] | None,
-        resume: tuple[int, int, int] | None = None,
+        resume: tuple[int, int, int] | None = None, blocking: bool = False,
     ) -> SplitReader:
         """One shard's records, block by block (a block per chunk, or per piece of one where
         the decoder has a ``piece``), with their tokens; from ``resume`` (offset, counter,
-        records before) if given."""
+        records before) if given; a local file read on this thread with ``blocking`` (a
+        loopless epoch's)."""
         decoder = self._decoder(name, BadRecords(self.skip_errors, self.stats))
         inflate = decompressor_for(name, self.compression, self.chunk_size)
         start = records = skip = 0
@@ -743,7 +750,8 @@ class ShardedSource(Stream[T_co]):
             return _discard(blocks, skip) if skip else blocks
 
         return SplitReader(
-            functools.partial(self._chunks, name, client, decoder, inflate, start), decode)
+            functools.partial(self._chunks, name, client, decoder, inflate, start, blocking),
+            decode)
 
     def _fetch(
         self, name: str, client: Callable[[], HttpClient] | None, stats: SourceStats,
@@ -757,7 +765,7 @@ class ShardedSource(Stream[T_co]):
 
     def _chunks(
         self, name: str, client: Callable[[], HttpClient] | None, decoder: Decoder[T_co],
-        inflate: Decompressor | None, start: int,
+        inflate: Decompressor | None, start: int, blocking: bool = False,
     ) -> AsyncGenerator[bytes, None]:
         """A shard's bytes from ``start`` (its store, the cache or a file), decompressed."""
         stats = self.stats
@@ -771,7 +779,7 @@ class ShardedSource(Stream[T_co]):
             else:
                 chunks = fetch(on_size, None, start)
         else:
-            chunks = file_chunks(name, self.chunk_size, on_size, start)
+            chunks = file_chunks(name, self.chunk_size, on_size, start, blocking=blocking)
         if inflate is not None:
             chunks = decompressed(chunks, inflate)
         return chunks

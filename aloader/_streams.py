@@ -13,7 +13,10 @@ a time.
 
 Each ``async for`` over a stream (one epoch) runs the whole chain of stages in one background
 task that reads at most a few blocks ahead of the consumer, then waits: a slow consumer stops
-the sources. Stages that need concurrency (``map(..., concurrency=n)``, shard read-ahead) run
+the sources. A chain that needs no task (:meth:`Stream._loopless`: sources over local files)
+is pulled in the consumer's task instead, and its sync ``for`` on the consumer's thread with
+no event loop (:class:`_LocalPairs`): the same stages, tokens and resume on every path.
+Stages that need concurrency (``map(..., concurrency=n)``, shard read-ahead) run
 helper tasks in that background task's task group and talk to it through bounded channels. No
 stage holds a cancel scope or a task group across a ``yield``, so the chain can be closed from
 any task, and closing the iterator (``aclose()``, garbage collection, cancelling the loader)
@@ -26,7 +29,15 @@ import contextlib
 import itertools
 import weakref
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterator,
+    Sequence,
+)
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast, overload
 
@@ -39,7 +50,7 @@ import numpy as np
 from ._backend import Detached
 from ._dataset import IterableDataset
 from ._exceptions import FetchError, RecordError, SourceError
-from ._facade import PrivateLoop, SyncIterator, forbid_running_loop
+from ._facade import PrivateLoop, SyncIterator, forbid_running_loop, run_here
 from ._pipeline import Results
 from ._random import GeneratorLike, as_generator, draw_seed, permutation
 from ._sharding import worker_slot
@@ -282,13 +293,30 @@ class _Context:
         epoch: the epoch (seeds shard orders and shuffles).
         worker_id: this loader worker's id (0 without workers).
         num_workers: loader workers per rank (1 without workers).
-        group: the background task's task group, for stages that run helper tasks.
+        group: the background task's task group, for stages that run helper tasks; None
+            for an inline epoch (:meth:`Stream._loopless`), which no task may be started in:
+            its chain runs in the consumer's own task, or with no event loop at all.
+        blocking: the chain runs with no event loop (a sync ``for``, :class:`_LocalPairs`):
+            its stages must never await a real event (a local file is read on this thread).
     """
 
     epoch: int
     worker_id: int
     num_workers: int
-    group: anyio.abc.TaskGroup
+    group: anyio.abc.TaskGroup | None
+    blocking: bool = False
+
+    @property
+    def inline(self) -> bool:
+        """Whether the chain runs with no task group (in the consumer's task, or with no
+        event loop when ``blocking``): one stage step at a time, no helper task."""
+        return self.group is None
+
+    def spawn(self, fn: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+        """Start ``fn`` as a helper task of the epoch (never in an inline one)."""
+        if self.group is None:
+            raise AssertionError("an inline epoch cannot start a task")
+        self.group.start_soon(fn)
 
     def rng(self, base_seed: int) -> np.random.Generator:
         """A generator for one stage in this epoch and worker, reproducible from its seed."""
@@ -372,13 +400,14 @@ class _StreamIterator(AsyncIterator[T]):
     """
 
     __slots__ = ("__weakref__", "_at", "_block", "_capacity", "_cursor", "_driver", "_epoch",
-                 "_finished", "_slot", "_stream", "_token")
+                 "_finished", "_inline", "_slot", "_stream", "_token")
 
     def __init__(self, stream: Stream[T], epoch: int, capacity: int, at: Any = None) -> None:
         self._stream = stream
         self._epoch = epoch
         self._capacity = capacity
         self._driver: _Driver | None = None
+        self._inline: AsyncGenerator[tuple[list[T], Any], None] | None = None
         self._block: list[T] = []
         self._cursor: Iterator[T] = iter(self._block)
         self._finished = False
@@ -417,10 +446,30 @@ class _StreamIterator(AsyncIterator[T]):
         self._cursor = iter(self._block)
 
     async def _receive(self) -> tuple[list[T], Any]:
-        """The next (block, token) the driver (started by the first call) hands on;
-        StopAsyncIteration at the end, or the chain's error."""
+        """The next (block, token) of the epoch; StopAsyncIteration at the end, or the
+        chain's error.
+
+        A loopless stream's chain (:meth:`Stream._loopless`) is pulled here, in the
+        consumer's task: a block is read and decoded when the consumer asks for it, with no
+        background task, no channel and no task switch (which cost more per block than the
+        read and the split together). Its reads still never make the loop wait on a disk
+        (:func:`aloader._files.file_chunks`: a read the page cache cannot serve goes to a
+        thread), but such a read is not overlapped with the consumer's work, and its shards
+        are read one after another. Any other stream's chain runs in the driver, started by
+        the first call, a few blocks ahead of the consumer.
+        """
         if self._finished:
             raise StopAsyncIteration
+        inline = self._inline
+        if inline is None and self._driver is None and self._stream._loopless():
+            worker_id, num_workers = self._slot
+            ctx = _Context(self._epoch, worker_id, num_workers, None)
+            inline = self._inline = self._stream._blocks_at(ctx, self._at)
+        if inline is not None:
+            while True:
+                pair = await inline.__anext__()
+                if pair[0]:
+                    return pair
         driver = self._driver
         if driver is None:
             driver = self._driver = _Driver(self._stream, self._epoch, self._capacity, self._at,
@@ -482,6 +531,9 @@ class _StreamIterator(AsyncIterator[T]):
         await self._stop()
 
     async def _stop(self) -> None:
+        inline, self._inline = self._inline, None
+        if inline is not None:
+            await close_iterator(inline)
         driver = self._driver
         if driver is not None and not driver.done.is_set():
             driver.stop()
@@ -511,6 +563,67 @@ class _Pairs(AsyncIterator[tuple[list[T], Any]]):
         await self._iterator._stop()
 
 
+class _LocalPairs(Iterator[tuple[list[T], Any]]):
+    """An epoch's (block, token) pairs made on the consumer's thread, with no event loop and
+    no thread (a loopless stream's sync ``for``, see :meth:`Stream._loopless`): the chain of
+    stages is the one the driver runs (``_blocks_at``, the same decoding, tokens and resume),
+    each of its steps driven to its end by :func:`~aloader._facade.run_here`.
+
+    An error of the chain ends it (the caller ends the epoch). A KeyboardInterrupt (any
+    BaseException) that lands in a step unwinds the chain, closing its files, as it would
+    any generator; the next call opens the chain again from the position after the block
+    the consumer last entered (the resume path, exact), so the epoch goes on where it was, as
+    after an interrupt in the threaded path's wait. Closed (or dropped), it closes the chain.
+    """
+
+    __slots__ = ("_blocks", "_iterator")
+
+    def __init__(self, iterator: _StreamIterator[T]) -> None:
+        self._iterator = iterator
+        self._blocks: AsyncGenerator[tuple[list[T], Any], None] | None = None
+
+    def __iter__(self) -> _LocalPairs[T]:
+        return self
+
+    def _reopen(self) -> AsyncGenerator[tuple[list[T], Any], None]:
+        iterator = self._iterator
+        if iterator._token is _START:
+            at = iterator._at
+        else:  # after an interrupt: from the end of the block the consumer is on
+            at = _state_of(iterator._stream, iterator._token, len(iterator._block))
+        worker_id, num_workers = iterator._slot
+        ctx = _Context(iterator._epoch, worker_id, num_workers, None, blocking=True)
+        blocks = self._blocks = iterator._stream._blocks_at(ctx, at)
+        return blocks
+
+    def __next__(self) -> tuple[list[T], Any]:
+        if self._iterator._finished:
+            raise StopIteration
+        blocks = self._blocks
+        if blocks is None:
+            blocks = self._reopen()
+        try:
+            while True:
+                pair = run_here(blocks.__anext__())
+                if pair[0]:  # the driver hands on no empty block either
+                    return pair
+        except StopAsyncIteration:
+            self._blocks = None
+            raise StopIteration from None
+        except BaseException:
+            self._blocks = None  # unwound by the error: spent
+            raise
+
+    def close(self) -> None:
+        blocks, self._blocks = self._blocks, None
+        if blocks is not None:
+            run_here(blocks.aclose())
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
 class _EnteredBlocks(Iterator[Iterator[T]]):
     """The cursor of each block of a sync ``for``'s epoch, entered when the consumer starts
     on it (:class:`_SyncItems` asks for the next one only once the last is spent).
@@ -524,7 +637,7 @@ class _EnteredBlocks(Iterator[Iterator[T]]):
     __slots__ = ("_iterator", "_pairs")
 
     def __init__(self, iterator: _StreamIterator[T],
-                 pairs: SyncIterator[tuple[list[T], Any]]) -> None:
+                 pairs: SyncIterator[tuple[list[T], Any]] | _LocalPairs[T]) -> None:
         self._iterator = iterator
         self._pairs = pairs
 
@@ -571,8 +684,8 @@ class _SyncItems(itertools.chain[T]):
         self._blocks.close()
 
 
-def _sync_items(iterator: _StreamIterator[T], pairs: SyncIterator[tuple[list[T], Any]]
-                ) -> _SyncItems[T]:
+def _sync_items(iterator: _StreamIterator[T],
+                pairs: SyncIterator[tuple[list[T], Any]] | _LocalPairs[T]) -> _SyncItems[T]:
     """The plain ``for`` over ``iterator``'s epoch, whose blocks ``pairs`` brings."""
     blocks = _EnteredBlocks(iterator, pairs)
     items: _SyncItems[T] = _SyncItems.from_iterable(blocks)  # type: ignore[assignment]
@@ -636,6 +749,16 @@ class Stream(IterableDataset[T_co]):
     def _upstreams(self) -> Sequence[Stream[Any]]:
         return ()
 
+    def _loopless(self) -> bool:
+        """Whether this stage's epoch can run inline: given a :class:`_Context` with no task
+        group, its ``_blocks_at`` starts no task, and with ``blocking`` it awaits no real
+        event (no thread, no sleep). Then a sync ``for`` drives the chain on the consumer's
+        thread with no loop (:class:`_LocalPairs`), and an ``async for`` (or the loader's
+        ``_take``) pulls it in the consumer's own task, with no background task and no
+        channel between them (:meth:`_StreamIterator._receive`). False unless a stage says
+        so."""
+        return False
+
     @property
     def epoch(self) -> int:
         """The epoch the next iteration will use."""
@@ -653,7 +776,9 @@ class Stream(IterableDataset[T_co]):
 
     def __aiter__(self) -> AsyncIterator[T_co]:
         """Start one epoch: items one by one, read in the background at most a few blocks
-        ahead of the consumer; after :meth:`load_state_dict`, the rest of the epoch it saved.
+        ahead of the consumer (a loopless stream's, such as ``TextLines`` over local files:
+        in the consumer's task as it reaches them);
+        after :meth:`load_state_dict`, the rest of the epoch it saved.
 
         The iterator is an async generator (``aclose()`` closes it; leaving an ``async for``
         early leaves it to be closed when it is garbage-collected, as any async generator).
@@ -803,17 +928,27 @@ class Stream(IterableDataset[T_co]):
     def __iter__(self) -> Iterator[T_co]:
         """One epoch for synchronous code: what ``async for`` over the stream yields.
 
-        The epoch runs on an event loop of its own in a background thread (see
+        A loopless stream (:meth:`_loopless`: a sharded source whose shards are all local
+        files, such as ``TextLines(dir)`` or ``JsonLines(dir)``, with any compression,
+        sharding, ``records_per_rank`` or ``skip_errors``) runs its epoch on this thread with
+        no event loop and no thread: each block is read (one shard after another, a blocking
+        read as a plain ``open(f)`` loop's), decoded and handed on when the consumer reaches
+        it. Any other stream (remote shards, transforms, streams of
+        your own) runs on an event loop of its own in a background thread (see
         :mod:`aloader._facade`), closed with the iterator, and its items cross to this thread
-        in whole blocks; leaving the ``for`` early (``break``, an exception) closes the
+        in whole blocks. Both run the same chain of stages, so they give the same items,
+        stats and states. Leaving the ``for`` early (``break``, an exception) closes the
         stream's iterator and so its files and connections, as leaving an ``async for`` does,
         and so does the iterator's ``close()``. :meth:`state_dict` says what this thread
-        received, not what the loop read ahead.
+        received, not what was read ahead.
 
         Raises:
             RuntimeError: a ``for`` inside a running event loop, which it would block.
         """
         forbid_running_loop("Stream", "item in stream")
+        if self._loopless():
+            iterator = self._open()
+            return _sync_items(iterator, _LocalPairs(iterator))
         opened: list[_StreamIterator[T_co]] = []
 
         def open_() -> AsyncIterator[tuple[list[T_co], Any]]:
@@ -1253,7 +1388,7 @@ class _Mapped(Stream[U]):
 
         mapping: _ConcurrentMap[Any, U] = _ConcurrentMap(upstream, call, self.concurrency,
                                                          self.ordered)
-        ctx.group.start_soon(mapping.run)
+        ctx.spawn(mapping.run)
         results = mapping.results
         spans = mapping.spans
         emitted = 0  # results handed on: the input number of the next one, in order

@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from ._backend import Waiter, waiters
+from ._backend import Waiter, current_backend, waiters
 
 __all__ = (
     "Signal",
@@ -135,6 +135,10 @@ async def close_iterator(iterator: object, *, blocking: bool = True) -> None:
     """
     aclose = getattr(iterator, "aclose", None)
     if aclose is not None:
+        if current_backend() is None:
+            # Driven with no event loop (``_facade.run_here``): nothing can cancel it.
+            await aclose()
+            return
         with anyio.CancelScope(shield=True):
             await aclose()
         return

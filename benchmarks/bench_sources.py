@@ -42,7 +42,9 @@ the same plain loop (msgspec per line and per chunk with ``decode_lines``, orjso
 when installed) show why JsonLines parses with msgspec, and ``async for`` over the same lines
 already in memory shows what the iteration protocol alone costs per item (through a Python
 ``__anext__``, and through an async generator; the lines are those of 4 files, repeated).
-``TextLines`` is measured under ``async for`` and under a plain ``for`` (its sync iterator);
+``TextLines`` is measured under ``async for`` and under a plain ``for`` (its sync iterator,
+which reads and splits on the consumer's thread with no event loop), and batched by a
+``DataLoader`` (``batch_size=256``, lines counted per batch) both ways;
 the "no loader" rows are its limits: the same 64 KiB reads split into lines by a bare
 program, handed over by an async generator (what ``async for`` costs per line at the least)
 and by a plain loop. Every figure is the best of 3, the programs interleaved in each round.
@@ -451,6 +453,22 @@ def local_files(bodies: list[bytes]) -> list[tuple[str, float, str]]:
 
             return run
 
+        def loader(sync: bool) -> Callable[[], int]:
+            def run() -> int:
+                if sync:
+                    return sum(len(batch) for batch in
+                               DataLoader(TextLines(directory), batch_size=256))
+
+                async def epoch() -> int:
+                    n = 0
+                    async for batch in DataLoader(TextLines(directory), batch_size=256):
+                        n += len(batch)
+                    return n
+
+                return anyio.run(epoch)
+
+            return run
+
         def blocks_of_lines() -> Any:
             """The lines of every file as TextLines makes them, with no loader: 64 KiB reads,
             each split into its complete lines (the floor of any block-wise reader)."""
@@ -492,6 +510,9 @@ def local_files(bodies: list[bytes]) -> list[tuple[str, float, str]]:
             (plain, plain_lines, plain),
             ("aloader TextLines(dir)", source(TextLines), plain),
             ("aloader TextLines(dir), sync for", sync_source(TextLines), plain),
+            ("aloader DataLoader(TextLines(dir), batch_size=256)", loader(False), plain),
+            ("aloader DataLoader(TextLines(dir), batch_size=256), sync for", loader(True),
+             plain),
             ("no loader: 64 KiB reads split, async generator", split_async_for, plain),
             ("no loader: 64 KiB reads split, for", split_for, plain),
             ("async for, a Python __anext__, lines in memory", lambda: memory(False), plain),
@@ -529,11 +550,12 @@ def print_local_files(bodies: list[bytes]) -> None:
     """Measure and print the local files' table."""
     print(f"Local files: 32 files x 20,000 JSON Lines records (~68 MB), best of {RUNS}, "
           "interleaved")
-    print(f"{'':58} {'lines/s':>11} {'vs plain':>10}")
+    print(f"{'':64} {'lines/s':>11} {'vs plain':>10}")
     rows = local_files(bodies)
     rates = {label: rate for label, rate, _ in rows}
     for label, rate, base in rows:
-        print(f"{label:58} {rate:>11,.0f} {rate / rates[base]:>9.2f}x")
+        print(f"{label:64} {rate:>11,.0f} {rate / rates[base]:>9.2f}x")
+    print("load average (1, 5, 15 min): " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
 def main() -> None:

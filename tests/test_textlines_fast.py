@@ -184,6 +184,8 @@ def test_sync_for_goes_on_after_an_interrupt_in_its_wait(
         return real(self)
 
     monkeypatch.setattr(_facade._Pump, "take", take)
+    # The threaded path's wait (a loopless one has none: tests/test_textlines_fast2.py).
+    monkeypatch.setattr(TextLines, "_loopless", lambda self: False)
     source = make(tmp_path)
     iterator = iter(source)
     got: list[str] = []
