@@ -633,7 +633,9 @@ async def http_chunks(
                         failures = 0
                         if end is not None and offset + len(piece) >= end:
                             piece = piece[: end - offset]  # a server that ignored the range
-                        for chunk in split_chunks(piece, size):
+                        # split_chunks's chunks, without a generator for a piece that fits.
+                        for chunk in ((piece,) if 0 < len(piece) <= size
+                                      else split_chunks(piece, size)):
                             offset += len(chunk)
                             yield chunk
                         if offset == end:

@@ -1,6 +1,7 @@
 """Streaming JSON Lines shards over HTTP and from local files.
 
-Run: ``python benchmarks/bench_sources.py [--http-only] [--no-torch] [--breakdown]``.
+Run: ``python benchmarks/bench_sources.py [--http-only] [--no-torch] [--breakdown]
+[--profile]``.
 Everything below is measured in the same run.
 
 HTTP: 64 shards of 1,000 JSON Lines records (~106 bytes each) served by a local HTTP server
@@ -26,6 +27,10 @@ each round, interleaved:
 * first-response bound: no program parses a record before its first response, so
   ``latency + parse`` (one request's wait, then the parse floor) bounds every program in one
   process; the limit ``max(a, b)`` assumes the parsing overlaps that first wait too.
+
+``--profile`` adds the CPU difference by function between aloader and the no-loader
+program (cProfile over 3 epochs each: own time per epoch and calls per epoch, the largest
+differences first; cProfile inflates Python-level costs, so read it for where, not how much).
 
 ``--breakdown`` adds where one HTTP epoch's time goes: the parse floor's two halves alone,
 the bare HTTP client fetching the same bodies (aiohttp, 16 at once, one session), the
@@ -333,6 +338,49 @@ def breakdown(urls: list[str], bodies: list[bytes], runs: int = 5) -> list[str]:
     return lines
 
 
+def profile_difference(urls: list[str], epochs: int = 3, top: int = 30) -> list[str]:
+    """The lines of a table of aloader's CPU beyond the no-loader program's, by function
+    (see the module's docstring)."""
+    import cProfile
+    import pstats
+
+    def per_function(fn: Callable[[], int]) -> dict[str, tuple[int, float]]:
+        fn()  # warm-up
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(epochs):
+            fn()
+        profile.disable()
+        table: dict[str, tuple[int, float]] = {}
+        stats: Any = pstats.Stats(profile).stats
+        for (path, _line, name), (_, calls, own, _, _) in stats.items():
+            key = f"{os.path.basename(path)}:{name}"
+            count, seconds = table.get(key, (0, 0.0))
+            table[key] = (count + calls, seconds + own)
+        return table
+
+    ours = per_function(lambda: run_aloader(urls))
+    theirs = per_function(lambda: no_loader(urls))
+
+    def own(table: dict[str, tuple[int, float]], key: str) -> float:
+        return table.get(key, (0, 0.0))[1]
+
+    keys = sorted(set(ours) | set(theirs), key=lambda k: own(theirs, k) - own(ours, k))
+    lines = [f"CPU by function, aloader beyond the no-loader program (cProfile, {epochs} epochs "
+             f"each; per epoch; load average {os.getloadavg()[0]:.2f})",
+             f"{'':60} {'aloader':>8} {'no-ldr':>8} {'diff ms':>8} {'calls':>7} {'calls':>7}"]
+    for key in keys[:top]:
+        a, b = ours.get(key, (0, 0.0)), theirs.get(key, (0, 0.0))
+        lines.append(f"{key[:60]:60} {a[1] / epochs * 1e3:>8.1f} {b[1] / epochs * 1e3:>8.1f} "
+                     f"{(a[1] - b[1]) / epochs * 1e3:>8.1f} {a[0] // epochs:>7} "
+                     f"{b[0] // epochs:>7}")
+    total_a = sum(v[1] for v in ours.values()) / epochs * 1e3
+    total_b = sum(v[1] for v in theirs.values()) / epochs * 1e3
+    lines.append(f"{'total (profiled)':60} {total_a:>8.1f} {total_b:>8.1f} "
+                 f"{total_a - total_b:>8.1f}")
+    return lines
+
+
 def local_files(bodies: list[bytes]) -> list[tuple[str, float, str]]:
     """(label, lines/s, the label of the plain loop it compares with) of plain loops and
     aloader's sources over the same local files, interleaved, best of RUNS."""
@@ -607,6 +655,8 @@ def main() -> None:
                              lambda: count_torch(persistent)))
         seconds = interleaved(programs)
         where = breakdown(urls, bodies) if "--breakdown" in sys.argv else []
+        if "--profile" in sys.argv:
+            where += ["", *profile_difference(urls)]
     finally:
         persistent = None  # its workers stop with it
         stop.set()
