@@ -10,21 +10,22 @@ out (``even_ranks``, on by default when ``world_size > 1``), the units are what 
 reads the same number of, and what a rank drops one of in turn (see :mod:`aloader._sharding`).
 
 pyarrow (the extra ``aloader[parquet]``) is imported when a :class:`ParquetRows` is made, not
-with aloader. Its reads block, so each batch is read and converted in a worker thread: for
-local files, one thread per pass (:class:`_ReadThread`: a call costs a third of an
-anyio thread call, which showed at narrow batches); for remote ones, anyio's, whose reads run
-on the event loop from there. A pass's local files are read one after another by one
-reader in that thread (:class:`_LocalReader`), which opens the next file in the call that
-asks for its first batch, and the thread outlives its pass for the next one to take (starting
-one waited for it to be scheduled: 2-5 ms per epoch on a loaded machine). Nothing is read
-ahead in that thread (the stream's driver asks for the next batch while the consumer handles
-one). The epoch's plan runs in a thread only when it reads footers. A
-consumer whose files are all local reads them one at a time, whatever ``concurrency`` says: a
-local read waits on the CPU, not on a device, pyarrow already decodes a batch's columns on its
-own threads, and the conversion to numpy or Python values holds the GIL, so reading two or four
-local files at once only holds more batches and contends (measured: 1.3x and 1.8x the CPU time
-of one at a time, 0.3-0.8x its rate); the stream's driver still reads the next batch while the
-consumer handles one.
+with aloader. Its reads block, so each batch is read in a worker thread (and, as column
+batches, converted there; rows as dicts are made on the event loop, in pieces of
+:data:`ROW_BLOCK`, where they are consumed: see :meth:`ParquetRows._items`): for local files,
+one thread per pass (:class:`_ReadThread`: a call costs a third of an anyio thread call, which
+showed at narrow batches); for remote ones, anyio's, whose reads run on the event loop from
+there. A pass's local files are read one after another by one reader in that thread
+(:class:`_LocalReader`), which opens the next file in the call that asks for its first batch,
+and the thread outlives its pass for the next one to take (starting one waited for it to be
+scheduled: 2-5 ms per epoch on a loaded machine). The next call is queued as soon as one
+returns (one batch read ahead), so the thread reads while the event loop hands the last batch
+on. The epoch's plan runs in a thread only when it reads footers. A consumer whose files are
+all local reads them one at a time, whatever ``concurrency`` says: a local read waits on the
+CPU, not on a device, pyarrow already decodes a batch's columns on its own threads, and the
+conversion to numpy or Python values holds the GIL, so reading two or four local files at once
+only holds more batches and contends (measured: 1.3x and 1.8x the CPU time of one at a time,
+0.3-0.8x its rate).
 
 Remote files (``s3://``, ``gs://``, ``az://``, ``http(s)://``) are random-access files of
 bounded ranged reads (:class:`_RangeFile`): a byte for the size, the footer (pyarrow reads the
@@ -327,7 +328,8 @@ class ParquetRows(ShardedSource[Any]):
     epoch, the same on every consumer. A consumer reads up to ``concurrency`` remote files at
     once (local files one at a time: their reads need the CPU, which pyarrow already uses on
     several threads) and hands their rows on in order, so the output is reproducible. It holds
-    at most about ``3 * concurrency + 2`` batches of ``batch_rows`` rows.
+    at most about ``3 * concurrency + 2`` batches of ``batch_rows`` rows (rows as dicts:
+    a batch's Arrow data, and its dicts :data:`ROW_BLOCK` at a time).
 
     Rows (``as_batches=False``) are dicts ``{column: value}`` of Python values
     (``RecordBatch.to_pylist()``: nested structs are dicts, lists are lists, nulls None); the
@@ -669,16 +671,15 @@ class ParquetRows(ShardedSource[Any]):
         :class:`_LocalReader`). A call runs to its end (a cancellation, or the end of the
         pass, waits for it), so a file is never closed under a read.
 
-        Rows are made here (:meth:`_items`), so the next batch's read is queued before this
-        one's rows are made: the thread decodes it meanwhile (one Arrow batch read ahead).
-        Column batches are made in the thread, and nothing is read ahead: the stream's driver
-        asks for the next while the consumer handles one.
+        The next batch's read is queued before this one is handed on (one batch read
+        ahead): the thread decodes it while rows are made here (:meth:`_items`) or a column
+        batch is handed on (measured at 1M rows: rows ~0.8x the CPU time of converting whole
+        batches in the thread with no read ahead; column batches 0.9-0.95x the wall time).
         """
         stats = self.stats
         bad = BadRecords(self.skip_errors, stats)
         local = _LocalReader(self, plan)
         thread = _ReadThread(shared=True)
-        ahead = not self.as_batches
         pending: Callable[[], Awaitable[_LocalStep | None]] | None = None
         try:
             while True:
@@ -695,8 +696,7 @@ class ParquetRows(ShardedSource[Any]):
                 if got is None:
                     break
                 index, items, rows, read, done = got
-                if ahead:
-                    pending = thread.submit(local.next)
+                pending = thread.submit(local.next)
                 stats.bytes += read
                 stats.records += rows
                 if items is not None:
