@@ -158,3 +158,22 @@ async def test_batches_keep_batch_rows(tmp_path: Path, anyio_backend: str,
     batches = [b async for b in ParquetRows(paths, batch_rows=9, as_batches=True)]
     assert [len(b["id"]) for b in batches] == [9, 9, 5, 9, 1, 9, 9, 9, 4]
     assert np.concatenate([b["id"] for b in batches]).tolist() == list(range(64))
+
+
+@pytest.mark.parametrize("skip", [False, True])
+async def test_a_value_python_cannot_hold_keeps_its_error(tmp_path: Path, anyio_backend: str,
+                                                          small_blocks: int, skip: bool) -> None:
+    """A timestamp past datetime's range fails in to_pylist, now made on the consumer's side:
+    the same OverflowError as before (it is not a corrupt file, so skip_errors does not skip
+    it), after the rows before it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "t.parquet"
+    values = [0] * 6 + [2**62]
+    pq.write_table(pa.table({"t": pa.array(values, pa.timestamp("us"))}), path)
+    got: list[Any] = []
+    with pytest.raises(OverflowError):
+        async for row in ParquetRows(path, batch_rows=9, skip_errors=skip):
+            got.append(row)
+    assert len(got) == 4  # the first piece of 4 rows; the second holds the bad value
