@@ -4,7 +4,7 @@ It owns :class:`Stream` (epochs, ``set_epoch``), the transforms ``shuffle``, ``m
 concurrent results are ordered by :class:`aloader._pipeline.Results`, the loader's own
 buffer), ``filter`` and :func:`interleave`, the adapter :func:`as_stream`, and the plumbing
 of one epoch: the background task that runs the chain (``_Driver``) and the bounded channels
-between tasks (``_Channel``, on anyio's memory object streams).
+between tasks (``_Channel``).
 
 A :class:`Stream` is an :class:`~aloader.IterableDataset` with ``async def __aiter__``, so
 ``DataLoader(stream, batch_size=...)`` batches it. Internally every stage passes *blocks* (lists
@@ -54,7 +54,7 @@ from ._facade import PrivateLoop, SyncIterator, forbid_running_loop, run_here
 from ._pipeline import Results
 from ._random import GeneratorLike, as_generator, draw_seed, permutation
 from ._sharding import worker_slot
-from ._util import Closing, check_int, close_iterator, is_async_callable, single_error
+from ._util import Closing, Signal, check_int, close_iterator, is_async_callable, single_error
 from ._workerinfo import get_worker_info, served_epoch
 
 __all__ = (
@@ -209,21 +209,29 @@ class _Abandoned(Exception):
 
 
 class _Channel(Generic[T]):
-    """A bounded FIFO between two tasks of one event loop: an anyio memory object stream,
-    with what a stage needs beyond it.
+    """A bounded FIFO between two tasks of one event loop: a deque and one
+    :class:`~aloader._util.Signal` that both ends wait on.
+
+    Invariant: at most ``capacity`` items are queued; a task waits only when it cannot go on
+    (a writer on a full channel, a reader on an empty one), and every change (an item in or
+    out, the end, the reader leaving) notifies the signal, so a waiting end re-checks and
+    never misses one. So an item costs no turn of the loop, and a wait is one real wait (a
+    memory object stream took a checkpoint first, a turn of the loop more per wait).
 
     The writer's :meth:`end` may carry an error, which the reader gets after the queued items
     (``end`` is synchronous: writers call it from ``finally`` blocks, cancelled or not). The
     reader's :meth:`abandon` drops what is queued and makes the writer's next :meth:`put`
-    raise :class:`_Abandoned`. A channel dropped with an end still open (an epoch's iterator
-    collected unread) closes its ends, so the memory stream does not warn about them.
+    raise :class:`_Abandoned`.
     """
 
-    __slots__ = ("_ended", "_error", "_receive", "_send")
+    __slots__ = ("_capacity", "_changed", "_ended", "_error", "_gone", "_items")
 
     def __init__(self, capacity: int) -> None:
-        self._send, self._receive = anyio.create_memory_object_stream[T](max(1, capacity))
+        self._items: deque[T] = deque()
+        self._capacity = max(1, capacity)
+        self._changed = Signal()
         self._ended = False
+        self._gone = False  # the reader abandoned the channel
         self._error: BaseException | None = None
 
     async def put(self, item: T) -> None:
@@ -232,32 +240,27 @@ class _Channel(Generic[T]):
         An item that fits goes in without a turn of the loop (the writers' own reads give
         the loop its turns): the reader then finds it without one either.
         """
-        try:
-            self._send.send_nowait(item)
-        except anyio.WouldBlock:
-            pass
-        except anyio.BrokenResourceError:
-            raise _Abandoned from None
-        else:
-            return
-        try:
-            await self._send.send(item)
-        except anyio.BrokenResourceError:
-            raise _Abandoned from None
+        while True:
+            if self._gone:
+                raise _Abandoned
+            if len(self._items) < self._capacity:
+                self._items.append(item)
+                self._changed.notify()
+                return
+            await self._changed.wait()
 
     def end(self, error: BaseException | None = None) -> None:
         """No more items; the reader gets ``error`` (or the end) after the queued ones."""
         if not self._ended:
             self._ended = True
             self._error = error
-            self._send.close()
+            self._changed.notify()
 
     def abandon(self) -> None:
         """The reader is gone: drop what is queued and release a waiting writer."""
-        with contextlib.suppress(anyio.WouldBlock, anyio.EndOfStream):
-            while True:
-                self._receive.receive_nowait()
-        self._receive.close()
+        self._gone = True
+        self._items.clear()
+        self._changed.notify()
 
     async def get(self) -> T:
         """The next item; StopAsyncIteration at the end, or the writer's error (once).
@@ -266,23 +269,17 @@ class _Channel(Generic[T]):
         queue is empty, and the writer cannot refill it meanwhile, so it still waits (and
         can be cancelled) at least once per ``capacity`` items.
         """
-        try:
-            try:
-                return self._receive.receive_nowait()
-            except anyio.WouldBlock:
-                return await self._receive.receive()
-        except anyio.EndOfStream:
-            pass
-        # Raised outside the except block: the writer's error keeps its own context.
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
-        raise StopAsyncIteration
-
-    def __del__(self) -> None:
-        # Unreachable, so no task waits on either end: closing them only marks them closed.
-        self._send.close()
-        self._receive.close()
+        items = self._items
+        while not items:
+            if self._ended or self._gone:
+                error, self._error = self._error, None
+                if error is not None:
+                    raise error
+                raise StopAsyncIteration
+            await self._changed.wait()
+        item = items.popleft()
+        self._changed.notify()
+        return item
 
 
 @dataclass(frozen=True, eq=False)

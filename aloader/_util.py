@@ -133,6 +133,11 @@ async def close_iterator(iterator: object, *, blocking: bool = True) -> None:
     and promise not to block). Never call it while another thread may still be running the
     iterator (a pull abandoned in its thread): the caller skips the close then.
     """
+    if getattr(iterator, "ag_frame", False) is None or getattr(iterator, "gi_frame",
+                                                                False) is None:
+        # A generator that has finished: closing it runs nothing, so it needs neither a
+        # cancel scope nor a thread (most closes of an epoch's generators are of these).
+        return
     aclose = getattr(iterator, "aclose", None)
     if aclose is not None:
         if current_backend() is None:

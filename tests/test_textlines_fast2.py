@@ -282,7 +282,7 @@ async def test_async_for_inline_cancelled_closes_files(tmp_path: Path,
 async def test_an_inline_epoch_gives_the_loop_turns(tmp_path: Path, anyio_backend: str) -> None:
     # Pulled in the consumer's task, a loopless chain still lets the loop's other tasks run
     # while a consumer that never awaits reads through it (a turn per 512 KiB read).
-    (tmp_path / "big.txt").write_bytes((b"x" * 99 + b"\n") * 30_000)  # 3 MB
+    (tmp_path / "big.txt").write_bytes((b"x" * 99 + b"\n") * 60_000)  # 6 MB
     ticks = 0
 
     async def ticker() -> None:
@@ -297,9 +297,9 @@ async def test_an_inline_epoch_gives_the_loop_turns(tmp_path: Path, anyio_backen
         await anyio.sleep(0)
         n = 0
         async for _ in TextLines(tmp_path):
-            if n % 10_000 == 0:
+            if n % 20_000 == 0:  # 2 MB: about 4 turns
                 seen.append(ticks)
             n += 1
         group.cancel_scope.cancel()
-    assert n == 30_000
+    assert n == 60_000
     assert seen[0] < seen[1] < seen[2], seen

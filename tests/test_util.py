@@ -208,3 +208,46 @@ def test_check_int() -> None:
         _util.check_int("n", -1, minimum=0)
     with pytest.raises(ValueError, match="at most sys.maxsize"):
         _util.check_int("n", sys.maxsize + 1, minimum=1, maximum=sys.maxsize)
+
+
+async def test_finished_generators_close_with_no_scope_or_thread(
+    anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def agen() -> Any:
+        yield 1
+
+    def gen() -> Any:
+        yield 1
+
+    a, g = agen(), gen()
+    assert [x async for x in a] == [1] and list(g) == [1]
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("no cancel scope and no thread for a finished generator")
+
+    monkeypatch.setattr(anyio, "CancelScope", refuse)
+    monkeypatch.setattr(anyio.to_thread, "run_sync", refuse)
+    await _util.close_iterator(a)
+    await _util.close_iterator(g)
+
+
+async def test_close_iterator_runs_a_suspended_generators_cleanup(anyio_backend: str) -> None:
+    closed = []
+
+    async def agen() -> Any:
+        try:
+            yield 1
+        finally:
+            closed.append("a")
+
+    def gen() -> Any:
+        try:
+            yield 1
+        finally:
+            closed.append("g")
+
+    a, g = agen(), gen()
+    assert await a.__anext__() == 1 and next(g) == 1
+    await _util.close_iterator(a)
+    await _util.close_iterator(g)
+    assert closed == ["a", "g"]
