@@ -50,7 +50,7 @@ import random
 import re
 import ssl
 import zlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from types import TracebackType
@@ -633,9 +633,7 @@ async def http_chunks(
                         failures = 0
                         if end is not None and offset + len(piece) >= end:
                             piece = piece[: end - offset]  # a server that ignored the range
-                        # split_chunks's chunks, without a generator for a piece that fits.
-                        for chunk in ((piece,) if 0 < len(piece) <= size
-                                      else split_chunks(piece, size)):
+                        for chunk in split_chunks(piece, size):
                             offset += len(chunk)
                             yield chunk
                         if offset == end:
@@ -690,11 +688,13 @@ def _url_problem(url: str) -> str | None:
     return None
 
 
-def split_chunks(piece: bytes, size: int) -> Iterator[bytes]:
+def split_chunks(piece: bytes, size: int) -> Iterable[bytes]:
     """``piece`` as chunks of at most ``size`` bytes (``piece`` itself when it fits; nothing
-    when it is empty): how a network read is handed on as a source's chunks."""
-    for start in range(0, len(piece), size):
-        yield piece[start : start + size] if len(piece) > size else piece
+    when it is empty): how a network read is handed on as a source's chunks. A piece that
+    fits (most reads) costs a tuple, not a generator."""
+    if 0 < len(piece) <= size:
+        return (piece,)
+    return (piece[start : start + size] for start in range(0, len(piece), size))
 
 
 def retry_delay(options: HttpOptions, failures: int, retry_after: float | None = None) -> float:

@@ -798,10 +798,7 @@ class ShardedSource(Stream[T_co]):
                 async for chunk in pieces:
                     stats.bytes += len(chunk)
                     # A block per piece of the chunk where the format asks for smaller ones.
-                    # split_chunks's parts, without a generator for a chunk that fits.
-                    parts = ((chunk,) if piece is None or 0 < len(chunk) <= piece
-                             else split_chunks(chunk, piece))
-                    for part in parts:
+                    for part in (chunk,) if piece is None else split_chunks(chunk, piece):
                         records = decoder.feed(part)
                         if records:
                             stats.records += len(records)
