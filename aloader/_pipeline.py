@@ -273,8 +273,8 @@ class _WorkQueue:
 
     A job is ``count`` pieces of work, handed out in order from the queue's head job: its
     cursor ``next`` is the position the next taker gets, and the job leaves the queue with its
-    last piece. So an item costs no object of its own in the queue (a tuple per item was most
-    of the epoch's young-generation garbage collections).
+    last piece. So an item costs no object of its own in the queue (a tuple per item, and the
+    zip that made them, cost ~1% of an io epoch's instructions).
 
     Lighter than a memory object stream (the producer never waits on it: the window bounds
     what it holds), and it wakes one idle worker per piece of work that may start rather than
