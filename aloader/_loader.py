@@ -143,8 +143,10 @@ class DataLoader(Generic[T_co]):
     worker thread, a whole batch per call by default or up to ``max_concurrency`` items at once
     when it is given. At most ``prefetch_factor`` collated batches wait for the consumer.
     ``for batch in loader`` gives the same epochs to synchronous code: an in-memory dataset's
-    epoch (no workers) runs on the calling thread, any other on the loader's event loop in a
-    background thread (uvloop's when installed; ``ALOADER_UVLOOP=0`` keeps asyncio's).
+    epoch, or a stream's over local files (``TextLines``, ``JsonLines``: no workers, no
+    ``timeout``, a plain ``collate_fn``), runs on the calling thread, any other on the
+    loader's event loop in a background thread (uvloop's when installed;
+    ``ALOADER_UVLOOP=0`` keeps asyncio's).
 
     With ``num_workers > 0``, worker processes fetch and collate whole batches, each with the
     same concurrency as above (async datasets keep ``max_concurrency`` fetches in flight per
@@ -1207,9 +1209,10 @@ class _Receipts:
 class DataLoaderIter(Iterator[T_co]):
     """One epoch of a :class:`DataLoader` for synchronous code (``iter(loader)``).
 
-    An epoch that needs no event loop (an in-memory dataset without workers: see
-    :meth:`AsyncDataLoaderIter._start_here`) runs its :class:`AsyncDataLoaderIter` on the
-    consumer's thread; any other runs it on the loader's private event loop, which fetches
+    An epoch that needs no event loop (an in-memory dataset without workers, or a loopless
+    stream's such as ``TextLines`` over local files, batched and collated on the consumer's
+    call: see :meth:`AsyncDataLoaderIter._start_here`) runs its :class:`AsyncDataLoaderIter`
+    on the consumer's thread; any other runs it on the loader's private event loop, which fetches
     ahead of the consumer (see :mod:`aloader._facade`). Leaving the ``for`` early or
     :meth:`close` stops the epoch.
     """
