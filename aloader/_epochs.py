@@ -8,7 +8,8 @@ loader picks the kind once, when it is built, with the arguments that kind needs
   (:class:`~aloader._pipeline.MapEpoch`) or sent to the workers in turn
   (:class:`~aloader._pool.MapPoolEpoch`, served by :class:`~aloader._worker.ServeTasks`);
 * :class:`IterableEpochs`: samples from the dataset's iterator cut into batches here
-  (:class:`~aloader._pipeline.IterableEpoch`), or each worker's replica batched there
+  (:class:`~aloader._pipeline.IterableEpoch`; a loopless stream's on the consumer's call,
+  :class:`InlineIterableEpoch`), or each worker's replica batched there
   (:class:`~aloader._worker.ServeReplica`) and asked for its next batch in turn
   (:class:`~aloader._pool.ReplicaPoolEpoch`).
 
@@ -30,6 +31,7 @@ fetch, no per-batch work); any other sampler is fast-forwarded by drawing and di
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import AsyncIterator, Iterator
@@ -39,8 +41,21 @@ from typing import Any, ClassVar, TypeAlias, cast
 import anyio
 
 from ._distributed import DistributedSampler
+from ._facade import run_here
 from ._failures import KnownFailed
-from ._pipeline import Epoch, FetchPlan, IterableEpoch, MapEpoch, Results
+from ._pipeline import (
+    _NO_LIMITER,
+    _NOTHING,
+    Epoch,
+    FetchPlan,
+    IterableEpoch,
+    MapEpoch,
+    Results,
+    _note,
+    _now,
+    _pull,
+    _pull_tolerant,
+)
 from ._pool import MapPoolEpoch, PoolEpoch, ReplicaPoolEpoch
 from ._resume import encode, open_replica, parse, start_snapshot
 from ._sampler import (
@@ -50,11 +65,13 @@ from ._sampler import (
     load_sampler_state,
     sampler_state,
 )
-from ._streams import Stream, check_field
+from ._streams import Stream, _StreamIterator, check_field
+from ._util import close_iterator, is_async_callable
 from ._worker import ServeReplica, ServeTasks, replica_copy
 from ._workerinfo import WorkerInfo, as_replica
 
-__all__ = ("EpochKind", "IterableEpochs", "MapEpochs", "Progress", "Skip", "VirtualReplicas")
+__all__ = ("EpochKind", "InlineIterableEpoch", "IterableEpochs", "MapEpochs", "Progress", "Skip",
+           "VirtualReplicas")
 
 
 @dataclass(frozen=True)
@@ -315,9 +332,20 @@ class IterableEpochs:
         """The dataset's length as the latest ``len(loader)`` read it, or None if never."""
         return self._len_called
 
-    def local(self, plan: FetchPlan, results: Results) -> Epoch:
+    def loopless(self, collate_fn: Any) -> bool:
+        """Whether an epoch in this process (:meth:`local` with ``here``) can run with no event
+        loop at all: a loopless stream's (:meth:`Stream._loopless`: local files, no task),
+        collated by a plain ``collate_fn``, and not the saved replicas of a run with workers."""
+        dataset, pending = self.dataset, self._pending
+        return (isinstance(dataset, Stream) and dataset._loopless()
+                and (pending is None or pending["num_workers"] == 0)
+                and not is_async_callable(collate_fn))
+
+    def local(self, plan: FetchPlan, results: Results, *, here: bool = False) -> Epoch:
         """An epoch iterating the dataset in this process (from a loaded state, if any; one
-        saved with workers runs its replicas here, see :class:`VirtualReplicas`)."""
+        saved with workers runs its replicas here, see :class:`VirtualReplicas`); with
+        ``here`` (only where :meth:`loopless` says so), one made on the consumer's call with
+        no event loop (:class:`InlineIterableEpoch`)."""
         pending = self._pending
         if pending is not None and pending["num_workers"] > 0:
             return self._virtual_local(plan, results, pending)
@@ -325,6 +353,9 @@ class IterableEpochs:
         source, snapshot = open_replica(self.dataset, parsed)
         self._begin = snapshot(0, False)
         self._pending = None
+        if here:
+            return InlineIterableEpoch(plan, results, self.dataset, source, self._begin,
+                                       self.batch_size, self.drop_last, snapshot)
         return IterableEpoch(plan, results, source, self.batch_size, self.drop_last, snapshot)
 
     def _virtual_local(self, plan: FetchPlan, results: Results, pending: dict[str, Any]
@@ -451,6 +482,116 @@ class IterableEpochs:
             dataset._apply_state(main)  # the epoch counters (and the epoch under way)
         self._pending = pending
         self._begin = None
+
+
+class InlineIterableEpoch(IterableEpoch):
+    """An iterable epoch made on the consumer's call, with no background task, no buffer
+    between tasks and no event loop: each :meth:`next` draws one batch's samples from a
+    loopless stream (its chain pulled on this thread, its reads blocking:
+    :meth:`~aloader._streams._StreamIterator._pull_here`) and collates them, as
+    :meth:`IterableEpoch._pull_batches` does for one batch. The sync facade drives it on the
+    consumer's thread (:class:`aloader._facade.LocalIterator`), as it drives an in-memory map
+    epoch (:attr:`aloader._pipeline.MapEpoch.loopless`).
+
+    The same batches, notes, snapshots (``Results.meta``) and stats as the background epoch:
+    each batch goes through ``results`` (reserve, publish, poll) the moment it is made.
+
+    Invariant: ``_at`` is the snapshot of the position after the last batch handed out (the
+    epoch's start before the first). A BaseException that lands in a step (a KeyboardInterrupt
+    in a read or a collate: there is no wait for it to land in) closes the stream's chain and
+    its files and is raised; the next step reopens the stream at ``_at`` (the resume path,
+    exact), so the interrupted batch is drawn again and no sample is lost or repeated.
+    """
+
+    def __init__(self, plan: FetchPlan, results: Results, dataset: Stream[Any],
+                 source: Any, begin: Any, batch_size: int | None, drop_last: bool,
+                 snapshot: Any) -> None:
+        super().__init__(plan, results, source, batch_size, drop_last, snapshot)
+        self._dataset = dataset
+        self._at = begin
+        self._seq = 0
+        self._drawn = 0
+        self._ended = False
+        self._broken = False  # a BaseException unwound the chain: reopen it at _at
+
+    def start(self) -> None:
+        if self.plan.failures is not None:
+            self.plan.failures.watch_sources(self.plan.dataset)
+        self._open_here(self._source)
+        self.done.set()
+
+    @staticmethod
+    def _open_here(source: Any) -> None:
+        if isinstance(source, _StreamIterator):
+            source._pull_here()
+
+    def _reopen(self) -> None:
+        dataset = self._dataset
+        parsed = parse(dataset, encode(dataset, self._at), (0, 1))
+        self._source, self._snapshot = open_replica(dataset, parsed)
+        self._open_here(self._source)
+        self._broken = False
+
+    async def next(self) -> tuple[Any, BaseException | None]:
+        """The next batch (value, error); StopAsyncIteration at the end of the epoch."""
+        if self._ended:
+            raise StopAsyncIteration
+        if self._broken:
+            self._reopen()
+        plan, size, seq = self.plan, self._batch_size, self._seq
+        source = cast(AsyncIterator[Any], self._source)  # a stream's epoch iterator
+        error: BaseException | None = None
+        try:
+            started = _now()
+            try:
+                if plan.failures is None:
+                    samples, ended = await _pull(source, size)
+                else:
+                    samples, ended = await _pull_tolerant(source, size, plan)
+            finally:
+                plan.stats.fetch.add(_now() - started)
+            if samples is _NOTHING or (size is not None and self._drop_last
+                                       and len(samples) < size):
+                await self._close()
+                raise StopAsyncIteration
+            batch = await plan.collate(samples, _NO_LIMITER)
+        except StopAsyncIteration:
+            raise
+        except Exception as exc:
+            batch, ended = None, True
+            error = _note(exc, f"raised while loading batch {seq} of the iterable dataset")
+        except BaseException:
+            self._broken = True
+            await close_iterator(self._source)
+            raise
+        self._seq = seq + 1
+        if error is None:
+            self._drawn += 1 if size is None else size
+            assert self._snapshot is not None and self.results.metas is not None
+            meta = self.results.metas[seq] = self._snapshot(self._drawn, ended)
+        if ended:
+            await self._close()
+        await self.results.reserve(seq)  # never waits: nothing else is in the buffer
+        self.results.publish(seq, batch, error)
+        item = self.results.poll()
+        assert item is not None
+        if error is None:
+            self._at = meta
+        return item
+
+    async def _close(self) -> None:
+        self._ended = True
+        await close_iterator(self._source)
+
+    def stop(self) -> None:
+        """End the epoch and close the stream's files (on the consumer's thread: the only
+        one that runs this epoch)."""
+        if self._ended:
+            return
+        self._ended = True
+        # A failing close leaves the chain to its finalizer; the epoch has ended either way.
+        with contextlib.suppress(Exception):
+            run_here(close_iterator(self._source))
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ The private loop is uvloop's when uvloop is installed (``pip install 'aloader[fa
 asyncio's; ``ALOADER_UVLOOP=0`` in the environment keeps asyncio's (read when a loop starts).
 
 An epoch that needs no event loop at all (an in-memory dataset's: see
-:attr:`aloader._pipeline.MapEpoch.loopless`) runs on the consumer's thread instead, with no
-loop and no thread: :class:`LocalIterator` drives its steps with :func:`run_here`.
+:attr:`aloader._pipeline.MapEpoch.loopless`; a loopless stream's, batched on the consumer's
+call: :class:`aloader._epochs.InlineIterableEpoch`) runs on the consumer's thread instead,
+with no loop and no thread: :class:`LocalIterator` drives its steps with :func:`run_here`.
 
 A pump task on the loop moves items into a thread-safe queue, at most ``_Pump.AHEAD`` ahead
 of the consumer, so a ``next()`` that finds its item ready costs one queue read rather than a

@@ -143,8 +143,10 @@ class DataLoader(Generic[T_co]):
     worker thread, a whole batch per call by default or up to ``max_concurrency`` items at once
     when it is given. At most ``prefetch_factor`` collated batches wait for the consumer.
     ``for batch in loader`` gives the same epochs to synchronous code: an in-memory dataset's
-    epoch (no workers) runs on the calling thread, any other on the loader's event loop in a
-    background thread (uvloop's when installed; ``ALOADER_UVLOOP=0`` keeps asyncio's).
+    epoch, or a stream's over local files (``TextLines``, ``JsonLines``: no workers, no
+    ``timeout``, a plain ``collate_fn``), runs on the calling thread, any other on the
+    loader's event loop in a background thread (uvloop's when installed;
+    ``ALOADER_UVLOOP=0`` keeps asyncio's).
 
     With ``num_workers > 0``, worker processes fetch and collate whole batches, each with the
     same concurrency as above (async datasets keep ``max_concurrency`` fetches in flight per
@@ -1008,16 +1010,27 @@ class AsyncDataLoaderIter(Generic[T_co]):
         :attr:`~aloader._pipeline.MapEpoch.loopless`) with plain keys and collate and no
         ``timeout`` never awaits a real event, so the sync facade drives :meth:`__anext__`
         on the consumer's thread. An inline epoch starts no task, so one started here whose
-        keys turn out to be async still runs on an event loop (the caller's choice)."""
+        keys turn out to be async still runs on an event loop (the caller's choice). So does
+        an iterable epoch over a loopless stream (local files: see
+        :meth:`~aloader._epochs.IterableEpochs.loopless`), batched and collated on the
+        consumer's call (:class:`~aloader._epochs.InlineIterableEpoch`)."""
         loader = self._loader
-        if (self._epoch is not None or self._timeout > 0 or loader.num_workers > 0
-                or not isinstance(loader._kind, MapEpochs)
-                or loader._plan(None).mode != "inline"):  # the plan decides, as in _start
+        kind = loader._kind
+        if self._epoch is not None or self._timeout > 0 or loader.num_workers > 0:
+            return False
+        if isinstance(kind, IterableEpochs):
+            if not kind.loopless(loader.collate_fn):
+                return False
+            self._epoch = self._start(here=True)
+            return True
+        if loader._plan(None).mode != "inline":  # the plan decides, as in _start
             return False
         epoch = self._epoch = self._start()
         return isinstance(epoch, MapEpoch) and epoch.loopless
 
-    def _start(self) -> Epoch:
+    def _start(self, here: bool = False) -> Epoch:
+        """Start the epoch (with ``here``, an iterable one on the consumer's call: see
+        :meth:`_start_here`)."""
         loader = self._loader
         kind = loader._kind
         results = Results(loader.prefetch_factor, loader.in_order)
@@ -1036,7 +1049,9 @@ class AsyncDataLoaderIter(Generic[T_co]):
                                     remote)
         else:
             remote = None
-            epoch = kind.local(loader._plan(transform, epoch=self.epoch), results)
+            plan = loader._plan(transform, epoch=self.epoch)
+            epoch = (kind.local(plan, results, here=True) if here and isinstance(
+                kind, IterableEpochs) else kind.local(plan, results))
         plan = epoch.plan
         if loader.max_failures:
             self.failures = plan.failures = Failures(loader.max_failures,
@@ -1194,9 +1209,10 @@ class _Receipts:
 class DataLoaderIter(Iterator[T_co]):
     """One epoch of a :class:`DataLoader` for synchronous code (``iter(loader)``).
 
-    An epoch that needs no event loop (an in-memory dataset without workers: see
-    :meth:`AsyncDataLoaderIter._start_here`) runs its :class:`AsyncDataLoaderIter` on the
-    consumer's thread; any other runs it on the loader's private event loop, which fetches
+    An epoch that needs no event loop (an in-memory dataset without workers, or a loopless
+    stream's such as ``TextLines`` over local files, batched and collated on the consumer's
+    call: see :meth:`AsyncDataLoaderIter._start_here`) runs its :class:`AsyncDataLoaderIter`
+    on the consumer's thread; any other runs it on the loader's private event loop, which fetches
     ahead of the consumer (see :mod:`aloader._facade`). Leaving the ``for`` early or
     :meth:`close` stops the epoch.
     """

@@ -484,6 +484,15 @@ class _StreamIterator(AsyncIterator[T]):
                 await driver.done.wait()
             raise
 
+    def _pull_here(self) -> None:
+        """Pull this loopless epoch's chain with no event loop from now on (a loader's epoch
+        on the consumer's thread, driven by :func:`~aloader._facade.run_here`): its reads
+        block, as a plain ``for``'s (:class:`_LocalPairs`'s context)."""
+        if self._inline is None and self._driver is None:
+            worker_id, num_workers = self._slot
+            ctx = _Context(self._epoch, worker_id, num_workers, None, blocking=True)
+            self._inline = self._stream._blocks_at(ctx, self._at)
+
     async def _next_block(self) -> Iterator[T]:
         """The cursor of the next block, entered; StopAsyncIteration at the end."""
         try:

@@ -49,7 +49,9 @@ already in memory shows what the iteration protocol alone costs per item (throug
 ``__anext__``, and through an async generator; the lines are those of 4 files, repeated).
 ``TextLines`` is measured under ``async for`` and under a plain ``for`` (its sync iterator,
 which reads and splits on the consumer's thread with no event loop), and batched by a
-``DataLoader`` (``batch_size=256``, lines counted per batch) both ways;
+``DataLoader`` (``batch_size=256``, lines counted per batch) both ways (its sync ``for``, the
+drop-in shape, on the consumer's thread too, batched and collated inline), against the plain
+loop and against the plain loop handing on lists of 256 lines;
 the "no loader" rows are its limits: the same 64 KiB reads split into lines by a bare
 program, handed over by an async generator (what ``async for`` costs per line at the least)
 and by a plain loop. Every figure is the best of 3, the programs interleaved in each round.
@@ -404,6 +406,21 @@ def local_files(bodies: list[bytes]) -> list[tuple[str, float, str]]:
                         n += 1
             return n
 
+        def plain_batched() -> int:
+            """The plain loop handing on lists of 256 lines, as the loader's batches (the
+            drop-in shape without a loader: a torch user's batches of an iterable)."""
+            n = 0
+            for path in paths:
+                with open(path) as f:
+                    batch: list[str] = []
+                    for line in f:
+                        batch.append(line)
+                        if len(batch) == 256:
+                            n += len(batch)
+                            batch = []
+                    n += len(batch)
+            return n
+
         def plain_json() -> int:
             n = 0
             for path in paths:
@@ -556,6 +573,7 @@ def local_files(bodies: list[bytes]) -> list[tuple[str, float, str]]:
         memory = in_memory()
         programs: list[tuple[str, Callable[[], int], str]] = [
             (plain, plain_lines, plain),
+            ("plain loop: for line in open(f), in lists of 256", plain_batched, plain),
             ("aloader TextLines(dir)", source(TextLines), plain),
             ("aloader TextLines(dir), sync for", sync_source(TextLines), plain),
             ("aloader DataLoader(TextLines(dir), batch_size=256)", loader(False), plain),
@@ -603,6 +621,10 @@ def print_local_files(bodies: list[bytes]) -> None:
     rates = {label: rate for label, rate, _ in rows}
     for label, rate, base in rows:
         print(f"{label:64} {rate:>11,.0f} {rate / rates[base]:>9.2f}x")
+    batched = rates["plain loop: for line in open(f), in lists of 256"]
+    for label in ("aloader DataLoader(TextLines(dir), batch_size=256)",
+                  "aloader DataLoader(TextLines(dir), batch_size=256), sync for"):
+        print(f"{label}: {rates[label] / batched:.2f}x of the plain loop batched the same")
     print("load average (1, 5, 15 min): " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
