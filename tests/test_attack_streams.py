@@ -149,7 +149,7 @@ def plain(item: Any) -> Any:
 def make_config(name: str, directory: Path) -> Any:
     namespace = {"D": directory, "TextLines": TextLines, "JsonLines": JsonLines,
                  "BinaryRecords": BinaryRecords, "NpyRows": NpyRows}
-    return eval(CONFIGS[name], namespace)  # noqa: S307 - the test's own expressions
+    return eval(CONFIGS[name], namespace)  # the test's own expressions
 
 
 CHILD = r"""
