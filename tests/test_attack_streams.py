@@ -380,3 +380,49 @@ def test_an_interrupt_in_a_transform_of_a_sync_for(shards: Path) -> None:
             interrupts += 1
     assert interrupts == 1
     assert got == full  # or, if the epoch must end, not as if it had ended cleanly
+
+
+@pytest.mark.parametrize("where", ["read", "inflate"])
+@pytest.mark.parametrize("at", [1, 2, 5])
+def test_interrupts_in_a_read_or_an_inflate_lose_and_repeat_nothing(
+        shards: Path, monkeypatch: pytest.MonkeyPatch, where: str, at: int) -> None:
+    # A KeyboardInterrupt in the blocking read of a sync for (file_chunks(blocking=True)), or
+    # in the decompression of a gzip shard, on this thread.
+    import os
+
+    import aloader._compression as compression
+
+    paths = sorted(map(str, shards.glob("g*.gz")))
+    full = list(TextLines(paths, chunk_size=16, shuffle_shards=True, seed=3))
+    calls = itertools.count(1)
+    if where == "read":
+        real_pread = os.pread
+
+        def pread(fd: int, size: int, position: int) -> bytes:
+            if next(calls) == at:
+                raise KeyboardInterrupt
+            return real_pread(fd, size, position)
+
+        monkeypatch.setattr(os, "pread", pread)
+    else:
+        real_feed = compression.Decompressor.feed
+
+        def feed(self: Any, data: bytes) -> Any:
+            if next(calls) == at * 3:
+                raise KeyboardInterrupt
+            return real_feed(self, data)
+
+        monkeypatch.setattr(compression.Decompressor, "feed", feed)
+    iterator = iter(TextLines(paths, chunk_size=16, shuffle_shards=True, seed=3))
+    got: list[str] = []
+    interrupts = 0
+    while True:
+        try:
+            got.append(next(iterator))
+        except StopIteration:
+            break
+        except KeyboardInterrupt:
+            interrupts += 1
+    assert interrupts == 1
+    assert got == full
+    assert open_handles(shards) == 0
