@@ -142,3 +142,33 @@ async def test_a_missing_column_is_a_clear_error(
         with pytest.raises(SourceError, match="no column 'nope'") as caught:
             await collect(ParquetRows(paths, columns=columns, skip_errors=skip))
         assert not isinstance(caught.value, RecordError)  # never skipped as a bad record
+
+
+def test_sync_for_interrupted_in_a_read_goes_on_exactly(
+        dataset: tuple[list[str], list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch) -> None:
+    import itertools
+
+    import aloader._parquet as parquet
+
+    paths, rows = dataset
+    real = parquet._UnitReader.next
+    calls = itertools.count(1)
+
+    def next_batch(self: Any) -> Any:
+        if next(calls) in (2, 5):
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(parquet._UnitReader, "next", next_batch)
+    iterator = iter(ParquetRows(paths, batch_rows=4097))
+    got: list[dict[str, Any]] = []
+    interrupts = 0
+    while True:
+        try:
+            got.append(next(iterator))
+        except StopIteration:
+            break
+        except KeyboardInterrupt:
+            interrupts += 1
+    assert interrupts == 2
+    assert got == rows
