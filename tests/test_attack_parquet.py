@@ -93,7 +93,7 @@ def test_sync_for_row_group_mode_and_quota(
 def test_sync_for_resume_inside_a_piece(
         dataset: tuple[list[str], list[dict[str, Any]]]) -> None:
     paths, rows = dataset
-    for k in (1, 4095, 4097, 9000, len(rows) - 1):
+    for k in (1, 4097, len(rows) - 1):
         source = ParquetRows(paths, batch_rows=5000)
         iterator = iter(source)
         head = [next(iterator) for _ in range(k)]
@@ -107,7 +107,7 @@ def test_sync_for_resume_inside_a_piece(
 async def test_resume_inside_a_piece(dataset: tuple[list[str], list[dict[str, Any]]],
                                      anyio_backend: str) -> None:
     paths, rows = dataset
-    for k in (0, 1, 4095, 4096, 4097, 8192, 10000, 10001, len(rows) - 1, len(rows)):
+    for k in (0, 4095, 4096, 4097, 10001, len(rows)):
         source = ParquetRows(paths, batch_rows=5000)
         iterator = source._open()
         head = [await iterator.__anext__() for _ in range(k)]
@@ -118,10 +118,10 @@ async def test_resume_inside_a_piece(dataset: tuple[list[str], list[dict[str, An
         assert head + await collect(fresh) == rows, k
 
 
-@pytest.mark.parametrize(("world_size", "num_workers"), [(2, 1), (2, 4), (3, 5)])
-async def test_ranks_by_row_group_exactly_once(
-        dataset: tuple[list[str], list[dict[str, Any]]], world_size: int, num_workers: int,
-        anyio_backend: str) -> None:
+@pytest.mark.parametrize(("world_size", "num_workers"), [(2, 1), (3, 5)])
+def test_ranks_by_row_group_exactly_once(
+        dataset: tuple[list[str], list[dict[str, Any]]], world_size: int,
+        num_workers: int) -> None:
     paths, rows = dataset
     seen: list[dict[str, Any]] = []
     for rank in range(world_size):
@@ -129,7 +129,7 @@ async def test_ranks_by_row_group_exactly_once(
             source = ParquetRows(paths, batch_rows=777, rank=rank, world_size=world_size,
                                  even_ranks=False, shuffle_shards=True, seed=1)
             with as_worker(worker, num_workers, dataset=source, seed=0):
-                seen += await collect(source)
+                seen += list(source)
     assert sorted(seen, key=json.dumps) == sorted(rows, key=json.dumps)
 
 
