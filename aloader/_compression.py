@@ -100,6 +100,10 @@ class _Bz2:
 
     def decode(self, data: bytes) -> Iterator[bytes]:
         self._fed = self._fed or bool(data)
+        if data and self._inner.eof:
+            # The last stream ended with the last chunk: these bytes start the next one (an
+            # ended decompressor raises EOFError for them).
+            self._inner = bz2.BZ2Decompressor()
         while True:
             try:
                 out = self._inner.decompress(data, self.limit)

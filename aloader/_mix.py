@@ -433,8 +433,15 @@ def interleave(
 
     Raises:
         ValueError: no stream, or bad weights.
-        TypeError: weights that are not numbers.
+        TypeError: weights that are not numbers, or a list (or tuple) of streams given as one
+            argument (``interleave([a, b])``, the way :func:`mix` takes them), which would be
+            one input whose items are the streams themselves.
     """
+    for given in streams:
+        if isinstance(given, (list, tuple)) and any(isinstance(s, Stream) for s in given):
+            raise TypeError("interleave takes the streams as separate arguments, "
+                            "interleave(a, b) or interleave(*streams), but got a "
+                            f"{type(given).__name__} of streams as one of them")
     if weights is not None:
         stop: StopRule = "first_exhausted" if stop_on_first else "all_exhausted"
         return mix(list(streams), weights, seed=seed, stop=stop)

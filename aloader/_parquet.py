@@ -517,7 +517,9 @@ class ParquetRows(ShardedSource[Any]):
         """:meth:`_plan` of the epoch: in a thread when it reads footers (row groups), else
         here (it only splits the list of files: a thread call would cost more)."""
         args = (ctx.epoch, ctx.worker_id, ctx.num_workers, skipped)
-        if len(self.shards) >= self.world_size * ctx.num_workers:
+        # A blocking epoch (a sync for with no loop, see Stream._loopless) has no thread to
+        # wait on: its reads all run on the consumer's thread.
+        if ctx.blocking or len(self.shards) >= self.world_size * ctx.num_workers:
             return self._plan(*args)
         return await anyio.to_thread.run_sync(self._plan, *args)
 
@@ -591,7 +593,7 @@ class ParquetRows(ShardedSource[Any]):
                 async for block in blocks:
                     yield block
             return
-        async with Closing(self._read_local(plan)) as blocks:
+        async with Closing(self._read_local(plan, ctx.blocking)) as blocks:
             async for block in blocks:
                 yield block
 
@@ -665,11 +667,14 @@ class ParquetRows(ShardedSource[Any]):
             if isinstance(reader.handle, _RangeFile):
                 await reader.handle.aclose()
 
-    async def _read_local(self, plan: list[_Unit]) -> AsyncGenerator[list[Any], None]:
+    async def _read_local(self, plan: list[_Unit], blocking: bool = False
+                          ) -> AsyncGenerator[list[Any], None]:
         """A pass's local units' rows, a block per batch (or per :data:`ROW_BLOCK` rows), one
         unit after another, each batch read by a call of one :class:`_ReadThread` (see
         :class:`_LocalReader`). A call runs to its end (a cancellation, or the end of the
-        pass, waits for it), so a file is never closed under a read.
+        pass, waits for it), so a file is never closed under a read. With ``blocking`` (an
+        epoch with no event loop: a sync ``for``, see :meth:`Stream._loopless`) each batch is
+        read on this thread when it is asked for, with no thread and no read ahead.
 
         The next batch's read is queued before this one is handed on (one batch read
         ahead): the thread decodes it while rows are made here (:meth:`_items`) or a column
@@ -679,11 +684,13 @@ class ParquetRows(ShardedSource[Any]):
         stats = self.stats
         bad = BadRecords(self.skip_errors, stats)
         local = _LocalReader(self, plan)
-        thread = _ReadThread(shared=True)
+        thread = None if blocking else _ReadThread(shared=True)
+        submit = functools.partial(_called, local.next) if thread is None \
+            else functools.partial(thread.submit, local.next)
         pending: Callable[[], Awaitable[_LocalStep | None]] | None = None
         try:
             while True:
-                call, pending = pending or thread.submit(local.next), None
+                call, pending = pending or submit(), None
                 try:
                     got = await call()
                 except _UnitFailed as failed:
@@ -696,7 +703,8 @@ class ParquetRows(ShardedSource[Any]):
                 if got is None:
                     break
                 index, items, rows, read, done = got
-                pending = thread.submit(local.next)
+                if thread is not None:
+                    pending = thread.submit(local.next)
                 stats.bytes += read
                 stats.records += rows
                 if items is not None:
@@ -711,7 +719,18 @@ class ParquetRows(ShardedSource[Any]):
                 with contextlib.suppress(Exception):
                     await pending()
             local.close()
-            thread.close()
+            if thread is not None:
+                thread.close()
+
+
+def _called(fn: Callable[[], T]) -> Callable[[], Awaitable[T]]:
+    """What gives ``fn()`` when awaited, called on this thread then (:meth:`_ReadThread.submit`
+    for an epoch with no thread to call it in)."""
+
+    async def result() -> T:
+        return fn()
+
+    return result
 
 
 class _ReadThread:
