@@ -351,8 +351,7 @@ class IterableEpochs:
             return self._virtual_local(plan, results, pending)
         parsed = None if pending is None else parse(self.dataset, pending["replicas"][0], (0, 1))
         source, snapshot = open_replica(self.dataset, parsed)
-        self._begin = snapshot(0, False)
-        self._pending = None
+        self._began(snapshot(0, False), plan.epoch)
         if here:
             return InlineIterableEpoch(plan, results, self.dataset, source, self._begin,
                                        self.batch_size, self.drop_last, snapshot)
@@ -372,8 +371,7 @@ class IterableEpochs:
             info = WorkerInfo(id=w, num_workers=count, seed=self.base_seed + w,
                               dataset=replica)
             lanes.append(_Lane(replica, parse(replica, state, (w, count)), info, epoch))
-        self._begin = ("workers", tuple(begin), turn)
-        self._pending = None
+        self._began(("workers", tuple(begin), turn), plan.epoch)
         return VirtualReplicas(plan, results, lanes, turn, begin, self.batch_size,
                                self.drop_last)
 
@@ -396,8 +394,7 @@ class IterableEpochs:
         begin = self._begin_of(states, remote.loader_epoch, saved)
         remote.resume(turn, states, begin, None if saved == count else saved)
         results.metas = remote.delivered
-        self._begin = begin[0] if saved == 0 else ("workers", tuple(begin), turn)
-        self._pending = None
+        self._began(begin[0] if saved == 0 else ("workers", tuple(begin), turn), plan.epoch)
         return MapEpoch(plan, results, remote.keys())
 
     # Resume (see aloader._resume) ----------------------------------------------------------
@@ -409,7 +406,14 @@ class IterableEpochs:
     # another count (its replicas are still the saved ones).
 
     _begin: Any = None  # the snapshot of the epoch begun last, before its first batch
+    _begin_epoch: int | None = None  # the loader's epoch that _begin is the start of
     _pending: dict[str, Any] | None = None  # a loaded sub-state, for the next epoch
+
+    def _began(self, begin: Any, epoch: int) -> None:
+        """An epoch's replicas are open: ``begin`` is where it starts (a loaded sub-state is
+        spent)."""
+        self._begin, self._begin_epoch = begin, epoch
+        self._pending = None
 
     def state_dict(self, progress: Any) -> dict[str, Any]:
         """The ``"iterable"`` entry of the loader's state for ``progress`` (see _loader)."""
@@ -418,11 +422,14 @@ class IterableEpochs:
         dataset = self.dataset
         counters = dataset._state_from(None) if isinstance(dataset, Stream) else None
         meta = getattr(progress, "batch_meta", None)
-        if getattr(progress, "epoch_done", False) or (meta is None and self._begin is None):
+        # An epoch begun (iter()) that has opened no replica yet is at its start, not at the
+        # start of the epoch before it.
+        begin = self._begin if self._begin_epoch == progress.epoch else None
+        if getattr(progress, "epoch_done", False) or (meta is None and begin is None):
             return {"mode": "between", "num_workers": None, "turn": 0, "replicas": None,
                     "stream": counters}
         if meta is None:
-            meta = self._begin
+            meta = begin
         if meta[0] == "workers":
             _, replicas, turn = meta
             if counters is not None:

@@ -75,13 +75,6 @@ async def test_a_state_after_every_batch_resumes_exactly_async(shards: Path,
         assert [b async for b in fresh] == epochs[2], k
 
 
-XFAIL_BEGUN = pytest.mark.xfail(
-    strict=True, reason="a Stream loader's state taken after iter() but before the epoch's "
-    "first batch encodes the previous epoch's start (_IterableEpochs._begin is that epoch's "
-    "until the new epoch opens its replica): the resumed run replays the previous epoch")
-
-
-@XFAIL_BEGUN
 @pytest.mark.parametrize("kind", ["text", "gzip", "shuffled"])
 def test_a_state_when_the_epoch_has_begun(shards: Path, kind: str) -> None:
     reference = make(shards, kind)
@@ -96,7 +89,6 @@ def test_a_state_when_the_epoch_has_begun(shards: Path, kind: str) -> None:
     assert list(fresh) == epochs[1]
 
 
-@XFAIL_BEGUN
 def test_a_state_when_the_async_epoch_has_begun(shards: Path) -> None:
     async def main() -> tuple[list[Any], list[Any]]:
         reference = make(shards, "text")
