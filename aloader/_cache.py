@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from ._exceptions import FetchError
+from ._facade import PrivateLoop, SyncIterator
 from ._files import file_chunks
 from ._log import http_log
 from ._util import Closing
@@ -301,6 +302,12 @@ class ShardCache:
             return None
         return path
 
+    def holds(self, url: str, version: Version | None) -> bool:
+        """Whether a copy of ``url`` at ``version`` is committed now. Not stamped as used: a
+        look ahead of the reads (which stamp it), that another process's eviction may still
+        overtake."""
+        return version is not None and os.path.exists(self.path(url, version))
+
     def _note(self, url: str, version: Version) -> None:
         """Record ``version`` as the one of ``url`` just committed or found committed (the
         store named it), for the processes waiting for the URL's lock."""
@@ -383,6 +390,7 @@ class ShardCache:
         chunk_size: int,
         on_size: Callable[[int], None] | None = None,
         start: int = 0,
+        blocking: bool = False,
     ) -> AsyncGenerator[bytes, None]:
         """The bytes of ``url`` from ``start``: from the cache, or from ``fetch`` (kept in the
         cache as they stream), as the module describes.
@@ -393,6 +401,12 @@ class ShardCache:
         each copy's last use. Only without one does the read go through the locks and the
         store.
 
+        With ``blocking`` the reader awaits nothing (a chain with no event loop, a sync
+        ``for``'s: see ``_streams._LocalPairs``): the copy is read on this thread, and a read
+        that needs the store after all (no copy, or one evicted before it was opened) runs on
+        an event loop of its own (:func:`_on_own_loop`), so ``fetch`` must need no client of
+        the caller's loop.
+
         Args:
             url: the shard's URL (its name in the cache).
             fetch: ``fetch(on_size, on_version, start)`` reads the object from the store.
@@ -401,6 +415,7 @@ class ShardCache:
             chunk_size: bytes per read of a cached file.
             on_size: called with the shard's size before its first chunk.
             start: the byte to start at.
+            blocking: read with no event loop (see above).
 
         Raises:
             FetchError: the store's errors, as ``fetch`` raises them.
@@ -408,21 +423,26 @@ class ShardCache:
                 directory).
         """
         version = versions.get(url)
+        read: Callable[[], AsyncGenerator[bytes, None]] = functools.partial(
+            self._chunks, url, fetch, versions, stats, chunk_size, on_size, start)
+        if blocking:
+            read = functools.partial(_on_own_loop, read)
         if version is not None and (path := self.kept(url, version)) is not None:
-            return self._local(path, stats, chunk_size, on_size, start, (url, functools.partial(
-                self._chunks, url, fetch, versions, stats, chunk_size, on_size, start)))
-        return self._chunks(url, fetch, versions, stats, chunk_size, on_size, start)
+            return self._local(path, stats, chunk_size, on_size, start, (url, read), blocking)
+        return read()
 
     async def _local(
         self, path: str, stats: SourceStats, chunk_size: int,
         on_size: Callable[[int], None] | None, start: int,
         instead: tuple[str, Callable[[], AsyncGenerator[bytes, None]]] | None = None,
+        blocking: bool = False,
     ) -> AsyncGenerator[bytes, None]:
         """A cached file's bytes; :class:`_Gone` if it vanished before it was opened (evicted).
 
         With ``instead`` (``(url, read)``: a read outside :meth:`_chunks`, which notes the
         errors), a copy evicted before it was opened is ``read()`` instead, and the errors of
-        the copy are noted as :meth:`_chunks` notes them.
+        the copy are noted as :meth:`_chunks` notes them. With ``blocking``, the file is
+        opened and read on this thread (:func:`~aloader._files.file_chunks`'s).
         """
         opened = False
 
@@ -434,7 +454,8 @@ class ShardCache:
                 on_size(size)
 
         try:
-            async with Closing(file_chunks(path, chunk_size, sized, start)) as pieces:
+            async with Closing(file_chunks(path, chunk_size, sized, start,
+                                           blocking=blocking)) as pieces:
                 async for piece in pieces:
                     stats.cache_bytes += len(piece)
                     yield piece
@@ -567,6 +588,20 @@ async def _uncached(fetch: Fetch, stats: SourceStats, on_size: Callable[[int], N
     async with Closing(fetch(on_size or _ignore, _ignore_version, start)) as pieces:
         async for piece in pieces:
             yield piece
+
+
+async def _on_own_loop(read: Callable[[], AsyncGenerator[bytes, None]]
+                       ) -> AsyncGenerator[bytes, None]:
+    """``read()``'s pieces, read on an event loop of its own (in a thread) and handed on here
+    without an await: a chain with no event loop (a blocking epoch's) reading a shard that
+    needs the store after all. Closed (``break``, an error, an interrupt), it closes
+    ``read()``'s generator on that loop, then the loop."""
+    pieces = SyncIterator(read, PrivateLoop(), owns_loop=True)
+    try:
+        for piece in pieces:
+            yield piece
+    finally:
+        pieces.close()
 
 
 def _ignore(size: int) -> None:
