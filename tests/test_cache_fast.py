@@ -10,7 +10,7 @@ from __future__ import annotations
 import gzip
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import anyio
 import anyio.to_thread
 import pytest
 from faulty_server import FaultyServer, make_jsonl_shards
-from sourcetools import as_worker, collect, open_handles, roundtrip
+from sourcetools import as_worker, collect, local_s3, open_handles, roundtrip
 
 from aloader import DataLoader, JsonLines, TextLines
 from aloader import _streams as streams_module
@@ -316,7 +316,7 @@ async def test_a_consumer_needs_only_its_own_shards_kept(
             with as_worker(worker, 2, dataset=source, seed=0):
                 await collect(source)  # epoch 0, this consumer's shards only
             sources[rank, worker] = source
-    for (rank, worker), source in sources.items():
+    for (_rank, worker), source in sources.items():
         with as_worker(worker, 2, dataset=source, seed=0):
             # epoch 1 reads other shards (shuffled): not kept by this consumer yet
             assert not source._loopless()
@@ -359,3 +359,52 @@ def test_text_lines_and_local_shards_mixed_with_cached_ones(
     forbid_background(monkeypatch)
     assert list(source) == ["a", "b", "c", "d"]
     assert source.stats.cache_hits == 1
+
+
+BUCKET = "cache-fast"
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[Any]:
+    with local_s3(BUCKET, {f"data/{name}": body for name, body in SHARDS.items()}) as server:
+        yield server
+
+
+def object_gets(s3: Any) -> int:
+    return sum(1 for method, path, _ in s3.proxy.requests
+               if method == "GET" and "?" not in path and path.startswith(f"/{BUCKET}/"))
+
+
+@pytest.mark.parametrize("when", ["lookup", "read"])
+def test_s3_cached_epochs_run_inline_and_refetch_an_evicted_copy(
+        s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str) -> None:
+    """Listed objects are pinned by their listing: a new source over a warm cache reads
+    inline from its first epoch; an evicted copy is fetched through obstore on the shard's
+    own loop (a sync ``for``) and kept again."""
+    pattern = f"s3://{BUCKET}/data/*.jsonl"
+    first = JsonLines(pattern, store=s3.store(BUCKET), cache_dir=tmp_path, **FAST)
+    assert ids(list(first)) == ALL_IDS
+    s3.proxy.reset()
+    source = JsonLines(pattern, store=s3.store(BUCKET), cache_dir=tmp_path, **FAST)
+    assert source._loopless()
+    evicted = _evict(source, source.shards[2], when, monkeypatch)
+    assert ids(list(source)) == ALL_IDS
+    assert evicted and object_gets(s3) == 1 and os.path.exists(evicted[0])
+    assert source.stats.cache_hits == 2 and source.stats.cache_misses == 1
+    monkeypatch.undo()
+    forbid_background(monkeypatch)
+    assert ids(list(source)) == ALL_IDS
+    assert object_gets(s3) == 1
+
+
+@pytest.mark.anyio
+async def test_s3_an_evicted_copy_is_fetched_inline(
+        s3: Any, tmp_path: Path, anyio_backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    pattern = f"s3://{BUCKET}/data/*.jsonl"
+    source = JsonLines(pattern, store=s3.store(BUCKET), cache_dir=tmp_path, **FAST)
+    await collect(source)
+    s3.proxy.reset()
+    _evict(source, source.shards[0], "read", monkeypatch)
+    monkeypatch.setattr(streams_module._Driver, "start", None)  # inline, or a TypeError
+    assert ids(await collect(source)) == ALL_IDS
+    assert object_gets(s3) == 1
