@@ -34,10 +34,12 @@ Invariants:
 Which version a source reads: a source pins an object's version when it first sees it: at
 construction, from the listing of an object store prefix or pattern, else from the first
 answer of the store in this process. While pinned, a cached copy is read without any request
-(a later epoch makes none). A new source (or a new worker process of a source that did not
-list its objects) asks the store again, at its first read, and reads the new version if the
-object changed. A process that waited for another's download takes the version that download
-found (it was asked of the store after the waiting began).
+(a later epoch makes none; one whose shards are all kept at their pinned versions is read
+inline, as an epoch over local files: see ``ShardedSource._loopless``). A new source (or a
+new worker process of a source that did not list its objects) asks the store again, at its
+first read, and reads the new version if the object changed. A process that waited for
+another's download takes the version that download found (it was asked of the store after
+the waiting began).
 
 What is kept: the bytes as the store sends them (a compressed shard stays compressed, and is
 decompressed as it is read). Not kept: a body without a known length (an HTTP response with a

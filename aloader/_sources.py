@@ -480,7 +480,11 @@ class ShardedSource(Stream[T_co]):
             downloaded again; a source pins the version it first sees (from its listing, or
             the store's first answer in a process). The first epoch still streams: records
             flow while the shard is written to the cache. Counted in ``stats.cache_hits``,
-            ``cache_misses``, ``cache_bytes`` and ``cache_evicted``. See
+            ``cache_misses``, ``cache_bytes`` and ``cache_evicted``. An epoch whose shards
+            (this consumer's) are all kept at their pinned versions is read as local files
+            are: in the consumer's task (``async for``, the loader) or, for a sync ``for``,
+            on its thread with no event loop, with no background task; a copy evicted
+            meanwhile by another process is still downloaded, only without read-ahead. See
             :mod:`aloader._cache`. Local shards are read where they are.
         cache_limit: the most bytes ``cache_dir`` keeps (None: no limit); the least recently
             used shards are evicted to stay under it, and a shard that cannot fit is read

@@ -408,3 +408,22 @@ async def test_s3_an_evicted_copy_is_fetched_inline(
     monkeypatch.setattr(streams_module._Driver, "start", None)  # inline, or a TypeError
     assert ids(await collect(source)) == ALL_IDS
     assert object_gets(s3) == 1
+
+
+def test_parquet_rows_cached_copies_keep_their_own_reading(
+        serve: Callable[..., FaultyServer], tmp_path: Path) -> None:
+    """ParquetRows reads its cached copies its own way (threads): a cached epoch stays off the
+    loopless path, and its sync ``for`` works as before."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from aloader import ParquetRows
+
+    path = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"id": list(range(100))}), path, row_group_size=30)
+    server = serve({"a.parquet": path.read_bytes()})
+    source = ParquetRows(server.urls, batch_rows=16, cache_dir=tmp_path / "cache", **FAST)
+    assert [row["id"] for row in source] == list(range(100))
+    assert source.stats.cache_misses == 1
+    assert not source._loopless()
+    assert [row["id"] for row in source] == list(range(100))
+    assert source.stats.cache_hits >= 1
