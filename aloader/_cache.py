@@ -596,14 +596,20 @@ async def _on_own_loop(read: Callable[[], AsyncGenerator[bytes, None]]
                        ) -> AsyncGenerator[bytes, None]:
     """``read()``'s pieces, read on an event loop of its own (in a thread) and handed on here
     without an await: a chain with no event loop (a blocking epoch's) reading a shard that
-    needs the store after all. Closed (``break``, an error, an interrupt), it closes
-    ``read()``'s generator on that loop, then the loop."""
-    pieces = SyncIterator(read, PrivateLoop(), owns_loop=True)
+    needs the store after all.
+
+    Closed (``break``, an error, an interrupt), it closes that loop, which cancels the read
+    where it waits or closes its generator where it is suspended (``asyncio.Runner``'s
+    shutdown), and waits for that: an ``aclose()`` sent to the loop could come while the
+    pump's step of the generator still runs there (read ahead), which it refuses."""
+    loop = PrivateLoop()
+    pieces = SyncIterator(read, loop)
     try:
         for piece in pieces:
             yield piece
     finally:
-        pieces.close()
+        loop.close()
+        pieces.close()  # its loop closed: nothing left to do but mark it closed
 
 
 def _ignore(size: int) -> None:

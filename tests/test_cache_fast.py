@@ -8,6 +8,7 @@ right, from the store."""
 from __future__ import annotations
 
 import gzip
+import itertools
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ from sourcetools import as_worker, collect, local_s3, open_handles, roundtrip
 from aloader import DataLoader, JsonLines, TextLines
 from aloader import _streams as streams_module
 from aloader._cache import ShardCache
+from aloader._formats import JsonLinesDecoder
 
 SHARDS = make_jsonl_shards(3, 50)  # shard-0000i.jsonl, ids 0..149
 ALL_IDS = list(range(150))
@@ -427,3 +429,35 @@ def test_parquet_rows_cached_copies_keep_their_own_reading(
     assert not source._loopless()
     assert [row["id"] for row in source] == list(range(100))
     assert source.stats.cache_hits >= 1
+
+
+@pytest.mark.parametrize("evict", [False, True])
+def test_an_interrupt_in_a_cached_sync_for_leaves_the_epoch_going_on(
+        serve: Callable[..., FaultyServer], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, evict: bool) -> None:
+    """A KeyboardInterrupt landing in the decoding of a block (of a copy, or of a shard
+    fetched on its own loop after its copy was evicted): files closed, and the epoch goes on
+    at the same position, every record once."""
+    server = serve(SHARDS)
+    source = cached_source(server, tmp_path, chunk_size=1000)
+    if evict:
+        _evict(source, server.urls[1], "read", monkeypatch)
+    real = JsonLinesDecoder.feed
+    calls = itertools.count()
+
+    def feed(self: Any, data: bytes) -> Any:
+        if next(calls) == 8:  # in shard 1 (about 5 chunks a shard)
+            raise KeyboardInterrupt
+        return real(self, data)
+
+    monkeypatch.setattr(JsonLinesDecoder, "feed", feed)
+    iterator = iter(source)
+    got: list[int] = []
+    with pytest.raises(KeyboardInterrupt):
+        for record in iterator:
+            got.append(record["id"])
+    assert 50 < len(got) < 100
+    assert open_handles(tmp_path) == 0
+    got += ids(list(iterator))
+    assert got == ALL_IDS
+    assert open_handles(tmp_path) == 0
