@@ -117,6 +117,14 @@ def _hash(text: str, length: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:length]
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _copy_path(directory: str, url: str, version: Version) -> str:
+    # Remembered: a cached epoch looks its copies up twice per shard (ShardedSource._loopless,
+    # then the read), two hashes and a JSON encoding each time otherwise.
+    base = os.path.join(directory, _hash(url, 32))
+    return f"{base}-{_hash(json.dumps(version), 16)}{_SUFFIX}"
+
+
 class _Gone(Exception):
     """The cached file was evicted between its lookup and its opening: look it up again."""
 
@@ -292,7 +300,7 @@ class ShardCache:
 
     def path(self, url: str, version: Version) -> str:
         """Where the copy of ``url`` at ``version`` is kept."""
-        return f"{self._base(url)}-{_hash(json.dumps(version), 16)}{_SUFFIX}"
+        return _copy_path(self.directory, url, version)
 
     def kept(self, url: str, version: Version) -> str | None:
         """The committed copy's path, stamped as just used, or None if there is none."""
