@@ -34,10 +34,12 @@ Invariants:
 Which version a source reads: a source pins an object's version when it first sees it: at
 construction, from the listing of an object store prefix or pattern, else from the first
 answer of the store in this process. While pinned, a cached copy is read without any request
-(a later epoch makes none). A new source (or a new worker process of a source that did not
-list its objects) asks the store again, at its first read, and reads the new version if the
-object changed. A process that waited for another's download takes the version that download
-found (it was asked of the store after the waiting began).
+(a later epoch makes none; one whose shards are all kept at their pinned versions is read
+inline, as an epoch over local files: see ``ShardedSource._loopless``). A new source (or a
+new worker process of a source that did not list its objects) asks the store again, at its
+first read, and reads the new version if the object changed. A process that waited for
+another's download takes the version that download found (it was asked of the store after
+the waiting began).
 
 What is kept: the bytes as the store sends them (a compressed shard stays compressed, and is
 decompressed as it is read). Not kept: a body without a known length (an HTTP response with a
@@ -68,6 +70,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from ._exceptions import FetchError
+from ._facade import PrivateLoop, SyncIterator
 from ._files import file_chunks
 from ._log import http_log
 from ._util import Closing
@@ -112,6 +115,14 @@ def make_version(size: int | None, etag: str | None, last_modified: str | None
 
 def _hash(text: str, length: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:length]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _copy_path(directory: str, url: str, version: Version) -> str:
+    # Remembered: a cached epoch looks its copies up twice per shard (ShardedSource._loopless,
+    # then the read), two hashes and a JSON encoding each time otherwise.
+    base = os.path.join(directory, _hash(url, 32))
+    return f"{base}-{_hash(json.dumps(version), 16)}{_SUFFIX}"
 
 
 class _Gone(Exception):
@@ -289,7 +300,7 @@ class ShardCache:
 
     def path(self, url: str, version: Version) -> str:
         """Where the copy of ``url`` at ``version`` is kept."""
-        return f"{self._base(url)}-{_hash(json.dumps(version), 16)}{_SUFFIX}"
+        return _copy_path(self.directory, url, version)
 
     def kept(self, url: str, version: Version) -> str | None:
         """The committed copy's path, stamped as just used, or None if there is none."""
@@ -300,6 +311,12 @@ class ShardCache:
         except FileNotFoundError:
             return None
         return path
+
+    def holds(self, url: str, version: Version | None) -> bool:
+        """Whether a copy of ``url`` at ``version`` is committed now. Not stamped as used: a
+        look ahead of the reads (which stamp it), that another process's eviction may still
+        overtake."""
+        return version is not None and os.path.exists(self.path(url, version))
 
     def _note(self, url: str, version: Version) -> None:
         """Record ``version`` as the one of ``url`` just committed or found committed (the
@@ -383,6 +400,7 @@ class ShardCache:
         chunk_size: int,
         on_size: Callable[[int], None] | None = None,
         start: int = 0,
+        blocking: bool = False,
     ) -> AsyncGenerator[bytes, None]:
         """The bytes of ``url`` from ``start``: from the cache, or from ``fetch`` (kept in the
         cache as they stream), as the module describes.
@@ -393,6 +411,12 @@ class ShardCache:
         each copy's last use. Only without one does the read go through the locks and the
         store.
 
+        With ``blocking`` the reader awaits nothing (a chain with no event loop, a sync
+        ``for``'s: see ``_streams._LocalPairs``): the copy is read on this thread, and a read
+        that needs the store after all (no copy, or one evicted before it was opened) runs on
+        an event loop of its own (:func:`_on_own_loop`), so ``fetch`` must need no client of
+        the caller's loop.
+
         Args:
             url: the shard's URL (its name in the cache).
             fetch: ``fetch(on_size, on_version, start)`` reads the object from the store.
@@ -401,6 +425,7 @@ class ShardCache:
             chunk_size: bytes per read of a cached file.
             on_size: called with the shard's size before its first chunk.
             start: the byte to start at.
+            blocking: read with no event loop (see above).
 
         Raises:
             FetchError: the store's errors, as ``fetch`` raises them.
@@ -408,21 +433,26 @@ class ShardCache:
                 directory).
         """
         version = versions.get(url)
+        read: Callable[[], AsyncGenerator[bytes, None]] = functools.partial(
+            self._chunks, url, fetch, versions, stats, chunk_size, on_size, start)
+        if blocking:
+            read = functools.partial(_on_own_loop, read)
         if version is not None and (path := self.kept(url, version)) is not None:
-            return self._local(path, stats, chunk_size, on_size, start, (url, functools.partial(
-                self._chunks, url, fetch, versions, stats, chunk_size, on_size, start)))
-        return self._chunks(url, fetch, versions, stats, chunk_size, on_size, start)
+            return self._local(path, stats, chunk_size, on_size, start, (url, read), blocking)
+        return read()
 
     async def _local(
         self, path: str, stats: SourceStats, chunk_size: int,
         on_size: Callable[[int], None] | None, start: int,
         instead: tuple[str, Callable[[], AsyncGenerator[bytes, None]]] | None = None,
+        blocking: bool = False,
     ) -> AsyncGenerator[bytes, None]:
         """A cached file's bytes; :class:`_Gone` if it vanished before it was opened (evicted).
 
         With ``instead`` (``(url, read)``: a read outside :meth:`_chunks`, which notes the
         errors), a copy evicted before it was opened is ``read()`` instead, and the errors of
-        the copy are noted as :meth:`_chunks` notes them.
+        the copy are noted as :meth:`_chunks` notes them. With ``blocking``, the file is
+        opened and read on this thread (:func:`~aloader._files.file_chunks`'s).
         """
         opened = False
 
@@ -434,7 +464,8 @@ class ShardCache:
                 on_size(size)
 
         try:
-            async with Closing(file_chunks(path, chunk_size, sized, start)) as pieces:
+            async with Closing(file_chunks(path, chunk_size, sized, start,
+                                           blocking=blocking)) as pieces:
                 async for piece in pieces:
                     stats.cache_bytes += len(piece)
                     yield piece
@@ -567,6 +598,26 @@ async def _uncached(fetch: Fetch, stats: SourceStats, on_size: Callable[[int], N
     async with Closing(fetch(on_size or _ignore, _ignore_version, start)) as pieces:
         async for piece in pieces:
             yield piece
+
+
+async def _on_own_loop(read: Callable[[], AsyncGenerator[bytes, None]]
+                       ) -> AsyncGenerator[bytes, None]:
+    """``read()``'s pieces, read on an event loop of its own (in a thread) and handed on here
+    without an await: a chain with no event loop (a blocking epoch's) reading a shard that
+    needs the store after all.
+
+    Closed (``break``, an error, an interrupt), it closes that loop, which cancels the read
+    where it waits or closes its generator where it is suspended (``asyncio.Runner``'s
+    shutdown), and waits for that: an ``aclose()`` sent to the loop could come while the
+    pump's step of the generator still runs there (read ahead), which it refuses."""
+    loop = PrivateLoop()
+    pieces = SyncIterator(read, loop)
+    try:
+        for piece in pieces:
+            yield piece
+    finally:
+        loop.close()
+        pieces.close()  # its loop closed: nothing left to do but mark it closed
 
 
 def _ignore(size: int) -> None:

@@ -16,7 +16,7 @@ from typing import Any, TypedDict, TypeVar, Unpack
 
 import anyio
 
-from ._cache import ShardCache, Version, check_cache, make_version
+from ._cache import Fetch, ShardCache, Version, check_cache, make_version
 from ._compression import (
     Compression,
     CorruptStream,
@@ -59,6 +59,7 @@ from ._sharding import (
     worker_slot,
 )
 from ._streams import (
+    _START,
     Stream,
     _bad_state,
     _Channel,
@@ -479,7 +480,11 @@ class ShardedSource(Stream[T_co]):
             downloaded again; a source pins the version it first sees (from its listing, or
             the store's first answer in a process). The first epoch still streams: records
             flow while the shard is written to the cache. Counted in ``stats.cache_hits``,
-            ``cache_misses``, ``cache_bytes`` and ``cache_evicted``. See
+            ``cache_misses``, ``cache_bytes`` and ``cache_evicted``. An epoch whose shards
+            (this consumer's) are all kept at their pinned versions is read as local files
+            are: in the consumer's task (``async for``, the loader) or, for a sync ``for``,
+            on its thread with no event loop, with no background task; a copy evicted
+            meanwhile by another process is still downloaded, only without read-ahead. See
             :mod:`aloader._cache`. Local shards are read where they are.
         cache_limit: the most bytes ``cache_dir`` keeps (None: no limit); the least recently
             used shards are evicted to stay under it, and a shard that cannot fit is read
@@ -594,8 +599,33 @@ class ShardedSource(Stream[T_co]):
             self._check_ranks()
 
     def _loopless(self) -> bool:
-        # Local files only: a remote shard's reads (HTTP, object stores, the cache) need a loop.
-        return not any(is_url(name) or is_object_url(name) for name in self.shards)
+        # Inline: local files, and remote shards whose copies are kept in the cache at the
+        # version this source pinned (read as local files, no request: ShardCache.chunks),
+        # for every shard this consumer reads in the epoch being opened. Any other remote read
+        # needs the store, so a loop, and read-ahead to be fast. A copy evicted after this
+        # look is still read right inline, from the store (ShardCache.chunks; on a loop of
+        # its own in a blocking epoch), only without read-ahead.
+        if not any(_remote(name) for name in self.shards):
+            return True
+        cache = self._shard_cache
+        if cache is None or type(self)._blocks_at is not ShardedSource._blocks_at:
+            return False  # (ParquetRows reads its own way: its copies, through threads)
+        epoch, (worker_id, num_workers) = self._opening()
+        versions = self._versions
+        return all(not _remote(name) or cache.holds(name, versions.get(name))
+                   for name in self.shards_for(epoch, worker_id, num_workers))
+
+    def _opening(self) -> tuple[int, tuple[int, int]]:
+        """The epoch and consumer ``(worker_id, num_workers)`` of the iteration being opened:
+        the newest iterator's while it has received nothing (the loader's and ``async for``'s
+        look, from its first ``_receive``), else those the next one claims (a sync ``for``'s
+        look, before it opens its iterator)."""
+        live = self._live() if self._live is not None else None
+        if live is not None and live._token is _START and not live._finished \
+                and live._driver is None and live._inline is None:
+            return live._epoch, live._slot
+        epoch = self._resume_epoch if self._resume_epoch is not None else self.epoch
+        return epoch, worker_slot()
 
     def _check_ranks(self) -> None:
         """Refuse, at construction, a rank that would read nothing (ranks evened out)."""
@@ -680,7 +710,9 @@ class ShardedSource(Stream[T_co]):
         # with no task of its own, nothing could read ahead.
         slots = 1 if ctx.inline else min(self.concurrency, len(names) - first)
         clients: _Clients | None = None
-        if any(is_url(name) for name in names[first:]):
+        # A blocking epoch reads only copies from the cache, on this thread, with no client;
+        # a shard that needs the store after all makes its own (see _chunks).
+        if not ctx.blocking and any(is_url(name) for name in names[first:]):
             # A connection per read-ahead slot (shard i reuses the keep-alive connection of
             # shard i - concurrency); a client_factory's one client is shared by all.
             clients = _Clients(self.http, 1 if self.http.client_factory is not None else slots)
@@ -763,6 +795,24 @@ class ShardedSource(Stream[T_co]):
             return http_chunks(client(), name, self.http, stats, on_size, start, on_version)
         return self._objects.chunks(name, stats, on_size, start, on_version)
 
+    async def _fetch_alone(
+        self, name: str, stats: SourceStats, on_size: Callable[[int], None],
+        on_version: Callable[[int | None, str | None, str | None], None], start: int,
+    ) -> AsyncGenerator[bytes, None]:
+        """:meth:`_fetch` with an HTTP client of its own, closed with it: a blocking epoch's
+        read of a shard whose copy went missing, run on an event loop of its own, which no
+        client of the epoch belongs to."""
+        client = make_client(self.http, 1) if is_url(name) else None
+        try:
+            async with Closing(self._fetch(name, None if client is None else lambda: client,
+                                           stats, on_size, on_version, start)) as pieces:
+                async for piece in pieces:
+                    yield piece
+        finally:
+            if client is not None:
+                with anyio.CancelScope(shield=True):
+                    await client.aclose()
+
     def _chunks(
         self, name: str, client: Callable[[], HttpClient] | None, decoder: Decoder[T_co],
         inflate: Decompressor | None, start: int, blocking: bool = False,
@@ -771,13 +821,15 @@ class ShardedSource(Stream[T_co]):
         stats = self.stats
         # A compressed shard's size says nothing of the length its formats check.
         on_size = decoder.set_size if inflate is None else None
-        if (client is not None and is_url(name)) or is_object_url(name):
-            fetch = functools.partial(self._fetch, name, client, stats)
-            if self._shard_cache is not None:
-                chunks = self._shard_cache.chunks(name, fetch, self._versions, stats,
-                                                  self.chunk_size, on_size, start)
+        if _remote(name):
+            if self._shard_cache is None:
+                chunks = self._fetch(name, client, stats, on_size, None, start)
             else:
-                chunks = fetch(on_size, None, start)
+                # With no loop (blocking), only a copy in the cache is read here (_loopless).
+                fetch: Fetch = (functools.partial(self._fetch_alone, name, stats) if blocking
+                                else functools.partial(self._fetch, name, client, stats))
+                chunks = self._shard_cache.chunks(name, fetch, self._versions, stats,
+                                                  self.chunk_size, on_size, start, blocking)
         else:
             chunks = file_chunks(name, self.chunk_size, on_size, start, blocking=blocking)
         if inflate is not None:
@@ -819,6 +871,11 @@ class ShardedSource(Stream[T_co]):
         if decoder.pending is not None:
             raise decoder.pending
         stats.shards += 1
+
+
+def _remote(name: str) -> bool:
+    """Whether shard ``name`` is read from a store (HTTP or an object store), not a file."""
+    return is_url(name) or is_object_url(name)
 
 
 class TextLines(ShardedSource[str]):

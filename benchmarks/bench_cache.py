@@ -24,6 +24,14 @@ temporary directory (page cache, as the cache's files are after their first epoc
 * <store>, new source, warm cache: a new source over a warm cache: over HTTP it asks the
   server for each shard's version once (a GET cut after its first chunk); over S3 the
   listing gave the versions, so no request.
+* sync for rows: ``for record in source`` (no loader) over the local files and over a cached
+  source, interleaved in pairs the same way (best of ``RUNS * PAIRS``).
+
+Which path each row takes: the local files and the cached epochs are read inline (the
+source's ``_loopless()``: every shard a local file or a copy kept at its pinned version),
+``async for`` in the consumer's task and a sync ``for`` on the caller's thread with no event
+loop; every other row reads in a background task with read-ahead. The script prints each
+cached source's ``_loopless()`` after its rows.
 
 Target (issue 14): a cached epoch reads at least 0.9x the local-file rate.
 """
@@ -77,9 +85,10 @@ def _loader(shards: list[str], cache: str | None = None) -> DataLoader[Any]:
 
 
 class _Variant:
-    """One row: an epoch to time (``run``, made fresh by ``prepare`` before each timing)."""
+    """One row: an epoch to time (``run``: a coroutine of the items counted, or the count
+    itself for a sync ``for``; made fresh by ``prepare`` before each timing)."""
 
-    def __init__(self, label: str, run: Callable[[], Awaitable[int]],
+    def __init__(self, label: str, run: Callable[[], Any],
                  prepare: Callable[[], None] | None = None) -> None:
         self.label = label
         self.run = run
@@ -100,8 +109,8 @@ def _later_epoch(loader: DataLoader[Any]) -> Callable[[], Awaitable[int]]:
     return functools.partial(_epoch, loader)
 
 
-async def _measure(local: list[str], stores: dict[str, list[str]], root: str
-                   ) -> list[_Variant]:
+async def _measure(local: list[str], stores: dict[str, list[str]], root: str,
+                   inline: dict[str, bool]) -> list[_Variant]:
     variants: list[_Variant] = []
     local_loader = _loader(local)
     await _epoch(local_loader)  # the first epoch: page cache, imports
@@ -110,6 +119,7 @@ async def _measure(local: list[str], stores: dict[str, list[str]], root: str
         warm_dir = os.path.join(root, f"warm-{store}")
         cached = _loader(urls, warm_dir)
         await _epoch(cached)  # downloads into the cache: later epochs read from it
+        inline[f"{store}, cached epoch"] = cached.dataset._loopless()
         first_dir = os.path.join(root, f"first-{store}")
 
         def empty(first_dir: str = first_dir) -> None:
@@ -137,6 +147,39 @@ async def _measure(local: list[str], stores: dict[str, list[str]], root: str
                 continue
             await _time(variant)
     return variants
+
+
+def _measure_sync(local: list[str], stores: dict[str, list[str]], root: str
+                  ) -> tuple[list[_Variant], dict[str, bool]]:
+    """The sync ``for`` rows: local files and each store's cached source, in pairs."""
+    def epoch_of(source: JsonLines) -> Callable[[], int]:
+        return lambda: sum(1 for _ in source)
+
+    local_source = JsonLines(local, concurrency=CONCURRENCY)
+    epoch_of(local_source)()
+    local_files = _Variant("local files, sync for", epoch_of(local_source))
+    variants = [local_files]
+    inline: dict[str, bool] = {}
+    for store, urls in stores.items():
+        cached = JsonLines(urls, concurrency=CONCURRENCY,
+                           cache_dir=os.path.join(root, f"warm-{store}"))
+        epoch_of(cached)()  # pins the versions (over HTTP: one request per shard)
+        inline[f"{store}, cached epoch, sync for"] = cached._loopless()
+        variants.append(_Variant(f"{store}, cached epoch, sync for", epoch_of(cached)))
+    for _ in range(RUNS):
+        for variant in variants[1:]:
+            for _ in range(PAIRS):
+                _time_sync(local_files)
+                _time_sync(variant)
+    return variants, inline
+
+
+def _time_sync(variant: _Variant) -> None:
+    start, start_cpu = time.perf_counter(), time.process_time()
+    items = variant.run()
+    variant.times.append(time.perf_counter() - start)
+    variant.cpu.append(time.process_time() - start_cpu)
+    assert items == TOTAL, (variant.label, items)
 
 
 async def _time(variant: _Variant) -> None:
@@ -175,7 +218,10 @@ def main() -> None:
             with open(path, "wb") as out:
                 out.write(files[name])
             local.append(path)
-        variants = anyio.run(_measure, local, stores, root)
+        inline: dict[str, bool] = {}
+        variants = anyio.run(_measure, local, stores, root, inline)
+        sync_variants, sync_inline = _measure_sync(local, stores, root)
+        inline.update(sync_inline)
     finally:
         stop.set()
         for process in processes:
@@ -184,6 +230,8 @@ def main() -> None:
 
     rates = {variant.label: TOTAL / min(variant.times) for variant in variants}
     cpu = {variant.label: min(variant.cpu) for variant in variants}
+    sync_rates = {variant.label: TOTAL / min(variant.times) for variant in sync_variants}
+    sync_cpu = {variant.label: min(variant.cpu) for variant in sync_variants}
     local_rate = rates["local files"]
     print(f"{SHARDS} shards x {RECORDS:,} JSON Lines records, {LATENCY * 1e3:.0f} ms per "
           f"request, concurrency {CONCURRENCY}, batch {BATCH}, interleaved, best of {RUNS} "
@@ -196,13 +244,22 @@ def main() -> None:
         versus = f"{rate / plain:.2f}x" if plain and label != f"{store}, no cache" else "-"
         print(f"{label:40} {rate:>11,.0f} {rate / local_rate:>8.2f}x {versus:>11} "
               f"{cpu[label] * 1e3:>7.0f} {cpu['local files'] / cpu[label]:>11.2f}x")
+    sync_local = sync_rates["local files, sync for"]
+    for label, rate in sync_rates.items():
+        print(f"{label:40} {rate:>11,.0f} {rate / sync_local:>8.2f}x {'-':>11} "
+              f"{sync_cpu[label] * 1e3:>7.0f} "
+              f"{sync_cpu['local files, sync for'] / sync_cpu[label]:>11.2f}x")
     for store in stores:
-        label = f"{store}, cached epoch"
-        ratio = rates[label] / local_rate
-        verdict = "met" if ratio >= TARGET else "NOT met"
-        print(f"{store}: cached epoch {ratio:.2f}x the local-file rate (target {TARGET}x: "
-              f"{verdict}); its CPU time {cpu['local files'] / cpu[label]:.2f}x the local "
-              f"files' (inverse)")
+        for label, base, rate_of, cpu_of in (
+                (f"{store}, cached epoch", "local files", rates, cpu),
+                (f"{store}, cached epoch, sync for", "local files, sync for", sync_rates,
+                 sync_cpu)):
+            ratio = rate_of[label] / rate_of[base]
+            verdict = "met" if ratio >= TARGET else "NOT met"
+            path = "inline" if inline[label] else "background task"
+            print(f"{label}: {ratio:.2f}x the local-file rate (target {TARGET}x: {verdict}); "
+                  f"its CPU time {cpu_of[base] / cpu_of[label]:.2f}x the local files' "
+                  f"(inverse); read {path}")
 
 
 if __name__ == "__main__":
