@@ -326,6 +326,9 @@ class _Driver:
     """The background task of one epoch: pulls the chain's blocks into a bounded channel.
 
     Holds no reference to the iterator, so dropping the iterator lets ``__del__`` stop it.
+    ``error`` is what ended the chain (the channel's reader gets this very object), ``last``
+    the last pair the channel took: after an interrupt of the chain, the epoch goes on from
+    its end (:meth:`after`).
     """
 
     def __init__(self, stream: Stream[Any], epoch: int, capacity: int, at: Any,
@@ -338,6 +341,8 @@ class _Driver:
         self.slot = slot
         self.channel: _Channel[tuple[list[Any], Any]] = _Channel(capacity)
         self.done = anyio.Event()
+        self.error: BaseException | None = None
+        self.last: tuple[list[Any], Any] | None = None
         self._task = Detached()
 
     def start(self) -> None:
@@ -365,8 +370,14 @@ class _Driver:
             if error is None:
                 error = single_error(exc) or exc
         finally:
+            self.error = error
             self.channel.end(error)
             self.done.set()
+
+    def after(self) -> Any:
+        """The position after the last block the channel took (``at`` before any)."""
+        last = self.last
+        return self.at if last is None else _state_of(self.stream, last[1], len(last[0]))
 
     async def _pump(self, ctx: _Context) -> BaseException | None:
         channel = self.channel
@@ -375,6 +386,7 @@ class _Driver:
                 async for pair in blocks:
                     if pair[0]:
                         await channel.put(pair)
+                        self.last = pair
         except _Abandoned:
             return None
         except Exception as exc:
@@ -397,7 +409,7 @@ class _StreamIterator(AsyncIterator[T]):
     """
 
     __slots__ = ("__weakref__", "_at", "_block", "_capacity", "_cursor", "_driver", "_epoch",
-                 "_finished", "_inline", "_slot", "_stream", "_token")
+                 "_finished", "_inline", "_restart", "_slot", "_stream", "_token")
 
     def __init__(self, stream: Stream[T], epoch: int, capacity: int, at: Any = None) -> None:
         self._stream = stream
@@ -409,6 +421,8 @@ class _StreamIterator(AsyncIterator[T]):
         self._cursor: Iterator[T] = iter(self._block)
         self._finished = False
         self._at = at
+        # Where the chain opens next (``_at`` until an interrupt of the chain, see _receive).
+        self._restart = at
         self._token: Any = _START
         self._slot = worker_slot()
 
@@ -461,7 +475,7 @@ class _StreamIterator(AsyncIterator[T]):
         if inline is None and self._driver is None and self._stream._loopless():
             worker_id, num_workers = self._slot
             ctx = _Context(self._epoch, worker_id, num_workers, None)
-            inline = self._inline = self._stream._blocks_at(ctx, self._at)
+            inline = self._inline = self._stream._blocks_at(ctx, self._restart)
         if inline is not None:
             while True:
                 pair = await inline.__anext__()
@@ -469,8 +483,8 @@ class _StreamIterator(AsyncIterator[T]):
                     return pair
         driver = self._driver
         if driver is None:
-            driver = self._driver = _Driver(self._stream, self._epoch, self._capacity, self._at,
-                                            self._slot)
+            driver = self._driver = _Driver(self._stream, self._epoch, self._capacity,
+                                            self._restart, self._slot)
             driver.start()
         try:
             return await driver.channel.get()
@@ -479,9 +493,17 @@ class _StreamIterator(AsyncIterator[T]):
             # rather than when this iterator is garbage-collected.
             driver.stop()
             raise
-        except BaseException:
+        except BaseException as exc:
+            if exc is not driver.error:  # an interrupt of this wait, not the chain's end
+                driver.stop()
             with anyio.CancelScope(shield=True):
                 await driver.done.wait()
+            if exc is driver.error and not isinstance(exc, Exception):
+                # An interrupt in the chain (a KeyboardInterrupt raised by a transform) ends
+                # that chain, not the epoch: the next call opens it again after the blocks
+                # handed out (the resume path, exact), as a loopless chain does.
+                self._driver = None
+                self._restart = driver.after()
             raise
 
     def _pull_here(self) -> None:
@@ -491,7 +513,7 @@ class _StreamIterator(AsyncIterator[T]):
         if self._inline is None and self._driver is None:
             worker_id, num_workers = self._slot
             ctx = _Context(self._epoch, worker_id, num_workers, None, blocking=True)
-            self._inline = self._stream._blocks_at(ctx, self._at)
+            self._inline = self._stream._blocks_at(ctx, self._restart)
 
     async def _next_block(self) -> Iterator[T]:
         """The cursor of the next block, entered; StopAsyncIteration at the end."""

@@ -355,9 +355,6 @@ def test_interrupts_in_a_decoder_keep_the_stats(shards: Path) -> None:
     assert stats.counts() == full.counts()
 
 
-@pytest.mark.xfail(strict=True, reason="a KeyboardInterrupt raised in the driver's chain (a "
-                   "transform of a sync for on the private loop) ends the epoch: the next "
-                   "next() is a StopIteration, the rest of the epoch silently lost")
 def test_an_interrupt_in_a_transform_of_a_sync_for(shards: Path) -> None:
     paths = sorted(map(str, shards.glob("t*.txt")))
     full = list(TextLines(paths, chunk_size=16))
