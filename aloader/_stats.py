@@ -11,7 +11,7 @@ The stages:
 
 * ``sampling``: the sampler producing a key (an index batch);
 * ``fetch``: one fetch call (an item fetched alone, or a batch); with worker processes, the
-  workers' fetches, which each worker reports with its answers;
+  workers' fetches, which each worker reports every few answers and with its last;
 * ``collate``: ``collate_fn`` (and ``pin_memory``) on one batch, here or in a worker;
 * ``transfer``: a batch's trip from a worker to the loader (encoding, the socket, decoding);
 * ``wait``: the consumer waiting in ``__anext__`` for a batch (the loader's delay as it feels);

@@ -374,7 +374,8 @@ class _WorkerServer:
         return request
 
     async def areceive(self) -> Request | None:
-        await anyio.wait_readable(self.conn.fileno())
+        if not self._readable.poll(0):  # a busy worker's next request is there already
+            await anyio.wait_readable(self.conn.fileno())
         return self.receive()
 
     # Plain map-style datasets: one batch per task, no event loop.
