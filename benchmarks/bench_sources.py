@@ -24,6 +24,10 @@ each round, interleaved:
   sliding window of 16 requests, each body parsed and collated in order as the floor does
   (``no_loader``); and the bare fetch alone (aiohttp, 16 in flight, no parsing), which shows
   what the server and the client deliver without parsing (the latency floor's real value).
+* the 2-worker row's CPU: per epoch (median), this process's, each worker's and the server's
+  CPU time (``/proc``), and the bound they set together: all four share the machine's cores,
+  so the epoch takes at least their CPU sum over the cores; quoted against the limit, that is
+  the most the row can reach on this machine however the loader overlaps its work.
 * first-response bound: no program parses a record before its first response, so
   ``latency + parse`` (one request's wait, then the parse floor) bounds every program in one
   process; the limit ``max(a, b)`` assumes the parsing overlaps that first wait too.
