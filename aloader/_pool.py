@@ -191,20 +191,37 @@ class _WorkerHandle:
     # thread), handed back with its next task.
     released: deque[str] = field(default_factory=deque)
 
-    def frames(self, chunk: bytes) -> list[bytes]:
-        """Append what was read; return the frames now complete."""
+    def frames(self, chunk: bytes) -> list[bytes | memoryview]:
+        """Append what was read; return the frames now complete.
+
+        A read that starts with no partial frame waiting (the usual one) is cut into views of
+        ``chunk`` itself, which no one changes, and only its incomplete tail is kept; frames
+        completed from a kept tail are copied out of it.
+        """
         inbox = self.inbox
-        inbox += chunk
-        out = []
+        data: bytes | bytearray = chunk
+        if inbox:
+            inbox += chunk
+            data = inbox
+        out: list[bytes | memoryview] = []
         start = 0
-        while len(inbox) - start >= 4:
-            size = _FRAME.unpack_from(inbox, start)[0]
+        view = memoryview(data)
+        while len(data) - start >= 4:
+            size = _FRAME.unpack_from(data, start)[0]
             end = start + 4 + size
-            if len(inbox) < end:
+            if len(data) < end:
                 break
-            out.append(bytes(inbox[start + 4 : end]))
+            if data is chunk:
+                out.append(view[start + 4 : end])
+            else:
+                with view[start + 4 : end] as frame:
+                    out.append(bytes(frame))
             start = end
-        del inbox[:start]
+        if data is chunk:
+            inbox += view[start:]
+        else:
+            view.release()  # the bytearray cannot resize under a view
+            del inbox[:start]
         return out
 
 

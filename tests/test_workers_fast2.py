@@ -151,3 +151,17 @@ async def test_worker_statistics_exact_under_async_for(anyio_backend: str) -> No
     assert stats.batches == 102 and stats.stages["transfer"].count == 102
     assert [w["batches"] for w in stats.workers] == [51, 51]
     await anyio.sleep(0)
+
+
+def test_frames_cut_from_reads_of_any_size() -> None:
+    from aloader._pool import _FRAME, _WorkerHandle
+
+    messages = [bytes([k]) * size for k, size in enumerate([0, 1, 3, 4, 5, 100, 70_000, 2])]
+    stream = b"".join(_FRAME.pack(len(m)) + m for m in messages)
+    for step in (1, 3, 4, 7, 64, 4096, len(stream)):
+        handle = _WorkerHandle(0, None, None, -1)  # type: ignore[arg-type]
+        got = []
+        for start in range(0, len(stream), step):
+            got += [bytes(frame) for frame in handle.frames(stream[start : start + step])]
+        assert got == messages, step
+        assert not handle.inbox
