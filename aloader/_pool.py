@@ -45,7 +45,6 @@ import multiprocessing
 import multiprocessing.context
 import os
 import signal
-import struct
 import threading
 import time
 import weakref
@@ -68,7 +67,7 @@ from ._pipeline import SKIP
 from ._sources import merge_stats, source_stats
 from ._stats import Collector
 from ._util import Signal
-from ._worker import SETUP_JOB, Kind, Reply, Request, Status, WorkerSetup, worker_main
+from ._worker import FRAME, SETUP_JOB, Kind, Reply, Request, Status, WorkerSetup, worker_main
 
 __all__ = (
     "MapPoolEpoch",
@@ -83,7 +82,7 @@ __all__ = (
 # Seconds a worker may take to exit after its socket closes before it is terminated.
 _GRACE = 0.5
 _CHUNK = 1 << 18
-_FRAME = struct.Struct("!i")
+_FRAME = FRAME
 _pool_serial = itertools.count()
 # The loader's socket ends of every live pool: a forked worker closes them all.
 _LOADER_FDS: set[int] = set()

@@ -61,6 +61,7 @@ import pickle
 import random
 import select
 import signal
+import struct
 import sys
 import threading
 import time
@@ -82,6 +83,7 @@ from ._sources import StatsReporter, source_stats
 from ._workerinfo import WorkerInfo, _set_worker_info, get_worker_info
 
 __all__ = (
+    "FRAME",
     "SETUP_JOB",
     "Kind",
     "Reply",
@@ -121,6 +123,9 @@ SETUP_JOB = -1
 # docstring): a live DataLoader.stats() lags by at most this many batches per worker.
 _REPORT_EVERY = 16
 _now = time.perf_counter_ns
+# A message's length before it on the socket: multiprocessing's framing (Connection.send_bytes
+# and recv_bytes), which the loader's reader parses too (aloader._pool).
+FRAME = struct.Struct("!i")
 _KINDS = tuple(Kind)
 _STATUSES = tuple(Status)
 
@@ -320,8 +325,9 @@ class _WorkerServer:
         self.stats = StatsReporter(setup.plan.dataset)
         self.failures = setup.plan.failures
         self._unreported = 0  # answers sent since the last that carried a report
+        self._fd = conn.fileno()
         self._readable = select.poll()
-        self._readable.register(conn.fileno(), select.POLLIN)
+        self._readable.register(self._fd, select.POLLIN)
         #: Whether a request received is still being worked on (the async loop's jobs).
         self.working: Callable[[], bool] = bool
 
@@ -356,7 +362,18 @@ class _WorkerServer:
             error = RemoteError.capture(exc, self.where)
             data = self.codec.encode(Reply(job, Status.ERROR, error, stats, None,
                                            extra).wire())
-        self.conn.send_bytes(data)
+        self._write(data)
+
+    def _write(self, data: bytes) -> None:
+        """Send a message, its length and it in one write: ``Connection.send_bytes`` makes
+        two above 16 KiB, and a loader waiting for the answer would wake for each."""
+        header = FRAME.pack(len(data))
+        total = len(header) + len(data)
+        sent = os.writev(self._fd, (header, data))
+        if sent < total:  # interrupted: the rest, in order
+            rest = memoryview(header + data)[sent:]
+            while rest:
+                rest = rest[os.write(self._fd, rest):]
 
     def fail(self, job: int, error: BaseException) -> None:
         self.send(job, Status.ERROR,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import threading
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -165,3 +166,22 @@ def test_frames_cut_from_reads_of_any_size() -> None:
             got += [bytes(frame) for frame in handle.frames(stream[start : start + step])]
         assert got == messages, step
         assert not handle.inbox
+
+
+def test_a_large_answer_is_one_write(served_epoch: None) -> None:
+    # A record socket keeps each write apart: two writes (length, then message) would read as
+    # two records, and a loader waiting on the answer would wake for each.
+    server, _ = _server(Items(4))
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.conn.close()
+    server.conn = Connection(theirs.detach())
+    server._fd = server.conn.fileno()
+    batch = list(range(10_000))  # well above 16 KiB pickled
+    server.send(7, Status.OK, batch)
+    record = mine.recv(1 << 22)
+    (size,) = struct.unpack("!i", record[:4])
+    assert size == len(record) - 4 > 16 * 1024
+    reply = Reply.of(_shm.decode(record[4:]))
+    assert reply.job == 7 and reply.value == batch
+    mine.close()
+    server.conn.close()
