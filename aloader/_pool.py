@@ -45,7 +45,6 @@ import multiprocessing
 import multiprocessing.context
 import os
 import signal
-import struct
 import threading
 import time
 import weakref
@@ -60,6 +59,7 @@ import anyio
 import anyio.from_thread
 
 from . import _shm, _spawn
+from ._backend import Waiter, waiters
 from ._exceptions import WorkerError
 from ._failures import Failures
 from ._log import worker_log
@@ -67,7 +67,7 @@ from ._pipeline import SKIP
 from ._sources import merge_stats, source_stats
 from ._stats import Collector
 from ._util import Signal
-from ._worker import SETUP_JOB, Kind, Reply, Request, Status, WorkerSetup, worker_main
+from ._worker import FRAME, SETUP_JOB, Kind, Reply, Request, Status, WorkerSetup, worker_main
 
 __all__ = (
     "MapPoolEpoch",
@@ -82,7 +82,7 @@ __all__ = (
 # Seconds a worker may take to exit after its socket closes before it is terminated.
 _GRACE = 0.5
 _CHUNK = 1 << 18
-_FRAME = struct.Struct("!i")
+_FRAME = FRAME
 _pool_serial = itertools.count()
 # The loader's socket ends of every live pool: a forked worker closes them all.
 _LOADER_FDS: set[int] = set()
@@ -190,20 +190,37 @@ class _WorkerHandle:
     # thread), handed back with its next task.
     released: deque[str] = field(default_factory=deque)
 
-    def frames(self, chunk: bytes) -> list[bytes]:
-        """Append what was read; return the frames now complete."""
+    def frames(self, chunk: bytes) -> list[bytes | memoryview]:
+        """Append what was read; return the frames now complete.
+
+        A read that starts with no partial frame waiting (the usual one) is cut into views of
+        ``chunk`` itself, which no one changes, and only its incomplete tail is kept; frames
+        completed from a kept tail are copied out of it.
+        """
         inbox = self.inbox
-        inbox += chunk
-        out = []
+        data: bytes | bytearray = chunk
+        if inbox:
+            inbox += chunk
+            data = inbox
+        out: list[bytes | memoryview] = []
         start = 0
-        while len(inbox) - start >= 4:
-            size = _FRAME.unpack_from(inbox, start)[0]
+        view = memoryview(data)
+        while len(data) - start >= 4:
+            size = _FRAME.unpack_from(data, start)[0]
             end = start + 4 + size
-            if len(inbox) < end:
+            if len(data) < end:
                 break
-            out.append(bytes(inbox[start + 4 : end]))
+            if data is chunk:
+                out.append(view[start + 4 : end])
+            else:
+                with view[start + 4 : end] as frame:
+                    out.append(bytes(frame))
             start = end
-        del inbox[:start]
+        if data is chunk:
+            inbox += view[start:]
+        else:
+            view.release()  # the bytearray cannot resize under a view
+            del inbox[:start]
         return out
 
 
@@ -401,10 +418,15 @@ class WorkerPool:
             self._finalizer()
 
 
-@dataclass(eq=False)
 class _Pending:
-    event: anyio.Event
-    reply: Reply | None = None
+    """A job's wait for its answer: a :class:`~aloader._backend.Waiter` (a plain future on
+    asyncio, one per job: cheaper than an event) and the answer once it is in."""
+
+    __slots__ = ("reply", "waiter")
+
+    def __init__(self, waiter: Waiter) -> None:
+        self.waiter = waiter
+        self.reply: Reply | None = None
 
 
 class PoolEpoch:
@@ -423,8 +445,9 @@ class PoolEpoch:
     own on a worker it may share (:class:`ReplicaPoolEpoch`): each replica's batches are
     then fixed, but how a worker interleaves its lanes is not (nor, so, what they draw from
     the worker's global RNGs). Workers start one after the
-    other, each taking tasks as soon as it is up. Every answer carries the worker's source
-    statistics since its last answer, merged into the loader's dataset here.
+    other, each taking tasks as soon as it is up. A worker's source statistics arrive with
+    its reports (every few answers, and with its last: see :mod:`aloader._worker`), merged
+    into the loader's dataset here.
     """
 
     def __init__(self, pool: WorkerPool, loader_epoch: int = 0) -> None:
@@ -437,6 +460,7 @@ class PoolEpoch:
         pool.holder = self
         self._limit = max(1, pool.setup.prefetch)
         self._pending: dict[int, _Pending] = {}
+        self._waiter: Callable[[], Waiter] | None = None  # the factory of the epoch's loop
         self._changed = Signal()  # a worker started, answered, or the pool failed
         self._serving = False
         self._tg: Any = None
@@ -499,7 +523,7 @@ class PoolEpoch:
         self._changed.notify()  # the worker's next ticket may go once this one is sent
         reply = await self._call(workers[worker_id], kind, payload)
         if reply.extra is not None:
-            self._absorb(worker_id, reply.extra)
+            self._absorb(worker_id, reply.status, reply.extra)
             if reply.extra[3]:  # every sample failed within the failure budget
                 return SKIP
         if reply.status == Status.END:
@@ -515,11 +539,15 @@ class PoolEpoch:
     def note_meta(self, seq: int, lane: int, meta: Any) -> None:
         """Job ``seq``'s batch came with metadata (the position of replica ``lane``)."""
 
-    def _absorb(self, worker_id: int, extra: Any) -> None:
-        """Record what a worker counted besides its sources: failed samples, timings."""
-        failed, attempted, timings, _empty = extra
+    def _absorb(self, worker_id: int, status: Status, extra: Any) -> None:
+        """Record what a worker counted besides its sources: failed samples, timings (a
+        report every few answers), this answer's transfer."""
+        failed, attempted, timings, empty, sent = extra
         if self.stats is not None:
-            self.stats.merge(worker_id, timings)
+            if timings is not None:
+                self.stats.merge(worker_id, timings)
+            if status == Status.OK and not empty:
+                self.stats.transferred(sent)
         if self.failures is not None:
             self.failures.attempted(attempted)
             for index, error in failed:
@@ -551,12 +579,14 @@ class PoolEpoch:
         names = [released.popleft() for _ in range(len(released))]
         request = Request(kind, job, self.epoch, key, names, self.loader_epoch)
         data = self.pool.codec.encode(request.wire())
-        pending = _Pending(anyio.Event())
+        if self._waiter is None:  # the epoch's loop, looked up once
+            self._waiter = waiters()
+        pending = _Pending(self._waiter())
         self._pending[job] = pending
         worker.outstanding += 1
         try:
             self._send(worker, data)
-            await pending.event.wait()
+            await pending.waiter
         finally:
             del self._pending[job]  # a late answer to a cancelled job is dropped
         assert pending.reply is not None
@@ -638,9 +668,9 @@ class PoolEpoch:
         worker.outstanding -= 1
         self._changed.notify()
         pending = self._pending.get(reply.job)
-        if pending is not None:
+        if pending is not None and not pending.waiter.done():  # done: cancelled
             pending.reply = reply
-            pending.event.set()
+            pending.waiter.set_result(None)
 
     async def _exitcode(self, worker: _WorkerHandle) -> int | None:
         # The socket closes as the process exits; its status follows within moments.

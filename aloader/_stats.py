@@ -11,7 +11,7 @@ The stages:
 
 * ``sampling``: the sampler producing a key (an index batch);
 * ``fetch``: one fetch call (an item fetched alone, or a batch); with worker processes, the
-  workers' fetches, which each worker reports with its answers;
+  workers' fetches, which each worker reports every few answers and with its last;
 * ``collate``: ``collate_fn`` (and ``pin_memory``) on one batch, here or in a worker;
 * ``transfer``: a batch's trip from a worker to the loader (encoding, the socket, decoding);
 * ``wait``: the consumer waiting in ``__anext__`` for a batch (the loader's delay as it feels);
@@ -351,7 +351,7 @@ class Collector:
 
     # Worker processes -------------------------------------------------------------------------
     def report(self) -> tuple[Any, ...]:
-        """A worker's stages since its last report, and the time of sending."""
+        """A worker's stages since its last report (a worker sends one every few answers)."""
         with self.lock:
             self._fold()
         out = []
@@ -365,23 +365,24 @@ class Collector:
             self._reported[name] = (stage.count, stage.busy)
         items = self.items - self._reported.get("items", (0, 0))[0]
         self._reported["items"] = (self.items, 0)
-        return (out[0], out[1], items, _now())
+        return (out[0], out[1], items)
 
     def merge(self, worker_id: int, report: tuple[Any, ...]) -> None:
         """Add a worker's :meth:`report` (the loader's side)."""
-        fetch, collate, items, sent = report
-        now = _now()
+        fetch, collate, items = report
         with self.lock:
             self.fetch.merge(*fetch)
             self.collate.merge(*collate)
             self.items += items
-        batches = collate[0]  # an answer without a batch (a replica's end, all failed) has none
-        if batches:
-            self.transfer.add(max(0, now - sent))
         if worker_id < len(self.workers):
             slot = self.workers[worker_id]
-            slot[0] += batches
+            slot[0] += collate[0]  # an answer without a batch (a replica's end) has none
             slot[1] += fetch[1] + collate[1]
+
+    def transferred(self, sent: int) -> None:
+        """A batch a worker sent at ``sent`` (``perf_counter_ns``) has arrived (the loader's
+        side; every batch, whether or not its answer carried a report)."""
+        self.transfer.add(max(0, _now() - sent))
 
     # The snapshot -----------------------------------------------------------------------------
     def snapshot(self) -> LoaderStats:

@@ -23,14 +23,21 @@ The protocol (every message a :class:`Request` or a :class:`Reply`):
   ``Reply(job, Status.OK, batch, stats, meta)``, ``Reply(job, Status.ERROR, error, stats)`` or
   ``Reply(job, Status.END, None, stats)`` (replica exhausted), where ``error`` is a
   :class:`RemoteError`, ``stats`` is what the worker's sources counted since its previous
-  answer (:class:`~aloader._sources.StatsReporter`), or None, ``meta`` where the iterable
+  report (:class:`~aloader._sources.StatsReporter`), or None, ``meta`` where the iterable
   replica was once the batch was drawn (:mod:`aloader._resume`), or None, and ``extra`` what
-  else the worker counted since then: ``(failures, attempted, timings, empty)``: the samples
-  that failed within the failure budget as ``[(index, RemoteError), ...]`` and the samples of
-  an iterable replica attempted (see :mod:`aloader._failures`), the worker's stage timings
-  (:meth:`aloader._stats.Collector.report`), and whether an OK answer has no batch because
-  every sample of it failed within the budget. The first ``NEXT`` request of an epoch may
-  carry, as its ``key``, the saved state its replica resumes from.
+  else the worker counted: ``(failures, attempted, timings, empty, sent)``: the samples that
+  failed within the failure budget as ``[(index, RemoteError), ...]`` and the samples of an
+  iterable replica attempted since its previous answer (see :mod:`aloader._failures`), the
+  worker's stage timings since its previous report (:meth:`aloader._stats.Collector.report`)
+  or None, whether an OK answer has no batch because every sample of it failed within the
+  budget, and the answer's send time (``perf_counter_ns``, the loader's transfer timing).
+  The first ``NEXT`` request of an epoch may carry, as its ``key``, the saved state its
+  replica resumes from.
+* Reports (``stats`` and ``timings``) travel in blocks: making one costs about what pickling
+  a small batch does. An answer carries the report when it is not OK, when no other answer
+  is known to follow it (no request waits in the socket, none is being worked on), or when
+  ``_REPORT_EVERY`` answers went without one; otherwise both are None. So the last answer of
+  an epoch always carries one, and the loader's totals are exact once it is in.
 
 On the socket a message is a plain tuple with int codes (:meth:`Request.wire`,
 :meth:`Reply.wire`), rebuilt on receipt (:meth:`Request.of`, :meth:`Reply.of`): a NamedTuple
@@ -52,9 +59,12 @@ import multiprocessing
 import os
 import pickle
 import random
+import select
 import signal
+import struct
 import sys
 import threading
+import time
 import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -73,6 +83,7 @@ from ._sources import StatsReporter, source_stats
 from ._workerinfo import WorkerInfo, _set_worker_info, get_worker_info
 
 __all__ = (
+    "FRAME",
     "SETUP_JOB",
     "Kind",
     "Reply",
@@ -108,6 +119,13 @@ class Status(IntEnum):
 
 # The job number of the setup report, which answers no request.
 SETUP_JOB = -1
+# Answers a busy worker sends without its report before one carries it (see the module
+# docstring): a live DataLoader.stats() lags by at most this many batches per worker.
+_REPORT_EVERY = 16
+_now = time.perf_counter_ns
+# A message's length before it on the socket: multiprocessing's framing (Connection.send_bytes
+# and recv_bytes), which the loader's reader parses too (aloader._pool).
+FRAME = struct.Struct("!i")
 _KINDS = tuple(Kind)
 _STATUSES = tuple(Status)
 
@@ -306,26 +324,56 @@ class _WorkerServer:
                                 recycle=2 * max(1, setup.prefetch) + 2)
         self.stats = StatsReporter(setup.plan.dataset)
         self.failures = setup.plan.failures
+        self._unreported = 0  # answers sent since the last that carried a report
+        self._fd = conn.fileno()
+        self._readable = select.poll()
+        self._readable.register(self._fd, select.POLLIN)
+        #: Whether a request received is still being worked on (the async loop's jobs).
+        self.working: Callable[[], bool] = bool
 
-    def _extra(self, empty: bool) -> Any:
+    def _extra(self, empty: bool, timings: Any) -> Any:
         report = None if self.failures is None else self.failures.take_unreported()
         failed, seen = report or ([], 0)
         return ([(index, RemoteError.capture(_strip_pipeline_notes(error), self.where))
-                 for index, error in failed], seen, self.setup.plan.stats.report(), empty)
+                 for index, error in failed], seen, timings, empty, _now())
+
+    def _more(self) -> bool:
+        """Whether another answer is known to follow: a request waits in the socket, or one
+        received is still being worked on."""
+        return self.working() or bool(self._readable.poll(0))
 
     def send(self, job: int, status: Status, value: Any, meta: Any = None) -> None:
         empty = value is SKIP  # every sample failed within the budget: no batch
         if empty:
             value = None
-        reply = Reply(job, status, value, self.stats.report(), meta, self._extra(empty))
+        self._unreported += 1
+        stats = timings = None
+        if status != Status.OK or self._unreported >= _REPORT_EVERY or not self._more():
+            self._unreported = 0
+            stats = self.stats.report()
+            timings = self.setup.plan.stats.report()
+        extra = self._extra(empty, timings)
         try:
             # By value only what plain pickling cannot take (a class the setup brought by
             # value): what is importable by name resolves to the loader's own object.
-            data = self.codec.encode(reply.wire(), by_value="fallback")
+            data = self.codec.encode(Reply(job, status, value, stats, meta, extra).wire(),
+                                     by_value="fallback")
         except Exception as exc:  # an unpicklable batch reaches the consumer as its error
             error = RemoteError.capture(exc, self.where)
-            data = self.codec.encode(Reply(job, Status.ERROR, error).wire())
-        self.conn.send_bytes(data)
+            data = self.codec.encode(Reply(job, Status.ERROR, error, stats, None,
+                                           extra).wire())
+        self._write(data)
+
+    def _write(self, data: bytes) -> None:
+        """Send a message, its length and it in one write: ``Connection.send_bytes`` makes
+        two above 16 KiB, and a loader waiting for the answer would wake for each."""
+        header = FRAME.pack(len(data))
+        total = len(header) + len(data)
+        sent = os.writev(self._fd, (header, data))
+        if sent < total:  # interrupted: the rest, in order
+            rest = memoryview(header + data)[sent:]
+            while rest:
+                rest = rest[os.write(self._fd, rest):]
 
     def fail(self, job: int, error: BaseException) -> None:
         self.send(job, Status.ERROR,
@@ -343,7 +391,8 @@ class _WorkerServer:
         return request
 
     async def areceive(self) -> Request | None:
-        await anyio.wait_readable(self.conn.fileno())
+        if not self._readable.poll(0):  # a busy worker's next request is there already
+            await anyio.wait_readable(self.conn.fileno())
         return self.receive()
 
     # Plain map-style datasets: one batch per task, no event loop.
@@ -360,6 +409,7 @@ class _WorkerServer:
     # Async datasets and max_concurrency: the loader's pipeline over the keys received.
     async def serve_tasks_async(self) -> None:
         jobs: deque[int] = deque()
+        self.working = lambda: bool(jobs)
 
         async def keys() -> AsyncIterator[Any]:
             while (request := await self.areceive()) is not None:

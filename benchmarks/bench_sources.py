@@ -24,6 +24,10 @@ each round, interleaved:
   sliding window of 16 requests, each body parsed and collated in order as the floor does
   (``no_loader``); and the bare fetch alone (aiohttp, 16 in flight, no parsing), which shows
   what the server and the client deliver without parsing (the latency floor's real value).
+* the 2-worker row's CPU: per epoch (median), this process's, each worker's and the server's
+  CPU time (``/proc``), and the bound they set together: all four share the machine's cores,
+  so the epoch takes at least their CPU sum over the cores; quoted against the limit, that is
+  the most the row can reach on this machine however the loader overlaps its work.
 * first-response bound: no program parses a record before its first response, so
   ``latency + parse`` (one request's wait, then the parse floor) bounds every program in one
   process; the limit ``max(a, b)`` assumes the parsing overlaps that first wait too.
@@ -90,22 +94,67 @@ from aloader._demo import make_jsonl_shards
 from aloader._formats import BadRecords, SourceStats
 
 
-def aloader_workers(urls: list[str]) -> Callable[[], int]:
-    """Epochs of one loader with 2 persistent worker processes, each parsing its own shards."""
-    loader = DataLoader(JsonLines(urls, concurrency=CONCURRENCY), batch_size=BATCH,
-                        num_workers=2, persistent_workers=True, prefetch_factor=4,
-                        in_order=False)
+def _cpu_of(pid: int) -> float:
+    """CPU seconds (user and system) that process ``pid`` has used."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def run() -> int:
+
+class WorkerEpochs:
+    """Epochs of one loader with 2 persistent worker processes, each parsing its own shards;
+    each epoch's CPU time is kept per process (this one, each worker, the server ``server``)
+    where ``/proc`` tells it, for :meth:`summary`."""
+
+    def __init__(self, urls: list[str], server: int) -> None:
+        self.loader = DataLoader(JsonLines(urls, concurrency=CONCURRENCY), batch_size=BATCH,
+                                 num_workers=2, persistent_workers=True, prefetch_factor=4,
+                                 in_order=False)
+        self.server = server
+        self.cpu: list[tuple[float, float, list[float], float]] = []  # wall, main, workers, server
+
+    def __call__(self) -> int:
         async def epoch() -> int:
             count = 0
-            async for batch in loader:
+            async for batch in self.loader:
                 count += len(batch["id"])
             return count
 
-        return anyio.run(epoch)
+        pool = self.loader._pool
+        pids = [w.process.pid for w in pool.workers] if pool is not None else []
+        try:
+            before = [_cpu_of(pid) for pid in (*pids, self.server)]
+        except OSError:  # no /proc: no CPU figures
+            before = []
+        main, wall = time.process_time(), time.perf_counter()
+        count = anyio.run(epoch)
+        main, wall = time.process_time() - main, time.perf_counter() - wall
+        if before and pids:  # not the first epoch, which starts the workers
+            after = [_cpu_of(pid) for pid in (*pids, self.server)]
+            spent = [b - a for a, b in zip(before, after, strict=True)]
+            self.cpu.append((wall, main, spent[:-1], spent[-1]))
+        return count
 
-    return run
+    def summary(self, limit_seconds: float) -> str:
+        """Where the 2-worker epoch's CPU goes (medians over the timed epochs), and the bound
+        it sets: the CPU of all four processes over the 2 cores, as a fraction of the limit."""
+        if not self.cpu:
+            return "2 workers: no CPU figures (no /proc)"
+        import statistics
+
+        wall = statistics.median(c[0] for c in self.cpu)
+        main = statistics.median(c[1] for c in self.cpu)
+        workers = [statistics.median(c[2][k] for c in self.cpu)
+                   for k in range(len(self.cpu[0][2]))]
+        server = statistics.median(c[3] for c in self.cpu)
+        total = main + sum(workers) + server
+        cores = os.cpu_count() or 1
+        bound = min(1.0, limit_seconds / (total / cores)) if total else 1.0
+        return (f"2 workers, CPU per epoch (median of {len(self.cpu)}): main "
+                f"{main * 1e3:.0f} ms, workers "
+                + " + ".join(f"{w * 1e3:.0f}" for w in workers)
+                + f" ms, server {server * 1e3:.0f} ms, wall {wall * 1e3:.0f} ms; all four over "
+                f"{cores} cores: {total / cores * 1e3:.0f} ms, so at most {bound:.2f}x the limit")
 
 
 def torch_loader(urls: list[str], workers: int, persistent: bool = False) -> Any:
@@ -658,7 +707,7 @@ def main() -> None:
     try:
         run_aloader(urls)  # warm-up: imports, connections, thread pools
         # Worker processes, started once and kept (a warm-up epoch first, on both sides).
-        run_workers = aloader_workers(urls)
+        run_workers = WorkerEpochs(urls, process.pid)
         run_workers()
         programs: list[tuple[str, Callable[[], int]]] = [
             (one, lambda: run_aloader(urls)),
@@ -707,6 +756,7 @@ def main() -> None:
         ratio = TOTAL / seconds[label] / limit
         print(f"{label}: {ratio:.2f}x the limit (target {target}x: "
               f"{'met' if ratio >= target else 'NOT met'})")
+    print(run_workers.summary(TOTAL / limit))
     print(f"{bare}: {TOTAL / seconds[bare] / limit:.2f}x the limit, "
           f"{TOTAL / seconds[bare] / first_wait:.2f}x the first-response bound; {one}: "
           f"{seconds[bare] / seconds[one]:.2f}x of the no-loader program, "
