@@ -29,8 +29,9 @@ each round, interleaved:
   process; the limit ``max(a, b)`` assumes the parsing overlaps that first wait too.
 
 ``--profile`` adds the CPU difference by function between aloader and the no-loader
-program (cProfile over 3 epochs each: own time per epoch and calls per epoch, the largest
-differences first; cProfile inflates Python-level costs, so read it for where, not how much).
+program (cProfile over 3 epochs each, the two programs' epochs interleaved: own time per
+epoch and calls per epoch, the largest differences first; cProfile inflates Python-level
+costs, so read it for where, not how much).
 
 ``--breakdown`` adds where one HTTP epoch's time goes: the parse floor's two halves alone,
 the bare HTTP client fetching the same bodies (aiohttp, 16 at once, one session), the
@@ -344,13 +345,7 @@ def profile_difference(urls: list[str], epochs: int = 3, top: int = 30) -> list[
     import cProfile
     import pstats
 
-    def per_function(fn: Callable[[], int]) -> dict[str, tuple[int, float]]:
-        fn()  # warm-up
-        profile = cProfile.Profile()
-        profile.enable()
-        for _ in range(epochs):
-            fn()
-        profile.disable()
+    def per_function(profile: cProfile.Profile) -> dict[str, tuple[int, float]]:
         table: dict[str, tuple[int, float]] = {}
         stats: Any = pstats.Stats(profile).stats
         for (path, _line, name), (_, calls, own, _, _) in stats.items():
@@ -359,8 +354,18 @@ def profile_difference(urls: list[str], epochs: int = 3, top: int = 30) -> list[
             table[key] = (count + calls, seconds + own)
         return table
 
-    ours = per_function(lambda: run_aloader(urls))
-    theirs = per_function(lambda: no_loader(urls))
+    # One profile per program, their epochs interleaved (a busy spell of the machine hits
+    # both alike, as in the table's rounds).
+    programs = [(lambda: run_aloader(urls), cProfile.Profile()),
+                (lambda: no_loader(urls), cProfile.Profile())]
+    for fn, _ in programs:
+        fn()  # warm-up
+    for _ in range(epochs):
+        for fn, profile in programs:
+            profile.enable()
+            fn()
+            profile.disable()
+    ours, theirs = (per_function(profile) for _, profile in programs)
 
     def own(table: dict[str, tuple[int, float]], key: str) -> float:
         return table.get(key, (0, 0.0))[1]
