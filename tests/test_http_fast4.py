@@ -86,7 +86,7 @@ def test_int_overflow_is_torchs_error(batch: list[int]) -> None:
     with pytest.raises(ValueError, match="^Overflow when unpacking long long$") as info:
         default_collate(batch)
     torch = pytest.importorskip("torch")
-    with pytest.raises(Exception) as theirs:  # noqa: PT011 - torch's own type and message
+    with pytest.raises(Exception) as theirs:  # torch's own type and message
         torch.utils.data.default_collate(batch)
     assert type(info.value) is type(theirs.value)
     assert str(info.value) == str(theirs.value)
