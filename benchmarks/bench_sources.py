@@ -1,7 +1,7 @@
 """Streaming JSON Lines shards over HTTP and from local files.
 
 Run: ``python benchmarks/bench_sources.py [--http-only] [--no-torch] [--breakdown]
-[--profile]``.
+[--profile] [--count PROGRAM]``.
 Everything below is measured in the same run.
 
 HTTP: 64 shards of 1,000 JSON Lines records (~106 bytes each) served by a local HTTP server
@@ -26,12 +26,21 @@ each round, interleaved:
   what the server and the client deliver without parsing (the latency floor's real value).
 * first-response bound: no program parses a record before its first response, so
   ``latency + parse`` (one request's wait, then the parse floor) bounds every program in one
-  process; the limit ``max(a, b)`` assumes the parsing overlaps that first wait too.
+  process; the limit ``max(a, b)`` assumes the parsing overlaps that first wait too. Nor can
+  it parse without its HTTP client's CPU on the same core: ``latency + parse + the bare
+  fetch's CPU time`` ("with the client's CPU") is the tightest bound of the three; the CPU
+  time of this process per epoch is printed for aloader, the no-loader program and the floor.
 
 ``--profile`` adds the CPU difference by function between aloader and the no-loader
 program (cProfile over 3 epochs each, the two programs' epochs interleaved: own time per
 epoch and calls per epoch, the largest differences first; cProfile inflates Python-level
 costs, so read it for where, not how much).
+
+``--count PROGRAM`` (``aloader``, ``no-loader``, ``floor`` or ``fetch``) runs a warm-up epoch
+of one program, then 2 epochs between two ``os.getppid()`` calls, and prints nothing: run it
+under ``valgrind --tool=callgrind --dump-before=os_getppid --callgrind-out-file=x.out`` and
+``x.out.2`` holds the instructions of those 2 epochs by function, a count that a busy machine
+does not move (``callgrind_annotate --inclusive=no x.out.2``).
 
 ``--breakdown`` adds where one HTTP epoch's time goes: the parse floor's two halves alone,
 the bare HTTP client fetching the same bodies (aiohttp, 16 at once, one session), the
@@ -213,16 +222,19 @@ def parse_floor(bodies: list[bytes]) -> float:
     return seconds
 
 
-def interleaved(programs: list[tuple[str, Callable[[], int]]], runs: int = RUNS
-                ) -> dict[str, float]:
+def interleaved(programs: list[tuple[str, Callable[[], int]]], runs: int = RUNS,
+                cpu: dict[str, float] | None = None) -> dict[str, float]:
     """Best seconds of each program over ``runs`` rounds, each round running every program
-    once in turn (so that a busy spell of the machine hits them all alike)."""
+    once in turn (so that a busy spell of the machine hits them all alike); with ``cpu``,
+    each program's least CPU time of this process (seconds) is put there too."""
     seconds = {label: float("inf") for label, _ in programs}
     for _ in range(runs):
         for label, fn in programs:
-            start = time.perf_counter()
+            start, used = time.perf_counter(), time.process_time()
             items = fn()
             seconds[label] = min(seconds[label], time.perf_counter() - start)
+            if cpu is not None:
+                cpu[label] = min(cpu.get(label, float("inf")), time.process_time() - used)
             assert items == TOTAL, (label, items, TOTAL)
     return seconds
 
@@ -611,6 +623,27 @@ def print_local_files(bodies: list[bytes]) -> None:
     print("load average (1, 5, 15 min): " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
+COUNTED = {
+    "aloader": lambda urls, bodies: run_aloader(urls),
+    "no-loader": lambda urls, bodies: no_loader(urls),
+    "floor": lambda urls, bodies: parse_work(bodies)(),
+    "fetch": lambda urls, bodies: _bare_fetch(urls),
+}
+
+
+def count_epochs(program: str, urls: list[str], bodies: list[bytes], epochs: int = 2) -> None:
+    """A warm-up epoch of ``program`` (a key of :data:`COUNTED`), then ``epochs`` epochs
+    between two calls of ``os.getppid()``, a marker for callgrind: under ``valgrind
+    --tool=callgrind --dump-before=os_getppid``, the second dump holds exactly those epochs'
+    instructions, by function (the server runs in its own process, not counted)."""
+    run = COUNTED[program]
+    run(urls, bodies)
+    os.getppid()
+    for _ in range(epochs):
+        assert run(urls, bodies) == TOTAL
+    os.getppid()
+
+
 def main() -> None:
     """Measure and print the tables."""
     context = multiprocessing.get_context("spawn")
@@ -623,6 +656,14 @@ def main() -> None:
     names = sorted(make_jsonl_shards(SHARDS, RECORDS))
     urls = [f"http://127.0.0.1:{port}/{name}" for name in names]
     bodies = list(make_jsonl_shards(SHARDS, RECORDS).values())
+
+    if "--count" in sys.argv:
+        try:
+            count_epochs(sys.argv[sys.argv.index("--count") + 1], urls, bodies)
+        finally:
+            stop.set()
+            process.join(timeout=10)
+        return
 
     torch_rows = "--no-torch" not in sys.argv
     if torch_rows:
@@ -658,7 +699,8 @@ def main() -> None:
             count_torch(persistent)
             programs.append(("PyTorch DataLoader, urllib, 8 persistent workers",
                              lambda: count_torch(persistent)))
-        seconds = interleaved(programs)
+        cpu: dict[str, float] = {}
+        seconds = interleaved(programs, cpu=cpu)
         where = breakdown(urls, bodies) if "--breakdown" in sys.argv else []
         if "--profile" in sys.argv:
             where += ["", *profile_difference(urls)]
@@ -677,6 +719,10 @@ def main() -> None:
     # No program parses before its first response: one request's latency + parse bounds any.
     first_wait = TOTAL / (LATENCY + parse)
     rows.append((f"first-response bound (latency {LATENCY * 1e3:.0f} ms + parse)", first_wait))
+    # Nor without paying the HTTP client's CPU on the same core: the bare fetch's CPU.
+    client = cpu[fetch]
+    with_client = TOTAL / (LATENCY + parse + client)
+    rows.append((f"with the client's CPU (+ bare fetch's {client * 1e3:.0f} ms)", with_client))
     torch_8 = seconds.get("PyTorch DataLoader, urllib, num_workers=8")
 
     print(f"HTTP: {SHARDS} shards x {RECORDS:,} JSON Lines records, {LATENCY * 1e3:.0f} ms per "
@@ -693,7 +739,10 @@ def main() -> None:
     print(f"{bare}: {TOTAL / seconds[bare] / limit:.2f}x the limit, "
           f"{TOTAL / seconds[bare] / first_wait:.2f}x the first-response bound; {one}: "
           f"{seconds[bare] / seconds[one]:.2f}x of the no-loader program, "
-          f"{TOTAL / seconds[one] / first_wait:.2f}x the first-response bound")
+          f"{TOTAL / seconds[one] / first_wait:.2f}x the first-response bound, "
+          f"{TOTAL / seconds[one] / with_client:.2f}x with the client's CPU; CPU per epoch "
+          f"(least of {RUNS}): {one} {cpu[one] * 1e3:.0f} ms, {bare} {cpu[bare] * 1e3:.0f} ms, "
+          f"{floor} {cpu[floor] * 1e3:.0f} ms")
     if where:
         print()
         print("\n".join(where))
