@@ -79,6 +79,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+# The aloader of the checkout this script is in, not whichever one is installed (a worktree's
+# run would otherwise measure the editable install's): before anything imports it.
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import anyio
 from common import (
     BATCH,
@@ -94,6 +98,7 @@ from common import (
     serve_shards,
 )
 
+import aloader
 from aloader import DataLoader, JsonLines, TextLines, default_collate
 from aloader._demo import make_jsonl_shards
 from aloader._formats import BadRecords, SourceStats
@@ -731,7 +736,8 @@ def main() -> None:
 
     print(f"HTTP: {SHARDS} shards x {RECORDS:,} JSON Lines records, {LATENCY * 1e3:.0f} ms per "
           f"request, batch {BATCH}, best of {RUNS}, interleaved; load average "
-          f"{load_before[0]:.2f} before, {load_after[0]:.2f} after ({os.cpu_count()} cores)")
+          f"{load_before[0]:.2f} before, {load_after[0]:.2f} after ({os.cpu_count()} cores); "
+          f"aloader from {os.path.dirname(os.path.dirname(aloader.__file__))}")
     print(f"{'':58} {'items/s':>11} {'vs torch-8':>10} {'of limit':>9}")
     for label, rate in rows:
         vs = f"{rate * torch_8 / TOTAL:.2f}x" if torch_8 else "-"
