@@ -1,13 +1,14 @@
 """Streaming JSON Lines shards over HTTP and from local files.
 
 Run: ``python benchmarks/bench_sources.py [--http-only] [--no-torch] [--breakdown]
-[--profile]``.
+[--profile] [--count PROGRAM]``.
 Everything below is measured in the same run.
 
 HTTP: 64 shards of 1,000 JSON Lines records (~106 bytes each) served by a local HTTP server
 (a separate process, ``aloader._demo.ShardServer``) that waits 20 ms before answering each
-request. One epoch, batches of 256, best of 3, every program (and the parse floor) run once in
-each round, interleaved:
+request. One epoch, batches of 256, best of 3, every program run once in each round (the
+parse floor three times: its best of 9, the limit being the figure luck moves most),
+interleaved:
 
 * aloader: ``DataLoader(JsonLines(urls, concurrency=16), batch_size=256)`` on one event loop.
 * PyTorch: ``torch.utils.data.DataLoader`` over an ``IterableDataset`` whose workers each fetch
@@ -30,11 +31,21 @@ each round, interleaved:
   the most the row can reach on this machine however the loader overlaps its work.
 * first-response bound: no program parses a record before its first response, so
   ``latency + parse`` (one request's wait, then the parse floor) bounds every program in one
-  process; the limit ``max(a, b)`` assumes the parsing overlaps that first wait too.
+  process; the limit ``max(a, b)`` assumes the parsing overlaps that first wait too. Nor can
+  it parse without its HTTP client's CPU on the same core: ``latency + parse + the bare
+  fetch's CPU time`` ("with the client's CPU") is the tightest bound of the three; the CPU
+  time of this process per epoch is printed for aloader, the no-loader program and the floor.
 
 ``--profile`` adds the CPU difference by function between aloader and the no-loader
-program (cProfile over 3 epochs each: own time per epoch and calls per epoch, the largest
-differences first; cProfile inflates Python-level costs, so read it for where, not how much).
+program (cProfile over 3 epochs each, the two programs' epochs interleaved: own time per
+epoch and calls per epoch, the largest differences first; cProfile inflates Python-level
+costs, so read it for where, not how much).
+
+``--count PROGRAM`` (``aloader``, ``no-loader``, ``floor`` or ``fetch``) runs a warm-up epoch
+of one program, then 2 epochs between two ``os.getppid()`` calls, and prints nothing: run it
+under ``valgrind --tool=callgrind --dump-before=os_getppid --callgrind-out-file=x.out`` and
+``x.out.2`` holds the instructions of those 2 epochs by function, a count that a busy machine
+does not move (``callgrind_annotate --inclusive=no x.out.2``).
 
 ``--breakdown`` adds where one HTTP epoch's time goes: the parse floor's two halves alone,
 the bare HTTP client fetching the same bodies (aiohttp, 16 at once, one session), the
@@ -74,6 +85,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+# The aloader of the checkout this script is in, not whichever one is installed (a worktree's
+# run would otherwise measure the editable install's): before anything imports it.
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import anyio
 from common import (
     BATCH,
@@ -89,6 +104,7 @@ from common import (
     serve_shards,
 )
 
+import aloader
 from aloader import DataLoader, JsonLines, TextLines, default_collate
 from aloader._demo import make_jsonl_shards
 from aloader._formats import BadRecords, SourceStats
@@ -263,16 +279,19 @@ def parse_floor(bodies: list[bytes]) -> float:
     return seconds
 
 
-def interleaved(programs: list[tuple[str, Callable[[], int]]], runs: int = RUNS
-                ) -> dict[str, float]:
+def interleaved(programs: list[tuple[str, Callable[[], int]]], runs: int = RUNS,
+                cpu: dict[str, float] | None = None) -> dict[str, float]:
     """Best seconds of each program over ``runs`` rounds, each round running every program
-    once in turn (so that a busy spell of the machine hits them all alike)."""
+    once in turn (so that a busy spell of the machine hits them all alike); with ``cpu``,
+    each program's least CPU time of this process (seconds) is put there too."""
     seconds = {label: float("inf") for label, _ in programs}
     for _ in range(runs):
         for label, fn in programs:
-            start = time.perf_counter()
+            start, used = time.perf_counter(), time.process_time()
             items = fn()
             seconds[label] = min(seconds[label], time.perf_counter() - start)
+            if cpu is not None:
+                cpu[label] = min(cpu.get(label, float("inf")), time.process_time() - used)
             assert items == TOTAL, (label, items, TOTAL)
     return seconds
 
@@ -395,13 +414,7 @@ def profile_difference(urls: list[str], epochs: int = 3, top: int = 30) -> list[
     import cProfile
     import pstats
 
-    def per_function(fn: Callable[[], int]) -> dict[str, tuple[int, float]]:
-        fn()  # warm-up
-        profile = cProfile.Profile()
-        profile.enable()
-        for _ in range(epochs):
-            fn()
-        profile.disable()
+    def per_function(profile: cProfile.Profile) -> dict[str, tuple[int, float]]:
         table: dict[str, tuple[int, float]] = {}
         stats: Any = pstats.Stats(profile).stats
         for (path, _line, name), (_, calls, own, _, _) in stats.items():
@@ -410,8 +423,18 @@ def profile_difference(urls: list[str], epochs: int = 3, top: int = 30) -> list[
             table[key] = (count + calls, seconds + own)
         return table
 
-    ours = per_function(lambda: run_aloader(urls))
-    theirs = per_function(lambda: no_loader(urls))
+    # One profile per program, their epochs interleaved (a busy spell of the machine hits
+    # both alike, as in the table's rounds).
+    programs = [(lambda: run_aloader(urls), cProfile.Profile()),
+                (lambda: no_loader(urls), cProfile.Profile())]
+    for fn, _ in programs:
+        fn()  # warm-up
+    for _ in range(epochs):
+        for fn, profile in programs:
+            profile.enable()
+            fn()
+            profile.disable()
+    ours, theirs = (per_function(profile) for _, profile in programs)
 
     def own(table: dict[str, tuple[int, float]], key: str) -> float:
         return table.get(key, (0, 0.0))[1]
@@ -677,6 +700,27 @@ def print_local_files(bodies: list[bytes]) -> None:
     print("load average (1, 5, 15 min): " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
+COUNTED = {
+    "aloader": lambda urls, bodies: run_aloader(urls),
+    "no-loader": lambda urls, bodies: no_loader(urls),
+    "floor": lambda urls, bodies: parse_work(bodies)(),
+    "fetch": lambda urls, bodies: _bare_fetch(urls),
+}
+
+
+def count_epochs(program: str, urls: list[str], bodies: list[bytes], epochs: int = 2) -> None:
+    """A warm-up epoch of ``program`` (a key of :data:`COUNTED`), then ``epochs`` epochs
+    between two calls of ``os.getppid()``, a marker for callgrind: under ``valgrind
+    --tool=callgrind --dump-before=os_getppid``, the second dump holds exactly those epochs'
+    instructions, by function (the server runs in its own process, not counted)."""
+    run = COUNTED[program]
+    run(urls, bodies)
+    os.getppid()
+    for _ in range(epochs):
+        assert run(urls, bodies) == TOTAL
+    os.getppid()
+
+
 def main() -> None:
     """Measure and print the tables."""
     context = multiprocessing.get_context("spawn")
@@ -689,6 +733,14 @@ def main() -> None:
     names = sorted(make_jsonl_shards(SHARDS, RECORDS))
     urls = [f"http://127.0.0.1:{port}/{name}" for name in names]
     bodies = list(make_jsonl_shards(SHARDS, RECORDS).values())
+
+    if "--count" in sys.argv:
+        try:
+            count_epochs(sys.argv[sys.argv.index("--count") + 1], urls, bodies)
+        finally:
+            stop.set()
+            process.join(timeout=10)
+        return
 
     torch_rows = "--no-torch" not in sys.argv
     if torch_rows:
@@ -712,7 +764,9 @@ def main() -> None:
         programs: list[tuple[str, Callable[[], int]]] = [
             (one, lambda: run_aloader(urls)),
             (two, run_workers),
-            (floor, parse_work(bodies)),
+            # The floor three times a round (its best of 3 * RUNS): it is the limit, the
+            # figure a lucky or unlucky run moves most, and it is cheap.
+            *[(floor, parse_work(bodies))] * 3,
             (bare, lambda: no_loader(urls)),
             (fetch, lambda: _bare_fetch(urls)),
         ]
@@ -724,7 +778,8 @@ def main() -> None:
             count_torch(persistent)
             programs.append(("PyTorch DataLoader, urllib, 8 persistent workers",
                              lambda: count_torch(persistent)))
-        seconds = interleaved(programs)
+        cpu: dict[str, float] = {}
+        seconds = interleaved(programs, cpu=cpu)
         where = breakdown(urls, bodies) if "--breakdown" in sys.argv else []
         if "--profile" in sys.argv:
             where += ["", *profile_difference(urls)]
@@ -736,18 +791,24 @@ def main() -> None:
     latency_floor = SHARDS * LATENCY / CONCURRENCY
     parse = seconds.pop(floor)
     limit = TOTAL / max(latency_floor, parse)
-    rows = [(label, TOTAL / seconds[label]) for label, _ in programs if label != floor]
+    rows = [(label, TOTAL / seconds[label]) for label, _ in programs
+            if label in seconds and label != floor]
     rows.append((f"limit max(latency {latency_floor * 1e3:.0f} ms, parse "
                  f"{parse * 1e3:.0f} ms)", limit))
     rows.append(("no-overlap bound (latency + parse)", TOTAL / (latency_floor + parse)))
     # No program parses before its first response: one request's latency + parse bounds any.
     first_wait = TOTAL / (LATENCY + parse)
     rows.append((f"first-response bound (latency {LATENCY * 1e3:.0f} ms + parse)", first_wait))
+    # Nor without paying the HTTP client's CPU on the same core: the bare fetch's CPU.
+    client = cpu[fetch]
+    with_client = TOTAL / (LATENCY + parse + client)
+    rows.append((f"with the client's CPU (+ bare fetch's {client * 1e3:.0f} ms)", with_client))
     torch_8 = seconds.get("PyTorch DataLoader, urllib, num_workers=8")
 
     print(f"HTTP: {SHARDS} shards x {RECORDS:,} JSON Lines records, {LATENCY * 1e3:.0f} ms per "
           f"request, batch {BATCH}, best of {RUNS}, interleaved; load average "
-          f"{load_before[0]:.2f} before, {load_after[0]:.2f} after ({os.cpu_count()} cores)")
+          f"{load_before[0]:.2f} before, {load_after[0]:.2f} after ({os.cpu_count()} cores); "
+          f"aloader from {os.path.dirname(os.path.dirname(aloader.__file__))}")
     print(f"{'':58} {'items/s':>11} {'vs torch-8':>10} {'of limit':>9}")
     for label, rate in rows:
         vs = f"{rate * torch_8 / TOTAL:.2f}x" if torch_8 else "-"
@@ -760,7 +821,10 @@ def main() -> None:
     print(f"{bare}: {TOTAL / seconds[bare] / limit:.2f}x the limit, "
           f"{TOTAL / seconds[bare] / first_wait:.2f}x the first-response bound; {one}: "
           f"{seconds[bare] / seconds[one]:.2f}x of the no-loader program, "
-          f"{TOTAL / seconds[one] / first_wait:.2f}x the first-response bound")
+          f"{TOTAL / seconds[one] / first_wait:.2f}x the first-response bound, "
+          f"{TOTAL / seconds[one] / with_client:.2f}x with the client's CPU; CPU per epoch "
+          f"(least of {RUNS}): {one} {cpu[one] * 1e3:.0f} ms, {bare} {cpu[bare] * 1e3:.0f} ms, "
+          f"{floor} {cpu[floor] * 1e3:.0f} ms")
     if where:
         print()
         print("\n".join(where))
