@@ -326,6 +326,13 @@ def _shutdown(
             # Cancelled: the loop closed first, and nothing is left to stop.
             with contextlib.suppress(concurrent.futures.CancelledError, asyncio.CancelledError):
                 future.result()
+    # Errors left in the queue hold the pump through their tracebacks (its ``run`` frame), and
+    # the pump holds the async iterator: dropped now, the iterator (a loader's epoch, and the
+    # loader, whose collection closes its loop) goes when the pump's task ends, not at some
+    # later collection of that cycle.
+    with contextlib.suppress(queue.Empty):
+        while True:
+            pump.out.get_nowait()
     if owns_loop:
         loop.close()
 

@@ -1191,9 +1191,11 @@ class Epoch:
         except BaseException as exc:  # as in _guard, for what runs outside its parts
             self._abort(exc)
         finally:
-            self.results.close(
-                self._fatal if self._fatal is not None else failure[0] if failure else error
-            )
+            # Handed to the results, which drop it once reported: kept here, its traceback
+            # (the consumer's frames, once raised) would keep the consumer's iterator alive
+            # as long as the epoch, and the epoch as long as that iterator.
+            fatal, self._fatal = self._fatal, None
+            self.results.close(fatal if fatal is not None else failure[0] if failure else error)
             if remote is not None:
                 remote.close()
             self.done.set()

@@ -214,9 +214,6 @@ async def test_an_interrupt_in_a_fetch_on_both_loops(anyio_backend: str) -> None
         assert await async_batches(loader) == full
 
 
-@pytest.mark.xfail(strict=True, reason="after a KeyboardInterrupt in a fetch ends a sync for's "
-                   "epoch, the SyncIterator's pump task stays pending on the private loop, "
-                   "holding the iterator and its loader: the loop thread is never closed")
 def test_an_interrupted_epoch_leaves_no_loop_thread() -> None:
     # In a child process: the leaked threads would be counted by other tests.
     script = textwrap.dedent("""
