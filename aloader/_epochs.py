@@ -424,7 +424,7 @@ class IterableEpochs:
         meta = getattr(progress, "batch_meta", None)
         # An epoch begun (iter()) that has opened no replica yet is at its start, not at the
         # start of the epoch before it.
-        begin = self._begin if self._begin_epoch == progress.epoch else None
+        begin: Any = self._begin if self._begin_epoch == progress.epoch else None
         if getattr(progress, "epoch_done", False) or (meta is None and begin is None):
             return {"mode": "between", "num_workers": None, "turn": 0, "replicas": None,
                     "stream": counters}
