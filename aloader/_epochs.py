@@ -51,10 +51,7 @@ from ._pipeline import (
     IterableEpoch,
     MapEpoch,
     Results,
-    _note,
-    _now,
-    _pull,
-    _pull_tolerant,
+    _batch_error,
 )
 from ._pool import MapPoolEpoch, PoolEpoch, ReplicaPoolEpoch
 from ._resume import encode, open_replica, parse, start_snapshot
@@ -517,7 +514,6 @@ class InlineIterableEpoch(IterableEpoch):
         self._dataset = dataset
         self._at = begin
         self._seq = 0
-        self._drawn = 0
         self._ended = False
         self._broken = False  # a BaseException unwound the chain: reopen it at _at
 
@@ -545,37 +541,25 @@ class InlineIterableEpoch(IterableEpoch):
             raise StopAsyncIteration
         if self._broken:
             self._reopen()
-        plan, size, seq = self.plan, self._batch_size, self._seq
+        seq = self._seq
         source = cast(AsyncIterator[Any], self._source)  # a stream's epoch iterator
         error: BaseException | None = None
         try:
-            started = _now()
-            try:
-                if plan.failures is None:
-                    samples, ended = await _pull(source, size)
-                else:
-                    samples, ended = await _pull_tolerant(source, size, plan)
-            finally:
-                plan.stats.fetch.add(_now() - started)
-            if samples is _NOTHING or (size is not None and self._drop_last
-                                       and len(samples) < size):
+            batch, ended = await self._draw(source, _NO_LIMITER)
+            if batch is _NOTHING:
                 await self._close()
                 raise StopAsyncIteration
-            batch = await plan.collate(samples, _NO_LIMITER)
         except StopAsyncIteration:
             raise
         except Exception as exc:
             batch, ended = None, True
-            error = _note(exc, f"raised while loading batch {seq} of the iterable dataset")
+            error = _batch_error(exc, seq)
         except BaseException:
             self._broken = True
             await close_iterator(self._source)
             raise
         self._seq = seq + 1
-        if error is None:
-            self._drawn += 1 if size is None else size
-            assert self._snapshot is not None and self.results.metas is not None
-            meta = self.results.metas[seq] = self._snapshot(self._drawn, ended)
+        meta = None if error is not None else self._drew(seq, ended)
         if ended:
             await self._close()
         await self.results.reserve(seq)  # never waits: nothing else is in the buffer

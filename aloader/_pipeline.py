@@ -1490,6 +1490,7 @@ class IterableEpoch(Epoch):
         # Called once a batch's samples are drawn, with the samples drawn so far and whether
         # the source ended: where the dataset is then travels with the batch (Results.meta).
         self._snapshot = snapshot
+        self._drawn = 0  # samples drawn (exact but for the last batch, which ends the source)
         if snapshot is not None and results.metas is None:
             results.metas = {}
 
@@ -1504,6 +1505,32 @@ class IterableEpoch(Epoch):
             if not self.plan.abandon.given_up:
                 await close_iterator(self._source)
 
+    async def _draw(self, source: AsyncIterator[Any],
+                    limiter: anyio.CapacityLimiter) -> tuple[Any, bool]:
+        """The next batch of an async source, collated, and whether the source ended; the
+        batch is _NOTHING when there is none (the end, or a short last one with drop_last)."""
+        plan, size = self.plan, self._batch_size
+        started = _now()
+        try:
+            if plan.failures is None:
+                samples, ended = await _pull(source, size)
+            else:
+                samples, ended = await _pull_tolerant(source, size, plan)
+        finally:
+            plan.stats.fetch.add(_now() - started)
+        if samples is _NOTHING or (size is not None and self._drop_last and len(samples) < size):
+            return _NOTHING, True
+        return await plan.collate(samples, limiter), ended
+
+    def _drew(self, seq: int, ended: bool) -> Any:
+        """Batch ``seq`` is drawn: where the dataset is now travels with it (its meta)."""
+        if self._snapshot is None:
+            return None
+        self._drawn += 1 if self._batch_size is None else self._batch_size
+        assert self.results.metas is not None
+        meta = self.results.metas[seq] = self._snapshot(self._drawn, ended)
+        return meta
+
     async def _pull_batches(self) -> None:
         plan = self.plan
         limiter = anyio.CapacityLimiter(1)
@@ -1511,24 +1538,11 @@ class IterableEpoch(Epoch):
         size = self._batch_size
         seq = 0
         ended = False
-        snapshot = self._snapshot
-        drawn = 0  # samples drawn (exact but for the last batch, which ends the source)
         while not ended:
             await self.results.reserve(seq)
             try:
                 if isinstance(source, AsyncIterator):
-                    started = _now()
-                    try:
-                        if plan.failures is None:
-                            samples, ended = await _pull(source, size)
-                        else:
-                            samples, ended = await _pull_tolerant(source, size, plan)
-                    finally:
-                        plan.stats.fetch.add(_now() - started)
-                    if samples is _NOTHING or (size is not None and self._drop_last
-                                               and len(samples) < size):
-                        break
-                    batch = await plan.collate(samples, limiter)
+                    batch, ended = await self._draw(source, limiter)
                 elif plan.mode == "thread":
                     batch, ended = await plan.in_thread(
                         plan.pull_sync, source, size, self._drop_last, limiter=limiter
@@ -1540,16 +1554,18 @@ class IterableEpoch(Epoch):
                 if batch is _NOTHING:
                     break
             except Exception as exc:
-                self.results.publish(seq, None, _note(exc, f"raised while loading batch {seq} "
-                                                            "of the iterable dataset"))
+                self.results.publish(seq, None, _batch_error(exc, seq))
                 seq += 1
                 break
-            if snapshot is not None:
-                drawn += 1 if size is None else size
-                self.results.metas[seq] = snapshot(drawn, ended)
+            self._drew(seq, ended)
             self.results.publish(seq, batch)
             seq += 1
         self.results.finish(seq)
+
+
+def _batch_error(error: Exception, seq: int) -> BaseException:
+    """``error``, raised loading batch ``seq`` of an iterable dataset, with a note saying so."""
+    return _note(error, f"raised while loading batch {seq} of the iterable dataset")
 
 
 async def _serve(remote: Remote, scope: anyio.CancelScope, failure: list[BaseException]) -> None:
