@@ -326,7 +326,8 @@ class _Driver:
     """The background task of one epoch: pulls the chain's blocks into a bounded channel.
 
     Holds no reference to the iterator, so dropping the iterator lets ``__del__`` stop it.
-    ``error`` is what ended the chain (the channel's reader gets this very object), ``last``
+    ``error`` is what ended the chain (the channel's reader gets this very object, and drops
+    it here once it has it), ``last``
     the last pair the channel took: after an interrupt of the chain, the epoch goes on from
     its end (:meth:`after`).
     """
@@ -494,11 +495,14 @@ class _StreamIterator(AsyncIterator[T]):
             driver.stop()
             raise
         except BaseException as exc:
-            if exc is not driver.error:  # an interrupt of this wait, not the chain's end
+            # Not kept past here: raised, its traceback holds the consumer's frames (a sync
+            # for's iterator, which would then never be collected).
+            chain, driver.error = exc is driver.error, None
+            if not chain:  # an interrupt of this wait, not the chain's end
                 driver.stop()
             with anyio.CancelScope(shield=True):
                 await driver.done.wait()
-            if exc is driver.error and not isinstance(exc, Exception):
+            if chain and not isinstance(exc, Exception):
                 # An interrupt in the chain (a KeyboardInterrupt raised by a transform) ends
                 # that chain, not the epoch: the next call opens it again after the blocks
                 # handed out (the resume path, exact), as a loopless chain does.

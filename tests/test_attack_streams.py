@@ -423,3 +423,27 @@ def test_interrupts_in_a_read_or_an_inflate_lose_and_repeat_nothing(
     assert interrupts == 1
     assert got == full
     assert open_handles(shards) == 0
+
+
+def test_an_error_of_a_threaded_sync_for_leaves_no_loop_thread(odd_files: list[Path]) -> None:
+    # The error raised in the consumer's thread holds its frames (the sync iterator's) in its
+    # traceback: nothing on the loop may keep it, or the iterator and its loop live forever.
+    import gc
+    import threading
+    import time
+
+    from aloader import RecordError
+
+    def loops() -> int:
+        return sum(t.name.startswith("aloader-loop") for t in threading.enumerate())
+
+    big = [str(p) for p in odd_files if p.name == "c.txt"]
+    before = loops()
+    with pytest.raises(RecordError):
+        list(iter(threaded(TextLines(big, max_record_bytes=1 << 19))))
+    gc.collect()
+    for _ in range(200):  # the loop's thread ends a moment after it is closed
+        if loops() == before:
+            break
+        time.sleep(0.01)
+    assert loops() == before
