@@ -161,7 +161,9 @@ async def test_a_caller_cancelled_while_its_batch_runs(anyio_backend: str) -> No
 
     got: dict[int, Any] = {}
     with anyio.fail_after(10):
-        async with Batcher(fn, max_batch_size=4) as batcher, \
+        # A batch of exactly the two (trio may start either caller first: a batch the
+        # first fills alone would not hold the other).
+        async with Batcher(fn, max_batch_size=2, max_wait=10) as batcher, \
                 anyio.create_task_group() as group:
             async def call(i: int, scope: anyio.CancelScope | None = None) -> None:
                 if scope is None:
