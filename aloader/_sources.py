@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from typing import Any, TypedDict, TypeVar, Unpack
+from typing import Any, Protocol, TypedDict, TypeVar, Unpack
 
 import anyio
 
@@ -84,6 +84,7 @@ __all__ = (
 )
 
 T_co = TypeVar("T_co", covariant=True)
+T = TypeVar("T")
 
 DEFAULT_CONCURRENCY = 8
 DEFAULT_CHUNK_SIZE = 1 << 16
@@ -366,6 +367,24 @@ def source_stats(dataset: object) -> list[SourceStats]:
 
     visit(dataset)
     return found
+
+
+class _Closable(Protocol):
+    async def aclose(self) -> None: ...
+
+
+async def _then_closed(items: AsyncGenerator[T, None], client: _Closable | None
+                       ) -> AsyncGenerator[T, None]:
+    """``items``, then ``client`` closed (None: nothing to close) however they end: also when
+    cancelled, shielded, so that its connections never outlive the read."""
+    try:
+        async with Closing(items) as each:
+            async for item in each:
+                yield item
+    finally:
+        if client is not None:
+            with anyio.CancelScope(shield=True):
+                await client.aclose()
 
 
 class StatsReporter:
@@ -716,20 +735,15 @@ class ShardedSource(Stream[T_co]):
             # A connection per read-ahead slot (shard i reuses the keep-alive connection of
             # shard i - concurrency); a client_factory's one client is shared by all.
             clients = _Clients(self.http, 1 if self.http.client_factory is not None else slots)
-        try:
-            readers = [
-                functools.partial(self._read, index, names[index],
-                                  None if clients is None else clients.slot(i),
-                                  resume if index == first else None, ctx.blocking)
-                for i, index in enumerate(range(first, len(names)))
-            ]
-            async with Closing(read_in_order(ctx, readers, slots)) as blocks:
-                async for block in blocks:
-                    yield block
-        finally:
-            if clients is not None:
-                with anyio.CancelScope(shield=True):
-                    await clients.aclose()
+        readers = [
+            functools.partial(self._read, index, names[index],
+                              None if clients is None else clients.slot(i),
+                              resume if index == first else None, ctx.blocking)
+            for i, index in enumerate(range(first, len(names)))
+        ]
+        async with Closing(_then_closed(read_in_order(ctx, readers, slots), clients)) as blocks:
+            async for block in blocks:
+                yield block
 
     def _check_shard(self, at: dict[str, Any], names: list[str]) -> None:
         shard = check_field(at, "shard", int, "shards")
@@ -795,7 +809,7 @@ class ShardedSource(Stream[T_co]):
             return http_chunks(client(), name, self.http, stats, on_size, start, on_version)
         return self._objects.chunks(name, stats, on_size, start, on_version)
 
-    async def _fetch_alone(
+    def _fetch_alone(
         self, name: str, stats: SourceStats, on_size: Callable[[int], None],
         on_version: Callable[[int | None, str | None, str | None], None], start: int,
     ) -> AsyncGenerator[bytes, None]:
@@ -803,15 +817,8 @@ class ShardedSource(Stream[T_co]):
         read of a shard whose copy went missing, run on an event loop of its own, which no
         client of the epoch belongs to."""
         client = make_client(self.http, 1) if is_url(name) else None
-        try:
-            async with Closing(self._fetch(name, None if client is None else lambda: client,
-                                           stats, on_size, on_version, start)) as pieces:
-                async for piece in pieces:
-                    yield piece
-        finally:
-            if client is not None:
-                with anyio.CancelScope(shield=True):
-                    await client.aclose()
+        return _then_closed(self._fetch(name, None if client is None else lambda: client,
+                                        stats, on_size, on_version, start), client)
 
     def _chunks(
         self, name: str, client: Callable[[], HttpClient] | None, decoder: Decoder[T_co],
