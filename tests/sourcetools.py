@@ -49,6 +49,20 @@ async def decoded_ahead(source: Any, server: Any, shards: int) -> tuple[int, lis
     return decoded, [r["id"] for r in [first, *rest]]
 
 
+def through_interrupts(iterator: Iterator[T]) -> tuple[list[T], int]:
+    """Every item of a sync iterator, going on after each KeyboardInterrupt it raises, and
+    how many it raised (a consumer that catches Ctrl-C and carries on)."""
+    out: list[T] = []
+    interrupts = 0
+    while True:
+        try:
+            out.append(next(iterator))
+        except StopIteration:
+            return out, interrupts
+        except KeyboardInterrupt:
+            interrupts += 1
+
+
 def roundtrip(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` through JSON (and pickle), as a checkpoint file would carry it."""
     out = json.loads(json.dumps(state))

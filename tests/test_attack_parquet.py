@@ -12,7 +12,7 @@ from typing import Any
 
 import anyio
 import pytest
-from sourcetools import as_worker, collect, roundtrip
+from sourcetools import as_worker, collect, roundtrip, through_interrupts
 
 from aloader import ParquetRows, RecordError, SourceError
 
@@ -161,14 +161,6 @@ def test_sync_for_interrupted_in_a_read_goes_on_exactly(
 
     monkeypatch.setattr(parquet._UnitReader, "next", next_batch)
     iterator = iter(ParquetRows(paths, batch_rows=4097))
-    got: list[dict[str, Any]] = []
-    interrupts = 0
-    while True:
-        try:
-            got.append(next(iterator))
-        except StopIteration:
-            break
-        except KeyboardInterrupt:
-            interrupts += 1
+    got, interrupts = through_interrupts(iterator)
     assert interrupts == 2
     assert got == rows

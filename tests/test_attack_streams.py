@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from sourcetools import as_worker, collect, open_handles, roundtrip
+from sourcetools import as_worker, collect, open_handles, roundtrip, through_interrupts
 
 from aloader import BinaryRecords, JsonLines, NpyRows, TextLines
 
@@ -309,15 +309,7 @@ def interrupted_run(make: Callable[[Any], Any], at: set[int]) -> tuple[list[Any]
 
     source = make(loads)
     iterator = iter(source)
-    out: list[Any] = []
-    interrupts = 0
-    while True:
-        try:
-            out.append(next(iterator))
-        except StopIteration:
-            break
-        except KeyboardInterrupt:
-            interrupts += 1
+    out, interrupts = through_interrupts(iterator)
     return out, source.stats, interrupts
 
 
@@ -366,15 +358,7 @@ def test_an_interrupt_in_a_transform_of_a_sync_for(shards: Path) -> None:
         return line
 
     iterator = iter(TextLines(paths, chunk_size=16).map(fn))
-    got: list[str] = []
-    interrupts = 0
-    while True:
-        try:
-            got.append(next(iterator))
-        except StopIteration:
-            break
-        except KeyboardInterrupt:
-            interrupts += 1
+    got, interrupts = through_interrupts(iterator)
     assert interrupts == 1
     assert got == full  # or, if the epoch must end, not as if it had ended cleanly
 
@@ -411,15 +395,7 @@ def test_interrupts_in_a_read_or_an_inflate_lose_and_repeat_nothing(
 
         monkeypatch.setattr(compression.Decompressor, "feed", feed)
     iterator = iter(TextLines(paths, chunk_size=16, shuffle_shards=True, seed=3))
-    got: list[str] = []
-    interrupts = 0
-    while True:
-        try:
-            got.append(next(iterator))
-        except StopIteration:
-            break
-        except KeyboardInterrupt:
-            interrupts += 1
+    got, interrupts = through_interrupts(iterator)
     assert interrupts == 1
     assert got == full
     assert open_handles(shards) == 0
