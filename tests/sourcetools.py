@@ -63,6 +63,17 @@ def through_interrupts(iterator: Iterator[T]) -> tuple[list[T], int]:
             interrupts += 1
 
 
+def ids(records: list[Any]) -> list[int]:
+    """The ``id`` field of each record (faulty_server.make_jsonl_shards' records)."""
+    return [record["id"] for record in records]
+
+
+def object_gets(server: Any, bucket: str) -> int:
+    """GET requests for objects of ``bucket`` that the local S3 server's proxy received."""
+    return sum(1 for method, path, _ in server.proxy.requests
+               if method == "GET" and "?" not in path and path.startswith(f"/{bucket}/"))
+
+
 def roundtrip(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` through JSON (and pickle), as a checkpoint file would carry it."""
     out = json.loads(json.dumps(state))

@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 import pytest
 from faulty_server import FaultyServer, make_jsonl_shards
-from sourcetools import collect, local_s3
+from sourcetools import collect, ids, local_s3, object_gets
 
 from aloader import DataLoader, FetchError, JsonLines, TarShards, TextLines, _cache, interleave
 from aloader._cache import ShardCache, make_version
@@ -36,10 +36,6 @@ NAMES = sorted(SHARDS)
 ALL_IDS = list(range(150))
 FAST: dict[str, Any] = {"backoff": 0.01, "max_backoff": 0.02, "timeout": 10.0}
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def ids(records: list[Any]) -> list[int]:
-    return [record["id"] for record in records]
 
 
 def gets(server: FaultyServer, name: str | None = None) -> int:
@@ -532,11 +528,6 @@ def s3() -> Iterator[Any]:
         yield server
 
 
-def object_gets(s3: Any) -> int:
-    return sum(1 for method, path, _ in s3.proxy.requests
-               if method == "GET" and "?" not in path and path.startswith(f"/{BUCKET}/"))
-
-
 async def test_s3_later_epochs_and_new_sources_make_no_request(
         s3: Any, tmp_path: Path, anyio_backend: str) -> None:
     """Listed objects come with their versions: only the first download asks for them."""
@@ -544,11 +535,11 @@ async def test_s3_later_epochs_and_new_sources_make_no_request(
     pattern = f"s3://{BUCKET}/data/*.jsonl"
     source = JsonLines(pattern, store=s3.store(BUCKET), cache_dir=tmp_path, **FAST)
     assert sorted(ids(await collect(source))) == ALL_IDS
-    assert object_gets(s3) == 3
+    assert object_gets(s3, BUCKET) == 3
     assert sorted(ids(await collect(source))) == ALL_IDS
     fresh = JsonLines(pattern, store=s3.store(BUCKET), cache_dir=tmp_path, **FAST)
     assert sorted(ids(await collect(fresh))) == ALL_IDS
-    assert object_gets(s3) == 3
+    assert object_gets(s3, BUCKET) == 3
     assert fresh.stats.cache_hits == 3 and fresh.stats.cache_misses == 0
 
 
@@ -567,7 +558,7 @@ async def test_s3_changed_object_is_downloaded_again(
                        store=s3.store(BUCKET), cache_dir=tmp_path, **FAST)
     s3.proxy.reset()
     assert ids(await collect(listed)) == [2]
-    assert object_gets(s3) == 0 and listed.stats.cache_hits == 1
+    assert object_gets(s3, BUCKET) == 0 and listed.stats.cache_hits == 1
 
 
 async def test_s3_resume_inside_a_cached_shard_makes_no_request(
@@ -582,7 +573,7 @@ async def test_s3_resume_inside_a_cached_shard_makes_no_request(
     s3.proxy.reset()
     rest = await _interrupted(make(), make(), 80)
     assert rest == full[80:]
-    assert object_gets(s3) == 0
+    assert object_gets(s3, BUCKET) == 0
 
 
 def test_s3_two_processes_at_once_download_each_object_once(s3: Any, tmp_path: Path) -> None:
@@ -595,4 +586,4 @@ def test_s3_two_processes_at_once_download_each_object_once(s3: Any, tmp_path: P
     outs = [json.loads(process.communicate(timeout=120)[0]) for process in processes]
     assert all(out[0] == ALL_IDS for out in outs)
     assert sum(out[1] for out in outs) == 3 and sum(out[2] for out in outs) == 3
-    assert object_gets(s3) == 3
+    assert object_gets(s3, BUCKET) == 3

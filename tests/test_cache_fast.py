@@ -19,7 +19,7 @@ import anyio
 import anyio.to_thread
 import pytest
 from faulty_server import FaultyServer, make_jsonl_shards
-from sourcetools import as_worker, collect, local_s3, open_handles, roundtrip
+from sourcetools import as_worker, collect, ids, local_s3, object_gets, open_handles, roundtrip
 
 from aloader import DataLoader, JsonLines, TextLines
 from aloader import _streams as streams_module
@@ -29,10 +29,6 @@ from aloader._formats import JsonLinesDecoder
 SHARDS = make_jsonl_shards(3, 50)  # shard-0000i.jsonl, ids 0..149
 ALL_IDS = list(range(150))
 FAST: dict[str, Any] = {"backoff": 0.01, "max_backoff": 0.02, "timeout": 10.0}
-
-
-def ids(records: list[Any]) -> list[int]:
-    return [record["id"] for record in records]
 
 
 def gets(server: FaultyServer) -> int:
@@ -372,11 +368,6 @@ def s3() -> Iterator[Any]:
         yield server
 
 
-def object_gets(s3: Any) -> int:
-    return sum(1 for method, path, _ in s3.proxy.requests
-               if method == "GET" and "?" not in path and path.startswith(f"/{BUCKET}/"))
-
-
 @pytest.mark.parametrize("when", ["lookup", "read"])
 def test_s3_cached_epochs_run_inline_and_refetch_an_evicted_copy(
         s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str) -> None:
@@ -391,12 +382,12 @@ def test_s3_cached_epochs_run_inline_and_refetch_an_evicted_copy(
     assert source._loopless()
     evicted = _evict(source, source.shards[2], when, monkeypatch)
     assert ids(list(source)) == ALL_IDS
-    assert evicted and object_gets(s3) == 1 and os.path.exists(evicted[0])
+    assert evicted and object_gets(s3, BUCKET) == 1 and os.path.exists(evicted[0])
     assert source.stats.cache_hits == 2 and source.stats.cache_misses == 1
     monkeypatch.undo()
     forbid_background(monkeypatch)
     assert ids(list(source)) == ALL_IDS
-    assert object_gets(s3) == 1
+    assert object_gets(s3, BUCKET) == 1
 
 
 @pytest.mark.anyio
@@ -409,7 +400,7 @@ async def test_s3_an_evicted_copy_is_fetched_inline(
     _evict(source, source.shards[0], "read", monkeypatch)
     monkeypatch.setattr(streams_module._Driver, "start", None)  # inline, or a TypeError
     assert ids(await collect(source)) == ALL_IDS
-    assert object_gets(s3) == 1
+    assert object_gets(s3, BUCKET) == 1
 
 
 def test_parquet_rows_cached_copies_keep_their_own_reading(

@@ -16,7 +16,7 @@ import anyio.to_thread
 import numpy as np
 import pytest
 from faulty_server import FaultyServer, make_jsonl_shards
-from sourcetools import collect
+from sourcetools import collect, ids
 
 from aloader import JsonLines, ParquetRows, _parquet
 from aloader._cache import ShardCache
@@ -26,10 +26,6 @@ pytestmark = pytest.mark.anyio
 SHARDS = make_jsonl_shards(3, 50)  # shard-0000i.jsonl, ids 0..149
 ALL_IDS = list(range(150))
 FAST: dict[str, Any] = {"backoff": 0.01, "max_backoff": 0.02, "timeout": 10.0}
-
-
-def ids(records: list[Any]) -> list[int]:
-    return [record["id"] for record in records]
 
 
 def gets(server: FaultyServer) -> int:
