@@ -41,7 +41,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 import anyio
@@ -56,6 +56,7 @@ __all__ = (
     "forbid_running_loop",
     "loop_factory",
     "loop_of",
+    "parked",
     "run_here",
 )
 
@@ -94,6 +95,7 @@ class PrivateLoop:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._closed = False
+        self._resume: threading.Event | None = None  # the last parked() hold's
         self._pid = os.getpid()
         ready: concurrent.futures.Future[tuple[asyncio.AbstractEventLoop, asyncio.Event]]
         ready = concurrent.futures.Future()
@@ -102,6 +104,7 @@ class PrivateLoop:
         )
         self._thread.start()
         self._loop, self._stop = ready.result()
+        _LOOPS.add(self)
 
     @staticmethod
     def _run(
@@ -175,12 +178,68 @@ class PrivateLoop:
             if self.closed:
                 return
             self._closed = True
+            if self._resume is not None:
+                self._resume.set()  # held by parked(): let go, or the join below never ends
             try:
                 self._loop.call_soon_threadsafe(self._stop.set)
             except RuntimeError:  # the loop is already gone (interpreter shutdown)
                 return
         if not self.in_loop_thread:
             self._thread.join()
+
+
+#: The private loops of this process, for :func:`parked`.
+_LOOPS: weakref.WeakSet[PrivateLoop] = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def parked(timeout: float = 1.0) -> Iterator[frozenset[threading.Thread] | None]:
+    """Hold every running private loop between two of its callbacks for the ``with`` block,
+    and yield the threads known to be quiet meanwhile (None if a loop did not stop in
+    ``timeout`` seconds: one busy in a long step).
+
+    For a fork of this process (:mod:`aloader._spawn`'s template), which copies only the
+    forking thread: a thread that held a lock at that moment leaves it held in the child.
+    A held loop thread is inside this module's own callback, holding nothing, and so is an
+    idle anyio worker thread of that loop (one the loop lists as idle waits for its next job
+    on its own queue, and only the held loop hands out jobs). The caller decides what to do
+    with other threads (a user's, a busy worker's).
+
+    Called from a thread that is not a private loop's; a loop closed meanwhile is let go
+    first (its ``close`` would otherwise wait for its held thread).
+    """
+    resume = threading.Event()
+    holds: list[tuple[PrivateLoop, threading.Event]] = []
+
+    def hold(stopped: threading.Event) -> None:
+        stopped.set()
+        resume.wait(timeout + 60)  # never forever, whatever the holder does
+
+    try:
+        for loop in list(_LOOPS):
+            stopped = threading.Event()
+            with loop._lock:
+                if loop.closed:
+                    continue
+                loop._resume = resume
+                loop._loop.call_soon_threadsafe(hold, stopped)
+            holds.append((loop, stopped))
+        deadline = time.monotonic() + timeout
+        if not all(stopped.wait(max(0.0, deadline - time.monotonic())) for _, stopped in holds):
+            yield None
+            return
+        quiet: set[threading.Thread] = set()
+        for loop, _ in holds:
+            quiet.add(loop._thread)
+            for thread in threading.enumerate():
+                # anyio's asyncio worker threads: ``loop``, and the loop's deque of the idle.
+                idle = getattr(thread, "idle_workers", None)
+                if getattr(thread, "loop", None) is loop._loop and idle is not None \
+                        and thread in idle:
+                    quiet.add(thread)
+        yield frozenset(quiet)
+    finally:
+        resume.set()
 
 
 def _settle(setter: Callable[[Any], None], value: Any) -> None:

@@ -5,21 +5,25 @@ Invariant: a worker started through :data:`CONTEXT` never runs the user's main m
 that is not importable by name arrives by value (the pool pickles its setup with cloudpickle).
 
 The template is a fork of the user's process, made when the first loader with workers is built
-while only the main thread runs (fork is safe then; torch forks its workers in the same state),
-and shared by every later loader of the process. It runs the standard library's fork server
-loop (:func:`multiprocessing.forkserver.main`) without preloading anything, and each worker is
-a fork of it: the modules the user's process had imported by then (numpy, aloader, torch, the
-user's own) are already there, so a worker starts without importing. Before serving, the
-template lets go of what the fork copied that belongs to the user's process (see
-:func:`_become_template`): file descriptors, the running asyncio or trio loop and context
-variables (a loader is often built inside ``async def main()``), signal handlers. It exits once
-the user's process and all its workers have (the fork server's "alive" pipe).
+while no other thread can hold a lock (a fork copies only the forking thread, so a lock held by
+another stays held in the child): only the main thread runs, or the others are aloader's own
+private loops, held between two callbacks for the fork, and their idle worker threads
+(:func:`aloader._facade.parked`). It is shared by every later loader of the process, and runs
+the standard library's fork server loop (:func:`multiprocessing.forkserver.main`) without
+preloading anything, and each worker is a fork of it: the modules the user's process had
+imported by then (numpy, aloader, torch, the user's own) are already there, so a worker starts
+without importing. Before serving, the template lets go of what the fork copied that belongs to
+the user's process (see :func:`_become_template`): file descriptors, the running asyncio or
+trio loop and context variables (a loader is often built inside ``async def main()``), signal
+handlers. It exits once the user's process and all its workers have (the fork server's "alive"
+pipe).
 
-When the template cannot be forked (threads are running), the workers come from the standard
-fork server instead, exec'd with numpy and aloader preloaded and not ``__main__``. Either way a
-worker is launched by :class:`_Popen`, the fork server's Popen minus the instruction to import
-the main module (``init_main_from_path`` / ``init_main_from_name``) that multiprocessing's own
-``forkserver`` and ``spawn`` follow to re-run the script as ``__mp_main__``.
+When the template cannot be forked (other threads run: the user's, a busy fetch's), the workers
+come from the standard fork server instead, exec'd with numpy and aloader preloaded and not
+``__main__``. Either way a worker is launched by :class:`_Popen`, the fork server's Popen minus
+the instruction to import the main module (``init_main_from_path`` / ``init_main_from_name``)
+that multiprocessing's own ``forkserver`` and ``spawn`` follow to re-run the script as
+``__mp_main__``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import stat
 import sys
 import threading
 import traceback
+from collections.abc import Iterator
 from multiprocessing import connection, forkserver, popen_forkserver, resource_tracker, spawn, util
 from typing import Any, NoReturn
 
@@ -50,13 +55,29 @@ _MAIN_KEYS = ("init_main_from_path", "init_main_from_name")
 _TEMPLATES = sys.platform.startswith("linux")
 
 
-def may_fork() -> bool:
-    """Whether this process may fork its template now: only its main thread runs Python."""
+def may_fork(quiet: frozenset[threading.Thread] = frozenset()) -> bool:
+    """Whether this process may fork its template now: only its main thread runs Python,
+    apart from ``quiet`` threads, which hold no lock (:func:`aloader._facade.parked`)."""
     # obstore's runtime threads are not Python's, and do not survive a fork (_objstore).
     objstore: Any = sys.modules.get("aloader._objstore")
-    return (_TEMPLATES and threading.current_thread() is threading.main_thread()
-            and threading.active_count() == 1
+    main = threading.main_thread()
+    return (_TEMPLATES and threading.current_thread() is main
+            and all(thread is main or thread in quiet for thread in threading.enumerate())
             and not (objstore is not None and objstore.runtime_started()))
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[frozenset[threading.Thread] | None]:
+    """The threads that hold no lock for the block: aloader's own private loops, held, with
+    their idle worker threads (a script that iterated a ``num_workers=0`` loader before
+    building one with workers has them); none to hold when only this thread runs."""
+    if threading.active_count() == 1 or threading.current_thread() is not threading.main_thread():
+        yield frozenset()
+        return
+    from . import _facade  # not at import: _facade imports anyio, workers need not
+
+    with _facade.parked() as quiet:
+        yield quiet
 
 
 class _Server(forkserver.ForkServer):
@@ -106,9 +127,20 @@ class _Server(forkserver.ForkServer):
         with self._lock:
             if self._running():
                 return
-            if fork and may_fork():
-                self._fork_template()
-                return
+            if fork and _TEMPLATES:
+                import cloudpickle  # noqa: F401  (every setup unpickles with it: once, here)
+
+                # No collection while loops are held: a finalizer closing one would wait for it.
+                collects = gc.isenabled()
+                gc.disable()
+                try:
+                    with _quiet() as quiet:
+                        if quiet is not None and may_fork(quiet):
+                            self._fork_template(collects)
+                            return
+                finally:
+                    if collects:
+                        gc.enable()
         if exec_server:
             if "torch" in sys.modules and "torch" not in self._preload_modules:
                 # Imported once by the server rather than by every worker (seconds each).
@@ -152,9 +184,7 @@ class _Server(forkserver.ForkServer):
                 if placeholder is not None:
                     os.close(placeholder)
 
-    def _fork_template(self) -> None:
-        import cloudpickle  # noqa: F401  (every setup unpickles with it: import it once, here)
-
+    def _fork_template(self, collects: bool) -> None:
         util._flush_std_streams()  # type: ignore[attr-defined]  # or the workers write it again
         address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
         with socket.socket(socket.AF_UNIX) as listener:
@@ -169,6 +199,8 @@ class _Server(forkserver.ForkServer):
                 os.close(alive_w)
                 raise
             if pid == 0:
+                if collects:
+                    gc.enable()  # disabled by start() around the fork only
                 _serve_as_template(listener.fileno(), alive_r, alive_w)
             os.close(alive_r)
         self._forkserver_address = address

@@ -156,6 +156,53 @@ def test_threads_running_at_construction_still_never_rerun_main(tmp_path: Path) 
     assert json.loads(done.stdout.splitlines()[-1]) == EXPECTED
 
 
+# A loader without workers iterated first: its `for` runs on a private loop, in a thread, with a
+# thread of fetches (a plain dataset's): the loader with workers built after it still forks the
+# template (it holds that loop for the fork), so no worker imports a module again.
+EARLY_LOADER = """
+import threading
+import aloader as _aloader
+
+
+class _Plain:
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, index):
+        return index
+
+
+early = _aloader.DataLoader(_Plain(), batch_size=4)
+assert [b.tolist() for b in early] == [[0, 1, 2, 3], [4, 5]]
+assert threading.active_count() > 1, threading.enumerate()
+"""
+
+
+@pytest.mark.parametrize("torch_import", TORCH)
+def test_a_loader_iterated_before_does_not_stop_the_template(tmp_path: Path,
+                                                             torch_import: bool) -> None:
+    assert run_program(tmp_path, command="script", torch_import=torch_import,
+                       prelude=EARLY_LOADER) == EXPECTED
+
+
+@pytest.mark.parametrize("uvloop", ["0", "1"])
+def test_the_held_loop_goes_on_after_the_fork(tmp_path: Path, uvloop: str) -> None:
+    program = EARLY_LOADER + textwrap.dedent("""
+        from aloader import _spawn
+        loader = _aloader.DataLoader(_Plain(), batch_size=4, num_workers=2, timeout=60)
+        assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5]]
+        assert _spawn.SERVER.template  # a fork of this process, not the exec'd server
+        for _ in range(3):  # the loop held for the fork runs its loader's epochs again
+            assert [b.tolist() for b in early] == [[0, 1, 2, 3], [4, 5]]
+        print("ok")
+    """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), ALOADER_UVLOOP=uvloop)
+    done = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=GUARD)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["ok"]
+
+
 ASYNC_PROGRAM = """
 import sys
 import anyio, sniffio
