@@ -1001,6 +1001,10 @@ class AsyncDataLoaderIter(Generic[T_co]):
         self._epoch: Epoch | None = None
         self._closed = False
 
+    def __len__(self) -> int:
+        """The loader's ``len()``, as torch's iterators answer (code sizes a progress bar by it)."""
+        return len(self._loader)
+
     def __aiter__(self) -> AsyncDataLoaderIter[T_co]:
         return self
 
@@ -1230,6 +1234,10 @@ class DataLoaderIter(Iterator[T_co]):
 
     def __iter__(self) -> DataLoaderIter[T_co]:
         return self
+
+    def __len__(self) -> int:
+        """The loader's ``len()``, as torch's iterators answer."""
+        return len(self._source)
 
     def __next__(self) -> T_co:
         try:

@@ -295,6 +295,33 @@ def test_len_iterable(batch_size: int | None, drop_last: bool, expected: int) ->
     assert len(DataLoader(Stream(10), batch_size=batch_size, drop_last=drop_last)) == expected
 
 
+def test_an_epoch_has_the_loaders_len() -> None:
+    # torch's iterators answer len() (progress bars size themselves by it).
+    data = list(range(10))
+    loader = DataLoader(data, batch_size=4)
+    iterator = iter(loader)
+    assert len(iterator) == 3
+    next(iterator)
+    data.extend(range(10, 20))
+    assert len(iterator) == len(loader) == 5  # at each call, as torch's sampler length is
+    iterator.close()
+    assert len(iter(DataLoader(Stream(10), batch_size=3))) == 4
+
+    class Endless(aloader.IterableDataset[int]):  # no __len__: no length
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(10))
+
+    with pytest.raises(TypeError):
+        len(iter(DataLoader(Endless(), batch_size=3)))
+
+
+async def test_an_async_epoch_has_the_loaders_len(anyio_backend: str) -> None:
+    loader = DataLoader(list(range(10)), batch_size=4)
+    epoch = loader.__aiter__()
+    assert len(epoch) == 3
+    assert [b.tolist() async for b in epoch][-1] == [8, 9]
+
+
 # Order and determinism ---------------------------------------------------------------------------
 async def test_in_order_whatever_the_completion_order(anyio_backend: str) -> None:
     loader = DataLoader(AsyncRange(300, max_delay=0.003), batch_size=7, max_concurrency=50)
