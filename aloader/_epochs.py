@@ -268,13 +268,15 @@ class MapEpochs:
             return keys if not skip else _askip(keys, Skip(skip))
         return itertools.islice(cast(Iterator[Any], iter(sampler)), skip, None)
 
-    def local(self, plan: FetchPlan, results: Results) -> Epoch:
-        """An epoch fetched in this process."""
-        return MapEpoch(plan, results, self.keys())
+    def local(self, plan: FetchPlan, results: Results, keys: Iterator[Any] | AsyncIterator[Any]
+              ) -> Epoch:
+        """An epoch fetched in this process, of ``keys`` (:meth:`keys`)."""
+        return MapEpoch(plan, results, keys)
 
-    def on_workers(self, plan: FetchPlan, results: Results, remote: PoolEpoch) -> Epoch:
-        """An epoch whose keys go to the workers (``remote`` is a :class:`MapPoolEpoch`)."""
-        return MapEpoch(plan, results, self.keys())
+    def on_workers(self, plan: FetchPlan, results: Results, remote: PoolEpoch,
+                   keys: Iterator[Any] | AsyncIterator[Any]) -> Epoch:
+        """An epoch whose ``keys`` go to the workers (``remote`` is a :class:`MapPoolEpoch`)."""
+        return MapEpoch(plan, results, keys)
 
 
 class IterableEpochs:

@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeGuard, TypeVar, cast, overload
 
@@ -621,8 +621,9 @@ class DataLoader(Generic[T_co]):
 
     # The epoch's plan ------------------------------------------------------------------------
     def _plan(self, transform: Callable[[Any], Any] | None, remote: PoolEpoch | None = None,
-              epoch: int = 0) -> FetchPlan:
-        """The plan of an epoch in this process (or a worker's), or whose jobs go to ``remote``."""
+              epoch: int = 0, here: bool = False) -> FetchPlan:
+        """The plan of an epoch in this process (or a worker's), or whose jobs go to ``remote``;
+        ``here``: one on the sync ``for``'s own thread (see :meth:`FetchPlan.for_dataset`)."""
         return FetchPlan.for_dataset(
             self.dataset,
             iterable=isinstance(self._kind, IterableEpochs),
@@ -636,6 +637,7 @@ class DataLoader(Generic[T_co]):
             prefetch_factor=self.prefetch_factor,
             seed=None if isinstance(self._kind, IterableEpochs) else self.sample_seed,
             epoch=epoch,
+            here=here,
         )
 
     def _claim_epoch(self, count: int) -> int:
@@ -998,6 +1000,9 @@ class AsyncDataLoaderIter(Generic[T_co]):
         self._stats: Collector | None = None  # the epoch's statistics, from its start
         self._timeout = loader.timeout
         self._len_called = loader._kind.reported_length()
+        self._keys: Iterator[Any] | AsyncIterator[Any] | None = None  # see _draw
+        if loader.num_workers > 0 and isinstance(kind, MapEpochs):
+            self._draw()  # where torch's iterator with workers draws it: at iter()
         self._epoch: Epoch | None = None
         self._closed = False
 
@@ -1027,10 +1032,26 @@ class AsyncDataLoaderIter(Generic[T_co]):
                 return False
             self._epoch = self._start(here=True)
             return True
-        if loader._plan(None).mode != "inline":  # the plan decides, as in _start
+        if loader._plan(None, here=True).mode != "inline":  # the plan decides, as in _start
             return False
-        epoch = self._epoch = self._start()
+        epoch = self._epoch = self._start(here=True)
         return isinstance(epoch, MapEpoch) and epoch.loopless
+
+    def _draw(self) -> Iterator[Any] | AsyncIterator[Any]:
+        """A map-style epoch's keys, drawn from its sampler now, once: by the consumer, at the
+        point torch's iterator draws them (:class:`DataLoaderIter`), whichever thread later
+        runs the epoch; a loader's generator is drawn from in the consumer's order, not as a
+        background loop gets to it (two loaders sharing one generator, side by side)."""
+        keys = self._keys
+        if keys is None:
+            kind = self._loader._kind
+            assert isinstance(kind, MapEpochs)
+            kind.resume = self._skip  # taken by keys()
+            resumed = self._resumed_failures
+            if resumed is not None and resumed[1]:
+                kind.known_failed = KnownFailed(resumed[1], kind.auto_collation)
+            keys = self._keys = kind.keys()
+        return keys
 
     def _start(self, here: bool = False) -> Epoch:
         """Start the epoch (with ``here``, an iterable one on the consumer's call: see
@@ -1041,21 +1062,19 @@ class AsyncDataLoaderIter(Generic[T_co]):
         transform = _pin_memory_transform(loader)
         # Workers or not: decided here, once per epoch (num_workers may change between epochs).
         resumed = self._resumed_failures
-        if isinstance(kind, MapEpochs):
-            kind.resume = self._skip  # taken by the keys() that local/on_workers call now
-            if resumed is not None and resumed[1]:
-                kind.known_failed = KnownFailed(resumed[1], kind.auto_collation)
         if isinstance(kind, IterableEpochs):
             kind.base_seed = self.base_seed  # the seeds a resumed epoch's replicas see
+        epoch: Epoch
         if loader.num_workers > 0:
             remote = loader._remote(self.base_seed, loader._claim_epoch(self.epoch))
-            epoch = kind.on_workers(loader._plan(transform, remote, self.epoch), results,
-                                    remote)
+            plan = loader._plan(transform, remote, self.epoch)
+            epoch = (kind.on_workers(plan, results, remote, self._draw())
+                     if isinstance(kind, MapEpochs) else kind.on_workers(plan, results, remote))
         else:
             remote = None
-            plan = loader._plan(transform, epoch=self.epoch)
-            epoch = (kind.local(plan, results, here=True) if here and isinstance(
-                kind, IterableEpochs) else kind.local(plan, results))
+            plan = loader._plan(transform, epoch=self.epoch, here=here)
+            epoch = (kind.local(plan, results, self._draw()) if isinstance(kind, MapEpochs)
+                     else kind.local(plan, results, here=here))
         plan = epoch.plan
         if loader.max_failures:
             self.failures = plan.failures = Failures(loader.max_failures,
@@ -1222,15 +1241,31 @@ class DataLoaderIter(Iterator[T_co]):
     """
 
     def __init__(self, loader: DataLoader[T_co]) -> None:
+        self._loader = loader
         source = loader.__aiter__()  # binds to no loop: made here, whichever runs it
         self._source: AsyncDataLoaderIter[T_co] = source
-        # Composition, not inheritance: the facade's iterators are private machinery.
-        self._sync: LocalIterator[Any] | SyncIterator[Any]
-        if source._start_here():
-            self._sync = LocalIterator(source)
-        else:
-            receipts = _Receipts(source)
-            self._sync = SyncIterator(lambda: receipts, loop_of(loader))
+        # Composition, not inheritance: the facade's iterators are private machinery. Opened
+        # where torch's iterator draws its sampler's epoch: at the first next() without
+        # workers, here with them (see AsyncDataLoaderIter._draw).
+        self._sync: LocalIterator[Any] | SyncIterator[Any] | None = None
+        self._closed = False
+        if loader.num_workers > 0:
+            self._open()
+
+    def _open(self) -> LocalIterator[Any] | SyncIterator[Any]:
+        """The iterator that runs the epoch, made now (on the consumer's thread)."""
+        sync = self._sync
+        if sync is None:
+            source = self._source
+            if source._start_here():
+                sync = LocalIterator(source)
+            else:
+                if isinstance(self._loader._kind, MapEpochs):
+                    source._draw()  # here, not on the loop (see _draw)
+                receipts = _Receipts(source)
+                sync = SyncIterator(lambda: receipts, loop_of(self._loader))
+            self._sync = sync
+        return sync
 
     def __iter__(self) -> DataLoaderIter[T_co]:
         return self
@@ -1240,13 +1275,18 @@ class DataLoaderIter(Iterator[T_co]):
         return len(self._source)
 
     def __next__(self) -> T_co:
+        sync = self._sync
+        if sync is None:
+            if self._closed:
+                raise StopIteration
+            sync = self._open()
         try:
-            item = next(self._sync)
+            item = next(sync)
         except StopIteration:
             if self._source._ended:  # every batch before the end was received
                 self._source._record.done = True
             raise
-        if isinstance(self._sync, LocalIterator):
+        if isinstance(sync, LocalIterator):
             return cast(T_co, item)  # the source recorded it: nothing runs ahead here
         value, receipt = item  # only a batch, not an error, has a receipt
         self._source._record.received(*receipt)
@@ -1254,7 +1294,9 @@ class DataLoaderIter(Iterator[T_co]):
 
     def close(self) -> None:
         """Stop the epoch and wait until it has stopped (see :meth:`DataLoader.aclose`)."""
-        self._sync.close()
+        self._closed = True
+        if self._sync is not None:
+            self._sync.close()
 
     @property
     def num_yielded(self) -> int:

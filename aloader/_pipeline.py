@@ -610,6 +610,7 @@ class FetchPlan:
         prefetch_factor: int = 2,
         seed: int | None = None,
         epoch: int = 0,
+        here: bool = False,
     ) -> FetchPlan:
         """The one place that decides how an epoch fetches: mode, granularity, concurrency, window.
 
@@ -617,8 +618,14 @@ class FetchPlan:
         :data:`DEFAULT_MAX_CONCURRENCY`) fetches on the loop, item by item unless a batch
         comes from ``__getitems__``; in-memory datasets fetch inline; other synchronous
         datasets fetch a batch per thread call, or, given ``max_concurrency``, that many
-        items at once in threads. Iterable datasets pull one batch at a time (``"async"``
-        for ``__aiter__``, else in a thread). A worker process fetches with this same plan.
+        items at once in threads. With ``here`` (a sync ``for``, which has no event loop to
+        keep free) and no ``max_concurrency``, a synchronous map-style dataset fetches
+        inline too, on the consumer's call, as torch's loader without workers does: its
+        ``__getitem__`` then draws from the global ``random``, numpy and torch generators in
+        the same order as the consumer's own code, run after run (fetched in a thread ahead of
+        the consumer, the draws of both threads interleave as they happen to run). Iterable
+        datasets pull one batch at a time (``"async"`` for ``__aiter__``, else in a thread).
+        A worker process fetches with this same plan.
 
         With ``remote`` (``num_workers`` worker processes): ``"process"``, whole jobs, at
         most ``prefetch_factor`` per worker in flight.
@@ -637,6 +644,7 @@ class FetchPlan:
             prefetch_factor: the loader's ``prefetch_factor``.
             seed: the loader's sample seed (see :mod:`aloader._sample_rng`), or None.
             epoch: the loader's epoch number.
+            here: the plan of a sync ``for`` on its consumer's thread.
         """
         if remote is not None:
             window = max(1, prefetch_factor) * num_workers
@@ -657,6 +665,8 @@ class FetchPlan:
             mode: FetchMode = "async" if aiter_of(dataset) is not None else "thread"
         else:
             mode = fetch_mode(dataset)
+            if mode == "thread" and here and max_concurrency is None:
+                mode = "inline"
         if mode == "async":
             concurrency = max_concurrency or DEFAULT_MAX_CONCURRENCY
         else:

@@ -577,7 +577,7 @@ def test_a_ctrl_c_after_taking_a_batch_leaves_the_state_of_the_batches_received(
 
     loader = DataLoader(Gated(), batch_size=2)
     it = iter(loader)
-    pump = it._sync._pump  # type: ignore[union-attr]
+    pump = it._open()._pump  # type: ignore[union-attr]
     pump.out = _InterruptedAfterTaking(2)
     gate.set()
     got: list[list[int]] = []

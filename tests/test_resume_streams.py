@@ -367,7 +367,7 @@ def test_loader_plain_for(tmp_path: Path) -> None:
         iterator = iter(loader)
         for _ in range(k):
             next(iterator)
-        pump = iterator._sync._pump
+        pump = iterator._open()._pump
         for _ in range(300):  # until the pump is ahead of the consumer, as it gets
             if pump.out.qsize() >= pump.AHEAD:
                 break
