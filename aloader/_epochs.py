@@ -40,6 +40,7 @@ from typing import Any, ClassVar, TypeAlias, cast
 
 import anyio
 
+from ._dataset import aiter_of
 from ._distributed import DistributedSampler
 from ._facade import run_here
 from ._failures import KnownFailed
@@ -333,11 +334,14 @@ class IterableEpochs:
 
     def loopless(self, collate_fn: Any) -> bool:
         """Whether an epoch in this process (:meth:`local` with ``here``) can run with no event
-        loop at all: a loopless stream's (:meth:`Stream._loopless`: local files, no task),
-        collated by a plain ``collate_fn``, and not the saved replicas of a run with workers."""
+        loop at all: a loopless stream's (:meth:`Stream._loopless`: local files, no task) or
+        a plain iterable dataset's (``__iter__``: pulled on the consumer's call, as torch's
+        loader without workers does, so what it draws from the global random generators is
+        drawn in the consumer's order), collated by a plain ``collate_fn``, and not the
+        saved replicas of a run with workers."""
         dataset, pending = self.dataset, self._pending
-        return (isinstance(dataset, Stream) and dataset._loopless()
-                and (pending is None or pending["num_workers"] == 0)
+        plain = dataset._loopless() if isinstance(dataset, Stream) else aiter_of(dataset) is None
+        return (plain and (pending is None or pending["num_workers"] == 0)
                 and not is_async_callable(collate_fn))
 
     def local(self, plan: FetchPlan, results: Results, *, here: bool = False) -> Epoch:
@@ -494,7 +498,8 @@ class InlineIterableEpoch(IterableEpoch):
     """An iterable epoch made on the consumer's call, with no background task, no buffer
     between tasks and no event loop: each :meth:`next` draws one batch's samples from a
     loopless stream (its chain pulled on this thread, its reads blocking:
-    :meth:`~aloader._streams._StreamIterator._pull_here`) and collates them, as
+    :meth:`~aloader._streams._StreamIterator._pull_here`) or from a plain iterable
+    dataset's iterator, and collates them, as
     :meth:`IterableEpoch._pull_batches` does for one batch. The sync facade drives it on the
     consumer's thread (:class:`aloader._facade.LocalIterator`), as it drives an in-memory map
     epoch (:attr:`aloader._pipeline.MapEpoch.loopless`).
@@ -509,7 +514,7 @@ class InlineIterableEpoch(IterableEpoch):
     exact), so the interrupted batch is drawn again and no sample is lost or repeated.
     """
 
-    def __init__(self, plan: FetchPlan, results: Results, dataset: Stream[Any],
+    def __init__(self, plan: FetchPlan, results: Results, dataset: Any,
                  source: Any, begin: Any, batch_size: int | None, drop_last: bool,
                  snapshot: Any) -> None:
         super().__init__(plan, results, source, batch_size, drop_last, snapshot)
@@ -544,7 +549,7 @@ class InlineIterableEpoch(IterableEpoch):
         if self._broken:
             self._reopen()
         seq = self._seq
-        source = cast(AsyncIterator[Any], self._source)  # a stream's epoch iterator
+        source = self._source  # a stream's epoch iterator, or a plain dataset's iterator
         error: BaseException | None = None
         try:
             batch, ended = await self._draw(source, _NO_LIMITER)

@@ -624,7 +624,8 @@ class FetchPlan:
         ``__getitem__`` then draws from the global ``random``, numpy and torch generators in
         the same order as the consumer's own code, run after run (fetched in a thread ahead of
         the consumer, the draws of both threads interleave as they happen to run). Iterable
-        datasets pull one batch at a time (``"async"`` for ``__aiter__``, else in a thread).
+        datasets pull one batch at a time (``"async"`` for ``__aiter__``, else in a thread,
+        or with ``here`` inline).
         A worker process fetches with this same plan.
 
         With ``remote`` (``num_workers`` worker processes): ``"process"``, whole jobs, at
@@ -662,7 +663,8 @@ class FetchPlan:
                 epoch=epoch,
             )
         if iterable:
-            mode: FetchMode = "async" if aiter_of(dataset) is not None else "thread"
+            mode: FetchMode = ("async" if aiter_of(dataset) is not None
+                               else "inline" if here else "thread")
         else:
             mode = fetch_mode(dataset)
             if mode == "thread" and here and max_concurrency is None:
@@ -1515,14 +1517,18 @@ class IterableEpoch(Epoch):
             if not self.plan.abandon.given_up:
                 await close_iterator(self._source)
 
-    async def _draw(self, source: AsyncIterator[Any],
+    async def _draw(self, source: AsyncIterator[Any] | Iterator[Any],
                     limiter: anyio.CapacityLimiter) -> tuple[Any, bool]:
-        """The next batch of an async source, collated, and whether the source ended; the
-        batch is _NOTHING when there is none (the end, or a short last one with drop_last)."""
+        """The next batch of a source (async, or a sync one pulled on this thread: an inline
+        epoch's), collated, and whether the source ended; the batch is _NOTHING when there
+        is none (the end, or a short last one with drop_last)."""
         plan, size = self.plan, self._batch_size
         started = _now()
         try:
-            if plan.failures is None:
+            if not isinstance(source, AsyncIterator):
+                samples, ended = (_pull_sync(source, size) if plan.failures is None
+                                  else _pull_sync_tolerant(source, size, plan))
+            elif plan.failures is None:
                 samples, ended = await _pull(source, size)
             else:
                 samples, ended = await _pull_tolerant(source, size, plan)

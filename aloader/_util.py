@@ -150,10 +150,10 @@ async def close_iterator(iterator: object, *, blocking: bool = True) -> None:
     close = getattr(iterator, "close", None)
     if close is None:
         return
-    if blocking:
+    if blocking and current_backend() is not None:
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(close)
-    else:
+    else:  # with no event loop, this is the consumer's own thread: it may block
         close()
 
 
