@@ -577,6 +577,9 @@ class FetchPlan:
         failures: the epoch's failure budget (see :mod:`aloader._failures`), or None (the
             first error is the batch's error).
         stats: the epoch's statistics (see :mod:`aloader._stats`).
+        on_consumer: an "inline" plan of a dataset that would fetch in a thread under
+            ``async for`` (a sync ``for``'s): its fetches' CPU time is measured, as in a
+            thread, so that the statistics tell a blocking dataset from a computing one.
     """
 
     dataset: Any
@@ -593,6 +596,7 @@ class FetchPlan:
     epoch: int = 0
     failures: Failures | None = None
     stats: Collector = field(default_factory=Collector)
+    on_consumer: bool = False
 
     @classmethod
     def for_dataset(
@@ -662,12 +666,14 @@ class FetchPlan:
                 seed=seed,
                 epoch=epoch,
             )
+        on_consumer = False
         if iterable:
             mode: FetchMode = ("async" if aiter_of(dataset) is not None
                                else "inline" if here else "thread")
         else:
             mode = fetch_mode(dataset)
-            if mode == "thread" and here and max_concurrency is None:
+            on_consumer = mode == "thread" and here and max_concurrency is None
+            if on_consumer:
                 mode = "inline"
         if mode == "async":
             concurrency = max_concurrency or DEFAULT_MAX_CONCURRENCY
@@ -704,6 +710,7 @@ class FetchPlan:
             transform=transform,
             seed=seed,
             epoch=epoch,
+            on_consumer=on_consumer,
         )
 
     def __post_init__(self) -> None:
@@ -1268,12 +1275,16 @@ class MapEpoch(Epoch):
             fetching = _now()
             stats.sampling.add(fetching - started)
             seq = self.results.taken
+            cpu = time.thread_time_ns() if self.plan.on_consumer else 0
             try:
                 try:
                     samples = self.plan.fetch_sync(key)
                 finally:
                     collating = _now()
-                    stats.fetch.add(collating - fetching)
+                    if cpu:
+                        stats.fetched_in_thread(collating - fetching, time.thread_time_ns() - cpu)
+                    else:
+                        stats.fetch.add(collating - fetching)
                 batch = await self.plan.collate(samples, _NO_LIMITER, collating)
             except Exception as exc:
                 return None, _note(exc, f"raised while loading batch {seq} (indices "

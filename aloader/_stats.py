@@ -479,9 +479,11 @@ def verdict(stats: LoaderStats) -> str:
     # for one blocked on I/O (a wake-up's microseconds per call: about 1%); on a loaded
     # machine the first drops to the thread's share of a core (10% with ten runnable threads
     # a core), so the bar is low.
-    on_cpu = 1.0 if stats.mode == "inline" else stats.fetch_cpu / max(
-        1e-9, stages["fetch"].busy)
-    if stats.mode in ("inline", "thread") and fetch >= 0.5 and on_cpu >= 0.05:
+    # An inline epoch's fetches are on the CPU, unless measured (a sync dataset fetched on a
+    # sync ``for``'s thread, which may block as in a thread).
+    threaded = stats.mode == "thread" or stats.fetch_cpu > 0
+    on_cpu = stats.fetch_cpu / max(1e-9, stages["fetch"].busy) if threaded else 1.0
+    if not iterable and stats.mode in ("inline", "thread") and fetch >= 0.5 and on_cpu >= 0.05:
         return (f"GIL-bound sync dataset: its fetches take {fetch:.0%} of the time, "
                 f"{on_cpu:.0%} of it on the CPU in the loader's process; use num_workers")
     if iterable and fetch >= 0.5:
@@ -490,7 +492,7 @@ def verdict(stats: LoaderStats) -> str:
                 "time and "
                 f"the consumer waited {waited:.0%}; make its __next__ cheaper, let it read "
                 "further ahead (a source's concurrency) or use num_workers")
-    if stats.mode == "thread" and fetch >= 0.5:
+    if threaded and fetch >= 0.5:
         if limit <= 1:
             return ("blocking sync fetches, one batch call at a time: pass max_concurrency "
                     "to overlap them in threads, or make the dataset async")

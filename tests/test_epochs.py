@@ -77,7 +77,8 @@ def test_each_kind_builds_its_own_epoch() -> None:
     map_plan = FetchPlan.for_dataset([1, 2, 3], iterable=False, auto_batch=False,
                                      collate_fn=lambda x: x, batch_size=None,
                                      max_concurrency=None)
-    assert isinstance(MapEpochs(range(3), None).local(map_plan, results), MapEpoch)
+    assert isinstance(MapEpochs(range(3), None).local(map_plan, results, iter(range(3))),
+                      MapEpoch)
     iter_plan = FetchPlan.for_dataset(Stream(), iterable=True, auto_batch=True,
                                       collate_fn=list, batch_size=2, max_concurrency=None)
     assert isinstance(IterableEpochs(Stream(), 2, False).local(iter_plan, results),

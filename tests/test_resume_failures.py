@@ -93,8 +93,9 @@ def checkpoint_ahead(cls: type[Sync], k: int, ahead: int, **kwargs: Any) -> dict
 
 KINDS = [
     pytest.param(Sync, {"max_concurrency": 2}, id="thread-items"),
-    pytest.param(Sync, {"max_concurrency": None}, id="thread-batch"),
-    pytest.param(GetItems, {}, id="getitems"),
+    # A timeout keeps a sync for's fetches in a thread, ahead of the consumer.
+    pytest.param(Sync, {"max_concurrency": None, "timeout": 60}, id="thread-batch"),
+    pytest.param(GetItems, {"timeout": 60}, id="getitems"),
     pytest.param(Async, {}, id="async"),
 ]
 

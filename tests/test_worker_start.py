@@ -157,8 +157,9 @@ def test_threads_running_at_construction_still_never_rerun_main(tmp_path: Path) 
 
 
 # A loader without workers iterated first: its `for` runs on a private loop, in a thread, with a
-# thread of fetches (a plain dataset's): the loader with workers built after it still forks the
-# template (it holds that loop for the fork), so no worker imports a module again.
+# thread of fetches (a plain dataset's, with a timeout): the loader with workers built after it
+# still forks the template (it holds that loop for the fork), so no worker imports a module
+# again.
 EARLY_LOADER = """
 import threading
 import aloader as _aloader
@@ -172,7 +173,7 @@ class _Plain:
         return index
 
 
-early = _aloader.DataLoader(_Plain(), batch_size=4)
+early = _aloader.DataLoader(_Plain(), batch_size=4, timeout=60)
 assert [b.tolist() for b in early] == [[0, 1, 2, 3], [4, 5]]
 assert threading.active_count() > 1, threading.enumerate()
 """
