@@ -19,9 +19,13 @@ A body is read as a sequence of chunks. When the connection fails (refused, rese
 middle of the body, timed out) or the server answers a transient status (5xx, 408, 429), the
 request is retried after an exponential backoff, asking for the rest of the body only
 (``Range: bytes=N-``, where N counts the bytes already delivered). A server that ignores ranges
-answers 200 with the whole body: the first N bytes are then skipped. A body that ends before
-the length its response announced (a ``Content-Range`` shorter than asked) is resumed the same
-way. A client error such as 404 fails at once, and so does a redirect to a URL that is not
+answers 200 with the whole body: the first N bytes are then skipped (a 200 that carries a
+``Content-Range`` is a part, read as a 206 is). A body that ends before the length its
+response announced (a ``Content-Range`` shorter than asked) is resumed the same way. A
+resumption whose response tells another length of the body than an earlier one did is an
+error: the resource changed (without an ETag, the only sign of it). A retry's range that the
+server answers 416 with the length already read (a cut just before a chunked body's last,
+empty chunk) ends the body. A client error such as 404 fails at once, and so does a redirect to a URL that is not
 http(s) (``data:``, ``file:``, ...).
 
 Content codings. Requests ask for ``Accept-Encoding: identity``; a server may still send a
@@ -71,6 +75,8 @@ __all__ = ("HttpClient", "HttpOptions", "env_configures_http", "http_chunks", "m
            "retry_delay", "shares_one_pool", "split_chunks")
 
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
+# A 416's Content-Range: the body's length.
+_UNSATISFIED = re.compile(r"bytes\s+\*/(\d+)")
 # Statuses worth retrying: server errors, request timeout, too many requests.
 _TRANSIENT = frozenset({408, 429})
 # The most bytes a decoder hands on at once (before they are split to chunk_size).
@@ -276,7 +282,10 @@ class _AiohttpClient(HttpClient):
             raise _Failed(f"{type(exc).__name__} (the server redirected to {target})", False,
                           exc) from exc
         except aiohttp.TooManyRedirects as exc:
-            raise _Failed(_named(exc), False, exc) from exc
+            # Its own message is its status and URL ("0, message='', url=...").
+            raise _Failed(f"TooManyRedirects: more than {len(exc.history)} redirects in a row "
+                          f"(a redirect loop?), the last to {exc.request_info.real_url}", False,
+                          exc) from exc
         except (aiohttp.ClientError, TimeoutError) as exc:
             # Connection errors, bodies cut short (ClientPayloadError), timeouts, malformed
             # responses (ClientResponseError from the parser): as httpx's network and
@@ -503,6 +512,30 @@ def _where(offset: int) -> str:
     return f" at byte offset {offset}" if offset else ""
 
 
+def _same_length(url: str, total: int | None, length: int, offset: int, status: int) -> int:
+    """``length``, the body's length a response tells, if it is the one an earlier response
+    told (``total``, None if none did).
+
+    Raises:
+        FetchError: it is not: the resource changed between two attempts (without an ETag,
+            the length is the only sign), and the rest would come from another version.
+    """
+    if total is not None and length != total:
+        raise FetchError(f"{url}: the resource changed on the server while it was being read "
+                         f"(its length {total} became {length}){_where(offset)}",
+                         source=url, offset=offset, status_code=status)
+    return length
+
+
+def _length_of(total: int | None, headers: Mapping[str, str]) -> int | None:
+    """The body's length: ``total`` if a response told it, else what a 416's
+    ``Content-Range: bytes */N`` says, else None."""
+    if total is not None:
+        return total
+    match = _UNSATISFIED.fullmatch(headers.get("Content-Range", "").strip())
+    return None if match is None else int(match.group(1))
+
+
 async def http_chunks(
     client: HttpClient,
     url: str,
@@ -559,8 +592,8 @@ async def http_chunks(
             async with client.get(url, headers) as response:
                 status = response.status
                 reason = response.reason
-                if status == 416 and total is not None and offset >= total:
-                    return
+                if status == 416 and offset == _length_of(total, response.headers):
+                    return  # every byte came (a cut before a chunked body's last chunk)
                 if status >= 500 or status in _TRANSIENT:
                     raise _Transient(f"HTTP {status} {reason}".rstrip(),
                                      _retry_after(response.headers.get("Retry-After")))
@@ -597,7 +630,9 @@ async def http_chunks(
                         continue
                     coded = True
                     skip = offset
-                elif status == 206:
+                elif status == 206 or "Content-Range" in response.headers:
+                    # A 200 with a Content-Range is a part too (as some proxies answer a
+                    # range): taken for the whole body, its first bytes would be skipped.
                     match = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
                     if match is None or int(match.group(1)) != offset:
                         raise FetchError(
@@ -606,12 +641,12 @@ async def http_chunks(
                             source=url, offset=offset, status_code=status,
                         )
                     if match.group(3) != "*":
-                        total = int(match.group(3))
+                        total = _same_length(url, total, int(match.group(3)), offset, status)
                 else:
                     skip = offset  # the server ignored the range: drop what we already have
                     length = response.headers.get("Content-Length")
                     if length is not None and length.isdigit():
-                        total = int(length)
+                        total = _same_length(url, total, int(length), offset, status)
                 if total is not None and not decoders and on_size is not None:
                     on_size(total)
                 if on_version is not None:
