@@ -25,8 +25,8 @@ response announced (a ``Content-Range`` shorter than asked) is resumed the same 
 resumption whose response tells another length of the body than an earlier one did is an
 error: the resource changed (without an ETag, the only sign of it). A retry's range that the
 server answers 416 with the length already read (a cut just before a chunked body's last,
-empty chunk) ends the body. A client error such as 404 fails at once, and so does a redirect to a URL that is not
-http(s) (``data:``, ``file:``, ...).
+empty chunk) ends the body. A client error such as 404 fails at once, and so does a redirect
+to a URL that is not http(s) (``data:``, ``file:``, ...).
 
 Content codings. Requests ask for ``Accept-Encoding: identity``; a server may still send a
 coded body (``Content-Encoding: gzip``, as object stores do for files uploaded that way). Such
