@@ -7,6 +7,7 @@ sample lost silently, half a sample, or memory that grows with the shard."""
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import tarfile
 import tracemalloc
@@ -35,7 +36,7 @@ def decode(data: bytes, *, pieces: list[int] | None = None, size: bool = True,
         decoder.set_size(len(data))
     out: list[dict[str, Any]] = []
     bounds = [0, *(pieces or []), len(data)]
-    for start, end in zip(bounds, bounds[1:], strict=False):
+    for start, end in itertools.pairwise(bounds):
         out += decoder.feed(data[start:end])
         if decoder.pending is not None:
             return out, decoder.pending, stats
