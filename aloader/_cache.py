@@ -344,12 +344,14 @@ class ShardCache:
         try:
             with open(f"{self._base(url)}.json") as source:
                 note = json.load(source)
-        except (FileNotFoundError, ValueError):
+        except (FileNotFoundError, ValueError):  # none, or cut (a crash) or zeroed
             return None
-        if note.get("url") != url or note.get("at", 0.0) < since:
-            return None
-        size, tag = note["version"]
-        return int(size), tag
+        # A note of another shape (another release's, a hand's) is no note.
+        match note:
+            case {"url": str(noted), "version": [int(size), str() | None as tag],
+                  "at": int() | float() as at} if noted == url and at >= since:
+                return size, tag
+        return None
 
     # Room --------------------------------------------------------------------------------
     async def _writer(self, url: str, version: Version, stats: SourceStats) -> _Writer | None:

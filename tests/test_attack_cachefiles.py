@@ -158,3 +158,25 @@ def test_two_processes_racing_on_a_shard_whose_body_is_cut(tmp_path: Path) -> No
         copies = [path for path in tmp_path.iterdir() if path.name.endswith(".shard")]
         assert [path.read_bytes() for path in copies] == [files["race.jsonl"]]
         assert not [path for path in tmp_path.iterdir() if ".tmp-" in path.name]
+
+
+@pytest.mark.parametrize("note", [
+    b"", b"\0" * 64, b'{"url": 1', b"[1, 2]", b'"just a string"',
+    b'{"url": "URL", "version": "x", "at": 1e18}',
+    b'{"url": "URL", "version": [1, 2, 3], "at": 1e18}',
+    b'{"url": "URL", "version": [10, "t"], "at": "later"}',
+    b'{"url": "URL", "version": [null, null], "at": 1e18}',
+    b'{"url": "URL", "version": [10, ["t"]], "at": 1e18}',
+])
+async def test_a_version_note_damaged_or_of_another_shape_is_ignored(
+        serve: Callable[..., FaultyServer], tmp_path: Path, anyio_backend: str,
+        note: bytes) -> None:
+    """``<url hash>.json`` notes the version last found for a URL: one cut by a crash, zeroed
+    by a machine's, or written in another shape (another release, a hand) is no note."""
+    server = serve(SHARDS)
+    url = server.url(NAMES[0])
+    Path(f"{ShardCache(str(tmp_path))._base(url)}.json").write_bytes(
+        note.replace(b"URL", url.encode()))
+    source = JsonLines(url, cache_dir=tmp_path, **FAST)
+    assert ids(await collect(source)) == list(range(50))
+    assert copy_of(tmp_path, server, NAMES[0]).read_bytes() == SHARDS[NAMES[0]]
