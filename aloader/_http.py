@@ -88,7 +88,9 @@ class HttpOptions:
     """How sources fetch URLs.
 
     Attributes:
-        timeout: seconds for connecting and for each read (None: no limit).
+        timeout: seconds for connecting and for each read (None: no limit): a server that
+            stops sending fails the attempt (retried from the last byte received); one that
+            keeps sending, however slowly, is not stopped (no limit on a whole response).
         retries: attempts after the first one, counted since the last byte received.
         backoff: delay before the first retry, in seconds; doubles at each retry.
         max_backoff: the longest delay between attempts.

@@ -18,8 +18,9 @@ import pytest
 from faulty_server import FaultyServer
 from sourcetools import collect, interrupted
 from test_http import Scripted, jsonl, reply
+from test_tar import make_tar, samples
 
-from aloader import FetchError, JsonLines, RecordError, TextLines
+from aloader import FetchError, JsonLines, RecordError, TarShards, TextLines
 
 pytestmark = pytest.mark.anyio
 
@@ -361,3 +362,17 @@ async def test_a_huge_line_without_a_newline_is_bounded_by_max_record_bytes(
     # TextLines alike (the line decoder is shared)
     source_text = TextLines(url, max_record_bytes=1 << 16, skip_errors=True, **FAST)
     assert len(await collect(source_text)) == 4
+
+
+async def test_a_tar_without_a_length_cut_between_members_is_an_error(
+        server: Scripted, anyio_backend: str) -> None:
+    """A body with neither Content-Length nor chunked framing, cut: HTTP cannot tell it from
+    a whole one (the module's limits); the tar's missing end-of-archive block does."""
+    raw = make_tar(samples(0, 6))
+    cut = 6 * 1024  # after the second sample's members, before the end blocks
+    url = server.route("t.tar", lambda h, n: reply(h, 200, raw[:cut], length=None))
+    got: list[Any] = []
+    with pytest.raises(RecordError, match=r"t\.tar: .*truncated"):
+        async for sample in TarShards(url, **FAST):
+            got.append(sample)
+    assert [sample["__key__"] for sample in got] == ["000000"]  # the second may go on
