@@ -33,12 +33,13 @@ coded body (``Content-Encoding: gzip``, as object stores do for files uploaded t
 a body is decoded as it streams: gzip and deflate with zlib, ``br`` with the brotli (or
 brotlicffi) package and ``zstd`` with zstandard (or Python 3.14's ``compression.zstd``) when
 installed; any other coding, or one whose decoder is missing, is a :class:`FetchError` naming
-the URL and the coding, never bytes parsed as if they were plain. A Range request on a coded
-body would count bytes of the coded representation, not the decoded ones N counts, and a
-decoder cannot start in the middle of its stream: so a coded body is resumed by reading it
-again from its start (without Range) and skipping the N decoded bytes already delivered. A
-coded stream that stops before its end marker is retried like a connection cut; one that does
-not decode fails at once.
+the URL and the coding, never bytes parsed as if they were plain. A transfer coding other
+than chunked (``Transfer-Encoding: gzip, chunked``: legal, rare) is undone the same way. A
+Range request on a coded body would count bytes of the coded representation, not the decoded
+ones N counts, and a decoder cannot start in the middle of its stream: so a coded body is
+resumed by reading it again from its start (without Range) and skipping the N decoded bytes
+already delivered. A coded stream that stops before its end marker is retried like a
+connection cut; one that does not decode fails at once.
 
 Limits: a plain body with neither ``Content-Length`` nor chunked framing, cut by the server,
 cannot be told from a complete one (HTTP has no way); the record formats then report a
@@ -443,15 +444,28 @@ def _optional_decoder(coding: str) -> _Stepwise | None:
 
 
 def _codings(value: str | None) -> list[str]:
-    """The content codings of a ``Content-Encoding`` header, in the order they were applied."""
+    """The codings of a ``Content-Encoding`` or ``Transfer-Encoding`` header, in the order they
+    were applied (``chunked``, the framing the client library undoes, left out)."""
     if not value:
         return []
     names = [name.strip().lower() for name in value.split(",")]
-    return [name for name in names if name and name != "identity"]
+    return [name for name in names if name and name not in ("identity", "chunked")]
 
 
-def _decoders(url: str, value: str | None, limit: int) -> list[_BodyDecoder]:
-    """Decoders undoing ``Content-Encoding: value``, the last applied first.
+def _body_decoders(url: str, headers: Mapping[str, str], limit: int) -> list[_BodyDecoder]:
+    """Decoders undoing a response's codings: a transfer coding (``Transfer-Encoding: gzip,
+    chunked``, which aiohttp hands on undone, and httpx refuses), then its content codings.
+
+    Raises:
+        FetchError: a coding that is unknown, or whose optional package is not installed.
+    """
+    return (_decoders(url, headers.get("Transfer-Encoding"), limit, "Transfer-Encoding")
+            + _decoders(url, headers.get("Content-Encoding"), limit))
+
+
+def _decoders(url: str, value: str | None, limit: int,
+              header: str = "Content-Encoding") -> list[_BodyDecoder]:
+    """Decoders undoing ``{header}: value``, the last applied first.
 
     Raises:
         FetchError: a coding that is unknown, or whose optional package is not installed.
@@ -466,12 +480,12 @@ def _decoders(url: str, value: str | None, limit: int) -> list[_BodyDecoder]:
             decoders.append(optional)
         elif coding in _OPTIONAL:
             packages = " or ".join(sorted({package for _, package in _OPTIONAL[coding]}))
-            raise FetchError(f"{url}: the server sent the body with Content-Encoding "
+            raise FetchError(f"{url}: the server sent the body with {header} "
                              f"{coding!r}, which needs the {packages} package to decode "
                              f"(pip install {_OPTIONAL[coding][0][1]}); it is not installed",
                              source=url)
         else:
-            raise FetchError(f"{url}: the server sent the body with Content-Encoding "
+            raise FetchError(f"{url}: the server sent the body with {header} "
                              f"{coding!r}, which aloader cannot decode (gzip, deflate, br and "
                              "zstd can be)", source=url)
     return decoders
@@ -613,8 +627,8 @@ async def http_chunks(
                     )
                 etag = etag or tag
                 try:
-                    decoders = _decoders(url, response.headers.get("Content-Encoding"),
-                                         min(options.chunk_size, _MAX_PIECE))
+                    decoders = _body_decoders(url, response.headers,
+                                              min(options.chunk_size, _MAX_PIECE))
                 except FetchError as exc:
                     exc.offset, exc.status_code = offset, status
                     raise

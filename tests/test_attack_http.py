@@ -376,3 +376,31 @@ async def test_a_tar_without_a_length_cut_between_members_is_an_error(
         async for sample in TarShards(url, **FAST):
             got.append(sample)
     assert [sample["__key__"] for sample in got] == ["000000"]  # the second may go on
+
+
+def transfer_coded(handler: Any, coded: bytes, coding: str) -> None:
+    """200 with ``Transfer-Encoding: {coding}, chunked`` (a hop-by-hop coding: rare, legal)."""
+    handler.send_response(200)
+    handler.send_header("Transfer-Encoding", f"{coding}, chunked")
+    handler.end_headers()
+    handler.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(coded), coded))
+    handler.wfile.flush()
+
+
+async def test_a_transfer_coding_is_decoded_or_refused_never_parsed_raw(
+        server: Scripted, anyio_backend: str) -> None:
+    """aiohttp (asyncio) hands a gzip transfer coding on undone, httpx (trio) refuses it: the
+    coded bytes must never be read as the shard's (as latin-1 lines they all "parse")."""
+    body = "".join(f"ligne {i} é\n" for i in range(200)).encode("latin-1")
+    url = server.route("te.txt", lambda h, n: transfer_coded(h, gzip.compress(body), "gzip"))
+    expected = body.decode("latin-1").splitlines()
+    try:
+        lines = await collect(TextLines(url, encoding="latin-1", retries=1, **FAST))
+    except FetchError as exc:  # httpx: "Only Transfer-Encoding: chunked is supported"
+        assert anyio_backend == "trio" and "Transfer-Encoding" in str(exc)
+    else:
+        assert lines == expected
+    url = server.route("tc.txt", lambda h, n: transfer_coded(h, b"\x1f\x9d junk", "compress"))
+    with pytest.raises(FetchError, match=r"tc\.txt: .*(Transfer-Encoding 'compress'|"
+                                         r"Transfer-Encoding: chunked is supported)"):
+        await collect(TextLines(url, encoding="latin-1", retries=1, **FAST))
