@@ -450,8 +450,15 @@ class ShardCache:
             self._chunks, url, fetch, versions, stats, chunk_size, on_size, start)
         if blocking:
             read = functools.partial(_on_own_loop, read)
-        if version is not None and (path := self.kept(url, version)) is not None:
-            return self._local(path, stats, chunk_size, on_size, start, (url, read), blocking)
+        if version is not None:
+            try:
+                path = self.kept(url, version)
+            except OSError as exc:  # the directory cannot be used (a stamp refused, ...)
+                self._noted(exc, url)
+                raise
+            if path is not None:
+                return self._local(path, stats, chunk_size, on_size, start, (url, read),
+                                   blocking)
         return read()
 
     async def _local(

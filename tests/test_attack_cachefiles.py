@@ -180,3 +180,28 @@ async def test_a_version_note_damaged_or_of_another_shape_is_ignored(
     source = JsonLines(url, cache_dir=tmp_path, **FAST)
     assert ids(await collect(source)) == list(range(50))
     assert copy_of(tmp_path, server, NAMES[0]).read_bytes() == SHARDS[NAMES[0]]
+
+
+
+async def test_a_directory_that_refuses_stamps_is_an_error_naming_it(
+        serve: Callable[..., FaultyServer], tmp_path: Path, anyio_backend: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache directory gone read-only (a hit's stamp of last use refused): as documented,
+    an OSError with a note naming the URL and the directory, for the source whose versions
+    are pinned (its copies read inline) as for a new one."""
+    server = serve(SHARDS)
+    source = JsonLines(server.urls, cache_dir=tmp_path, **FAST)
+    assert sorted(ids(await collect(source))) == list(range(100))
+    real_utime = os.utime
+
+    def refusing(path: Any, *args: Any, **kwargs: Any) -> None:
+        if str(path).startswith(str(tmp_path)):
+            raise PermissionError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        real_utime(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "utime", refusing)
+    for reader in (source, JsonLines(server.urls, cache_dir=tmp_path, **FAST)):
+        with pytest.raises(PermissionError) as caught:
+            await collect(reader)
+        assert any(str(tmp_path) in note and "shard cache" in note
+                   for note in getattr(caught.value, "__notes__", []))
