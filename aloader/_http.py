@@ -633,6 +633,7 @@ async def http_chunks(
                     exc.offset, exc.status_code = offset, status
                     raise
                 skip = 0
+                match = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
                 if decoders:
                     if status == 206:
                         if "Range" not in headers:
@@ -646,10 +647,9 @@ async def http_chunks(
                         continue
                     coded = True
                     skip = offset
-                elif status == 206 or "Content-Range" in response.headers:
+                elif status == 206 or match is not None:
                     # A 200 with a Content-Range is a part too (as some proxies answer a
                     # range): taken for the whole body, its first bytes would be skipped.
-                    match = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
                     if match is None or int(match.group(1)) != offset:
                         raise FetchError(
                             f"{url}: asked for bytes from {offset}, but the server sent "

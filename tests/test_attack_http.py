@@ -404,3 +404,10 @@ async def test_a_transfer_coding_is_decoded_or_refused_never_parsed_raw(
     with pytest.raises(FetchError, match=r"tc\.txt: .*(Transfer-Encoding 'compress'|"
                                          r"Transfer-Encoding: chunked is supported)"):
         await collect(TextLines(url, encoding="latin-1", retries=1, **FAST))
+
+
+async def test_a_200_with_a_content_range_that_does_not_parse_is_the_whole_body(
+        server: Scripted, anyio_backend: str) -> None:
+    url = server.route("odd.jsonl", lambda h, n: reply(h, 200, BODY,
+                                                       headers={"Content-Range": "bytes */7"}))
+    assert ids(await collect(JsonLines(url, **FAST))) == list(range(300))
