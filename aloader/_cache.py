@@ -12,7 +12,10 @@ Invariants:
   when the download ended without error and its length is the object's size. A truncated or
   failed download, or one whose reader stopped early, is deleted, never committed; a crashed
   downloader's temporary file is never read (readers only open final names) and is removed by
-  the next process that downloads that URL or makes room in the cache.
+  the next process that downloads that URL or makes room in the cache. A final file whose
+  length is not its version's (a machine's crash before the bytes reached the disk, a hand)
+  is removed when it is looked up, never read; one of the right length whose bytes changed
+  cannot be told (no checksum is kept).
 * One download per object version at a time, machine-wide: a downloader holds the URL's lock
   (``flock`` on ``<key>.lock``, released by the kernel if the process dies) from its request
   to its commit. Another process wanting that URL meanwhile waits for the lock (polling, so
@@ -303,10 +306,18 @@ class ShardCache:
         return _copy_path(self.directory, url, version)
 
     def kept(self, url: str, version: Version) -> str | None:
-        """The committed copy's path, stamped as just used, or None if there is none."""
+        """The committed copy's path, stamped as just used, or None if there is none.
+
+        A copy whose length is not its version's (cut by a crash of the machine before its
+        bytes reached the disk, or by a hand) is never served: it is removed, and the object
+        downloaded again. A copy of the right length whose bytes were altered cannot be told.
+        """
         path = self.path(url, version)
         now = time.time_ns()
         try:
+            if os.stat(path).st_size != version[0]:
+                os.unlink(path)  # a new download commits another file in its place
+                return None
             os.utime(path, ns=(now, now))
         except FileNotFoundError:
             return None
@@ -333,12 +344,14 @@ class ShardCache:
         try:
             with open(f"{self._base(url)}.json") as source:
                 note = json.load(source)
-        except (FileNotFoundError, ValueError):
+        except (FileNotFoundError, ValueError):  # none, or cut (a crash) or zeroed
             return None
-        if note.get("url") != url or note.get("at", 0.0) < since:
-            return None
-        size, tag = note["version"]
-        return int(size), tag
+        # A note of another shape (another release's, a hand's) is no note.
+        match note:
+            case {"url": str(noted), "version": [int(size), str() | None as tag],
+                  "at": int() | float() as at} if noted == url and at >= since:
+                return size, tag
+        return None
 
     # Room --------------------------------------------------------------------------------
     async def _writer(self, url: str, version: Version, stats: SourceStats) -> _Writer | None:
@@ -437,8 +450,15 @@ class ShardCache:
             self._chunks, url, fetch, versions, stats, chunk_size, on_size, start)
         if blocking:
             read = functools.partial(_on_own_loop, read)
-        if version is not None and (path := self.kept(url, version)) is not None:
-            return self._local(path, stats, chunk_size, on_size, start, (url, read), blocking)
+        if version is not None:
+            try:
+                path = self.kept(url, version)
+            except OSError as exc:  # the directory cannot be used (a stamp refused, ...)
+                self._noted(exc, url)
+                raise
+            if path is not None:
+                return self._local(path, stats, chunk_size, on_size, start, (url, read),
+                                   blocking)
         return read()
 
     async def _local(

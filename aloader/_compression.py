@@ -13,8 +13,10 @@ Invariants:
   least 4 compressed bytes, so a slice expands to at most about 16 MiB). A decompression
   bomb is handed on a bounded piece at a time, never held whole.
 - Complete or an error: several gzip members, bz2 streams or zstd frames one after another
-  are read as one stream, as ``gzip -d``, ``bzip2 -d`` and ``zstd -d`` do; a stream that does
-  not decompress, or that ends before its end marker, is a :class:`RecordError` naming the
+  are read as one stream, as ``gzip -d``, ``bzip2 -d`` and ``zstd -d`` do (zstd's skippable
+  frames skipped); bytes after the last one that do not start another (trailing garbage, zero
+  padding too, which ``gzip -d`` only warns about) fail the shard after its records. A stream
+  that does not decompress, or that ends before its end marker, is a :class:`RecordError` naming the
   shard and the compressed bytes in which the codec noticed, raised before the format sees
   the (partial) bytes at the end: never a silently short shard. Streaming means a codec
   checks what it can when it can: gzip's CRC covers a whole member and is checked at its

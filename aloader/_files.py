@@ -121,6 +121,10 @@ async def file_chunks(
                     data = _read_cached(fd, want, position)
                 except _NoWait:
                     cached = False
+                if data == b"" and position < size:
+                    # No proof of the end: a cached-only read may answer 0 bytes instead of
+                    # EAGAIN (kernels, file systems differ); the thread's read tells.
+                    data = None
             if blocking:
                 data = os.pread(fd, want, position) if regular else os.read(fd, want)
             elif data is None:

@@ -19,22 +19,27 @@ A body is read as a sequence of chunks. When the connection fails (refused, rese
 middle of the body, timed out) or the server answers a transient status (5xx, 408, 429), the
 request is retried after an exponential backoff, asking for the rest of the body only
 (``Range: bytes=N-``, where N counts the bytes already delivered). A server that ignores ranges
-answers 200 with the whole body: the first N bytes are then skipped. A body that ends before
-the length its response announced (a ``Content-Range`` shorter than asked) is resumed the same
-way. A client error such as 404 fails at once, and so does a redirect to a URL that is not
-http(s) (``data:``, ``file:``, ...).
+answers 200 with the whole body: the first N bytes are then skipped (a 200 that carries a
+``Content-Range`` is a part, read as a 206 is). A body that ends before the length its
+response announced (a ``Content-Range`` shorter than asked) is resumed the same way. A
+resumption whose response tells another length of the body than an earlier one did is an
+error: the resource changed (without an ETag, the only sign of it). A retry's range that the
+server answers 416 with the length already read (a cut just before a chunked body's last,
+empty chunk) ends the body. A client error such as 404 fails at once, and so does a redirect
+to a URL that is not http(s) (``data:``, ``file:``, ...).
 
 Content codings. Requests ask for ``Accept-Encoding: identity``; a server may still send a
 coded body (``Content-Encoding: gzip``, as object stores do for files uploaded that way). Such
 a body is decoded as it streams: gzip and deflate with zlib, ``br`` with the brotli (or
 brotlicffi) package and ``zstd`` with zstandard (or Python 3.14's ``compression.zstd``) when
 installed; any other coding, or one whose decoder is missing, is a :class:`FetchError` naming
-the URL and the coding, never bytes parsed as if they were plain. A Range request on a coded
-body would count bytes of the coded representation, not the decoded ones N counts, and a
-decoder cannot start in the middle of its stream: so a coded body is resumed by reading it
-again from its start (without Range) and skipping the N decoded bytes already delivered. A
-coded stream that stops before its end marker is retried like a connection cut; one that does
-not decode fails at once.
+the URL and the coding, never bytes parsed as if they were plain. A transfer coding other
+than chunked (``Transfer-Encoding: gzip, chunked``: legal, rare) is undone the same way. A
+Range request on a coded body would count bytes of the coded representation, not the decoded
+ones N counts, and a decoder cannot start in the middle of its stream: so a coded body is
+resumed by reading it again from its start (without Range) and skipping the N decoded bytes
+already delivered. A coded stream that stops before its end marker is retried like a
+connection cut; one that does not decode fails at once.
 
 Limits: a plain body with neither ``Content-Length`` nor chunked framing, cut by the server,
 cannot be told from a complete one (HTTP has no way); the record formats then report a
@@ -71,6 +76,8 @@ __all__ = ("HttpClient", "HttpOptions", "env_configures_http", "http_chunks", "m
            "retry_delay", "shares_one_pool", "split_chunks")
 
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
+# A 416's Content-Range: the body's length.
+_UNSATISFIED = re.compile(r"bytes\s+\*/(\d+)")
 # Statuses worth retrying: server errors, request timeout, too many requests.
 _TRANSIENT = frozenset({408, 429})
 # The most bytes a decoder hands on at once (before they are split to chunk_size).
@@ -82,7 +89,9 @@ class HttpOptions:
     """How sources fetch URLs.
 
     Attributes:
-        timeout: seconds for connecting and for each read (None: no limit).
+        timeout: seconds for connecting and for each read (None: no limit): a server that
+            stops sending fails the attempt (retried from the last byte received); one that
+            keeps sending, however slowly, is not stopped (no limit on a whole response).
         retries: attempts after the first one, counted since the last byte received.
         backoff: delay before the first retry, in seconds; doubles at each retry.
         max_backoff: the longest delay between attempts.
@@ -276,7 +285,10 @@ class _AiohttpClient(HttpClient):
             raise _Failed(f"{type(exc).__name__} (the server redirected to {target})", False,
                           exc) from exc
         except aiohttp.TooManyRedirects as exc:
-            raise _Failed(_named(exc), False, exc) from exc
+            # Its own message is its status and URL ("0, message='', url=...").
+            raise _Failed(f"TooManyRedirects: more than {len(exc.history)} redirects in a row "
+                          f"(a redirect loop?), the last to {exc.request_info.real_url}", False,
+                          exc) from exc
         except (aiohttp.ClientError, TimeoutError) as exc:
             # Connection errors, bodies cut short (ClientPayloadError), timeouts, malformed
             # responses (ClientResponseError from the parser): as httpx's network and
@@ -432,15 +444,28 @@ def _optional_decoder(coding: str) -> _Stepwise | None:
 
 
 def _codings(value: str | None) -> list[str]:
-    """The content codings of a ``Content-Encoding`` header, in the order they were applied."""
+    """The codings of a ``Content-Encoding`` or ``Transfer-Encoding`` header, in the order they
+    were applied (``chunked``, the framing the client library undoes, left out)."""
     if not value:
         return []
     names = [name.strip().lower() for name in value.split(",")]
-    return [name for name in names if name and name != "identity"]
+    return [name for name in names if name and name not in ("identity", "chunked")]
 
 
-def _decoders(url: str, value: str | None, limit: int) -> list[_BodyDecoder]:
-    """Decoders undoing ``Content-Encoding: value``, the last applied first.
+def _body_decoders(url: str, headers: Mapping[str, str], limit: int) -> list[_BodyDecoder]:
+    """Decoders undoing a response's codings: a transfer coding (``Transfer-Encoding: gzip,
+    chunked``, which aiohttp hands on undone, and httpx refuses), then its content codings.
+
+    Raises:
+        FetchError: a coding that is unknown, or whose optional package is not installed.
+    """
+    return (_decoders(url, headers.get("Transfer-Encoding"), limit, "Transfer-Encoding")
+            + _decoders(url, headers.get("Content-Encoding"), limit))
+
+
+def _decoders(url: str, value: str | None, limit: int,
+              header: str = "Content-Encoding") -> list[_BodyDecoder]:
+    """Decoders undoing ``{header}: value``, the last applied first.
 
     Raises:
         FetchError: a coding that is unknown, or whose optional package is not installed.
@@ -455,12 +480,12 @@ def _decoders(url: str, value: str | None, limit: int) -> list[_BodyDecoder]:
             decoders.append(optional)
         elif coding in _OPTIONAL:
             packages = " or ".join(sorted({package for _, package in _OPTIONAL[coding]}))
-            raise FetchError(f"{url}: the server sent the body with Content-Encoding "
+            raise FetchError(f"{url}: the server sent the body with {header} "
                              f"{coding!r}, which needs the {packages} package to decode "
                              f"(pip install {_OPTIONAL[coding][0][1]}); it is not installed",
                              source=url)
         else:
-            raise FetchError(f"{url}: the server sent the body with Content-Encoding "
+            raise FetchError(f"{url}: the server sent the body with {header} "
                              f"{coding!r}, which aloader cannot decode (gzip, deflate, br and "
                              "zstd can be)", source=url)
     return decoders
@@ -501,6 +526,30 @@ def _retry_after(value: str | None) -> float | None:
 
 def _where(offset: int) -> str:
     return f" at byte offset {offset}" if offset else ""
+
+
+def _same_length(url: str, total: int | None, length: int, offset: int, status: int) -> int:
+    """``length``, the body's length a response tells, if it is the one an earlier response
+    told (``total``, None if none did).
+
+    Raises:
+        FetchError: it is not: the resource changed between two attempts (without an ETag,
+            the length is the only sign), and the rest would come from another version.
+    """
+    if total is not None and length != total:
+        raise FetchError(f"{url}: the resource changed on the server while it was being read "
+                         f"(its length {total} became {length}){_where(offset)}",
+                         source=url, offset=offset, status_code=status)
+    return length
+
+
+def _length_of(total: int | None, headers: Mapping[str, str]) -> int | None:
+    """The body's length: ``total`` if a response told it, else what a 416's
+    ``Content-Range: bytes */N`` says, else None."""
+    if total is not None:
+        return total
+    match = _UNSATISFIED.fullmatch(headers.get("Content-Range", "").strip())
+    return None if match is None else int(match.group(1))
 
 
 async def http_chunks(
@@ -559,8 +608,8 @@ async def http_chunks(
             async with client.get(url, headers) as response:
                 status = response.status
                 reason = response.reason
-                if status == 416 and total is not None and offset >= total:
-                    return
+                if status == 416 and offset == _length_of(total, response.headers):
+                    return  # every byte came (a cut before a chunked body's last chunk)
                 if status >= 500 or status in _TRANSIENT:
                     raise _Transient(f"HTTP {status} {reason}".rstrip(),
                                      _retry_after(response.headers.get("Retry-After")))
@@ -578,12 +627,13 @@ async def http_chunks(
                     )
                 etag = etag or tag
                 try:
-                    decoders = _decoders(url, response.headers.get("Content-Encoding"),
-                                         min(options.chunk_size, _MAX_PIECE))
+                    decoders = _body_decoders(url, response.headers,
+                                              min(options.chunk_size, _MAX_PIECE))
                 except FetchError as exc:
                     exc.offset, exc.status_code = offset, status
                     raise
                 skip = 0
+                match = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
                 if decoders:
                     if status == 206:
                         if "Range" not in headers:
@@ -597,8 +647,9 @@ async def http_chunks(
                         continue
                     coded = True
                     skip = offset
-                elif status == 206:
-                    match = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
+                elif status == 206 or match is not None:
+                    # A 200 with a Content-Range is a part too (as some proxies answer a
+                    # range): taken for the whole body, its first bytes would be skipped.
                     if match is None or int(match.group(1)) != offset:
                         raise FetchError(
                             f"{url}: asked for bytes from {offset}, but the server sent "
@@ -606,12 +657,12 @@ async def http_chunks(
                             source=url, offset=offset, status_code=status,
                         )
                     if match.group(3) != "*":
-                        total = int(match.group(3))
+                        total = _same_length(url, total, int(match.group(3)), offset, status)
                 else:
                     skip = offset  # the server ignored the range: drop what we already have
                     length = response.headers.get("Content-Length")
                     if length is not None and length.isdigit():
-                        total = int(length)
+                        total = _same_length(url, total, int(length), offset, status)
                 if total is not None and not decoders and on_size is not None:
                     on_size(total)
                 if on_version is not None:

@@ -20,7 +20,8 @@ Any other URL is one object, not checked until it is read.
 
 Reading. Invariant: ``offset`` counts the bytes handed on, and every attempt asks for the
 object from ``offset`` on (``Range: bytes=offset-``), with ``If-Match`` the ETag of the first
-response so that an object replaced meanwhile fails instead of splicing two versions. A
+response so that an object replaced meanwhile fails instead of splicing two versions (and a
+resumed answer of another size or ETag fails too, for a store that does not keep to it). A
 dropped connection, a body cut short, a 5xx, a throttling answer (S3 ``SlowDown``, 429) or a
 timeout is retried after an exponential backoff, resuming from ``offset``: nothing handed on is
 read twice and nothing is skipped. Retries are aloader's (the source's ``retries``,
@@ -490,6 +491,7 @@ class ObjectAccess:
         offset = start  # bytes handed on (those before ``start`` count as such)
         failures = 0  # failed attempts since the last byte handed on
         total: int | None = None
+        first_tag: str | None = None  # the ETag of the first answer
         while True:
             request: dict[str, Any] = {}
             if end is not None:
@@ -504,14 +506,23 @@ class ObjectAccess:
                 if start != offset:
                     raise FetchError(f"{url}: asked for bytes from {offset}, but the store "
                                      f"sent bytes from {start}", source=url, offset=offset)
+                meta = result.meta
                 if total is None:
-                    meta = result.meta
-                    total, tag = int(meta["size"]), meta.get("e_tag")
-                    etag = etag or tag
+                    total, first_tag = int(meta["size"]), meta.get("e_tag")
+                    etag = etag or first_tag
                     if on_size is not None:
                         on_size(total)
                     if on_version is not None:
                         on_version(*_version_of(meta))
+                elif int(meta["size"]) != total or (
+                        first_tag is not None and meta.get("e_tag") not in (None, first_tag)):
+                    # A store that did not keep to If-Match (or had no ETag to match): the
+                    # rest would be another version's bytes.
+                    raise FetchError(
+                        f"{url}: the object changed in the store while it was being read "
+                        f"(size {total}, ETag {first_tag} became size {meta['size']}, ETag "
+                        f"{meta.get('e_tag')}) at byte offset {offset}", source=url,
+                        offset=offset)
                 stream = result.stream(min_chunk_size=size)
                 while (piece := await calls.next(stream)) is not None:
                     failures = 0

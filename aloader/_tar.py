@@ -25,8 +25,9 @@ Invariants:
   record) or a stream that ends before its end-of-archive block (inside a header or a
   member's data, or between members) is a located :class:`RecordError`; the rest of the
   shard cannot be read, the sample in progress is dropped.
-- Bounded memory: the decoder holds at most one sample's data (``max_sample_bytes``), an
-  unfinished header and the chunk in hand; a member's data is copied once.
+- Bounded memory: the decoder holds at most one sample (``max_sample_bytes``: its members'
+  data, plus a header's 512 bytes for each member), an unfinished header and the chunk in
+  hand; a member's data is copied once.
 """
 
 from __future__ import annotations
@@ -278,7 +279,9 @@ class TarDecoder(Decoder[dict[str, Any]]):
             self._bad_member(f"a second member with the extension {ext!r} in the sample "
                              f"{key!r}")
             return False
-        self._sample_bytes += size
+        # A member's header counts too: members of no data still cost memory (a name and a
+        # place in the sample), and a key with a million of them must not go unbounded.
+        self._sample_bytes += size + _BLOCK
         if self._sample_bytes > self.max_record_bytes:
             self._bad_member(f"the sample {key!r} holds more than max_sample_bytes "
                              f"({self.max_record_bytes} bytes) with this member of {size}")
@@ -361,7 +364,8 @@ class TarShards(ShardedSource[dict[str, Any]]):
         decoders: ``{extension: callable(bytes)}``, matched on the whole lowercased extension
             (``"seg.png"``), then on its last part (``"png"``). A decoder that raises makes
             its sample a malformed record.
-        max_sample_bytes: the most member data one sample may hold (a guard on memory).
+        max_sample_bytes: the most bytes one sample may hold (a guard on memory): its
+            members' data, and 512 bytes for each member (its header).
         **options: see :class:`ShardedSource` (``max_record_bytes`` does not apply;
             ``chunk_size`` defaults to 256 KiB here).
 
