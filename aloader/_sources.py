@@ -673,7 +673,8 @@ class ShardedSource(Stream[T_co]):
         even_ranks: how the ranks are evened out: None (not at all), ``"shards"`` (the same
             number of shards) or ``"records"`` (``records_per_rank``).
         records_per_rank: the records per rank and epoch, or None.
-        stats: :class:`~aloader.SourceStats` counters (records, bytes, skipped, ...).
+        stats: :class:`~aloader.SourceStats` counters (records, bytes, skipped, ...): each
+            epoch's content once, however often a part of it is read again (see its docs).
 
     Raises:
         FileNotFoundError: a shard path does not exist.

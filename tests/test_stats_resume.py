@@ -273,3 +273,64 @@ def test_a_fresh_source_resumed_counts_the_rest_of_the_epoch(shards: Path, kind:
         bad += sum(1 for line, start in zip(data.splitlines(True), starts, strict=False)
                    if line.startswith(b"{bad") and (s > shard or (s == shard and start >= offset)))
     assert stats.skipped == bad
+
+
+async def test_a_mix_replaying_its_inputs_counts_them_once(shards: Path,
+                                                           anyio_backend: str) -> None:
+    # mix resumes by counting: it replays its inputs from their start.
+    from aloader import mix
+
+    def make() -> tuple[list[Any], Any]:
+        sources = [JsonLines(paths(shards, "j*.jsonl"), chunk_size=40, skip_errors=True),
+                   TextLines(paths(shards, "t*.txt"), chunk_size=16)]
+        return sources, mix(sources, [1, 2], seed=3, stop="all_exhausted")
+
+    references, stream = make()
+    full = [item async for item in stream]
+    sources, stream = make()
+    got: list[Any] = []
+    async for item in stream:
+        got.append(item)
+        if len(got) == 60:
+            break
+    stream.load_state_dict(stream.state_dict())
+    got.extend([item async for item in stream])
+    assert got == full
+    assert [s.stats.counts() for s in sources] == [s.stats.counts() for s in references]
+
+
+def test_a_state_loaded_after_its_epoch_ended_counts_again(shards: Path) -> None:
+    # The epoch read to its end, its reading is over: the rest read again is a new reading.
+    source = JsonLines(paths(shards, "j*.jsonl"), chunk_size=40, skip_errors=True)
+    iterator = iter(source)
+    head = [next(iterator) for _ in range(20)]
+    state = source.state_dict()
+    rest = list(iterator)
+    once = source.stats.counts()
+    source.load_state_dict(state)
+    assert list(source) == rest
+    fresh = JsonLines(paths(shards, "j*.jsonl"), chunk_size=40, skip_errors=True)
+    fresh.load_state_dict(state)
+    assert list(fresh) == rest
+    assert source.stats.counts() == tuple(a + b for a, b in zip(once, fresh.stats.counts(),
+                                                                  strict=True))
+    assert len(head) == 20
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "gzip"])
+async def test_an_async_loader_resumed_from_its_own_state_counts_each_record_once(
+        shards: Path, kind: str, anyio_backend: str) -> None:
+    reference = KINDS[kind](shards, None)
+    full = [list(batch) async for batch in DataLoader(reference, batch_size=4, collate_fn=list)]
+    source = KINDS[kind](shards, None)
+    loader = DataLoader(source, batch_size=4, collate_fn=list)
+    got = []
+    async for batch in loader:
+        got.append(list(batch))
+        if len(got) == 5:
+            break
+    state = loader.state_dict()
+    loader.load_state_dict(state)
+    got.extend([list(batch) async for batch in loader])
+    assert got == full
+    assert source.stats.counts() == reference.stats.counts()
