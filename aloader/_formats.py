@@ -51,11 +51,23 @@ class SourceStats:
     and of the streams it reads from (see :func:`aloader._sources.source_stats`), not those a
     dataset of your own holds.
 
+    Each epoch's content counts once (records, bytes, skipped, shards, repeated): a part of
+    an epoch read again (a chain reopened after a KeyboardInterrupt in a decoder or a
+    transform, a shuffle or mix replaying its input, a stream resumed from a state it saved
+    itself, which continues its reading) is not counted again, so an epoch interrupted and
+    continued counts what the uninterrupted one does; the same epoch read again from its start
+    counts again. A fresh source resumed from a state (a new loader or process) counts the
+    rest of the epoch: the records from the position, the bytes and skipped records from the
+    byte offset of the position's block in its shard's content. ``retries`` and the cache
+    counters count the requests and reads made, those of a part read again included. The
+    counts run ahead of the consumer by what the stream has read ahead. (:class:`ParquetRows`
+    counts what it reads.)
+
     Attributes:
         shards: shards read to their end.
-        records: records produced.
-        bytes: bytes read from files and HTTP responses, after decompression (of a
-            compressed shard or a coded body).
+        records: records decoded (handed on by the source, before any transform).
+        bytes: the shards' content decoded, in bytes: after decompression (of a compressed
+            shard or a coded HTTP body), counted as each chunk is fed to the decoder.
         skipped: malformed records skipped because ``skip_errors=True``.
         retries: HTTP requests retried (connection errors, timeouts, 5xx).
         shards_dropped: shards this rank left unread in an epoch to read as many shards as

@@ -10,7 +10,9 @@ consumer (one worker of one rank) reads its share of the shards (see
 from __future__ import annotations
 
 import functools
+import itertools
 import os
+import sys
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any, Protocol, TypedDict, TypeVar, Unpack
 
@@ -25,7 +27,7 @@ from ._compression import (
     decompressed,
     decompressor_for,
 )
-from ._exceptions import SourceError
+from ._exceptions import RecordError, SourceError
 from ._files import file_chunks
 from ._formats import (
     BadRecords,
@@ -306,22 +308,163 @@ def worker_quota(records_per_rank: int, num_units: int, world_size: int, worker_
     return records_per_rank // busy + (worker_id < records_per_rank % busy)
 
 
+# --------------------------------------------------------------------------- counting
+#
+# A source's stats count an epoch's content, not its reads: each record, byte, skipped record
+# and shard end of an epoch's reading is counted once, however often a part of it is read
+# again: by a chain reopened after a KeyboardInterrupt, a shuffle or a mix replaying its
+# input, a resume from a state this stream saved (one reading: _Context.reading). Each pass
+# over a consumer's shards keeps a _Tally in its reading: how far it counted. Shards are
+# decoded in order, one at a time, so the tally holds the shard being read (those before it
+# were counted to their end) and, of it, where counting got; a read counts only beyond that.
+# Everything is numbered by position in the shard's content, so a read again from anywhere
+# (a block's offset, the start of a compressed shard) meets the same numbers.
+
+
+def _fresh(counted: int, first: int, end: int) -> int:
+    """How many of the positions ``first`` to ``end - 1`` lie at or after ``counted``."""
+    return end - max(first, counted) if end > counted else 0
+
+
+class _Tally:
+    """How far a reading counted one pass over a consumer's shards (or one count of its own):
+    the shards before ``shard`` to their end; of ``shard``, its content's bytes before offset
+    ``bytes``, its records numbered below ``records``, its skipped records up to ``skipped``
+    (a malformed record's (byte offset, number among those at that offset), see
+    :class:`_Counting`), and its end if ``ended``.
+
+    A pass resumed by a new reading (a state saved by another stream) starts its tally at the
+    position: that shard's bytes and skipped records from the offset of the position's block,
+    its records from the position's.
+    """
+
+    __slots__ = ("bytes", "ended", "records", "shard", "skipped")
+
+    def __init__(self, shard: int = -1, records: int = 0, offset: int = 0) -> None:
+        self.shard = shard
+        self.records = records
+        self.bytes = offset
+        self.skipped = (offset, -1)
+        self.ended = False
+
+    def new_records(self, first: int, end: int) -> int:
+        """Of the records numbered ``first`` to ``end - 1``, how many were not counted yet
+        (they are now)."""
+        fresh = _fresh(self.records, first, end)
+        if fresh:
+            self.records = end
+        return fresh
+
+    def new_bytes(self, first: int, end: int) -> int:
+        """Of the content's bytes ``first`` to ``end - 1``, how many were not counted yet
+        (they are now)."""
+        fresh = _fresh(self.bytes, first, end)
+        if fresh:
+            self.bytes = end
+        return fresh
+
+
+#: The tally of a shard read again after its pass had moved on: all of it counted.
+_COUNTED = _Tally(sys.maxsize, sys.maxsize, sys.maxsize)
+_COUNTED.ended = True
+
+
+def _tally(ctx: _Context, key: Any, records: int | None = None, shard: int = -1,
+           offset: int = 0) -> tuple[_Tally, bool]:
+    """The tally of ``key`` in ``ctx``'s reading, and whether it is new: from the start, or
+    with ``records`` from a resumed position (the number of its first record, and its
+    ``shard`` and block's ``offset``)."""
+    counted: _Tally | None = ctx.reading.get(key)
+    if counted is not None:
+        return counted, False
+    counted = ctx.reading[key] = _Tally() if records is None else _Tally(shard, records,
+                                                                          offset)
+    return counted, True
+
+
+class _Counting(BadRecords):
+    """One read of shard ``index`` of a pass, counting in its source's stats what the pass's
+    reading had not counted (``pass_``, a :class:`_Tally`), and the policy for the shard's
+    malformed records (which the decoder calls it with).
+
+    A skipped record is numbered by its byte offset and, for several errors at one offset,
+    its rank among them: errors come in the order of the content, so a read again from a
+    record's start meets each with the same number.
+    """
+
+    __slots__ = ("_index", "_last", "_pass", "tally")
+
+    def __init__(self, skip: bool, stats: SourceStats, pass_: _Tally, index: int) -> None:
+        super().__init__(skip, stats)
+        self._pass = pass_
+        self._index = index
+        self._last = (-2, 0)  # the number of the last error met
+        self.tally = pass_
+
+    def start(self) -> None:
+        """The read begins (shards are decoded in order): its shard's tally."""
+        pass_ = self._pass
+        if self._index > pass_.shard:  # the pass's first read of this shard
+            pass_.shard = self._index
+            pass_.bytes = pass_.records = 0
+            pass_.skipped = (0, -1)
+            pass_.ended = False
+        self.tally = pass_ if self._index == pass_.shard else _COUNTED
+
+    def count_bytes(self, first: int, end: int) -> None:
+        """Bytes ``first`` to ``end - 1`` of the content were fed to the decoder."""
+        self.stats.bytes += self.tally.new_bytes(first, end)
+
+    def count_records(self, first: int, end: int) -> None:
+        """Records ``first`` to ``end - 1`` of the shard were decoded."""
+        self.stats.records += self.tally.new_records(first, end)
+
+    def __call__(self, error: RecordError) -> bool:
+        if not self.skip:
+            return False
+        offset = error.offset or 0
+        last = self._last
+        number = self._last = (offset, last[1] + 1 if last[0] == offset else 0)
+        counted = self.tally
+        if number <= counted.skipped:
+            return True  # counted by an earlier read of the reading
+        counted.skipped = number
+        return super().__call__(error)
+
+    def end(self, error: RecordError | None = None) -> bool:
+        """The shard's end, counted once in its reading; with ``error``, a corrupt stream
+        that ends it, one skipped record (False: not skipped, to be raised)."""
+        if error is not None and not self.skip:
+            return False
+        counted = self.tally
+        if not counted.ended:
+            counted.ended = True
+            if error is not None:
+                BadRecords.__call__(self, error)
+            self.stats.shards += 1
+        return True
+
+
 async def _up_to(
     quota: int,
     passes: Callable[[dict[str, Any] | None], AsyncGenerator[tuple[list[Any], Any], None]],
     stats: SourceStats,
     where: str,
     at: dict[str, Any] | None = None,
+    counted: _Tally | None = None,
 ) -> AsyncGenerator[tuple[list[Any], Any], None]:
     """Exactly ``quota`` items from passes over a consumer's shards: the first pass's items
     (``passes(at)``, from ``at`` when resuming), then, if they were fewer, those of new passes
-    from the start (counted in ``stats.repeated``), the last block cut at the quota.
+    from the start (counted in ``stats.repeated`` beyond the items its reading ``counted``:
+    ``records``, the items before the first not counted), the last block cut at the quota.
 
     Tokens become ``(pass, items before the block, token)``; ``at`` holds ``pass`` and
     ``delivered`` (the items before its block) when resuming.
     """
     number = 0 if at is None else at["pass"]
     delivered = 0 if at is None else at["delivered"]
+    if counted is None:
+        counted = _Tally()
     first = True
     while delivered < quota:
         got = 0
@@ -329,11 +472,12 @@ async def _up_to(
             async for block, token in blocks:
                 if len(block) > quota - delivered:
                     block = block[: quota - delivered]
-                if number:
-                    stats.repeated += len(block)
-                yield block, (number, delivered, token)
-                delivered += len(block)
+                before = delivered
+                delivered += len(block)  # before the yield, which may close this
                 got += len(block)
+                if number:
+                    stats.repeated += counted.new_records(before, delivered)
+                yield block, (number, before, token)
                 if delivered >= quota:
                     return
         if got == 0 and not (first and at is not None):
@@ -529,7 +673,8 @@ class ShardedSource(Stream[T_co]):
         even_ranks: how the ranks are evened out: None (not at all), ``"shards"`` (the same
             number of shards) or ``"records"`` (``records_per_rank``).
         records_per_rank: the records per rank and epoch, or None.
-        stats: :class:`~aloader.SourceStats` counters (records, bytes, skipped, ...).
+        stats: :class:`~aloader.SourceStats` counters (records, bytes, skipped, ...): each
+            epoch's content once, however often a part of it is read again (see its docs).
 
     Raises:
         FileNotFoundError: a shard path does not exist.
@@ -710,21 +855,32 @@ class ShardedSource(Stream[T_co]):
         if self.records_per_rank is None:
             return _discard(self._shard_blocks(ctx, at), skip)
         quota, where = self._quota_of(ctx, len(self.shards))
-        return _discard(_up_to(quota, functools.partial(self._shard_blocks, ctx), self.stats,
-                               where, at), skip)
+        numbers = itertools.count(0 if at is None else at["pass"])  # _up_to's, in its order
+
+        def passes(start: dict[str, Any] | None) -> AsyncGenerator[tuple[list[T_co], Any], None]:
+            return self._shard_blocks(ctx, start, next(numbers))
+
+        repeated = _tally(ctx, (id(self), ctx.epoch, "repeated"),
+                          None if at is None else at["delivered"] + skip)[0]
+        return _discard(_up_to(quota, passes, self.stats, where, at, repeated), skip)
 
     async def _shard_blocks(
-        self, ctx: _Context, at: dict[str, Any] | None
+        self, ctx: _Context, at: dict[str, Any] | None, number: int = 0
     ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
+        """Pass ``number`` over this consumer's shards (of ``records_per_rank``'s passes),
+        from ``at``; what it counts goes on from what its reading counted of it (_Tally)."""
         names = self.shards_for(ctx.epoch, ctx.worker_id, ctx.num_workers)
         first = 0
         resume: tuple[int, int, int] | None = None
-        if at is None:
-            self._count_dropped(ctx, len(self.shards))
-        else:
+        if at is not None:
             first = at["shard"]
             self._check_shard(at, names)
             resume = (at["offset"], at["counter"], at["records"])
+        counted, new = _tally(ctx, (id(self), ctx.epoch, number),
+                              None if at is None else at["records"] + at["skip"],
+                              first, 0 if at is None else at["offset"])
+        if at is None and new:
+            self._count_dropped(ctx, len(self.shards))
         # An inline epoch reads one shard after another in the consumer's task (or thread):
         # with no task of its own, nothing could read ahead.
         slots = 1 if ctx.inline else min(self.concurrency, len(names) - first)
@@ -738,7 +894,7 @@ class ShardedSource(Stream[T_co]):
         readers = [
             functools.partial(self._read, index, names[index],
                               None if clients is None else clients.slot(i),
-                              resume if index == first else None, ctx.blocking)
+                              resume if index == first else None, ctx.blocking, counted)
             for i, index in enumerate(range(first, len(names)))
         ]
         async with Closing(_then_closed(read_in_order(ctx, readers, slots), clients)) as blocks:
@@ -774,12 +930,15 @@ class ShardedSource(Stream[T_co]):
     def _read(
         self, index: int, name: str, client: Callable[[], HttpClient] | None,
         resume: tuple[int, int, int] | None = None, blocking: bool = False,
+        counted: _Tally | None = None,
     ) -> SplitReader:
         """One shard's records, block by block (a block per chunk, or per piece of one where
         the decoder has a ``piece``), with their tokens; from ``resume`` (offset, counter,
         records before) if given; a local file read on this thread with ``blocking`` (a
-        loopless epoch's)."""
-        decoder = self._decoder(name, BadRecords(self.skip_errors, self.stats))
+        loopless epoch's); counted in the stats beyond what its pass ``counted``."""
+        counting = _Counting(self.skip_errors, self.stats,
+                             _Tally() if counted is None else counted, index)
+        decoder = self._decoder(name, counting)
         inflate = decompressor_for(name, self.compression, self.chunk_size)
         start = records = skip = 0
         if resume is not None:
@@ -792,7 +951,7 @@ class ShardedSource(Stream[T_co]):
 
         def decode(chunks: AsyncGenerator[bytes, None]
                    ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
-            blocks = self._records(index, name, decoder, chunks, records)
+            blocks = self._records(index, name, decoder, chunks, records, start, counting)
             return _discard(blocks, skip) if skip else blocks
 
         return SplitReader(
@@ -845,39 +1004,46 @@ class ShardedSource(Stream[T_co]):
 
     async def _records(
         self, index: int, name: str, decoder: Decoder[T_co],
-        chunks: AsyncGenerator[bytes, None], records_before: int,
+        chunks: AsyncGenerator[bytes, None], records_before: int, start: int,
+        counting: _Counting,
     ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
-        """The records of a shard's ``chunks``, a block per chunk (per piece of one where the
-        decoder has a ``piece``), with their tokens."""
-        stats = self.stats
+        """The records of a shard's ``chunks`` (its content from byte ``start``, its record
+        ``records_before`` first), a block per chunk (per piece of one where the decoder has
+        a ``piece``), with their tokens; counted in the stats beyond what ``counting``'s
+        reading counted already (see :class:`_Tally`)."""
+        counting.start()
         done = records_before
+        at = start  # the content's offset of the next chunk
         piece = decoder.piece
         try:
             async with Closing(chunks) as pieces:
                 async for chunk in pieces:
-                    stats.bytes += len(chunk)
+                    end = at + len(chunk)
+                    counting.count_bytes(at, end)
+                    at = end
                     # A block per piece of the chunk where the format asks for smaller ones.
                     for part in (chunk,) if piece is None else split_chunks(chunk, piece):
                         records = decoder.feed(part)
                         if records:
-                            stats.records += len(records)
-                            yield records, (index, name, *decoder.mark, done)
-                            done += len(records)
+                            first = done
+                            done += len(records)  # before the yield, which may close this
+                            counting.count_records(first, done)
+                            yield records, (index, name, *decoder.mark, first)
                         if decoder.pending is not None:
                             raise decoder.pending
         except CorruptStream as exc:
             # The rest of the shard is lost, its last partial record with it (never parsed).
-            if not decoder.bad(exc.error):
+            if not counting.end(exc.error):
                 raise exc.error from None
-            stats.shards += 1
             return
         while records := decoder.finish():
-            stats.records += len(records)
-            yield records, (index, name, *decoder.mark, done)
+            first = done
             done += len(records)
+            counting.count_records(first, done)
+            yield records, (index, name, *decoder.mark, first)
         if decoder.pending is not None:
             raise decoder.pending
-        stats.shards += 1
+        counting.end()
 
 
 def _remote(name: str) -> bool:

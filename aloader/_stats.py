@@ -178,7 +178,10 @@ class LoaderStats:
             verdict leaves out).
         workers: per worker process: ``{"batches": n, "busy": seconds}``.
         sources: the streaming sources' counters (records, bytes, retries, skipped...; with
-            ``cache_dir``, also cache_hits, cache_misses, cache_bytes and cache_evicted).
+            ``cache_dir``, also cache_hits, cache_misses, cache_bytes and cache_evicted),
+            cumulative over the loader's epochs, each epoch's content counted once (an epoch
+            interrupted and continued, or resumed by this loader from its own state, counts
+            what the uninterrupted one does; see :class:`~aloader.SourceStats`).
         bottleneck: the limiting stage, in one sentence with the change that would help.
     """
 

@@ -293,6 +293,12 @@ class _Context:
         group: the background task's task group, for stages that run helper tasks; None
             for an inline epoch (:meth:`Stream._loopless`), which no task may be started in:
             its chain runs in the consumer's own task, or with no event loop at all.
+        reading: what the epoch's reading has counted so far, for the stages that count
+            (the sources' stats, see :class:`aloader._sources.ShardedSource`), each under a
+            key of its own. One dict per reading of an epoch (:meth:`Stream._reading_of`),
+            kept by every chain that reading opens: one reopened after an interrupt, a
+            shuffle or mix replaying its input, the stream resumed from a state it saved
+            itself. So what is read again is never counted again.
         blocking: the chain runs with no event loop (a sync ``for``, :class:`_LocalPairs`):
             its stages must never await a real event (a local file is read on this thread).
     """
@@ -301,6 +307,7 @@ class _Context:
     worker_id: int
     num_workers: int
     group: anyio.abc.TaskGroup | None
+    reading: dict[Any, Any]
     blocking: bool = False
 
     @property
@@ -333,10 +340,11 @@ class _Driver:
     """
 
     def __init__(self, stream: Stream[Any], epoch: int, capacity: int, at: Any,
-                 slot: tuple[int, int]) -> None:
+                 slot: tuple[int, int], reading: dict[Any, Any]) -> None:
         self.stream = stream
         self.epoch = epoch
         self.at = at
+        self.reading = reading
         # The iterator's worker slot, read where it was made: a background task may not see
         # the context of a virtual replica (see aloader._workerinfo).
         self.slot = slot
@@ -359,7 +367,7 @@ class _Driver:
             with self._task.scope() as scope:
                 worker_id, num_workers = self.slot
                 async with anyio.create_task_group() as group:
-                    ctx = _Context(self.epoch, worker_id, num_workers, group)
+                    ctx = _Context(self.epoch, worker_id, num_workers, group, self.reading)
                     error = await self._pump(ctx)
                     # Helper tasks end with their stages; cancel any that linger.
                     group.cancel_scope.cancel()
@@ -410,12 +418,15 @@ class _StreamIterator(AsyncIterator[T]):
     """
 
     __slots__ = ("__weakref__", "_at", "_block", "_capacity", "_cursor", "_driver", "_epoch",
-                 "_finished", "_inline", "_restart", "_slot", "_stream", "_token")
+                 "_finished", "_inline", "_reading", "_restart", "_slot", "_stream", "_token")
 
-    def __init__(self, stream: Stream[T], epoch: int, capacity: int, at: Any = None) -> None:
+    def __init__(self, stream: Stream[T], epoch: int, capacity: int, at: Any = None,
+                 reading: dict[Any, Any] | None = None) -> None:
         self._stream = stream
         self._epoch = epoch
         self._capacity = capacity
+        # What this epoch's chains have counted (_Context.reading), whichever opens them.
+        self._reading: dict[Any, Any] = {} if reading is None else reading
         self._driver: _Driver | None = None
         self._inline: AsyncGenerator[tuple[list[T], Any], None] | None = None
         self._block: list[T] = []
@@ -440,6 +451,17 @@ class _StreamIterator(AsyncIterator[T]):
         for item in self._cursor:
             return item
         return next(await self._next_block())
+
+    def _context(self, group: anyio.abc.TaskGroup | None = None, blocking: bool = False
+                 ) -> _Context:
+        """The context of a chain of this epoch (its reading's counts go on in each)."""
+        worker_id, num_workers = self._slot
+        return _Context(self._epoch, worker_id, num_workers, group, self._reading, blocking)
+
+    def _drained(self) -> None:
+        """The chain reached the epoch's end: its reading is complete, so a state saved
+        during it and loaded now starts a new reading (it counts what it reads again)."""
+        self._stream._reading_done(self._slot, self._reading)
 
     def _enter(self, block: list[T], token: Any) -> Iterator[T]:
         """Start the consumer on ``block`` (the channel hands on no empty block)."""
@@ -474,21 +496,26 @@ class _StreamIterator(AsyncIterator[T]):
             raise StopAsyncIteration
         inline = self._inline
         if inline is None and self._driver is None and self._stream._loopless():
-            worker_id, num_workers = self._slot
-            ctx = _Context(self._epoch, worker_id, num_workers, None)
-            inline = self._inline = self._stream._blocks_at(ctx, self._restart)
+            inline = self._inline = self._stream._blocks_at(self._context(), self._restart)
         if inline is not None:
-            while True:
-                pair = await inline.__anext__()
-                if pair[0]:
-                    return pair
+            try:
+                while True:
+                    pair = await inline.__anext__()
+                    if pair[0]:
+                        return pair
+            except StopAsyncIteration:
+                self._drained()
+                raise
         driver = self._driver
         if driver is None:
             driver = self._driver = _Driver(self._stream, self._epoch, self._capacity,
-                                            self._restart, self._slot)
+                                            self._restart, self._slot, self._reading)
             driver.start()
         try:
             return await driver.channel.get()
+        except StopAsyncIteration:
+            self._drained()
+            raise
         except anyio.get_cancelled_exc_class():
             # The consumer is gone (as the DataLoader treats it): stop reading for it now,
             # rather than when this iterator is garbage-collected.
@@ -515,9 +542,8 @@ class _StreamIterator(AsyncIterator[T]):
         on the consumer's thread, driven by :func:`~aloader._facade.run_here`): its reads
         block, as a plain ``for``'s (:class:`_LocalPairs`'s context)."""
         if self._inline is None and self._driver is None:
-            worker_id, num_workers = self._slot
-            ctx = _Context(self._epoch, worker_id, num_workers, None, blocking=True)
-            self._inline = self._stream._blocks_at(ctx, self._restart)
+            self._inline = self._stream._blocks_at(self._context(blocking=True),
+                                                   self._restart)
 
     async def _next_block(self) -> Iterator[T]:
         """The cursor of the next block, entered; StopAsyncIteration at the end."""
@@ -623,9 +649,8 @@ class _LocalPairs(Iterator[tuple[list[T], Any]]):
             at = iterator._at
         else:  # after an interrupt: from the end of the block the consumer is on
             at = _state_of(iterator._stream, iterator._token, len(iterator._block))
-        worker_id, num_workers = iterator._slot
-        ctx = _Context(iterator._epoch, worker_id, num_workers, None, blocking=True)
-        blocks = self._blocks = iterator._stream._blocks_at(ctx, at)
+        blocks = self._blocks = iterator._stream._blocks_at(
+            iterator._context(blocking=True), at)
         return blocks
 
     def __next__(self) -> tuple[list[T], Any]:
@@ -641,6 +666,7 @@ class _LocalPairs(Iterator[tuple[list[T], Any]]):
                     return pair
         except StopAsyncIteration:
             self._blocks = None
+            self._iterator._drained()
             raise StopIteration from None
         except BaseException:
             self._blocks = None  # unwound by the error: spent
@@ -773,6 +799,8 @@ class Stream(IterableDataset[T_co]):
     _live: weakref.ref[Any] | None = None
     _resume_epoch: int | None = None
     _resume_at: dict[str, Any] | None = None
+    # Per worker slot: (epoch, reading) of the latest iterator, until it read to the end.
+    _readings: dict[tuple[int, int], tuple[int, dict[Any, Any]]] | None = None
 
     def _blocks(self, ctx: _Context) -> AsyncGenerator[list[T_co], None]:
         """This epoch's items, in blocks (lists); subclasses implement it."""
@@ -822,11 +850,38 @@ class Stream(IterableDataset[T_co]):
         loader's way in: it cuts batches with ``_take``)."""
         at = self._resume_at
         epoch = self._claim_epoch()
-        iterator = _StreamIterator(self, epoch, self._prefetch_blocks, at)
+        iterator = _StreamIterator(self, epoch, self._prefetch_blocks, at,
+                                   self._reading_of(epoch, at))
         if at == _END:
             iterator._finished = True
         self._live = weakref.ref(iterator)
         return iterator
+
+    def _reading_of(self, epoch: int, at: dict[str, Any] | None) -> dict[Any, Any]:
+        """The reading an iteration of ``epoch`` opened now from ``at`` counts into
+        (:attr:`_Context.reading`): from a position inside the epoch, the reading of this
+        stream's latest iterator of it in this worker slot if that one did not read to the
+        end (a state this stream saved, resumed: its counts go on, what the old iterator read
+        ahead is not counted again); else a new one (an epoch from its start, or a state
+        saved by another stream, which counts from its position)."""
+        slot = worker_slot()
+        readings = self._readings
+        if readings is None:
+            readings = self._readings = {}
+        kept = readings.get(slot)
+        if at is not None and kept is not None and kept[0] == epoch:
+            return kept[1]
+        reading: dict[Any, Any] = {}
+        readings[slot] = (epoch, reading)
+        return reading
+
+    def _reading_done(self, slot: tuple[int, int], reading: dict[Any, Any]) -> None:
+        """``reading`` (of worker ``slot``) read its epoch to the end (see _reading_of)."""
+        readings = self._readings
+        if readings is not None:
+            kept = readings.get(slot)
+            if kept is not None and kept[1] is reading:
+                del readings[slot]
 
     # Resume (torchdata's protocol) -------------------------------------------------------
     def _blocks_at(
@@ -941,6 +996,7 @@ class Stream(IterableDataset[T_co]):
         # The latest iterator is this process's (and a weak reference does not pickle).
         state = self.__dict__.copy()
         state.pop("_live", None)
+        state.pop("_readings", None)  # what this process counted
         return state
 
     def _worlds(self) -> list[list[int]]:

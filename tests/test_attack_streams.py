@@ -336,8 +336,6 @@ def test_interrupts_in_a_decoder_lose_and_repeat_nothing(shards: Path, name: str
     assert got == full
 
 
-@pytest.mark.xfail(strict=True, reason="_LocalPairs reopens the chain after an interrupt and "
-                   "reads again what it had read: stats.records, bytes and shards count twice")
 def test_interrupts_in_a_decoder_keep_the_stats(shards: Path) -> None:
     def make(loads: Any) -> Any:
         return INTERRUPTED["jsonl"](loads, shards)
