@@ -132,3 +132,69 @@ async def test_duplicate_names_keep_pyarrows_rows(tmp_path: Path, anyio_backend:
                                  names=["a", "b", "a"])
     pq.write_table(table, path)
     same_rows(await collect(ParquetRows(path)), pq.ParquetFile(path).read().to_pylist())
+
+
+def collections_while_making(piece: Any) -> tuple[list[Any], int]:
+    """_rows_of(piece), and the collections the cyclic collector started inside it."""
+    import gc
+    import sys
+
+    inside = 0
+
+    def watch(phase: str, info: dict[str, Any]) -> None:
+        nonlocal inside
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is parquet_module._rows_of.__code__:
+                inside += phase == "start"
+                return
+            frame = frame.f_back  # type: ignore[assignment]
+
+    gc.callbacks.append(watch)
+    try:
+        rows = parquet_module._rows_of(piece)
+    finally:
+        gc.callbacks.remove(watch)
+    return rows, inside
+
+
+def test_no_collection_while_a_piece_is_made() -> None:
+    """4096 rows allocate ~4100 dicts: with the collector running, several young
+    collections would start inside the piece; paused, none, and it runs again after."""
+    import gc
+
+    import pyarrow as pa
+
+    piece = pa.record_batch({"a": list(range(4096)), "b": [[i] for i in range(4096)]})
+    assert gc.isenabled()
+    rows, inside = collections_while_making(piece)
+    assert inside == 0
+    assert gc.isenabled()
+    same_rows(rows, piece.to_pylist())
+
+
+def test_a_collector_turned_off_stays_off() -> None:
+    import gc
+
+    import pyarrow as pa
+
+    piece = pa.record_batch({"a": list(range(10))})
+    gc.disable()
+    try:
+        assert parquet_module._rows_of(piece) == piece.to_pylist()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_a_failing_piece_turns_the_collector_on_again() -> None:
+    """A value Python cannot hold (a timestamp past datetime's range) raises pyarrow's error
+    from inside the paused piece; the collector is on again after it."""
+    import gc
+
+    import pyarrow as pa
+
+    piece = pa.record_batch({"t": pa.array([0, 2**62], pa.timestamp("us"))})
+    with pytest.raises(OverflowError):
+        parquet_module._rows_of(piece)
+    assert gc.isenabled()
