@@ -345,9 +345,19 @@ class _ArraySampler(_Stateful, Sampler[int]):
         indices = self._epoch_indices()
         return None if indices is None else iter((indices,))
 
+    def _iter_as_torch(self) -> Iterator[int] | None:
+        """The epoch drawn as torch's own ``__iter__`` draws it, as it is consumed (None: as
+        the array path draws it). Defined here, not as ``__iter__`` in a subclass, so that the
+        array path still describes ``__iter__`` (see :func:`_fast_path_matches_iter`)."""
+        return None
+
     def __iter__(self) -> Iterator[int]:
         """Iterate over one freshly drawn epoch."""
         # A generator: nothing is drawn before the first index is asked for, as in torch.
+        lazy = self._iter_as_torch()
+        if lazy is not None:
+            yield from lazy
+            return
         chunks = self._epoch_chunks()
         if chunks is not None:
             yield from _iter_chunks(chunks)
@@ -443,14 +453,18 @@ class RandomSampler(_ArraySampler):
     def _epoch_size(self) -> int:
         return self.num_samples
 
-    def _draw(self) -> Iterator[IndexArray]:
+    def _source_len(self) -> int:
         n = len(self.data_source)
-        num_samples = self.num_samples
         if n == 0:
             raise ValueError(
-                f"RandomSampler cannot draw num_samples={num_samples} samples "
+                f"RandomSampler cannot draw num_samples={self.num_samples} samples "
                 "from an empty data_source"
             )
+        return n
+
+    def _draw(self) -> Iterator[IndexArray]:
+        n = self._source_len()
+        num_samples = self.num_samples
         rng = reseeded(self.generator) if self._reseed else self.generator
         if self.replacement:
             for _, size in _blocks(num_samples):
@@ -464,6 +478,29 @@ class RandomSampler(_ArraySampler):
         if rest or torch_generator(rng) is not None:
             # torch draws the tail's permutation even when the tail is empty.
             yield permutation(rng, n)[:rest]
+
+    def _iter_as_torch(self) -> Iterator[int] | None:
+        """With a torch generator, ``__iter__`` draws when torch's own makes its draws, as the
+        indices are consumed (each permutation when its first index is reached, the tail's
+        included; with replacement, 32 indices at a time), so that an epoch left early leaves
+        the generator where torch's would. The array path (:meth:`_epoch_indices`, the
+        DataLoader's) draws the same epoch at once."""
+        if torch_generator(self.generator) is None:
+            return None
+        return self._torch_draws()
+
+    def _torch_draws(self) -> Iterator[int]:
+        n = self._source_len()
+        num_samples = self.num_samples
+        rng = reseeded(self.generator) if self._reseed else self.generator
+        if self.replacement:
+            for _ in range(num_samples // 32):
+                yield from integers(rng, n, 32).tolist()
+            yield from integers(rng, n, num_samples % 32).tolist()
+            return
+        for _ in range(num_samples // n):
+            yield from permutation(rng, n).tolist()
+        yield from permutation(rng, n)[: num_samples % n].tolist()
 
     def __len__(self) -> int:
         """``num_samples``."""
