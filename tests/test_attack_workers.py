@@ -1,0 +1,317 @@
+"""Attack worker processes against torch's own DataLoader: the same dataset, sampler and
+generator must give the same batches, worker by worker (``get_worker_info()``, the seeds torch
+sets in ``random``, numpy and torch), epoch after epoch, with persistent workers or not; the
+same errors (types and messages) for a failing dataset, ``worker_init_fn``, a killed worker or
+a stuck one; and exactly-once delivery after a ``break`` and with ``in_order=False``.
+
+torch seeds ``random`` and torch with ``base_seed + id`` and numpy's global RNG from
+``_generate_state(base_seed, id)`` in each worker; aloader promises the same (README: "seeds
+``base_seed + id``"; ``aloader._worker.seed_worker``), so the draws are compared directly.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aloader
+
+torch = pytest.importorskip("torch")
+tud = torch.utils.data
+
+GUARD = 60  # a hang guard (seconds), never a timing assertion
+N = 23
+
+
+class Probe(tud.Dataset):  # type: ignore[misc]
+    """Each sample says who made it and what the worker's global RNGs gave."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> tuple[Any, ...]:
+        info = tud.get_worker_info()  # torch's own function, as a torch script calls it
+        ours = aloader.get_worker_info()
+        mine = (-1, -1, -1, -1) if ours is None else (
+            ours.id, ours.num_workers, ours.seed, int(ours.dataset is self))
+        return (i, info.id, info.num_workers, info.seed, int(info.dataset is self),
+                random.getrandbits(40), int(np.random.randint(1 << 40)),
+                int(torch.randint(1 << 40, ()).item()), torch.initial_seed(), *mine)
+
+
+def _epochs(module: Any, num_workers: int, persistent: bool, drop_last: bool,
+            epochs: int = 3) -> tuple[int, list[Any]]:
+    loader = module.DataLoader(Probe(), batch_size=4, shuffle=True, drop_last=drop_last,
+                               generator=torch.Generator().manual_seed(17),
+                               num_workers=num_workers, persistent_workers=persistent)
+    out = []
+    for _ in range(epochs):
+        out.append([[field.tolist() for field in batch] for batch in loader])
+    return len(loader), out
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "persistent", "drop_last"),
+    [(1, False, False), (1, True, True), (2, False, True), (2, True, False), (3, False, False),
+     (3, True, True)],
+)
+def test_map_batches_and_worker_seeds_are_torchs(num_workers: int, persistent: bool,
+                                                 drop_last: bool) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # 3 workers on a small machine
+        length, ours = _epochs(aloader, num_workers, persistent, drop_last)
+        their_length, theirs = _epochs(tud, num_workers, persistent, drop_last)
+    assert length == their_length == (N // 4 if drop_last else -(-N // 4))
+    # aloader's own get_worker_info() agrees with torch's in aloader's workers...
+    for epoch in ours:
+        for batch in epoch:
+            assert batch[9:] == batch[1:5]
+    # ...and everything torch's workers saw and drew, aloader's saw and drew.
+    assert [[b[:9] for b in e] for e in ours] == [[b[:9] for b in e] for e in theirs]
+    ids = {wid for e in ours for b in e for wid in b[1]}
+    assert ids == set(range(num_workers))
+    seeds = {b[3][0] - b[1][0] for e in ours for b in e}
+    assert len(seeds) == (1 if persistent else 3)  # base_seed + id; one base seed per pool
+    assert {b[8][0] for e in ours for b in e} == {b[3][0] for e in ours for b in e}
+
+
+# Errors ------------------------------------------------------------------------------------------
+class Failing(tud.Dataset):  # type: ignore[misc]
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> int:
+        if i == 7:
+            raise KeyError(f"no record {i}")
+        return i
+
+
+def _kill_torch_workers(iterator: Any) -> None:
+    """End a torch iterator's workers now: dropped after an error, its ``__del__`` would wait
+    5 s for each (in whichever later test collects it)."""
+    for worker in getattr(iterator, "_workers", ()):
+        worker.kill()
+
+
+def _caught(module: Any, dataset: Any, **kwargs: Any) -> tuple[BaseException, list[Any]]:
+    """The first error an epoch raises, and the batches after it (the epoch goes on)."""
+    loader = module.DataLoader(dataset, batch_size=2, num_workers=2, **kwargs)
+    iterator = iter(loader)
+    before: list[Any] = []
+    with pytest.raises(Exception) as info:
+        for batch in iterator:
+            before.append(batch.tolist())
+    rest = [b.tolist() for b in iterator]
+    return info.value, before + rest
+
+
+def test_dataset_error_in_a_worker_is_torchs_with_the_index_noted() -> None:
+    ours, our_batches = _caught(aloader, Failing())
+    theirs, their_batches = _caught(tud, Failing())
+    assert type(ours) is type(theirs) is KeyError
+    # "Caught KeyError in DataLoader worker process 1." then the original traceback: the same
+    # worker as torch's (batch 3 goes to worker 3 % 2 in both).
+    assert str(ours).splitlines()[0] == str(theirs).splitlines()[0]
+    assert "no record 7" in str(ours) and "Original Traceback" in str(ours)
+    assert any("[6, 7]" in note for note in getattr(ours, "__notes__", ()))
+    assert our_batches == their_batches  # every other batch, once, in order
+
+
+def failing_init(worker_id: int) -> None:
+    raise ValueError(f"init of worker {worker_id} failed")
+
+
+def test_worker_init_fn_error_is_torchs() -> None:
+    errors = []
+    for module in (aloader, tud):
+        iterator = iter(module.DataLoader(Failing(), batch_size=2, num_workers=1,
+                                          worker_init_fn=failing_init))
+        with pytest.raises(ValueError) as info:
+            next(iterator)
+        errors.append(str(info.value))
+        _kill_torch_workers(iterator)
+        del iterator, info
+    ours, theirs = errors
+    assert ours.splitlines()[0] == theirs.splitlines()[0] == (
+        "Caught ValueError in DataLoader worker process 0.")
+    assert "init of worker 0 failed" in ours
+
+
+class Killing(tud.Dataset):  # type: ignore[misc]
+    """Index 9 kills its worker (SIGKILL), once: the pid goes to ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> int:
+        if i == 9:
+            Path(self.path).write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+
+def test_a_worker_killed_mid_epoch_is_named_like_torch(tmp_path: Path) -> None:
+    """torch's message for it (its SIGCHLD handler's, ``_error_if_any_worker_fails``), naming
+    the worker that died. (torch itself is not run here: its handler raises again from
+    whatever code runs when the signal lands, pytest's included.)"""
+    path = tmp_path / "pid"
+    loader = aloader.DataLoader(Killing(str(path)), batch_size=2, num_workers=2,
+                                persistent_workers=True, timeout=GUARD)
+    got: list[int] = []
+
+    with pytest.raises(RuntimeError) as info:
+        for batch in loader:
+            got.extend(batch.tolist())
+    pid = int(path.read_text())
+    assert str(info.value) == f"DataLoader worker (pid {pid}) is killed by signal: Killed. "
+    assert isinstance(info.value, aloader.WorkerError)
+    assert 9 not in got and len(got) == len(set(got))
+
+
+def lock_batch(batch: list[int]) -> Any:
+    return threading.Lock() if 4 in batch else batch
+
+
+def test_an_unpicklable_batch_is_an_error_not_a_hang() -> None:
+    """torch's worker cannot send it either, and its loader waits (until its timeout); aloader
+    raises pickle's TypeError naming the worker, and the epoch goes on."""
+    loader = aloader.DataLoader(range(8), batch_size=2, num_workers=1, collate_fn=lock_batch,
+                                timeout=GUARD)
+    iterator = iter(loader)
+    assert next(iterator) == [0, 1] and next(iterator) == [2, 3]
+    with pytest.raises(TypeError, match="cannot pickle") as info:
+        next(iterator)
+    assert "Caught TypeError in DataLoader worker process 0" in str(info.value)
+    assert list(iterator) == [[6, 7]]
+
+
+class Stuck(tud.Dataset):  # type: ignore[misc]
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        if i == 4:
+            time.sleep(GUARD)
+        return i
+
+
+def test_a_stuck_worker_times_out_like_torch() -> None:
+    errors = []
+    for module in (aloader, tud):
+        loader = module.DataLoader(Stuck(), batch_size=2, num_workers=1, timeout=0.5)
+        iterator = iter(loader)
+        got = [next(iterator).tolist(), next(iterator).tolist()]
+        with pytest.raises(RuntimeError) as info:
+            next(iterator)
+        errors.append((got, str(info.value)))
+        _kill_torch_workers(iterator)
+        del iterator, info  # aloader's terminates its stuck worker
+    assert errors[0] == errors[1] == ([[0, 1], [2, 3]], "DataLoader timed out after 0.5 seconds")
+
+
+# break, in_order=False ---------------------------------------------------------------------------
+class Uneven(tud.Dataset):  # type: ignore[misc]
+    """Some samples take longer, so that batches finish out of order."""
+
+    def __len__(self) -> int:
+        return 41
+
+    def __getitem__(self, i: int) -> int:
+        if i % 7 == 0:
+            time.sleep(0.005)
+        return i
+
+
+STOPS = (2, 5, None)
+
+
+def _broken_epochs(num_workers: int, stops: tuple[int | None, ...] = STOPS, **kwargs: Any
+                   ) -> list[list[list[int]]]:
+    """Epochs of one loader, each left after batch ``stops[k]`` (None: run to its end)."""
+    loader = aloader.DataLoader(Uneven(), batch_size=3, shuffle=True, generator=5,
+                                num_workers=num_workers, **kwargs)
+    out = []
+    for stop in stops:
+        got = []
+        for step, batch in enumerate(loader):
+            got.append(batch.tolist())
+            if step == stop:
+                break
+        out.append(got)
+    return out
+
+
+@pytest.mark.parametrize(("num_workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_break_then_new_epoch_has_no_stale_batch(num_workers: int, persistent: bool) -> None:
+    """A break only ends its epoch early: every epoch is the beginning of the one an unbroken
+    run of the same loader gives (a numpy generator draws whole epochs), whatever the workers
+    had in flight; without workers and with new workers each epoch, the epochs are the same
+    too. (Persistent workers keep their first base seed, as torch's do, so the loader's
+    generator draws differently from a loader with new workers each epoch.)"""
+    kwargs: dict[str, Any] = {"persistent_workers": persistent} if num_workers else {}
+    full = _broken_epochs(num_workers, (None, None, None), **kwargs)
+    broken = _broken_epochs(num_workers, **kwargs)
+    assert broken == [epoch[: None if stop is None else stop + 1]
+                      for epoch, stop in zip(full, STOPS, strict=True)]
+    if not persistent:
+        assert full == _broken_epochs(0, (None, None, None))
+    assert all(sorted(i for b in epoch for i in b) == list(range(41)) for epoch in full)
+
+
+@pytest.mark.parametrize(("num_workers", "persistent"), [(2, False), (3, True)])
+def test_out_of_order_epochs_deliver_torchs_batches_exactly_once(num_workers: int,
+                                                                 persistent: bool) -> None:
+    def epochs(module: Any) -> list[list[list[int]]]:
+        loader = module.DataLoader(Uneven(), batch_size=3, shuffle=True, in_order=False,
+                                   generator=torch.Generator().manual_seed(2),
+                                   num_workers=num_workers, persistent_workers=persistent)
+        return [sorted(b.tolist() for b in loader) for _ in range(3)]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        ours, theirs = epochs(aloader), epochs(tud)
+    assert ours == theirs
+    for epoch in ours:
+        assert sorted(i for b in epoch for i in b) == list(range(41))
+
+
+class Draws(tud.Dataset):  # type: ignore[misc]
+    def __len__(self) -> int:
+        return 60
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        return i, random.getrandbits(30)
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "timing-dependent, so not strict: after a `break`, persistent workers have run however "
+    "many tasks the pool had sent (a worker's budget of prefetch_factor tasks frees when it "
+    "answers, not when the consumer takes the batch), so their global RNGs in the next epoch "
+    "differ run to run; torch's have run exactly prefetch_factor * num_workers + taken tasks. "
+    "Needs the pool to count a task until its batch is taken and to send, at a break, the "
+    "tasks torch would have (_pool.py with a hook from _pipeline.py/_epochs.py)"))
+def test_persistent_workers_after_a_break_draw_what_torchs_draw() -> None:
+    def run(module: Any) -> list[Any]:
+        loader = module.DataLoader(Draws(), batch_size=3, num_workers=2,
+                                   persistent_workers=True)
+        out = []
+        for stop in (0, None):
+            for step, batch in enumerate(loader):
+                out.append([field.tolist() for field in batch])
+                if step == stop:
+                    break
+        return out
+
+    assert run(aloader) == run(tud)
