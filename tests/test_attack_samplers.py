@@ -94,6 +94,24 @@ def test_a_partly_iterated_epoch_draws_what_torchs_does(name: str) -> None:
         assert list(ours) == list(theirs)  # the next full epoch
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("kwargs", [{}, {"num_samples": 50}, {"replacement": True,
+                                                            "num_samples": 70}])
+def test_a_partly_iterated_batch_sampler_draws_what_torchs_does(kwargs: dict[str, Any],
+                                                                drop_last: bool) -> None:
+    ours_g, theirs_g = torch.Generator().manual_seed(6), torch.Generator().manual_seed(6)
+    ours = aloader.BatchSampler(aloader.RandomSampler(range(N), generator=ours_g, **kwargs), 4,
+                                drop_last)
+    theirs = tud.BatchSampler(tud.RandomSampler(range(N), generator=theirs_g, **kwargs), 4,
+                              drop_last)
+    for taken in (1, 8, 2):
+        ours_it, theirs_it = iter(ours), iter(theirs)
+        head = [next(theirs_it) for _ in range(min(taken, len(theirs)))]
+        assert [next(ours_it) for _ in head] == head
+        assert _same_state(ours_g, theirs_g)
+        assert list(ours) == list(theirs)
+
+
 def test_random_sampler_without_generator_partly_iterated_follows_torch() -> None:
     """Without a generator both reseed from torch's global RNG at each epoch's first index."""
     def epochs(module: Any) -> list[Any]:

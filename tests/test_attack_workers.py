@@ -84,6 +84,44 @@ def test_map_batches_and_worker_seeds_are_torchs(num_workers: int, persistent: b
     assert {b[8][0] for e in ours for b in e} == {b[3][0] for e in ours for b in e}
 
 
+def record_init(worker_id: int) -> None:
+    """torch's order: the worker is seeded and its info set before ``worker_init_fn`` runs."""
+    info = tud.get_worker_info()
+    info.dataset.init = (worker_id, info.id, torch.initial_seed() - info.seed,
+                         random.getrandbits(30), int(np.random.randint(1 << 30)))
+
+
+class Scaled(tud.Dataset):  # type: ignore[misc]
+    scale = 1
+    init = (-1,) * 5
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> tuple[int, ...]:
+        return (i * self.scale, *self.init)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_worker_init_fn_and_dataset_copies_are_torchs(persistent: bool) -> None:
+    """``worker_init_fn`` sees the seeded worker and its info and may set up the worker's
+    copy of the dataset; a change to the loader's dataset between epochs reaches new workers
+    and not persistent ones (their copies were taken at their start), as in torch."""
+    def epochs(module: Any) -> list[Any]:
+        dataset = Scaled()
+        loader = module.DataLoader(dataset, batch_size=3, num_workers=2, worker_init_fn=record_init,
+                                   persistent_workers=persistent,
+                                   generator=torch.Generator().manual_seed(0))
+        first = [[f.tolist() for f in b] for b in loader]
+        dataset.scale = 10
+        return [first, [[f.tolist() for f in b] for b in loader]]
+
+    ours = epochs(aloader)
+    assert ours == epochs(tud)
+    assert ours[1][1][0] == ([30, 40, 50] if not persistent else [3, 4, 5])
+    assert ours[0][1][1:4] == [[1] * 3, [1] * 3, [0] * 3]  # worker 1: its id twice, seed + 0
+
+
 # Errors ------------------------------------------------------------------------------------------
 class Failing(tud.Dataset):  # type: ignore[misc]
     def __len__(self) -> int:
