@@ -164,6 +164,32 @@ def test_dataset_error_in_a_worker_is_torchs_with_the_index_noted() -> None:
     assert our_batches == their_batches  # every other batch, once, in order
 
 
+def _epoch_outcomes(module: Any, dataset: Any, epochs: int = 3, **kwargs: Any) -> list[Any]:
+    """Each epoch's batches, with the type name of each error in its place."""
+    loader = module.DataLoader(dataset, batch_size=2, num_workers=2, **kwargs)
+    out = []
+    for _ in range(epochs):
+        got: list[Any] = []
+        iterator = iter(loader)
+        while len(got) < 20:
+            try:
+                got.append(next(iterator).tolist())
+            except StopIteration:
+                break
+            except Exception as exc:
+                got.append(type(exc).__name__)
+        out.append(got)
+        del iterator
+    return out
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_an_error_leaves_the_epoch_and_the_next_ones_as_torchs(persistent: bool) -> None:
+    ours = _epoch_outcomes(aloader, Failing(), persistent_workers=persistent)
+    assert ours == _epoch_outcomes(tud, Failing(), persistent_workers=persistent)
+    assert ours[2] == [[0, 1], [2, 3], [4, 5], "KeyError", [8, 9], [10, 11]]
+
+
 def failing_init(worker_id: int) -> None:
     raise ValueError(f"init of worker {worker_id} failed")
 
