@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
 import aloader
@@ -180,8 +181,6 @@ def test_break_then_next_epoch_matches_torch() -> None:
 def test_int_seed_and_numpy_generator_are_one_stream() -> None:
     """README: an int seed is a numpy stream (not torch's); a fresh loader with the same seed
     repeats the sequence of epochs, and a numpy Generator of that seed gives it too."""
-    import numpy as np
-
     def epochs(generator: Any) -> list[Any]:
         loader = aloader.DataLoader(range(N), batch_size=4, shuffle=True, generator=generator)
         return [_plain(loader) for _ in range(EPOCHS)]
