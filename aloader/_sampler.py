@@ -345,9 +345,22 @@ class _ArraySampler(_Stateful, Sampler[int]):
         indices = self._epoch_indices()
         return None if indices is None else iter((indices,))
 
+    def _draws_as_torch(self) -> bool:
+        """Whether ``__iter__`` draws as torch's own ``__iter__`` does, as the epoch is consumed
+        (:meth:`_torch_draws`), rather than the whole epoch at its first index. Chosen here,
+        not by a subclass's ``__iter__``, so that the array path still describes ``__iter__``
+        (see :func:`_fast_path_matches_iter`)."""
+        return False
+
+    def _torch_draws(self) -> Iterator[int]:
+        raise NotImplementedError
+
     def __iter__(self) -> Iterator[int]:
         """Iterate over one freshly drawn epoch."""
         # A generator: nothing is drawn before the first index is asked for, as in torch.
+        if self._draws_as_torch():
+            yield from self._torch_draws()
+            return
         chunks = self._epoch_chunks()
         if chunks is not None:
             yield from _iter_chunks(chunks)
@@ -443,14 +456,18 @@ class RandomSampler(_ArraySampler):
     def _epoch_size(self) -> int:
         return self.num_samples
 
-    def _draw(self) -> Iterator[IndexArray]:
+    def _source_len(self) -> int:
         n = len(self.data_source)
-        num_samples = self.num_samples
         if n == 0:
             raise ValueError(
-                f"RandomSampler cannot draw num_samples={num_samples} samples "
+                f"RandomSampler cannot draw num_samples={self.num_samples} samples "
                 "from an empty data_source"
             )
+        return n
+
+    def _draw(self) -> Iterator[IndexArray]:
+        n = self._source_len()
+        num_samples = self.num_samples
         rng = reseeded(self.generator) if self._reseed else self.generator
         if self.replacement:
             for _, size in _blocks(num_samples):
@@ -464,6 +481,27 @@ class RandomSampler(_ArraySampler):
         if rest or torch_generator(rng) is not None:
             # torch draws the tail's permutation even when the tail is empty.
             yield permutation(rng, n)[:rest]
+
+    def _draws_as_torch(self) -> bool:
+        """With a torch generator, ``__iter__`` draws when torch's own makes its draws, as the
+        indices are consumed (each permutation when its first index is reached, the tail's
+        included; with replacement, 32 indices at a time), so that an epoch left early leaves
+        the generator where torch's would. The array path (:meth:`_epoch_indices`, the
+        DataLoader's) draws the same epoch at once."""
+        return torch_generator(self.generator) is not None
+
+    def _torch_draws(self) -> Iterator[int]:
+        n = self._source_len()
+        num_samples = self.num_samples
+        rng = reseeded(self.generator) if self._reseed else self.generator
+        if self.replacement:
+            for _ in range(num_samples // 32):
+                yield from integers(rng, n, 32).tolist()
+            yield from integers(rng, n, num_samples % 32).tolist()
+            return
+        for _ in range(num_samples // n):
+            yield from permutation(rng, n).tolist()
+        yield from permutation(rng, n)[: num_samples % n].tolist()
 
     def __len__(self) -> int:
         """``num_samples``."""
@@ -734,12 +772,21 @@ class BatchSampler(_Stateful, Sampler[list[int]]):
         Raises:
             TypeError: if the inner sampler is only async iterable.
         """
-        batches = self._epoch_batches()
+        batches = self._iterated_batches()
         if batches is not None:
             for batch in batches:
                 yield batch.tolist()
             return
         yield from self._generic_batches()
+
+    def _iterated_batches(self) -> Iterator[IndexArray] | None:
+        """The array batches ``__iter__`` yields, or None to run torch's loops over the inner
+        sampler: always for one that draws as torch's does, as it is consumed, so that an
+        epoch left early leaves its generator where torch's would."""
+        inner = self.sampler
+        if isinstance(inner, _ArraySampler) and inner._draws_as_torch():
+            return None
+        return self._epoch_batches()
 
     def _batches_after(self, skip: int) -> Iterator[list[int]] | None:
         """The epoch's batches after the first ``skip``, the skipped indices drawn from the
@@ -776,7 +823,7 @@ class BatchSampler(_Stateful, Sampler[list[int]]):
 
     async def __aiter__(self) -> AsyncIterator[list[int]]:
         """Asynchronously iterate over one epoch of batches (sync or async inner sampler)."""
-        batches = self._epoch_batches()
+        batches = self._iterated_batches()
         if batches is not None:
             for array_batch in batches:
                 yield array_batch.tolist()
