@@ -184,13 +184,17 @@ class RemoteError:
 
     Rebuilt like torch's ``ExceptionWrapper``: the same type, with the message
     ``Caught {Type} in DataLoader worker process {id}.`` followed by the worker's traceback
-    (a RuntimeError when the type cannot be rebuilt from a message or imported here).
+    (a RuntimeError when the type cannot be rebuilt from a message or imported here). The
+    error's own attributes of plain values come back too (a ``FetchError``'s
+    ``status_code``, ``source`` and ``offset``: code that branches on them works with
+    workers as without).
     """
 
     exc_type: type[BaseException] | None
     type_name: str
     where: str
     text: str
+    attrs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def capture(cls, error: BaseException, where: str) -> RemoteError:
@@ -205,7 +209,9 @@ class RemoteError:
                 cloudpickle.dumps(exc_type)
             except Exception:
                 exc_type = None
-        return cls(exc_type, type(error).__name__, where, text)
+        attrs = {name: value for name, value in getattr(error, "__dict__", {}).items()
+                 if not name.startswith("_") and _plain(value)}
+        return cls(exc_type, type(error).__name__, where, text, attrs)
 
     def rebuild(self) -> BaseException:
         message = f"Caught {self.type_name} {self.where}.\nOriginal {self.text}"
@@ -216,10 +222,22 @@ class RemoteError:
             return KeyError(_KeyErrorMessage(message))
         try:
             if getattr(exc_type, "message", None):
-                return exc_type(message=message)  # type: ignore[call-arg]
-            return exc_type(message)
+                error = exc_type(message=message)  # type: ignore[call-arg]
+            else:
+                error = exc_type(message)
         except Exception:  # the type takes other arguments
             return RuntimeError(message)
+        for name, value in self.attrs.items():
+            with contextlib.suppress(Exception):  # a read-only property, a slot
+                setattr(error, name, value)
+        return error
+
+
+def _plain(value: Any) -> bool:
+    """A value that crosses processes as itself (an exception's attribute worth keeping)."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return True
+    return isinstance(value, tuple) and all(_plain(v) for v in value)
 
 
 def _strip_pipeline_notes(error: BaseException) -> BaseException:
