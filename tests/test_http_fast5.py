@@ -115,3 +115,41 @@ def test_a_shared_array_stays_one_array() -> None:
     got = _shm.decode(codec.encode([array, array, array[2:]]))
     assert got[0] is got[1]  # pickle's memo, as before
     assert got[2].tolist() == list(range(2, 10))
+
+
+class Slow(Items):
+    """The worker's pid per item, a little slowly (a worker can be killed mid-epoch)."""
+
+    def __getitem__(self, i: int) -> int:
+        import os
+        import time
+
+        time.sleep(0.002)
+        return os.getpid()
+
+
+@pytest.mark.anyio
+async def test_answers_and_a_dead_worker_on_each_backend(anyio_backend: str) -> None:
+    import os
+    import signal
+
+    import aloader
+
+    dl = DataLoader(Items(40), batch_size=4, collate_fn=list, num_workers=2,
+                    persistent_workers=True)
+    try:
+        for _ in range(2):
+            assert [b async for batch in dl for b in batch] == list(range(40))
+    finally:
+        dl.close()
+    slow = DataLoader(Slow(200), batch_size=4, collate_fn=list, num_workers=2, timeout=60)
+    try:
+        batches = aiter(slow)
+        victim = (await anext(batches))[0]
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(aloader.WorkerError) as dead:
+            async for _ in batches:
+                pass
+        assert str(dead.value) == f"DataLoader worker (pid {victim}) is killed by signal: Killed. "
+    finally:
+        slow.close()
