@@ -8,8 +8,9 @@ pipeline keeps doing what it does without workers (admitting at most ``window`` 
 results, bounding what waits for the consumer) while each job's fetch becomes "send the key to a
 worker and await the collated batch".
 
-Waiting costs no thread: one task per worker waits for its socket to become readable
-(``anyio.wait_readable``), reads whole frames and wakes the jobs they answer. A worker that dies
+Waiting costs no thread: one task per worker reads its socket whenever it is readable (on
+asyncio through a reader the loop calls, registered once per epoch; on trio waiting with
+``anyio.wait_readable``), cuts whole frames and wakes the jobs they answer. A worker that dies
 closes its socket, so its reader sees EOF at once, waits for the exit status and fails the epoch
 with torch's message ("DataLoader worker (pid N) is killed by signal: Killed. "). Sends never
 block the loop either: the socket is non-blocking and what does not fit waits in an outbox.
