@@ -262,14 +262,15 @@ class _LineDecoder(Decoder[T]):
         self._offset += len(body) + 1
         return records
 
-    def _join(self, tail: bytes) -> bytes:
-        """The carried pieces followed by ``tail``, as one string; the carry is emptied."""
+    def _join(self, tail: bytes | memoryview) -> bytes:
+        """The carried pieces followed by ``tail``, as one string; the carry is emptied. With
+        no carry, ``tail`` is made bytes (a copy of a view)."""
         if self._carry:
-            self._carry.append(tail)
-            tail = b"".join(self._carry)
+            joined = b"".join([*self._carry, tail])
             self._carry = []
             self._carried = 0
-        return tail
+            return joined
+        return tail if isinstance(tail, bytes) else bytes(tail)
 
     def feed(self, data: bytes) -> list[T]:
         if self.pending is not None:
@@ -287,7 +288,10 @@ class _LineDecoder(Decoder[T]):
         cut = data.rfind(b"\n")
         records: list[T] = []
         if cut >= 0:
-            records = self._take(self._join(data[:cut]))
+            # A view of the complete lines: the one copy is the join with the carried line
+            # (the bytes themselves when nothing is carried).
+            records = self._take(self._join(memoryview(data)[:cut] if self._carry
+                                            else data[:cut]))
             data = data[cut + 1 :]
         if data:
             self._carry.append(data)

@@ -8,8 +8,9 @@ pipeline keeps doing what it does without workers (admitting at most ``window`` 
 results, bounding what waits for the consumer) while each job's fetch becomes "send the key to a
 worker and await the collated batch".
 
-Waiting costs no thread: one task per worker waits for its socket to become readable
-(``anyio.wait_readable``), reads whole frames and wakes the jobs they answer. A worker that dies
+Waiting costs no thread: one task per worker reads its socket whenever it is readable (on
+asyncio through a reader the loop calls, registered once per epoch; on trio waiting with
+``anyio.wait_readable``), cuts whole frames and wakes the jobs they answer. A worker that dies
 closes its socket, so its reader sees EOF at once, waits for the exit status and fails the epoch
 with torch's message ("DataLoader worker (pid N) is killed by signal: Killed. "). Sends never
 block the loop either: the socket is non-blocking and what does not fit waits in an outbox.
@@ -38,6 +39,7 @@ iterable dataset for its next batch; the loader's epoch kind (:mod:`aloader._epo
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import itertools
@@ -59,7 +61,7 @@ import anyio
 import anyio.from_thread
 
 from . import _shm, _spawn
-from ._backend import Waiter, waiters
+from ._backend import Waiter, current_backend, waiters
 from ._exceptions import WorkerError
 from ._failures import Failures
 from ._log import worker_log
@@ -623,22 +625,15 @@ class PoolEpoch:
         while worker_id >= len(self.pool.workers):  # not started yet
             await self._changed.wait()
         worker = self.pool.workers[worker_id]
+        ended: bool | None
         try:
-            while True:
-                await anyio.wait_readable(worker.fd)
-                try:
-                    chunk = os.read(worker.fd, _CHUNK)
-                except BlockingIOError:
-                    continue
-                except ConnectionResetError:
-                    chunk = b""
-                if not chunk:
-                    break
-                for frame in worker.frames(chunk):
-                    wire = _shm.decode(frame, on_release=worker.released.append)
-                    self._dispatch(worker, Reply.of(wire))
-                    if self._failure is not None:
-                        return
+            if current_backend() == "asyncio":
+                ended = await self._read_by_callback(worker)
+            else:
+                while (ended := self._take_in(worker)) is None:
+                    await anyio.wait_readable(worker.fd)
+            if not ended:  # the epoch failed
+                return
         except Exception as exc:  # an answer that cannot be read here
             self._fail(exc)
             return
@@ -652,6 +647,52 @@ class PoolEpoch:
         if not self.stopping:
             worker_log.error("worker %d: %s", worker_id, message.strip())
         self._fail(WorkerError(message))
+
+    def _take_in(self, worker: _WorkerHandle) -> bool | None:
+        """Read what ``worker``'s socket holds and dispatch the answers it completes: None to
+        read on, True at the end of the socket (the worker exited), False once the epoch
+        failed. The socket is non-blocking: a read finding nothing reads on."""
+        try:
+            chunk = os.read(worker.fd, _CHUNK)
+        except BlockingIOError:
+            return None
+        except ConnectionResetError:
+            chunk = b""
+        if not chunk:
+            return True
+        for frame in worker.frames(chunk):
+            wire = _shm.decode(frame, on_release=worker.released.append)
+            self._dispatch(worker, Reply.of(wire))
+            if self._failure is not None:
+                return False
+        return None
+
+    async def _read_by_callback(self, worker: _WorkerHandle) -> bool:
+        """:meth:`_take_in` whenever ``worker``'s socket is readable, called by the asyncio
+        loop itself (one reader registered for the epoch): an answer then costs no task step
+        and no registration, where a wait per read (``wait_readable``) cost a future, two
+        ``epoll_ctl`` calls and a step of this task. Returns :meth:`_take_in`'s end."""
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[bool] = loop.create_future()
+
+        def readable() -> None:
+            try:
+                outcome = self._take_in(worker)
+            except Exception as exc:
+                loop.remove_reader(worker.fd)
+                if not ended.done():
+                    ended.set_exception(exc)
+                return
+            if outcome is not None:
+                loop.remove_reader(worker.fd)  # nothing more to read after the end
+                if not ended.done():
+                    ended.set_result(outcome)
+
+        loop.add_reader(worker.fd, readable)
+        try:
+            return await ended
+        finally:
+            loop.remove_reader(worker.fd)
 
     def _dispatch(self, worker: _WorkerHandle, reply: Reply) -> None:
         if reply.stats is not None:

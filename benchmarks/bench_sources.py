@@ -45,7 +45,12 @@ costs, so read it for where, not how much).
 of one program, then 2 epochs between two ``os.getppid()`` calls, and prints nothing: run it
 under ``valgrind --tool=callgrind --dump-before=os_getppid --callgrind-out-file=x.out`` and
 ``x.out.2`` holds the instructions of those 2 epochs by function, a count that a busy machine
-does not move (``callgrind_annotate --inclusive=no x.out.2``).
+does not move (``callgrind_annotate --inclusive=no x.out.2``). ``--count workers`` does the
+same for the 2-worker row (persistent workers, forked: the template of the default start
+method cannot start under valgrind), its source calling ``os.getppid()`` as each worker's
+epoch starts: with ``--callgrind-out-file=x.%p.out``, the loader's ``x.PID.out.2`` holds its 2
+epochs, and each worker's ``x.PID.out.3`` and ``.4`` one epoch each (a warm-up, 2 counted
+epochs and a last one run).
 
 ``--breakdown`` adds where one HTTP epoch's time goes: the parse floor's two halves alone,
 the bare HTTP client fetching the same bodies (aiohttp, 16 at once, one session), the
@@ -700,6 +705,37 @@ def print_local_files(bodies: list[bytes]) -> None:
     print("load average (1, 5, 15 min): " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
+class _MarkedJsonLines(JsonLines):
+    """JsonLines whose every epoch in a worker starts with ``os.getppid()``: callgrind's dump
+    marker (see ``--count workers``)."""
+
+    def _blocks_at(self, ctx: Any, at: Any) -> Any:
+        os.getppid()
+        return super()._blocks_at(ctx, at)
+
+
+def _count_workers(urls: list[str]) -> None:
+    """``--count workers``: a warm-up epoch with 2 persistent (forked) workers, 2 epochs
+    between two ``os.getppid()`` calls, and one more (the workers' markers, see the module's
+    docstring)."""
+    loader = DataLoader(_MarkedJsonLines(urls, concurrency=CONCURRENCY), batch_size=BATCH,
+                        num_workers=2, persistent_workers=True, prefetch_factor=4,
+                        in_order=False, multiprocessing_context="fork")
+
+    async def epoch() -> int:
+        count = 0
+        async for batch in loader:
+            count += len(batch["id"])
+        return count
+
+    assert anyio.run(epoch) == TOTAL
+    os.getppid()
+    for _ in range(2):
+        assert anyio.run(epoch) == TOTAL
+    os.getppid()
+    assert anyio.run(epoch) == TOTAL  # the workers' second counted epoch ends as it starts
+
+
 COUNTED = {
     "aloader": lambda urls, bodies: run_aloader(urls),
     "no-loader": lambda urls, bodies: no_loader(urls),
@@ -713,6 +749,9 @@ def count_epochs(program: str, urls: list[str], bodies: list[bytes], epochs: int
     between two calls of ``os.getppid()``, a marker for callgrind: under ``valgrind
     --tool=callgrind --dump-before=os_getppid``, the second dump holds exactly those epochs'
     instructions, by function (the server runs in its own process, not counted)."""
+    if program == "workers":
+        _count_workers(urls)
+        return
     run = COUNTED[program]
     run(urls, bodies)
     os.getppid()
