@@ -179,3 +179,16 @@ def reset_proxy(server: Any) -> Iterator[Any]:
     server.proxy.reset()
     yield server.proxy
     server.proxy.reset()
+
+
+class Items:
+    """A plain map-style dataset (module level: workers unpickle it by name)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i

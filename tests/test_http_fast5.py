@@ -16,21 +16,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from sourcetools import Items
 
 from aloader import DataLoader, _shm
-
-
-class Items:
-    """A plain map-style dataset (module level: workers unpickle it by name)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
 
 
 def test_the_loader_registers_each_workers_socket_once_per_epoch(

@@ -20,24 +20,12 @@ from typing import Any
 
 import anyio
 import pytest
+from sourcetools import Items
 
 import aloader
 from aloader import DataLoader, _shm, _workerinfo
 from aloader._stats import Collector
 from aloader._worker import Kind, Reply, Request, Status, WorkerSetup, _WorkerServer
-
-
-class Items:
-    """A plain map-style dataset (module level: workers unpickle it by name)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
 
 
 class AsyncItems(Items):
