@@ -24,8 +24,9 @@ with no loop and no thread: :class:`LocalIterator` drives its steps with :func:`
 
 A pump task on the loop moves items into a thread-safe queue, at most ``_Pump.AHEAD`` ahead
 of the consumer, so a ``next()`` that finds its item ready costs one queue read rather than a
-round trip through the loop; items cross in blocks, the pump woken once the consumer has
-drained the queue (see :class:`_Pump`). The async iterator is closed (``aclose()``, when it
+round trip through the loop; items cross in blocks both ways, the pump woken once the
+consumer has drained the queue, and a consumer waiting on the empty queue once for what a step
+of the loop made (see :class:`_Pump`). The async iterator is closed (``aclose()``, when it
 has one) when it ends, and when the sync iterator is closed, garbage-collected or still open
 when the loop closes.
 """
@@ -291,12 +292,19 @@ class _Pump:
     slower than the pipeline costs one wake-up of the loop per ``AHEAD - LOW`` batches, and
     each waiting pump is woken once.
 
-    A consumer blocked on the empty queue is handed the GIL as soon as ``HANDOFF`` batches
-    wait for it (:attr:`consumer_waits`): woken by the put, its thread would otherwise wait
-    for the interpreter's switch interval (5 ms) while the busy loop thread keeps the GIL,
-    and take one block of batches per interval at most.
+    The other way too: while the consumer waits on the empty queue (:attr:`consumer_waits`),
+    the batches that one step of the loop makes are held in :attr:`pending` and put together
+    when the step ends (:meth:`flush`, called soon on the loop), or as soon as ``AHEAD`` are
+    held, the pipeline ends or an error comes. The consumer's thread is woken once per block
+    rather than once per batch, and handed the GIL then (woken by the put, it would otherwise
+    wait for the interpreter's switch interval, 5 ms, while the busy loop thread keeps the
+    GIL): each wake-up is a few futex calls and a GIL round trip, in which the loop thread
+    waits for the consumer's thread to be scheduled. A consumer that does not wait gets each
+    batch at once.
 
-    Invariant: a KeyboardInterrupt may land between any two steps of the consumer's (between
+    Invariants: a batch held in :attr:`pending` has a flush due on the loop, so none is left
+    there (a consumer interrupted meanwhile included), and everything crosses in the order the
+    iterator made it. A KeyboardInterrupt may land between any two steps of the consumer's (between
     taking a batch and waking the pump too); the pump's state never depends on the consumer
     finishing a step, and every wait for an empty queue first wakes the pump, so a later
     ``next()`` never waits for a pump that waits for it.
@@ -304,7 +312,6 @@ class _Pump:
 
     AHEAD = 4
     LOW = 1
-    HANDOFF = 2
     # In the main thread a wait wakes up this often (seconds) to let CPython run a signal's
     # handler, which it does only between bytecodes: a SIGINT that trips without interrupting
     # the blocked wait (landing just before the wait starts, handled by another thread, or
@@ -317,12 +324,17 @@ class _Pump:
         self.waiting: anyio.Event | None = None
         self.woken: anyio.Event | None = None  # the waiting event woken last (consumer's side)
         self.call_soon = threadsafe_caller()
+        self._loop = asyncio.get_running_loop()  # made on the loop it runs on
         # The consumer is blocked on an empty queue (set and cleared by its thread).
         self.consumer_waits = False
+        # Made while the consumer waits, put at the end of the loop's step (the loop's side).
+        self.pending: list[tuple[Any, BaseException | None]] = []
+        self.flushing = False  # a flush is due on the loop (one at least)
 
     async def run(self) -> None:
         while True:
-            while self.out.qsize() >= self.AHEAD:
+            while self.out.qsize() + len(self.pending) >= self.AHEAD:
+                self.flush()  # room comes only from what the consumer can see
                 waiting = self.waiting = anyio.Event()
                 # Checked again after publishing the event: the consumer may have taken a batch
                 # in between, and then it saw no event to set.
@@ -333,17 +345,39 @@ class _Pump:
             try:
                 value = await self.iterator.__anext__()
             except StopAsyncIteration:
-                self.out.put((_END, None))
+                self.send((_END, None), now=True)
                 return
             except asyncio.CancelledError:  # the iterator or the loop is closing: no more
-                self.out.put((_END, None))
+                self.send((_END, None), now=True)
                 raise
             except BaseException as exc:  # KeyboardInterrupt too: the consumer's to handle
-                self.out.put((None, exc))
+                self.send((None, exc), now=True)
             else:
-                self.out.put((value, None))
-                if self.consumer_waits and self.out.qsize() >= self.HANDOFF:
-                    time.sleep(0)  # the GIL to the waiting consumer now (see the class doc)
+                self.send((value, None))
+
+    def send(self, item: tuple[Any, BaseException | None], now: bool = False) -> None:
+        """Hand ``item`` to the consumer: held for the end of this step while it waits."""
+        self.pending.append(item)
+        if now or not self.consumer_waits:
+            self.flush()
+        elif not self.flushing:
+            self.flushing = True
+            # Run in the loop's next step, after the callbacks of this one (which may make
+            # more batches): the block is what one step made.
+            self._loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Put the held batches, in order, and hand the GIL to a consumer waiting for them."""
+        self.flushing = False
+        pending = self.pending
+        if not pending:
+            return
+        self.pending = []
+        put = self.out.put
+        for item in pending:
+            put(item)
+        if self.consumer_waits:
+            time.sleep(0)  # the GIL to the waiting consumer now (see the class doc)
 
     def take(self) -> tuple[Any, BaseException | None]:
         """The next item of the queue, waiting for it (called from the consumer's thread)."""

@@ -1,0 +1,114 @@
+"""The sync ``for``'s hand-off: a consumer waiting on the empty queue is woken once per block.
+
+No test asserts a duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from aloader._facade import PrivateLoop, SyncIterator, _Pump
+
+_EARLIER: set[threading.Thread] = set()
+
+
+@pytest.fixture(autouse=True)
+def _ignore_earlier_loops() -> Iterator[None]:
+    """Loop threads that other tests left alive are not this test's to count."""
+    gc.collect()
+    _EARLIER.clear()
+    _EARLIER.update(threading.enumerate())
+    yield
+
+
+def _loop_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "aloader-loop" and t not in _EARLIER]
+
+
+class _Holder:
+    pump: _Pump | None = None
+
+
+async def _until_the_consumer_waits(holder: _Holder) -> _Pump:
+    """On the loop: until the consumer waits on the empty hand-off queue."""
+    while True:
+        pump = holder.pump
+        # The queue empty too: the flag of a wait whose batches were just put is still up
+        # until the consumer wakes, and it takes them all before waiting again.
+        if pump is not None and pump.consumer_waits and pump.out.qsize() == 0:
+            return pump
+        await asyncio.sleep(0.001)
+
+
+def test_the_batches_of_one_loop_step_reach_a_waiting_consumer_together() -> None:
+    # Made in one step of the loop while the consumer waits, batches wait in the pump until
+    # the step ends and then cross together: the consumer's thread is woken (and handed the
+    # GIL) once for the block, not once per batch.
+    holder = _Holder()
+    groups, size = 3, _Pump.AHEAD - 1
+    seen: list[int] = []
+
+    async def grouped() -> Any:
+        for g in range(groups):
+            pump = await _until_the_consumer_waits(holder)
+            for i in range(size):  # no await in between: one step of the loop
+                seen.append(pump.out.qsize())
+                yield g * size + i
+
+    items = SyncIterator(grouped, PrivateLoop(), owns_loop=True)
+    holder.pump = items._pump
+    assert list(items) == list(range(groups * size))
+    assert seen == [0] * (groups * size)  # none had crossed before its step ended
+    assert len(_loop_threads()) == 0
+
+
+class _WithErrors:
+    """An async iterator of ``0..n-1`` that raises ``ValueError(i)`` instead of every
+    ``every``-th item and goes on, a few items per step of the loop."""
+
+    def __init__(self, n: int, every: int) -> None:
+        self.n = n
+        self.every = every
+        self.i = 0
+
+    def __aiter__(self) -> _WithErrors:
+        return self
+
+    async def __anext__(self) -> int:
+        i = self.i
+        if i == self.n:
+            raise StopAsyncIteration
+        self.i += 1
+        if i % 3 == 0:
+            await asyncio.sleep(0)  # a new step of the loop now and then
+        if i % self.every == self.every - 1:
+            raise ValueError(i)
+        return i
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_batches_and_errors_cross_in_order_once_each(slow: bool) -> None:
+    # Batches held for the end of a step and batches put at once (the consumer busy) keep
+    # their order with the errors between them.
+    n, every = 60, 7
+    items = SyncIterator(lambda: _WithErrors(n, every), PrivateLoop(), owns_loop=True)
+    got: list[Any] = []
+    pause = threading.Event()
+    while True:
+        try:
+            got.append(next(items))
+        except ValueError as exc:
+            got.append(("error", exc.args[0]))
+        except StopIteration:
+            break
+        if slow and len(got) % 5 == 0:
+            pause.wait(0.002)  # the consumer busy: the pump gets ahead, puts at once
+    expected = [("error", i) if i % every == every - 1 else i for i in range(n)]
+    assert got == expected
+    assert len(_loop_threads()) == 0
