@@ -356,17 +356,21 @@ class _Pump:
                 self.send((value, None))
 
     def send(self, item: tuple[Any, BaseException | None], now: bool = False) -> None:
-        """Hand ``item`` to the consumer: held for the end of this step while it waits."""
+        """Hand ``item`` to the consumer: held for the end of this step while it waits, put
+        at once with ``now`` (an error, the end)."""
         self.pending.append(item)
         if now or not self.consumer_waits:
-            self.flush()
+            # No hand-off of the GIL with an error: the consumer acting on it at once (leaving
+            # its `for` on a KeyboardInterrupt, collecting the loader) would find the error
+            # still held by the pump's frame, and with it what its traceback holds.
+            self.flush(hand_off=False)
         elif not self.flushing:
             self.flushing = True
             # Run in the loop's next step, after the callbacks of this one (which may make
             # more batches): the block is what one step made.
             self._loop.call_soon(self.flush)
 
-    def flush(self) -> None:
+    def flush(self, hand_off: bool = True) -> None:
         """Put the held batches, in order, and hand the GIL to a consumer waiting for them."""
         self.flushing = False
         pending = self.pending
@@ -376,7 +380,7 @@ class _Pump:
         put = self.out.put
         for item in pending:
             put(item)
-        if self.consumer_waits:
+        if hand_off and self.consumer_waits:
             time.sleep(0)  # the GIL to the waiting consumer now (see the class doc)
 
     def take(self) -> tuple[Any, BaseException | None]:
