@@ -360,9 +360,10 @@ class _Pump:
         at once with ``now`` (an error, the end)."""
         self.pending.append(item)
         if now or not self.consumer_waits:
-            # No hand-off of the GIL with an error: the consumer acting on it at once (leaving
-            # its `for` on a KeyboardInterrupt, collecting the loader) would find the error
-            # still held by the pump's frame, and with it what its traceback holds.
+            # No hand-off of the GIL here: a consumer that does not wait needs none, and one
+            # acting at once on an error (leaving its `for` on a KeyboardInterrupt, collecting
+            # the loader) would find the error still held by the pump's frame, and with it
+            # what its traceback holds: the loader stayed alive, its loop thread too.
             self.flush(hand_off=False)
         elif not self.flushing:
             self.flushing = True
