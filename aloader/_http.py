@@ -41,6 +41,11 @@ resumed by reading it again from its start (without Range) and skipping the N de
 already delivered. A coded stream that stops before its end marker is retried like a
 connection cut; one that does not decode fails at once.
 
+An object store's objects read through signed URLs (:mod:`aloader._objstore`) take this same
+path with a :class:`Via`: a URL signed for each request, errors worded by the store's rules
+and naming the object's own URL (never the signed one), ``If-Match`` on every request once the
+ETag is known, and the body handed on as stored (no content coding undone).
+
 Limits: a plain body with neither ``Content-Length`` nor chunked framing, cut by the server,
 cannot be told from a complete one (HTTP has no way); the record formats then report a
 truncated last record where they can.

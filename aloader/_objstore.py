@@ -30,11 +30,34 @@ obstore's own retries off. A store passed with ``store=`` keeps its own ``retry_
 (obstore retries a failed request up to 10 times within 3 minutes by default, before aloader
 sees it). A missing object, a missing bucket, refused credentials and an unreachable endpoint
 each raise their own :class:`FetchError` subclass naming the URL. The object's bytes are
-handed on as stored (a ``Content-Encoding`` it was uploaded with is not undone).
+handed on as stored (a ``Content-Encoding`` it was uploaded with is not undone), whichever
+path reads them.
 
-Event loops: on asyncio, obstore's async API (``get_async`` and the body's async iterator);
-on trio, where that API needs asyncio's loop, obstore's blocking API in worker threads
-(``anyio.to_thread``), one thread call per request and per piece of body.
+Which client reads the bytes. Listing is always obstore's. An object's bytes are read by one
+of two paths, with the same invariant, retries, errors and cache:
+
+* Signed URLs, through aloader's own HTTP path (:func:`aloader._http.http_chunks`, the one
+  ``http(s)://`` shards use: aiohttp on asyncio, httpx on trio), for an S3 store that aloader
+  made from the URL and an environment of static credentials (``AWS_ACCESS_KEY_ID`` and
+  ``AWS_SECRET_ACCESS_KEY``, maybe ``AWS_SESSION_TOKEN``), a region and an endpoint only (no
+  other ``AWS_`` setting obstore reads: see :data:`_SIGNING_ENV`), where the endpoint is AWS's
+  own or an ``http://`` one with ``AWS_ALLOW_HTTP``, and the source has no ``headers`` or
+  ``client_factory`` of its own. Each request is signed by obstore (``obstore.sign``, in this
+  thread: static credentials need no request) when it is made, so a resumption is signed
+  anew. Why: obstore's async API hands every piece of a body from its runtime's thread to the
+  event loop's (the GIL taken by that thread while the loop's thread parses, a
+  ``call_soon_threadsafe`` wake-up, futex hand-offs): on the 2-core benchmark (64 shards) that
+  cost ~3,900 futex calls per epoch and ~150 ms of CPU more than plain HTTP's ~260 ms, while
+  the HTTP path reads the same bytes in the loop's own thread. Error answers are read as
+  obstore reads them (the status and S3's ``<Code>``), and no message quotes a signed URL.
+* obstore's own reads otherwise: a ``store=`` given (its client options and credentials are
+  obstore's to apply), GCS and Azure, credentials from a service (instance metadata, web
+  identity: signing would wait on it), any other ``AWS_`` setting (SSE-C keys, requester
+  pays, anonymous access, proxies, ...), another https endpoint (its certificate may need
+  roots that the HTTP path does not hold), and Parquet's ranged reads. On asyncio, obstore's
+  async API (``get_async`` and the body's async iterator); on trio, where that API needs
+  asyncio's loop, obstore's blocking API in worker threads (``anyio.to_thread``), one thread
+  call per request and per piece of body.
 
 Forks: obstore's runtime (tokio) does not survive ``fork()``: a process forked after its first
 request hangs at its own first request. So :func:`runtime_started` keeps aloader's worker
