@@ -37,24 +37,27 @@ Which client reads the bytes. Listing is always obstore's. An object's bytes are
 of two paths, with the same invariant, retries, errors and cache:
 
 * Signed URLs, through aloader's own HTTP path (:func:`aloader._http.http_chunks`, the one
-  ``http(s)://`` shards use: aiohttp on asyncio, httpx on trio), for an S3 store that aloader
-  made from the URL and an environment of static credentials (``AWS_ACCESS_KEY_ID`` and
-  ``AWS_SECRET_ACCESS_KEY``, maybe ``AWS_SESSION_TOKEN``), a region and an endpoint only (no
-  other ``AWS_`` setting obstore reads: see :data:`_SIGNING_ENV`), where the endpoint is AWS's
-  own or an ``http://`` one with ``AWS_ALLOW_HTTP``, and the source has no ``headers`` or
-  ``client_factory`` of its own. Each request is signed by obstore (``obstore.sign``, in this
-  thread: static credentials need no request) when it is made, so a resumption is signed
-  anew. Why: obstore's async API hands every piece of a body from its runtime's thread to the
-  event loop's (the GIL taken by that thread while the loop's thread parses, a
-  ``call_soon_threadsafe`` wake-up, futex hand-offs): on the 2-core benchmark (64 shards) that
-  cost ~3,900 futex calls per epoch and ~150 ms of CPU more than plain HTTP's ~260 ms, while
-  the HTTP path reads the same bytes in the loop's own thread. Error answers are read as
-  obstore reads them (the status and S3's ``<Code>``), and no message quotes a signed URL.
+  ``http(s)://`` shards use) with aiohttp, on asyncio where aiohttp is installed, for an S3
+  store that aloader made from the URL and an environment of static credentials
+  (``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY``, maybe ``AWS_SESSION_TOKEN``), a region
+  and an endpoint only (no other ``AWS_`` setting obstore reads: see :data:`_SIGNING_ENV`),
+  where the endpoint is AWS's own or an ``http://`` one with ``AWS_ALLOW_HTTP``, and the
+  source has no ``headers`` or ``client_factory`` of its own. Each request is signed by
+  obstore (``obstore.sign``, in the loop's thread: static credentials need no request) when
+  it is made, so a resumption hours later is signed anew. Why: obstore's async API hands
+  every piece of a body from its runtime's thread to the event loop's (that thread takes the
+  GIL while the loop's thread parses, then a ``call_soon_threadsafe`` wake-up): on the 2-core
+  benchmark (64 shards) ~3,900 futex calls per epoch (the HTTP path: 1) and up to ~150 ms of
+  CPU more than plain HTTP's ~260 ms, while the HTTP path reads the same bytes in the loop's
+  own thread. Error answers are sorted as obstore's are (the status and S3's ``<Code>``), and
+  no message quotes a signed URL.
 * obstore's own reads otherwise: a ``store=`` given (its client options and credentials are
   obstore's to apply), GCS and Azure, credentials from a service (instance metadata, web
   identity: signing would wait on it), any other ``AWS_`` setting (SSE-C keys, requester
   pays, anonymous access, proxies, ...), another https endpoint (its certificate may need
-  roots that the HTTP path does not hold), and Parquet's ranged reads. On asyncio, obstore's
+  roots that the HTTP path does not hold), Parquet's ranged reads, and where the HTTP path
+  would be httpx's (trio, or no aiohttp), which costs more per request than obstore's
+  threads (a trio epoch of the benchmark: ~430 ms of CPU against ~320). On asyncio, obstore's
   async API (``get_async`` and the body's async iterator); on trio, where that API needs
   asyncio's loop, obstore's blocking API in worker threads (``anyio.to_thread``), one thread
   call per request and per piece of body.
@@ -88,7 +91,15 @@ from ._exceptions import (
     ObjectNotFoundError,
 )
 from ._formats import SourceStats
-from ._http import HttpClient, HttpOptions, Via, http_chunks, retry_delay, split_chunks
+from ._http import (
+    HttpClient,
+    HttpOptions,
+    Via,
+    http_chunks,
+    retry_delay,
+    shares_one_pool,
+    split_chunks,
+)
 from ._util import Closing, usable_cpus
 
 __all__ = ("ObjectAccess", "is_object_url", "runtime_started")
@@ -506,10 +517,11 @@ class ObjectAccess:
     def _presigned(self, url: str, obstore: Any) -> _Presigned | None:
         """How ``url`` is read through signed URLs, or None where obstore reads it."""
         store, path = self._store(url, obstore)
-        if (self.store is not None or self.options.headers
-                or self.options.client_factory is not None):
+        if self.store is not None or self.options.headers or not shares_one_pool(self.options):
             # A store's client options and credentials are obstore's to apply; the source's
-            # own headers (authorization, ...) and client are for its http(s) URLs.
+            # own headers (authorization, ...) and client_factory are for its http(s) URLs;
+            # and httpx (trio, or asyncio without aiohttp) costs more per request than
+            # obstore's threads (the benchmark's trio epoch: ~430 ms of CPU against ~320).
             return None
         scheme, bucket, _ = _split(url)
         if not _SIGNED.get((f"{scheme}://{bucket}", self.options.timeout)):

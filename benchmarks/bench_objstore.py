@@ -24,8 +24,9 @@ work, which the wall clock of a loaded machine shows less faithfully.
 
 * aloader http: ``DataLoader(JsonLines(http_urls, concurrency=16), batch_size=256)``.
 * aloader s3: ``DataLoader(JsonLines(s3_urls, concurrency=16), batch_size=256)`` against the
-  S3 ``ShardServer``, credentials and endpoint from the environment, on asyncio and on trio:
-  objects read through signed URLs by aloader's HTTP path (see :mod:`aloader._objstore`).
+  S3 ``ShardServer``, credentials and endpoint from the environment: on asyncio the objects
+  are read through signed URLs by aloader's HTTP path (aiohttp), on trio by obstore's blocking
+  API in threads (see :mod:`aloader._objstore` for which path reads when).
 * aloader s3, obstore's reads: the same with an ``S3Store`` passed as ``store=``, which
   obstore reads itself (its async API's body stream on asyncio).
 * aloader s3, moto: the same on asyncio against moto (its store passed with ``store=``).

@@ -1,7 +1,8 @@
 """S3 objects read through signed URLs by aloader's HTTP path (the store made from the
-environment's static credentials), against moto's S3 server behind the fault proxy: the same
-records, errors, retries, resumption, version pinning and cache as obstore's own reads, on
-asyncio and trio, and never a signature in an error."""
+environment's static credentials, on asyncio with aiohttp), against moto's S3 server behind
+the fault proxy: the same records, errors, retries, resumption, version pinning and cache as
+obstore's own reads (which trio keeps: each test runs on both), and never a signature in an
+error."""
 
 from __future__ import annotations
 
@@ -73,6 +74,11 @@ def object_gets(proxy: Any, key: str = "") -> list[tuple[str, str | None]]:
             and path.partition("?")[0].count("/") >= 2]
 
 
+def signed(anyio_backend: str) -> bool:
+    """Whether the objects are read through signed URLs on this backend (trio: obstore)."""
+    return anyio_backend == "asyncio"
+
+
 def no_signature(exc: BaseException) -> None:
     assert "X-Amz-" not in str(exc) and "Signature=" not in str(exc), str(exc)
 
@@ -84,8 +90,11 @@ async def test_objects_are_read_through_signed_urls(env: Any, proxy: Any,
     assert source.stats.bytes == sum(map(len, SHARDS.values()))
     gets = object_gets(proxy, ".jsonl")
     assert len(gets) == 4
-    assert all("X-Amz-Signature=" in query and "X-Amz-Credential=testing" in query
-               for query, _ in gets)
+    if signed(anyio_backend):
+        assert all("X-Amz-Signature=" in query and "X-Amz-Credential=testing" in query
+                   for query, _ in gets)
+    else:
+        assert [query for query, _ in gets] == [""] * 4
 
 
 async def test_other_settings_keep_obstores_reads(env: Any, proxy: Any, s3: LocalS3,
@@ -123,7 +132,7 @@ async def test_missing_object_and_bucket(env: Any, proxy: Any, anyio_backend: st
                        "'no-such-bucket' does not exist") as bucket_info:
         await collect(other)
     no_signature(bucket_info.value)
-    assert "X-Amz-Signature=" in object_gets(proxy, "k.jsonl")[0][0]
+    assert ("X-Amz-Signature=" in object_gets(proxy, "k.jsonl")[0][0]) == signed(anyio_backend)
 
 
 @pytest.mark.parametrize("code", ["InvalidAccessKeyId", "SignatureDoesNotMatch"])
@@ -133,7 +142,7 @@ async def test_refused_credentials(env: Any, proxy: Any, code: str,
     proxy.fail(1, 403, code)
     source = JsonLines(URLS[0], **FAST)
     with pytest.raises(AccessDeniedError, match=r"s3://signed-bucket/data/shard-00000\.jsonl: "
-                       rf"access denied: .*\({code}: injected \(HTTP 403") as info:
+                       rf"access denied: .*\({code}: ") as info:
         await collect(source)
     assert isinstance(info.value, PermissionError)
     assert info.value.status_code == 403 and source.stats.retries == 0
@@ -160,7 +169,8 @@ async def test_transient_answers_are_retried(env: Any, proxy: Any, status: int, 
     source = JsonLines(URLS[:2], concurrency=1, **FAST)
     assert [r["id"] for r in await collect(source)] == list(range(60))
     assert source.stats.retries == 2
-    assert all("X-Amz-Signature=" in query for query, _ in object_gets(proxy, ".jsonl"))
+    assert all(("X-Amz-Signature=" in query) == signed(anyio_backend)
+               for query, _ in object_gets(proxy, ".jsonl"))
 
 
 async def test_retries_run_out(env: Any, proxy: Any, anyio_backend: str) -> None:
@@ -176,8 +186,8 @@ async def test_retries_run_out(env: Any, proxy: Any, anyio_backend: str) -> None
 async def test_a_client_error_is_not_retried(env: Any, proxy: Any, anyio_backend: str) -> None:
     proxy.fail(1, 400, "InvalidRequest")
     source = JsonLines(URLS[0], **FAST)
-    with pytest.raises(FetchError, match=r"shard-00000\.jsonl: InvalidRequest: injected "
-                       r"\(HTTP 400") as info:
+    with pytest.raises(FetchError, match=r"shard-00000\.jsonl: InvalidRequest: .*not "
+                       "retried") as info:
         await collect(source)
     assert info.value.status_code == 400 and source.stats.retries == 0
 
