@@ -242,3 +242,48 @@ async def test_cached_epoch_after_a_signed_download(env: Any, proxy: Any, tmp_pa
     # The listing's version of each object is the signed GET's: the copy is found at once.
     assert (source.stats.cache_misses, source.stats.cache_hits) == (4, 4)
     assert len(object_gets(proxy, ".jsonl")) == 4
+
+
+def test_which_environments_sign(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Static credentials and an AWS or allowed-http endpoint sign; anything obstore would
+    apply to the requests itself (another setting, an https endpoint of its own) does not."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    assert not _objstore._may_sign("s3", False)  # no static credentials
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    monkeypatch.setenv("AWS_CA_BUNDLE", "/etc/ssl/certs/ca-certificates.crt")  # not obstore's
+    assert _objstore._may_sign("s3", False) and _objstore._may_sign("s3a", False)
+    assert not _objstore._may_sign("gs", False) and not _objstore._may_sign("az", False)
+    for endpoint, allow_http, signs in [
+            ("https://s3.eu-west-1.amazonaws.com", False, True),
+            ("http://127.0.0.1:9000", True, True),
+            ("http://127.0.0.1:9000", False, False),
+            ("https://minio.internal:9000", False, False),
+            ("https://amazonaws.com.evil.example", False, False)]:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        assert _objstore._may_sign("s3", allow_http) == signs, endpoint
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    for setting in ("AWS_SSE_CUSTOMER_KEY_BASE64", "AWS_REQUEST_PAYER", "AWS_SKIP_SIGNATURE",
+                    "AWS_PROXY_URL"):
+        monkeypatch.setenv(setting, "x")
+        assert not _objstore._may_sign("s3", False), setting
+        monkeypatch.delenv(setting)
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_worker_processes_read_through_signed_urls(env: Any, proxy: Any) -> None:
+    """Worker processes make their own stores from the environment they inherit: every
+    record once, each object read once, through a signed URL."""
+    from aloader import DataLoader
+
+    source = JsonLines(f"s3://{BUCKET}/data/*.jsonl", even_ranks=False, **FAST)
+    loader = DataLoader(source, batch_size=16, num_workers=2)
+    ids = [i for batch in loader for i in batch["id"].tolist()]
+    assert sorted(ids) == list(range(120))
+    gets = object_gets(proxy, ".jsonl")
+    assert len(gets) == 4 and all("X-Amz-Signature=" in query for query, _ in gets)
