@@ -660,7 +660,6 @@ async def http_chunks(
     failures = 0  # failed attempts since the last new byte delivered
     total: int | None = None  # the plain body's length, once a response told it
     coded = False  # the server sends the body with a content coding: resume from its start
-    connect = False  # the last failure made no connection
     while True:
         headers = {"Accept-Encoding": "identity"}
         if via is not None and etag is not None:
@@ -671,7 +670,7 @@ async def http_chunks(
             headers["Range"] = f"bytes={offset}-"
         retry_after: float | None = None
         status: int | None = None
-        connect = False
+        connect = False  # this attempt's failure made no connection
         try:
             async with client.get(url if via is None else via.url(), headers) as response:
                 status = response.status

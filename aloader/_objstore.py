@@ -456,6 +456,8 @@ class _Presigned(Via):
         short = " ".join(part for part in (
             f"{code}:" if code else "", message.group(1).strip() if message else "",
             f"(HTTP {status} {reason})".replace(" )", ")")) if part)
+        if len(short) > 300:  # as _short keeps obstore's
+            short = short[:297] + "..."
         failure = _answered(status, code, text, short)
         if failure.kind == "transient":
             return short
