@@ -278,11 +278,12 @@ def test_which_environments_sign(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 def test_worker_processes_read_through_signed_urls(env: Any, proxy: Any) -> None:
     """Worker processes make their own stores from the environment they inherit: every
-    record once, each object read once, through a signed URL."""
+    record once, each object read once, through a signed URL. (Spawned: a forkserver
+    started by an earlier test would hand its workers its own, older environment.)"""
     from aloader import DataLoader
 
     source = JsonLines(f"s3://{BUCKET}/data/*.jsonl", even_ranks=False, **FAST)
-    loader = DataLoader(source, batch_size=16, num_workers=2)
+    loader = DataLoader(source, batch_size=16, num_workers=2, multiprocessing_context="spawn")
     ids = [i for batch in loader for i in batch["id"].tolist()]
     assert sorted(ids) == list(range(120))
     gets = object_gets(proxy, ".jsonl")
