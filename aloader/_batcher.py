@@ -71,6 +71,7 @@ import sys
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+from types import CoroutineType as _Coroutine
 from types import TracebackType
 from typing import Any, Generic, Protocol, TypedDict, TypeVar, cast, overload
 
@@ -185,6 +186,9 @@ class _Request:
             waiter.set_result(None)
 
 
+_DONE_ITER: Generator[Any, None, Any] = cast("Generator[Any, None, Any]", iter(()))
+
+
 @functools.cache
 def _trio_waiter() -> Callable[[], Waiter]:
     """The :class:`Waiter` factory the batcher uses on trio: trio's own low-level pair (park
@@ -218,10 +222,12 @@ def _trio_waiter() -> Callable[[], Waiter]:
             self._task = None  # cancelled: trio raises in the task, never reschedule it
             return Abort.SUCCEEDED
 
-        def __await__(self) -> Generator[Any, None, None]:
-            if not self._done:
-                self._task = current_task()
-                yield from wait_task_rescheduled(self._abort).__await__()
+        def __await__(self) -> Generator[Any, None, Any]:
+            if self._done:
+                return _DONE_ITER
+            self._task = current_task()
+            # Trio's own awaitable, not a generator around it: one frame less per wake-up.
+            return wait_task_rescheduled(self._abort).__await__()
 
     return _TrioWaiter
 
@@ -854,8 +860,9 @@ class Batcher(Generic[T, R]):
             if timeout is None:
                 await waiter
             elif binding.timers is not None:
-                # A loop timer answers the late request (no cancel scope, no cancellation).
-                timer = binding.timers.call_later(timeout, self._expire, request)
+                # A loop timer answers the late request (no cancel scope, no cancellation);
+                # its deadline counts from admission, on the loop's own clock (binding.now).
+                timer = binding.timers.call_at(request.enqueued + timeout, self._expire, request)
                 try:
                     await waiter
                 finally:
@@ -1016,19 +1023,29 @@ class Batcher(Generic[T, R]):
             if not wake.done():
                 wake.set_result(None)
 
-    async def _sleep(self, wake_at: int, deadline: float = math.inf) -> None:
-        """Sleep until ``wake_at`` requests are queued, a wake-up, or ``deadline``."""
+    def _sleep(self, wake_at: int, deadline: float = math.inf) -> Awaitable[None]:
+        """What the dispatcher awaits to sleep until ``wake_at`` requests are queued, a
+        wake-up, or ``deadline``.
+
+        Without a deadline it is the waiter itself (no coroutine, no cancel scope: the idle ->
+        busy path stays cheap): only :meth:`_wake_dispatcher` completes it, and it unsets
+        ``_wake`` first; a dispatcher cancelled meanwhile leaves a waiter that wakes nobody
+        (a cancelled future on asyncio, a task-less waiter on trio) until the next start
+        replaces it.
+        """
         waiter = self._binding.new_waiter()
         self._wake = waiter
         self._wake_at = wake_at
+        if deadline == math.inf:
+            return waiter
+        return self._sleep_until(waiter, deadline)
+
+    async def _sleep_until(self, waiter: Waiter, deadline: float) -> None:
         try:
-            if deadline == math.inf:
-                await waiter  # no cancel scope: the idle -> busy path stays cheap
-            else:
-                with anyio.CancelScope(deadline=deadline):
-                    await waiter
+            with anyio.CancelScope(deadline=deadline):
+                await waiter
         finally:
-            if self._wake is waiter:
+            if self._wake is waiter:  # the deadline came first
                 self._wake = None
                 self._wake_at = _NEVER
 
@@ -1098,7 +1115,9 @@ class Batcher(Generic[T, R]):
                 # plain function may return a coroutine (a lambda around one), and a callable
                 # that looks async (an instance whose __call__ attribute is a coroutine
                 # function) may not. A list or tuple, the common result, is never awaitable.
-                if type(result) is not list and inspect.isawaitable(result):
+                if type(result) is _Coroutine or (
+                    type(result) is not list and inspect.isawaitable(result)
+                ):
                     result = await result
                 results = _unpack(result, n, self._name)
             except anyio.get_cancelled_exc_class() as exc:
