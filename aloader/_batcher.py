@@ -44,20 +44,24 @@ runs.
 All times come from the event loop's clock (:func:`anyio.current_time`), so trio's
 ``MockClock`` drives batch formation, timeouts and the metrics deterministically in tests.
 
-Cost (the hot path, counted in tests/test_batcher_fast.py): a request is one ``_Request``
-and one waiter of the bound loop (:func:`~aloader._backend.waiters`: a plain future on
-asyncio), with no anyio object; its timeout is one loop timer on asyncio (no cancel scope,
-so a late caller is answered, never cancelled), trio's cancel scope on trio. A lone request
-costs two loop steps (the caller wakes the dispatcher, which answers it); under load the next
-batch starts in the loop step the previous one ended, before its callers run again.
+Cost (the hot path, counted in tests/test_batcher_fast.py and tests/test_batcher_fast2.py): a
+request is one ``_Request`` and one waiter of the bound loop, with no anyio object: a plain
+future on asyncio (:func:`~aloader._backend.waiters`), trio's low-level park and reschedule on
+trio (:func:`_trio_waiter`, no ``trio.Event``). Its timeout is answered, never a cancellation
+of the caller: one loop timer on asyncio, one entry in a heap that the batcher's one alarm task
+serves on trio (:class:`_TrioTimeouts`: a cancel scope per request cost more there than the
+rest of the request). A lone request costs two scheduler steps (the caller wakes the
+dispatcher, which answers it), with or without a timeout; under load the next batch starts in
+the loop step the previous one ended, before its callers run again.
 
-The module owns three pieces, each with its own contract: :class:`Batcher` is the batching
+The module owns four pieces, each with its own contract: :class:`Batcher` is the batching
 policy (admission, batch formation, running a batch, answering its callers, shutdown);
 :class:`_LoopBinding` says which event loop its dispatcher task lives on and how a call from
-another loop is routed; :class:`_BatcherMetricsRecorder` holds what :meth:`Batcher.metrics`
-reports. Checks that need no batcher state are functions beside them: the arguments
-(``_check_*``) and the batch function's results (``_unpack``). :func:`batch` and
-:class:`BatchMethod` give each instance of a class its own batcher.
+another loop is routed; :class:`_TrioTimeouts` times requests out on trio;
+:class:`_BatcherMetricsRecorder` holds what :meth:`Batcher.metrics` reports. Checks that need
+no batcher state are functions beside them: the arguments (``_check_*``) and the batch
+function's results (``_unpack``). :func:`batch` and :class:`BatchMethod` give each instance of
+a class its own batcher.
 """
 
 from __future__ import annotations
@@ -857,7 +861,7 @@ class Batcher(Generic[T, R]):
         if len(queue) >= self._wake_at:
             self._wake_dispatcher()
         try:
-            if timeout is None:
+            if timeout is None or timeout == math.inf:
                 await waiter
             elif binding.timers is not None:
                 # A loop timer answers the late request (no cancel scope, no cancellation);

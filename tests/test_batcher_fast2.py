@@ -11,8 +11,10 @@ and a deadline heap that stays bounded by the waiting requests and keeps no answ
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
+import math
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -280,3 +282,22 @@ def test_the_heap_keeps_no_answer() -> None:
             assert all(type(r) is _Request for r in held)
 
     trio.run(main)
+
+
+@pytest.mark.anyio
+async def test_an_infinite_timeout_waits_without_a_timer(anyio_backend: str) -> None:
+    async with Batcher(instant, timeout=math.inf) as b:
+        assert await b(1) == 10
+        assert await b(2, timeout=math.inf) == 20
+        assert not b._trio_timeouts.heap
+        assert pending_timers() == 0
+    assert b.metrics()["completed"] == 2
+
+
+def pending_timers() -> int:
+    """asyncio timers of the running loop not cancelled yet (0 on trio)."""
+    try:
+        loop: Any = asyncio.get_running_loop()
+    except RuntimeError:
+        return 0
+    return sum(not handle.cancelled() for handle in loop._scheduled)
