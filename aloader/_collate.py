@@ -195,7 +195,8 @@ def default_collate(batch: Any) -> Any:
     * numpy scalar -> array of that dtype; ``float`` -> float64, ``int`` -> int64 and ``bool``
       -> bool arrays;
     * a batch mixing number types (python and numpy scalars) is promoted as ``torch.tensor``
-      promotes it: left to right, python ``bool``/``int``/``float``/``complex`` counting as
+      promotes it (a 0-d array counting as a number of its dtype): left to right, python
+      ``bool``/``int``/``float``/``complex`` counting as
       bool/int64/float32/complex64 (torch's default dtypes); a higher kind wins (bool < integer
       < floating < complex) and keeps its own precision (int64 with float32 gives float32, a
       python float with ``np.float16`` float32, ``[True, np.uint8(200)]`` uint8), equal kinds
@@ -581,7 +582,8 @@ def _number_dtype(value: Any) -> np.dtype[Any] | None:
     dtype = _PYTHON_DTYPES.get(type(value))
     if dtype is not None:
         return dtype
-    if isinstance(value, np.generic):
+    if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.ndim == 0):
+        # torch.tensor takes a 0-d array (np.mean's result) for a number of its dtype.
         return value.dtype if value.dtype.kind in _NUMERIC_KINDS else None
     for kind, dtype in _PYTHON_DTYPES.items():  # subclasses (IntEnum...), most specific first
         if isinstance(value, kind):

@@ -85,3 +85,25 @@ def test_one_dtype_batches_are_unchanged() -> None:
     for dtype in (np.uint64, np.longdouble, np.uint16):
         batch = [np.ones(2, dtype=dtype)] * 3
         assert aloader.default_collate(batch).dtype == dtype
+
+
+ZERO_D_MIXES = {
+    "int16 scalar, float64 0-d": [np.int16(-4), np.array(3.0)],
+    "float32 scalar, float64 0-d": [np.float32(1), np.array(2.0)],
+    "float32 scalar, int64 0-d": [np.float32(1), np.array(2)],
+    "int8 scalar, int64 0-d": [np.int8(1), np.array(2)],
+    "float16 scalar, int32 0-d": [np.float16(1), np.array(3, dtype=np.int32)],
+    "float64 scalar, float32 0-d, int": [np.float64(1), np.array(2, np.float32), 3],
+    "int, float64 0-d": [1, np.array(2.5)],
+    "int, int32 0-d": [7, np.array(2, dtype=np.int32)],
+}
+
+
+@pytest.mark.filterwarnings("ignore:Creating a tensor from a list of numpy")  # torch's own
+@pytest.mark.parametrize("batch", ZERO_D_MIXES.values(), ids=ZERO_D_MIXES.keys())
+def test_numbers_mixed_with_zero_d_arrays_like_torch(batch: list[Any]) -> None:
+    # A sample that is sometimes np.float32(x), sometimes np.mean(...) (a 0-d array): torch
+    # gathers both as numbers.
+    theirs = _outcome(tud.default_collate, batch)
+    assert theirs[0] != "raised"
+    assert _outcome(aloader.default_collate, batch) == theirs
