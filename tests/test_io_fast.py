@@ -1,10 +1,13 @@
-"""The io hot path's memory: what an epoch of single-item async fetches keeps while it runs.
+"""The io hot path: what an epoch of single-item async fetches keeps while it runs, and the
+benchmark that measures it against the bare program (paired rounds).
 
 An epoch's live memory must not grow with its length: a per-item record kept until the epoch
 ends outgrows a core's cache within a few thousand items, and every item then pays for it.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -45,3 +48,25 @@ async def test_per_item_statistics_stay_bounded_during_an_epoch(anyio_backend: s
     stats = loader.stats()  # the counts stay exact across the folds
     assert stats.stages["fetch"].count == n
     assert stats.items == n and stats.batches == n // batch
+
+
+def test_bench_quotes_the_paired_median_beside_the_best() -> None:
+    from aloader._cli import load_bench_engine
+
+    engine = load_bench_engine()
+    calls: list[str] = []
+
+    def run(name: str, rates: list[float]) -> Any:
+        def once() -> float:
+            calls.append(name)
+            return rates[calls.count(name) - 1]
+        return once
+
+    # The loader's rounds at 0.5x, 0.9x and 0.8x of the limit's: best 80 of 100, median 0.8x.
+    rounds = engine._rounds(3, run("limit", [100.0, 50.0, 100.0]),
+                            run("loader", [50.0, 45.0, 80.0]))
+    assert calls == ["limit", "loader"] * 3  # interleaved, round by round
+    assert rounds == [[100.0, 50.0], [50.0, 45.0], [100.0, 80.0]]
+    assert engine._paired_median(rounds, 1, 0) == pytest.approx(0.8)
+    row = engine._ratio_row("io", 80.0, 100.0, "bare", 0.9, "-", 0.8)
+    assert row.ratio == "0.80x (paired median 0.80x)" and row.met is False
