@@ -190,11 +190,13 @@ def default_collate(batch: Any) -> Any:
     **Numpy mode** (any other batch; torch is not needed): numpy's counterpart of torch's
     function, giving numpy arrays of the dtypes torch gives its tensors:
 
-    * ndarray -> ``np.stack`` of the batch (dtype kept; string, bytes and object dtypes refused);
+    * ndarray -> ``np.stack`` of the batch (dtype kept, several dtypes promoted as
+      ``torch.stack`` promotes them; string, bytes and object dtypes refused);
     * numpy scalar -> array of that dtype; ``float`` -> float64, ``int`` -> int64 and ``bool``
       -> bool arrays;
     * a batch mixing number types (python and numpy scalars) is promoted as ``torch.tensor``
-      promotes it: left to right, python ``bool``/``int``/``float``/``complex`` counting as
+      promotes it (a 0-d array counting as a number of its dtype): left to right, python
+      ``bool``/``int``/``float``/``complex`` counting as
       bool/int64/float32/complex64 (torch's default dtypes); a higher kind wins (bool < integer
       < floating < complex) and keeps its own precision (int64 with float32 gives float32, a
       python float with ``np.float16`` float32, ``[True, np.uint8(200)]`` uint8), equal kinds
@@ -209,7 +211,10 @@ def default_collate(batch: Any) -> Any:
     float32 even if ``torch.set_default_dtype`` changed torch's default; ``np.bool_`` mixed with
     integers gives integers (torch raises TypeError); a numpy complex after a python float is a
     TypeError (torch drops its imaginary part); uint64 and longdouble scalars and arrays are
-    collated (torch refuses them); no shared memory is used in workers. The mode is decided
+    collated (torch refuses them), and arrays of several dtypes that numpy stacks in the first
+    one's dtype are not checked further (``[int64 array, uint16 array]`` gives int64; torch
+    refuses mixing uint16/32/64), while the others get ``torch.stack``'s dtype (int32 with
+    float32 gives float32); no shared memory is used in workers. The mode is decided
     by the first sample alone: a tensor first appearing in a later sample is not seen.
 
     Extend it by adding entries to :data:`default_collate_fn_map`.
@@ -404,7 +409,8 @@ def collate_tensor_fn(batch: Sequence[Any], *, collate_fn_map: CollateFnMap | No
 def collate_numpy_array_fn(
     batch: Sequence[Any], *, collate_fn_map: CollateFnMap | None = None
 ) -> np.ndarray[Any, Any]:
-    """Stack numpy arrays along a new first axis, keeping their dtype.
+    """Stack numpy arrays along a new first axis, keeping their dtype (torch.stack's promotion
+    for arrays of several dtypes).
 
     Args:
         batch: numpy arrays of equal shape.
@@ -432,7 +438,25 @@ def collate_numpy_array_fn(
     if out.dtype.kind in _STR_OBJ_KINDS:
         # A later element promoted the batch to strings or objects.
         raise TypeError(default_collate_err_msg_format.format(_first_str_obj_dtype(batch, out)))
+    if out.dtype != elem.dtype:
+        # Arrays of several dtypes. numpy widens across kinds (int32 with float32 is float64)
+        # where torch.stack keeps the higher kind's own dtype (float32); when numpy's result
+        # is the first array's dtype, torch's is too (same kind, or the first is the higher).
+        dtype = _stacked_dtype(batch)
+        if dtype is not None and dtype != out.dtype:
+            # Cast each array once, as torch does, not through numpy's wider dtype.
+            out = np.stack(batch, dtype=dtype, casting="unsafe")
     return out
+
+
+def _stacked_dtype(batch: Sequence[Any]) -> np.dtype[Any] | None:
+    """The dtype ``torch.stack`` gives arrays of these dtypes (None: a kind torch lacks)."""
+    result: np.dtype[Any] | None = None
+    for dtype in dict.fromkeys(value.dtype for value in batch):
+        if dtype.kind not in _NUMERIC_KINDS:
+            return None
+        result = dtype if result is None else _promote(result, dtype, tensors=True)
+    return result
 
 
 def collate_numpy_scalar_fn(
@@ -558,7 +582,8 @@ def _number_dtype(value: Any) -> np.dtype[Any] | None:
     dtype = _PYTHON_DTYPES.get(type(value))
     if dtype is not None:
         return dtype
-    if isinstance(value, np.generic):
+    if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.ndim == 0):
+        # torch.tensor takes a 0-d array (np.mean's result) for a number of its dtype.
         return value.dtype if value.dtype.kind in _NUMERIC_KINDS else None
     for kind, dtype in _PYTHON_DTYPES.items():  # subclasses (IntEnum...), most specific first
         if isinstance(value, kind):
@@ -566,13 +591,15 @@ def _number_dtype(value: Any) -> np.dtype[Any] | None:
     return None
 
 
-def _promote(a: np.dtype[Any], b: np.dtype[Any]) -> np.dtype[Any]:
-    """torch's ``promoteTypes(a, b)`` on numpy dtypes."""
+def _promote(a: np.dtype[Any], b: np.dtype[Any], *, tensors: bool = False) -> np.dtype[Any]:
+    """torch's ``promoteTypes(a, b)`` on numpy dtypes: for scalars gathered by ``torch.tensor``,
+    or (``tensors``) for tensors stacked by ``torch.stack``."""
     if a == b:
         return a
     if a in _BAREBONES_UNSIGNED or b in _BAREBONES_UNSIGNED:
-        # torch's scalar inference keeps a complex128 it already holds (order-dependent).
-        if a.kind == "f" or a == np.complex128:
+        # torch's scalar inference keeps a complex128 it already holds (order-dependent);
+        # torch.stack refuses it.
+        if a.kind == "f" or (a == np.complex128 and not tensors):
             return a
         if b.kind == "f":
             return b

@@ -41,6 +41,11 @@ resumed by reading it again from its start (without Range) and skipping the N de
 already delivered. A coded stream that stops before its end marker is retried like a
 connection cut; one that does not decode fails at once.
 
+An object store's objects read through signed URLs (:mod:`aloader._objstore`) take this same
+path with a :class:`Via`: a URL signed for each request, errors worded by the store's rules
+and naming the object's own URL (never the signed one), ``If-Match`` on every request once the
+ETag is known, and the body handed on as stored (no content coding undone).
+
 Limits: a plain body with neither ``Content-Length`` nor chunked framing, cut by the server,
 cannot be told from a complete one (HTTP has no way); the record formats then report a
 truncated last record where they can.
@@ -72,8 +77,8 @@ from ._util import Closing
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ("HttpClient", "HttpOptions", "env_configures_http", "http_chunks", "make_client",
-           "retry_delay", "shares_one_pool", "split_chunks")
+__all__ = ("HttpClient", "HttpOptions", "Via", "env_configures_http", "http_chunks",
+           "make_client", "retry_delay", "shares_one_pool", "split_chunks")
 
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 # A 416's Content-Range: the body's length.
@@ -197,10 +202,12 @@ def env_configures_http() -> bool:
 class _Failed(Exception):
     """A request that failed in the client library, sorted by :class:`HttpClient`."""
 
-    def __init__(self, error: str, transient: bool, cause: BaseException) -> None:
+    def __init__(self, error: str, transient: bool, cause: BaseException,
+                 connect: bool = False) -> None:
         super().__init__(error)
         self.transient = transient
         self.cause = cause
+        self.connect = connect  # no connection was made (refused, no route, DNS)
 
 
 @dataclass
@@ -257,7 +264,7 @@ class _HttpxClient(HttpClient):
                 yield _Reply(response.status_code, response.reason_phrase, response.headers,
                              body)
         except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as exc:
-            raise _Failed(_named(exc), True, exc) from exc
+            raise _Failed(_named(exc), True, exc, isinstance(exc, httpx.ConnectError)) from exc
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             # The URL itself was checked: an unsupported or invalid one comes from a
             # redirect (to data:, file:, ...), which httpx follows without asking.
@@ -293,7 +300,8 @@ class _AiohttpClient(HttpClient):
             # Connection errors, bodies cut short (ClientPayloadError), timeouts, malformed
             # responses (ClientResponseError from the parser): as httpx's network and
             # protocol errors, worth retrying.
-            raise _Failed(_aiohttp_named(exc), True, exc) from exc
+            raise _Failed(_aiohttp_named(exc), True, exc,
+                          isinstance(exc, aiohttp.ClientConnectorError)) from exc
 
     async def aclose(self) -> None:
         await self.session.close()
@@ -321,6 +329,59 @@ async def _read_all(content: Any) -> AsyncGenerator[bytes, None]:
     """An aiohttp body's pieces as the network delivers them."""
     while piece := await content.readany():
         yield piece
+
+
+class Via:
+    """A resource that :func:`http_chunks` reaches by URLs other than its name: an object
+    store's, by URLs signed for each request (:mod:`aloader._objstore`).
+
+    Invariant: the URLs requested never reach an error message (they may carry credentials
+    in their query string): every message names :attr:`name`, and each failure is worded by
+    the store's rules (:meth:`refused`, :meth:`gave_up`), as its own client words it. The body
+    is handed on as stored (a ``Content-Encoding`` is not undone, as the store's own client
+    does not undo it), and every request after the first asks for the version the first
+    answer sent (``If-Match``).
+    """
+
+    name: str
+
+    def url(self) -> str:
+        """The URL of the next request (signed now: a resumption hours later still works)."""
+        raise NotImplementedError
+
+    def refused(self, status: int, reason: str, body: bytes, offset: int) -> FetchError | str:
+        """An answer other than 200, 206 (and a 416 that ends the body): the error to raise
+        at once, or the text of a transient failure (retried)."""
+        raise NotImplementedError
+
+    def gave_up(self, error: str, status: int | None, offset: int, failures: int,
+                connect: bool) -> FetchError:
+        """The error once retries ran out, ``error`` the last failure's text (``connect``:
+        no connection could be made)."""
+        raise NotImplementedError
+
+
+# What a refused answer's body is read of (an S3 error document is well under it).
+_ERROR_BODY = 1 << 16
+_QUERY = re.compile(r"(https?://[^\s?'\"<>]*)\?[^\s'\"<>]*")
+
+
+def _scrubbed(text: str) -> str:
+    """``text`` without the query strings of the URLs it quotes (signatures)."""
+    return _QUERY.sub(r"\1", text)
+
+
+async def _head_of(body: AsyncGenerator[bytes, None], limit: int) -> bytes:
+    """The first ``limit`` bytes of ``body`` at most."""
+    parts: list[bytes] = []
+    got = 0
+    async with Closing(body) as pieces:
+        async for piece in pieces:
+            parts.append(piece)
+            got += len(piece)
+            if got >= limit:
+                break
+    return b"".join(parts)[:limit]
 
 
 class _Transient(Exception):
@@ -562,6 +623,7 @@ async def http_chunks(
     on_version: Callable[[int | None, str | None, str | None], None] | None = None,
     end: int | None = None,
     etag: str | None = None,
+    via: Via | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The body of ``url``, chunk by chunk (decoded), retried and resumed as the module
     describes.
@@ -582,13 +644,15 @@ async def http_chunks(
             needs), or None for the body's end.
         etag: the version to read: a response with another ETag is an error, so that the
             reads of one file at several ranges all see the same resource.
+        via: the URLs to request and the wording of failures, for a resource named ``url``
+            that is not requested at ``url`` itself (see :class:`Via`).
 
     Raises:
         FetchError: an error status that is not transient (at once), a redirect to a URL that
             is not http(s), a content coding that cannot be decoded, a response that does not
             fit the resumption (wrong range, changed ETag), or retries exhausted.
     """
-    problem = _url_problem(url)
+    problem = None if via is not None else _url_problem(url)
     if problem is not None:
         raise FetchError(f"{url}: {problem}", source=url)
 
@@ -598,18 +662,27 @@ async def http_chunks(
     coded = False  # the server sends the body with a content coding: resume from its start
     while True:
         headers = {"Accept-Encoding": "identity"}
+        if via is not None and etag is not None:
+            headers["If-Match"] = etag
         if end is not None and not coded:
             headers["Range"] = f"bytes={offset}-{end - 1}"
         elif offset and not coded:
             headers["Range"] = f"bytes={offset}-"
         retry_after: float | None = None
         status: int | None = None
+        connect = False  # this attempt's failure made no connection
         try:
-            async with client.get(url, headers) as response:
+            async with client.get(url if via is None else via.url(), headers) as response:
                 status = response.status
                 reason = response.reason
                 if status == 416 and offset == _length_of(total, response.headers):
                     return  # every byte came (a cut before a chunked body's last chunk)
+                if via is not None and status not in (200, 206):
+                    outcome = via.refused(status, reason,
+                                          await _head_of(response.body, _ERROR_BODY), offset)
+                    if isinstance(outcome, FetchError):
+                        raise outcome
+                    raise _Transient(outcome, _retry_after(response.headers.get("Retry-After")))
                 if status >= 500 or status in _TRANSIENT:
                     raise _Transient(f"HTTP {status} {reason}".rstrip(),
                                      _retry_after(response.headers.get("Retry-After")))
@@ -627,8 +700,8 @@ async def http_chunks(
                     )
                 etag = etag or tag
                 try:
-                    decoders = _body_decoders(url, response.headers,
-                                              min(options.chunk_size, _MAX_PIECE))
+                    decoders = [] if via is not None else _body_decoders(
+                        url, response.headers, min(options.chunk_size, _MAX_PIECE))
                 except FetchError as exc:
                     exc.offset, exc.status_code = offset, status
                     raise
@@ -707,11 +780,17 @@ async def http_chunks(
                              source=url, offset=offset, status_code=status) from None
         except _Failed as exc:
             if not exc.transient:
+                if via is not None:  # the cause quotes the signed URL
+                    raise FetchError(f"{url}: {_scrubbed(str(exc))}{_where(offset)}",
+                                     source=url, offset=offset) from None
                 raise FetchError(f"{url}: {exc}{_where(offset)}", source=url,
                                  offset=offset) from exc.cause
-            error = str(exc)
+            error = str(exc) if via is None else _scrubbed(str(exc))
+            connect = exc.connect
         failures += 1
         if failures > options.retries:
+            if via is not None:
+                raise via.gave_up(error, status, offset, failures, connect)
             raise FetchError(
                 f"{url}: giving up after {failures} failed attempt"
                 f"{'s' if failures > 1 else ''}{_where(offset)}; last error: {error}",

@@ -30,11 +30,37 @@ obstore's own retries off. A store passed with ``store=`` keeps its own ``retry_
 (obstore retries a failed request up to 10 times within 3 minutes by default, before aloader
 sees it). A missing object, a missing bucket, refused credentials and an unreachable endpoint
 each raise their own :class:`FetchError` subclass naming the URL. The object's bytes are
-handed on as stored (a ``Content-Encoding`` it was uploaded with is not undone).
+handed on as stored (a ``Content-Encoding`` it was uploaded with is not undone), whichever
+path reads them.
 
-Event loops: on asyncio, obstore's async API (``get_async`` and the body's async iterator);
-on trio, where that API needs asyncio's loop, obstore's blocking API in worker threads
-(``anyio.to_thread``), one thread call per request and per piece of body.
+Which client reads the bytes. Listing is always obstore's. An object's bytes are read by one
+of two paths, with the same invariant, retries, errors and cache:
+
+* Signed URLs, through aloader's own HTTP path (:func:`aloader._http.http_chunks`, the one
+  ``http(s)://`` shards use) with aiohttp, on asyncio where aiohttp is installed, for an S3
+  store that aloader made from the URL and an environment of static credentials
+  (``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY``, maybe ``AWS_SESSION_TOKEN``), a region
+  and an endpoint only (no other ``AWS_`` setting obstore reads: see :data:`_SIGNING_ENV`),
+  where the endpoint is AWS's own or an ``http://`` one with ``AWS_ALLOW_HTTP``, and the
+  source has no ``headers`` or ``client_factory`` of its own. Each request is signed by
+  obstore (``obstore.sign``, in the loop's thread: static credentials need no request) when
+  it is made, so a resumption hours later is signed anew. Why: obstore's async API hands
+  every piece of a body from its runtime's thread to the event loop's (that thread takes the
+  GIL while the loop's thread parses, then a ``call_soon_threadsafe`` wake-up): on the 2-core
+  benchmark (64 shards) ~3,900 futex calls per epoch (the HTTP path: 1) and up to ~150 ms of
+  CPU more than plain HTTP's ~260 ms, while the HTTP path reads the same bytes in the loop's
+  own thread. Error answers are sorted as obstore's are (the status and S3's ``<Code>``), and
+  no message quotes a signed URL.
+* obstore's own reads otherwise: a ``store=`` given (its client options and credentials are
+  obstore's to apply), GCS and Azure, credentials from a service (instance metadata, web
+  identity: signing would wait on it), any other ``AWS_`` setting (SSE-C keys, requester
+  pays, anonymous access, proxies, ...), another https endpoint (its certificate may need
+  roots that the HTTP path does not hold), Parquet's ranged reads, and where the HTTP path
+  would be httpx's (trio, or no aiohttp), which costs more per request than obstore's
+  threads (a trio epoch of the benchmark: ~430 ms of CPU against ~320). On asyncio, obstore's
+  async API (``get_async`` and the body's async iterator); on trio, where that API needs
+  asyncio's loop, obstore's blocking API in worker threads (``anyio.to_thread``), one thread
+  call per request and per piece of body.
 
 Forks: obstore's runtime (tokio) does not survive ``fork()``: a process forked after its first
 request hangs at its own first request. So :func:`runtime_started` keeps aloader's worker
@@ -65,8 +91,16 @@ from ._exceptions import (
     ObjectNotFoundError,
 )
 from ._formats import SourceStats
-from ._http import HttpOptions, retry_delay, split_chunks
-from ._util import usable_cpus
+from ._http import (
+    HttpClient,
+    HttpOptions,
+    Via,
+    http_chunks,
+    retry_delay,
+    shares_one_pool,
+    split_chunks,
+)
+from ._util import Closing, usable_cpus
 
 __all__ = ("ObjectAccess", "is_object_url", "runtime_started")
 
@@ -98,6 +132,23 @@ _THROTTLED = frozenset({"SlowDown", "Throttling", "ThrottlingException", "Reques
 _RUNTIME_PID: int | None = None
 # Stores made from URLs in this process, by (scheme://bucket, timeout).
 _STORES: dict[tuple[str, float | None], Any] = {}
+# Whether each of those stores' objects are read through signed URLs (see _may_sign).
+_SIGNED: dict[tuple[str, float | None], bool] = {}
+# The environment variables that leave an S3 store made from the environment reading
+# objects as a plain GET of a signed URL does: static credentials, region, endpoint, and the
+# AWS command line's own settings, which obstore does not read. Any other AWS_ variable may
+# change the requests (SSE-C keys, requester pays, anonymous access, proxies, ...): then
+# obstore reads the objects itself.
+_SIGNING_ENV = frozenset({
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
+    "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT", "AWS_ALLOW_HTTP",
+    "AWS_CA_BUNDLE", "AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_PAGER", "AWS_DEFAULT_OUTPUT",
+})
+# How long a signed URL is valid: each request is signed when it is made, so this only has
+# to cover clock skew between this machine and the store.
+_SIGNED_FOR = timedelta(hours=1)
+_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
 
 
 def is_object_url(shard: str) -> bool:
@@ -151,6 +202,29 @@ def _start_runtime(obstore: Any) -> None:
     cores = usable_cpus()[0] or 2
     os.environ["TOKIO_WORKER_THREADS"] = str(max(1, cores // 2))
     _SET_THREADS = True
+
+
+def _may_sign(scheme: str, allow_http: bool) -> bool:
+    """Whether a store made for ``scheme`` from this environment has its objects read through
+    signed URLs (see the module's description): an S3 store with static credentials (signing
+    then never waits on a credential service), no other setting than :data:`_SIGNING_ENV`'s,
+    and AWS's own endpoints or an http one where http is allowed."""
+    if _FAMILIES[scheme] != "AWS":
+        return False
+    env = os.environ
+    if not (env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY")):
+        return False
+    if any(name.startswith("AWS_") and name not in _SIGNING_ENV for name in env):
+        return False
+    endpoint = urlsplit(env.get("AWS_ENDPOINT_URL") or env.get("AWS_ENDPOINT")
+                        or "https://s3.amazonaws.com")
+    if endpoint.scheme.lower() == "http":
+        return allow_http
+    # Another https endpoint may have a certificate that obstore's roots hold and the HTTP
+    # path's do not (a private CA in the system's store): obstore reads those.
+    host = (endpoint.hostname or "").lower()
+    return endpoint.scheme.lower() == "https" and (host == "amazonaws.com"
+                                                   or host.endswith(".amazonaws.com"))
 
 
 def _runtime_started() -> None:
@@ -238,18 +312,16 @@ def _classify(exc: Exception) -> _Failure | None:
     short = _short(exc)
     if code:
         short = f"{code}: {short}"
+    # The kind of error obstore names, or else the status it quotes, says what failed.
+    meaning = status
     if isinstance(exc, FileNotFoundError) or name == "NotFoundError" or status == 404:
-        bucket = any(marker in text for marker in _BUCKET_MISSING)
-        return _Failure("bucket" if bucket else "missing", status or 404, short)
-    if name in ("PermissionDeniedError", "UnauthenticatedError") or status in (401, 403):
-        return _Failure("denied", status, short)
-    if name == "PreconditionError" or status == 412:
-        return _Failure("changed", status, short)
-    if status == 416:
-        return _Failure("range", status, short)
-    if status is not None:
-        transient = status >= 500 or status in (408, 429) or code in _THROTTLED
-        return _Failure("transient" if transient else "fatal", status, short)
+        meaning, status = 404, status or 404
+    elif name in ("PermissionDeniedError", "UnauthenticatedError"):
+        meaning = 403
+    elif name == "PreconditionError" and status not in (401, 403):
+        meaning = 412
+    if meaning is not None:
+        return _Failure(_answered(meaning, code, text, short).kind, status, short)
     if name not in ("GenericError", "JoinError", "BaseError"):
         return _Failure("fatal", None, short)  # invalid path, unsupported, configuration
     if "builder error" in text:
@@ -262,6 +334,22 @@ def _classify(exc: Exception) -> _Failure | None:
     return _Failure("transient", None, short)  # a dropped connection, a timeout, a cut body
 
 
+def _answered(status: int, code: str, text: str, short: str) -> _Failure:
+    """The meaning of an error answer of ``status`` (S3's error ``code`` in it, if any),
+    ``text`` all that is known of it, ``short`` the words an error quotes."""
+    if status == 404:
+        bucket = any(marker in text for marker in _BUCKET_MISSING)
+        return _Failure("bucket" if bucket else "missing", status, short)
+    if status in (401, 403):
+        return _Failure("denied", status, short)
+    if status == 412:
+        return _Failure("changed", status, short)
+    if status == 416:
+        return _Failure("range", status, short)
+    transient = status >= 500 or status in (408, 429) or code in _THROTTLED
+    return _Failure("transient" if transient else "fatal", status, short)
+
+
 def _endpoint(text: str) -> str:
     match = _TARGET.search(text)
     if match is None:
@@ -271,8 +359,9 @@ def _endpoint(text: str) -> str:
 
 
 def _error(url: str, failure: _Failure, offset: int | None = None,
-           attempts: int = 1) -> FetchError:
-    """The error raised for ``failure`` on ``url``."""
+           attempts: int = 1, endpoint: str | None = None) -> FetchError:
+    """The error raised for ``failure`` on ``url`` (``endpoint``: the store's, when
+    ``failure``'s text does not quote it)."""
     _, bucket, key = _split(url)
     where = f" at byte offset {offset}" if offset else ""
     kwargs: dict[str, Any] = {"source": url, "offset": offset, "status_code": failure.status}
@@ -290,8 +379,8 @@ def _error(url: str, failure: _Failure, offset: int | None = None,
                           f"{where} ({failure.text})", **kwargs)
     if failure.kind == "unreachable":
         return EndpointUnreachableError(
-            f"{url}: cannot connect to {_endpoint(failure.text)} after {attempts} attempt"
-            f"{'s' if attempts > 1 else ''}{where} ({failure.text})", **kwargs)
+            f"{url}: cannot connect to {endpoint or _endpoint(failure.text)} after "
+            f"{attempts} attempt{'s' if attempts > 1 else ''}{where} ({failure.text})", **kwargs)
     if failure.kind == "transient":
         return FetchError(f"{url}: giving up after {attempts} failed attempt"
                           f"{'s' if attempts > 1 else ''}{where}; last error: {failure.text}",
@@ -332,6 +421,52 @@ class _Calls:
             return await stream.__anext__()  # type: ignore[no-any-return]
         except StopAsyncIteration:
             return None
+
+
+class _Presigned(Via):
+    """An S3 object read through URLs signed for each request, by aloader's HTTP path:
+    failures worded and sorted as obstore's are (:func:`_answered`, :func:`_error`)."""
+
+    def __init__(self, name: str, obstore: Any, store: Any, path: str) -> None:
+        self.name = name
+        self._obstore = obstore
+        self._store = store
+        self._path = path
+        self._endpoint: str | None = None
+
+    def url(self) -> str:
+        try:
+            signed: str = self._obstore.sign(self._store, "GET", self._path, _SIGNED_FOR)
+        except Exception as exc:
+            failure = _classify(exc)
+            if failure is None:
+                raise
+            raise _error(self.name, failure) from None
+        finally:
+            _runtime_started()
+        if self._endpoint is None:
+            parts = urlsplit(signed)
+            self._endpoint = f"{parts.scheme}://{parts.netloc}"
+        return signed
+
+    def refused(self, status: int, reason: str, body: bytes, offset: int) -> FetchError | str:
+        text = body.decode("utf-8", "replace")
+        code_match, message = _CODE.search(text), _MESSAGE.search(text)
+        code = code_match.group(1) if code_match else ""
+        short = " ".join(part for part in (
+            f"{code}:" if code else "", message.group(1).strip() if message else "",
+            f"(HTTP {status} {reason})".replace(" )", ")")) if part)
+        if len(short) > 300:  # as _short keeps obstore's
+            short = short[:297] + "..."
+        failure = _answered(status, code, text, short)
+        if failure.kind == "transient":
+            return short
+        return _error(self.name, failure, offset)
+
+    def gave_up(self, error: str, status: int | None, offset: int, failures: int,
+                connect: bool) -> FetchError:
+        failure = _Failure("unreachable" if connect else "transient", status, error)
+        return _error(self.name, failure, offset, failures, self._endpoint)
 
 
 class _Resumable(Exception):
@@ -378,7 +513,22 @@ class ObjectAccess:
                 raise FetchError(f"{url}: cannot make a store for {scheme}://{bucket}: "
                                  f"{type(exc).__name__}: {_short(exc)}", source=url) from None
             _STORES[cache_key] = store
+            _SIGNED[cache_key] = _may_sign(scheme, bool(client.get("allow_http")))
         return store, key
+
+    def _presigned(self, url: str, obstore: Any) -> _Presigned | None:
+        """How ``url`` is read through signed URLs, or None where obstore reads it."""
+        store, path = self._store(url, obstore)
+        if self.store is not None or self.options.headers or not shares_one_pool(self.options):
+            # A store's client options and credentials are obstore's to apply; the source's
+            # own headers (authorization, ...) and client_factory are for its http(s) URLs;
+            # and httpx (trio, or asyncio without aiohttp) costs more per request than
+            # obstore's threads (the benchmark's trio epoch: ~430 ms of CPU against ~320).
+            return None
+        scheme, bucket, _ = _split(url)
+        if not _SIGNED.get((f"{scheme}://{bucket}", self.options.timeout)):
+            return None
+        return _Presigned(url, obstore, store, path)
 
     def check(self, url: str) -> None:
         """Check that ``url`` fits the store given (its bucket and its kind), if any.
@@ -464,6 +614,7 @@ class ObjectAccess:
         start: int = 0,
         on_version: Callable[[int | None, str | None, str | None], None] | None = None,
         end: int | None = None, etag: str | None = None,
+        client: Callable[[], HttpClient] | None = None,
     ) -> AsyncGenerator[bytes, None]:
         """The bytes of the object at ``url``, chunk by chunk, retried and resumed as the
         module describes.
@@ -479,11 +630,20 @@ class ObjectAccess:
                 for, as random access needs), or None for the object's end.
             etag: the version to read (``If-Match`` from the first request on): the reads of
                 one file at several ranges then all see the same object, or fail.
+            client: what gives the epoch's HTTP client, for an object read through signed
+                URLs (see the module's description); None: obstore reads it.
 
         Raises:
             FetchError: (or a subclass) the object cannot be read, as the module describes.
         """
         obstore = _obstore(url)
+        via = None if client is None else self._presigned(url, obstore)
+        if client is not None and via is not None:
+            async with Closing(http_chunks(client(), url, self.options, stats, on_size, start,
+                                            on_version, end, etag, via)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            return
         store, path = self._store(url, obstore)
         calls = _Calls(obstore, threaded=current_backend() == "trio")
         options = self.options

@@ -887,7 +887,7 @@ class ShardedSource(Stream[T_co]):
         clients: _Clients | None = None
         # A blocking epoch reads only copies from the cache, on this thread, with no client;
         # a shard that needs the store after all makes its own (see _chunks).
-        if not ctx.blocking and any(is_url(name) for name in names[first:]):
+        if not ctx.blocking and any(_remote(name) for name in names[first:]):
             # A connection per read-ahead slot (shard i reuses the keep-alive connection of
             # shard i - concurrency); a client_factory's one client is shared by all.
             clients = _Clients(self.http, 1 if self.http.client_factory is not None else slots)
@@ -966,7 +966,8 @@ class ShardedSource(Stream[T_co]):
         """A remote shard's bytes from its store (HTTP or an object store), from ``start``."""
         if client is not None and is_url(name):
             return http_chunks(client(), name, self.http, stats, on_size, start, on_version)
-        return self._objects.chunks(name, stats, on_size, start, on_version)
+        # An object store may read through the epoch's HTTP client too (signed URLs).
+        return self._objects.chunks(name, stats, on_size, start, on_version, client=client)
 
     def _fetch_alone(
         self, name: str, stats: SourceStats, on_size: Callable[[int], None],

@@ -41,7 +41,9 @@ from typing import Any
 __all__ = ("Collector", "LoaderStats", "Occupancy", "Stage", "StageStats", "verdict")
 
 _RING = 1024  # latencies kept per stage for the percentiles (the most recent ones)
-_FLUSH = 1023  # fold the appends every 1024 batches
+# Fold the appends every 32 batches: a stage fetched item by item appends an int per item, and
+# kept for 1024 batches those (~40 bytes each) outgrew a core's cache within an io epoch.
+_FLUSH = 31
 _REPORT = 64  # latencies a worker sends per stage with one answer, at most
 STAGES = ("sampling", "fetch", "collate", "transfer", "wait", "consumer")
 

@@ -32,6 +32,9 @@ class WorkerInfo:
         num_workers: how many workers the loader runs.
         seed: this worker's seed (``base_seed + id``).
         dataset: this worker's own copy of the dataset.
+        rng: None, as in torch's process workers (torch's thread workers keep their
+            generators there).
+        worker_method: ``"multiprocessing"``, as torch's process workers say.
         epoch: the loader's epoch this worker is serving (not in torch; see
             :attr:`epoch`).
     """
@@ -40,6 +43,9 @@ class WorkerInfo:
     num_workers: int
     seed: int
     dataset: Any
+    # torch's values for a process worker (recent torch's WorkerInfo has these fields).
+    rng: Any = None
+    worker_method: str | None = "multiprocessing"
     __initialized = False
 
     def __init__(self, **kwargs: Any) -> None:

@@ -12,8 +12,12 @@ program once, on asyncio and on trio), best round of each program:
   starts (answering, re-submitting) delays that batch's wake-up by as much, up to 1 ms: here
   the batcher's per-request CPU cost shows up as throughput.
 * **low load**: one caller at a time, ``max_wait=0``, a batch function that returns at once.
-  Added latency = batcher latency minus the latency of awaiting the batch function directly
-  (measured in the same round), at p50 and at p99; with and without a per-request timeout.
+  Added latency = batcher latency minus the latency of awaiting the batch function directly,
+  at p50 and at p99, with and without a per-request timeout; the three programs run in the
+  same loop, interleaved in chunks of 1,000 calls (``BENCH_LOW_LOAD_CALLS`` calls each per
+  round, 20,000 by default: a p99 needs samples). Beside them, figures a loaded machine does
+  not move: the added CPU time per call, and the scheduler steps per call (asyncio's loop
+  iterations and handles run, trio's task steps, counted by its instrument API).
 * **overload**: the queue is full and the model busy; every further request must be refused.
   Rejection latency p99, and the memory held after an open-loop flood of 10k and of 50k
   requests (it must not grow with the flood).
@@ -49,7 +53,8 @@ B_S = 0.0005  # cost per item (s)
 MAX_BATCH = 32
 CALLERS = 256
 SATURATION_SECONDS = 2.0
-LOW_LOAD_CALLS = 5_000
+LOW_LOAD_CALLS = int(os.environ.get("BENCH_LOW_LOAD_CALLS", "20000"))  # per program and round
+LOW_LOAD_CHUNK = 1_000
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 
 
@@ -166,39 +171,113 @@ async def instant_batch(items: list[Any]) -> list[Any]:
     return items
 
 
-async def latencies(call: Callable[[Any], Awaitable[Any]], n: int) -> list[float]:
-    for _ in range(200):
-        await call(1)
-    out = []
+async def latencies(call: Callable[[Any], Awaitable[Any]], n: int, out: list[float]) -> float:
+    """Time ``n`` calls one at a time into ``out``; return the process CPU seconds they took."""
     perf = time.perf_counter
+    cpu = time.process_time()
     for _ in range(n):
         t0 = perf()
         await call(1)
         out.append(perf() - t0)
-    return out
+    return time.process_time() - cpu
 
 
-async def low_load_round(backend: str, serve: Any | None) -> dict[str, tuple[float, float]]:
-    """One round of the low-load programs on one backend: name -> (added p50, added p99),
-    each against the direct await measured just before it."""
+class _TrioSteps:
+    """A trio instrument: counts task steps (a task run until it blocks again)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def before_task_step(self, task: object) -> None:
+        self.steps += 1
+
+
+async def steps_per_call(call: Callable[[Any], Awaitable[Any]], n: int) -> tuple[float, float]:
+    """Scheduler work per call, a figure load does not move: (loop iterations, task steps) on
+    asyncio (``_run_once`` runs, handles run: each task step is a handle), (task steps, task
+    steps) on trio (its instrument API)."""
+    try:
+        loop: Any = asyncio.get_running_loop()
+    except RuntimeError:
+        import trio
+
+        steps = _TrioSteps()
+        trio.lowlevel.add_instrument(steps)  # type: ignore[arg-type]
+        try:
+            for _ in range(n):
+                await call(1)
+        finally:
+            trio.lowlevel.remove_instrument(steps)  # type: ignore[arg-type]
+        return steps.steps / n, steps.steps / n
+    counts = [0, 0]
+    run_once = loop._run_once
+    handle_cls: Any = asyncio.Handle
+    handle_run = handle_cls._run
+
+    def counting_run_once() -> None:
+        counts[0] += 1
+        run_once()
+
+    def counting_handle_run(handle: asyncio.Handle) -> None:
+        counts[1] += 1
+        handle_run(handle)
+
+    loop._run_once = counting_run_once
+    handle_cls._run = counting_handle_run
+    try:
+        for _ in range(n):
+            await call(1)
+    finally:
+        del loop._run_once
+        handle_cls._run = handle_run
+    return counts[0] / n, counts[1] / n
+
+
+LowRow = tuple[float, float, float, tuple[float, float]]  # added p50, p99, CPU/call, steps
+
+
+async def low_load_round(backend: str, serve: Any | None) -> dict[str, LowRow]:
+    """One round of the low-load programs on one backend: name -> (added p50, added p99,
+    added CPU per call, scheduler steps per call). The programs run interleaved in chunks of
+    ``LOW_LOAD_CHUNK`` calls (a burst of load hits them all alike), each against the direct
+    await measured in the same chunks."""
 
     async def direct(x: Any) -> Any:
         return (await instant_batch([x]))[0]
 
-    async def added(call: Callable[[Any], Awaitable[Any]]) -> tuple[float, float]:
-        base = await latencies(direct, LOW_LOAD_CALLS)
-        lat = await latencies(call, LOW_LOAD_CALLS)
-        return pct(lat, 0.5) - pct(base, 0.5), pct(lat, 0.99) - pct(base, 0.99)
-
-    out = {}
-    async with aloader.Batcher(instant_batch, max_wait=0.0) as batcher:
-        out[f"aloader Batcher ({backend})"] = await added(batcher)
-    async with aloader.Batcher(instant_batch, max_wait=0.0, timeout=10.0) as batcher:
-        out[f"aloader Batcher, with a timeout ({backend})"] = await added(batcher)
-    if serve is not None and backend == "asyncio":
-        handle = ray_method(serve, instant_batch, max_batch_size=MAX_BATCH, batch_wait_timeout_s=0)
-        out["ray @serve.batch (batch_wait_timeout_s=0)"] = await added(handle)
-    return out
+    async with contextlib.AsyncExitStack() as stack:
+        programs: dict[str, Callable[[Any], Awaitable[Any]]] = {"direct": direct}
+        programs[f"aloader Batcher ({backend})"] = await stack.enter_async_context(
+            aloader.Batcher(instant_batch, max_wait=0.0)
+        )
+        programs[f"aloader Batcher, with a timeout ({backend})"] = (
+            await stack.enter_async_context(
+                aloader.Batcher(instant_batch, max_wait=0.0, timeout=10.0)
+            )
+        )
+        if serve is not None and backend == "asyncio":
+            programs["ray @serve.batch (batch_wait_timeout_s=0)"] = ray_method(
+                serve, instant_batch, max_batch_size=MAX_BATCH, batch_wait_timeout_s=0
+            )
+        lat: dict[str, list[float]] = {name: [] for name in programs}
+        cpu = dict.fromkeys(programs, 0.0)
+        for call in programs.values():
+            await latencies(call, 200, [])  # warm up
+        for _ in range(LOW_LOAD_CALLS // LOW_LOAD_CHUNK):
+            for name, call in programs.items():
+                cpu[name] += await latencies(call, LOW_LOAD_CHUNK, lat[name])
+        steps = {name: await steps_per_call(call, 1_000) for name, call in programs.items()}
+    base = lat.pop("direct")
+    n = len(base)
+    return {
+        name: (
+            pct(samples, 0.5) - pct(base, 0.5),
+            pct(samples, 0.99) - pct(base, 0.99),
+            (cpu[name] - cpu["direct"]) / n,
+            steps[name],
+        )
+        for name, samples in lat.items()
+    }
 
 
 # -- overload ------------------------------------------------------------------------------------
@@ -322,15 +401,15 @@ def main() -> None:
 
     # Interleaved: every round runs every program once; each figure is its best round.
     sat: dict[str, tuple[float, str]] = {}
-    low: dict[str, tuple[float, float]] = {}
+    low: dict[str, LowRow] = {}
     for _ in range(ROUNDS):
         for backend in backends:
             for name, (rate, note) in run_on(backend, saturation_round, serve).items():
                 if name not in sat or rate > sat[name][0]:
                     sat[name] = (rate, note)
-            for name, (p50, p99) in run_on(backend, low_load_round, serve).items():
-                best = low.get(name, (math.inf, math.inf))
-                low[name] = (min(best[0], p50), min(best[1], p99))
+            for name, (p50, p99, cpu, steps) in run_on(backend, low_load_round, serve).items():
+                best = low.get(name, (math.inf, math.inf, math.inf, steps))
+                low[name] = (min(best[0], p50), min(best[1], p99), min(best[2], cpu), steps)
 
     limit = MAX_BATCH / cost(MAX_BATCH)
     print(
@@ -343,12 +422,20 @@ def main() -> None:
         print(f"| {name} | {rate:,.0f} | {rate / limit:.3f} | {note} |")
 
     print(
-        f"\n## Low load: one caller at a time, max_wait=0, {LOW_LOAD_CALLS:,} calls; added to "
-        "a direct `await fn([x])`\n"
+        f"\n## Low load: one caller at a time, max_wait=0, {LOW_LOAD_CALLS:,} calls per round, "
+        f"interleaved in chunks of {LOW_LOAD_CHUNK:,}; added to a direct `await fn([x])`\n\n"
+        "Steps per call, a figure load does not move: asyncio's loop iterations / handles run, "
+        "trio's task steps.\n"
     )
-    print("| runner | added p50 us | added p99 us |\n|---|---:|---:|")
-    for name, (p50, p99) in low.items():
-        print(f"| {name} | {p50 * 1e6:.1f} | {p99 * 1e6:.1f} |")
+    print(
+        "| runner | added p50 us | added p99 us | added CPU per call us | steps per call |\n"
+        "|---|---:|---:|---:|---:|"
+    )
+    for name, (p50, p99, cpu, (iterations, handles)) in low.items():
+        steps = f"{iterations:.2f}"
+        if handles != iterations:
+            steps += f" / {handles:.2f}"
+        print(f"| {name} | {p50 * 1e6:.1f} | {p99 * 1e6:.1f} | {cpu * 1e6:.1f} | {steps} |")
 
     print("\n## Overload: queue full (max_queue 1,000), model busy\n")
     over = asyncio.run(bench_overload(serve))
@@ -382,7 +469,7 @@ def main() -> None:
             f"aloader Batcher ({backend})",
             f"aloader Batcher, with a timeout ({backend})",
         ):
-            p50, p99 = low[name]
+            p50, p99 = low[name][:2]
             checks.append((f"{name}: low-load added p50 < 0.2 ms ({p50 * 1e6:.1f} us)", p50 < 2e-4))
             checks.append((f"{name}: low-load added p99 < 100 us ({p99 * 1e6:.1f} us)", p99 < 1e-4))
     checks += [

@@ -19,7 +19,8 @@ Workloads follow the project's anchors (``shared/reference/anchors.md``):
 * lag: how late a 1 ms ticker task wakes up while a synchronous dataset loads.
 
 Every figure is the best of ``repeat`` runs, the runs of a row's figures interleaved so that
-they see the same machine. torch is imported only here, only when asked, and only if present.
+they see the same machine; the io rows also quote the median of the rounds' paired ratios, and
+the log says the machine's load. torch is imported only here, only when asked, and only if present.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import gc
 import importlib
 import importlib.util
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -179,14 +181,28 @@ class BusyDataset(Dataset[npt.NDArray[np.float32]]):
 # --------------------------------------------------------------------------- measuring
 
 
+def _rounds(repeat: int, *runs: Callable[[], float]) -> list[list[float]]:
+    """The items/s of each run in each of ``repeat`` rounds (``[round][run]``), the runs
+    interleaved per round, so that the runs of one round see the same machine."""
+    rounds = []
+    for _ in range(repeat):
+        rates = []
+        for run in runs:
+            gc.collect()
+            rates.append(run())
+        rounds.append(rates)
+    return rounds
+
+
 def _best_of(repeat: int, *runs: Callable[[], float]) -> list[float]:
     """The highest items/s of each run over ``repeat`` rounds, runs interleaved per round."""
-    best = [0.0] * len(runs)
-    for _ in range(repeat):
-        for k, run in enumerate(runs):
-            gc.collect()
-            best[k] = max(best[k], run())
-    return best
+    return [max(rates) for rates in zip(*_rounds(repeat, *runs), strict=True)]
+
+
+def _paired_median(rounds: list[list[float]], run: int, limit: int) -> float:
+    """The median over rounds of run ``run``'s items/s against run ``limit``'s in the same
+    round: a paired ratio, which load that shifts between rounds moves less than the best."""
+    return statistics.median(rates[run] / rates[limit] for rates in rounds)
 
 
 def _check(what: str, got: int, expected: int) -> None:
@@ -489,14 +505,27 @@ def _ratio_row(
     limit_label: str,
     target: float | None,
     torch: str,
+    median: float | None = None,
 ) -> Row:
+    """A row whose figure is ``value / limit`` (best of each); ``median``, the median of the
+    paired rounds' ratios, is quoted beside it."""
     ratio = value / limit
     if target is None:
         target_text, met = "(info)", None
     else:
         met = ratio >= target
         target_text = f">= {target:g}x: {'ok' if met else 'MISSED'}"
-    return Row(workload, value, limit, limit_label, f"{ratio:.2f}x", target_text, torch, met)
+    text = f"{ratio:.2f}x" if median is None else f"{ratio:.2f}x (paired median {median:.2f}x)"
+    return Row(workload, value, limit, limit_label, text, target_text, torch, met)
+
+
+def _load() -> str:
+    """The machine's load (1-minute average) and CPUs, for the log beside paired figures."""
+    try:
+        load = f"{os.getloadavg()[0]:.2f}"
+    except (AttributeError, OSError):  # not on this platform
+        load = "unknown"
+    return f"load average {load} on {os.cpu_count()} CPUs"
 
 
 def _trio_io_loader(n: int) -> DataLoader[Any]:
@@ -516,7 +545,7 @@ def _io_rows(sizes: Sizes, repeat: int, torch: _Torch, log: Callable[[str], None
     n = sizes.io_items
     has_trio = importlib.util.find_spec("trio") is not None
     log(f"io: bare asyncio limits, async loader{', trio' if has_trio else ''}, "
-        f"N={n:,}")
+        f"N={n:,}, {repeat} paired rounds; {_load()}")
     runs: list[Callable[[], float]] = [
         lambda: asyncio.run(_io_window_limit(n)),
         lambda: asyncio.run(_io_limit(n)),
@@ -527,23 +556,27 @@ def _io_rows(sizes: Sizes, repeat: int, torch: _Torch, log: Callable[[str], None
             lambda: _on_trio(lambda: _io_trio_limit(n)),
             lambda: _on_trio(lambda: _consume_async(_trio_io_loader(n), n, "io aloader trio")),
         ]
-    rates = _best_of(repeat, *runs)
+    rounds = _rounds(repeat, *runs)
+    rates = [max(rates) for rates in zip(*rounds, strict=True)]
     limit, gather_limit, async_rate = rates[:3]
+    log(f"io: done, {_load()}")
     torch_io = torch.io()
     name = f"io: async dataset, max_concurrency={IO_CONCURRENCY}, N={n:,}"
     rows = [
         _ratio_row(name, async_rate, limit,
                    f"bare asyncio: {IO_CONCURRENCY} coroutines taking the next index, "
-                   f"np.stack per {IO_BATCH} in order", IO_TARGET, torch_io),
+                   f"np.stack per {IO_BATCH} in order", IO_TARGET, torch_io,
+                   _paired_median(rounds, 2, 0)),
         _ratio_row("io: same, vs the anchors' gather program", async_rate, gather_limit,
                    f"bare asyncio gather of {_GATHER_CHUNK:,} + Semaphore({IO_CONCURRENCY}), "
-                   "slowest of each group", None, torch_io),
+                   "slowest of each group", None, torch_io, _paired_median(rounds, 2, 1)),
     ]
     if has_trio:
         trio_limit, trio_rate = rates[3:]
         rows.append(_ratio_row(f"io: same on trio (trio.sleep), N={n:,}", trio_rate, trio_limit,
                                f"bare trio nursery of {IO_CONCURRENCY} tasks, same work",
-                               IO_TARGET, "- (torch has no trio path)"))
+                               IO_TARGET, "- (torch has no trio path)",
+                               _paired_median(rounds, 4, 3)))
     return rows + _io_loop_rows(n, repeat, torch_io, log)
 
 

@@ -50,8 +50,10 @@ class _Handler(BaseHTTPRequestHandler):
         proxy = self.server.owner
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else None
-        is_object_get = (self.command == "GET" and "?" not in self.path
-                         and self.path.strip("/").count("/") >= 1)
+        # A presigned GET's query is its signature: still an object GET.
+        is_object_get = (self.command == "GET"
+                         and ("?" not in self.path or "X-Amz-Signature=" in self.path)
+                         and self.path.split("?")[0].strip("/").count("/") >= 1)
         rule = proxy._take(self.command, self.path, self.headers.get("Range"), is_object_get)
         if proxy.latency:
             time.sleep(proxy.latency)
@@ -122,9 +124,9 @@ class _ProxyServer(ThreadingHTTPServer):
 class FaultProxy:
     """A reverse proxy on 127.0.0.1 in front of ``upstream_port``, injecting faults.
 
-    Faults apply to the next object GETs (a ``GET /bucket/key`` without a query), in the order
-    they were asked for. :attr:`requests` records ``(method, path, Range header)`` of every
-    request.
+    Faults apply to the next object GETs (a ``GET /bucket/key`` without a query, or with a
+    presigned URL's), in the order they were asked for. :attr:`requests` records ``(method,
+    path, Range header)`` of every request.
     """
 
     def __init__(self, upstream_port: int, latency: float = 0.0) -> None:
