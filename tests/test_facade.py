@@ -20,24 +20,10 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from loopthreads import ignore_earlier_loops, loop_threads  # noqa: F401
 
 import aloader
 from aloader import DataLoader
-
-_EARLIER: set[threading.Thread] = set()
-
-
-@pytest.fixture(autouse=True)
-def _ignore_earlier_loops() -> Iterator[None]:
-    """Loop threads of loaders that other tests left alive are not this test's to count."""
-    gc.collect()
-    _EARLIER.clear()
-    _EARLIER.update(threading.enumerate())
-    yield
-
-
-def _loop_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "aloader-loop" and t not in _EARLIER]
 
 
 class LoopBound(aloader.Dataset[int]):
@@ -73,7 +59,7 @@ def test_every_for_epoch_runs_on_one_loop() -> None:
     for _ in range(3):
         assert [b.tolist() for b in loader] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
     assert len(dataset.loops) == 1
-    assert len(_loop_threads()) == 1
+    assert len(loop_threads()) == 1
     # A broken-off epoch and a new iterator keep the same loop.
     for _ in loader:
         break
@@ -83,7 +69,7 @@ def test_every_for_epoch_runs_on_one_loop() -> None:
     assert dataset.loop is not None and not dataset.loop.is_closed()
     loader.close()
     assert dataset.loop.is_closed()
-    assert _loop_threads() == []
+    assert loop_threads() == []
 
 
 def test_close_then_for_again_starts_a_new_loop() -> None:
@@ -92,12 +78,12 @@ def test_close_then_for_again_starts_a_new_loop() -> None:
     assert len(list(loader)) == 2
     loader.close()
     loader.close()  # idempotent
-    assert _loop_threads() == []
+    assert loop_threads() == []
     dataset.lock = None  # the old loop's objects are gone with it
     assert len(list(loader)) == 2
     assert len(dataset.loops) == 2
     loader.close()
-    assert _loop_threads() == []
+    assert loop_threads() == []
 
 
 def test_close_ends_an_open_iterator() -> None:
@@ -105,7 +91,7 @@ def test_close_ends_an_open_iterator() -> None:
     iterator = iter(loader)
     next(iterator)
     loader.close()
-    assert _loop_threads() == []
+    assert loop_threads() == []
     with pytest.raises(StopIteration):
         next(iterator)
     iterator.close()  # nothing left to stop
@@ -117,12 +103,12 @@ def test_garbage_collecting_the_loader_closes_its_loop() -> None:
     assert len(list(loader)) == 4
     iterator = iter(loader)
     next(iterator)
-    assert len(_loop_threads()) == 1
+    assert len(loop_threads()) == 1
     ref = weakref.ref(loader)
     del loader, iterator
     gc.collect()
     assert ref() is None  # the loop's thread does not keep the loader alive
-    assert _loop_threads() == []
+    assert loop_threads() == []
     assert dataset.loop is not None and dataset.loop.is_closed()
 
 
@@ -131,13 +117,13 @@ def test_no_loop_thread_leak_over_many_loaders() -> None:
         loader = DataLoader(LoopBound(4), batch_size=2)
         list(loader)
         list(loader)
-        assert len(_loop_threads()) == 1
+        assert len(loop_threads()) == 1
         loader.close()
-    assert _loop_threads() == []
+    assert loop_threads() == []
     for _ in range(3):
         list(DataLoader(LoopBound(4), batch_size=2))
     gc.collect()
-    assert _loop_threads() == []
+    assert loop_threads() == []
 
 
 async def test_async_for_runs_on_the_callers_loop(anyio_backend: str) -> None:
@@ -151,7 +137,7 @@ async def test_async_for_runs_on_the_callers_loop(anyio_backend: str) -> None:
     loader = DataLoader(Where(), batch_size=2)
     threads = {int(t) for b in [b async for b in loader] for t in b}
     assert threads == {threading.get_ident()}
-    assert _loop_threads() == []
+    assert loop_threads() == []
 
 
 class _Numbers(http.server.BaseHTTPRequestHandler):
@@ -302,7 +288,7 @@ def test_for_over_a_stream_yields_what_async_for_yields() -> None:
         return [x async for x in make()]
 
     assert [x for x in make()] == anyio.run(collect)
-    assert len(_loop_threads()) == 0  # each `for` closes the loop it ran on
+    assert len(loop_threads()) == 0  # each `for` closes the loop it ran on
 
 
 def test_breaking_out_of_a_for_over_a_stream_closes_it() -> None:
@@ -316,7 +302,7 @@ def test_breaking_out_of_a_for_over_a_stream_closes_it() -> None:
     gc.collect()
     assert seen == [0, 1, 2]
     assert source.closed == 1
-    assert len(_loop_threads()) == 0
+    assert len(loop_threads()) == 0
     # A second epoch starts afresh.
     assert [item["i"] for item in stream] == list(range(1000))
     assert source.closed == 2
@@ -344,7 +330,7 @@ def test_the_facade_drives_any_async_iterator() -> None:
     items = SyncIterator(source.__aiter__, PrivateLoop(), owns_loop=True)
     assert [item["i"] for item in items] == [0, 1, 2, 3, 4]
     assert source.closed == 1
-    assert len(_loop_threads()) == 0
+    assert len(loop_threads()) == 0
 
 
 # Ctrl-C while a `for` waits -----------------------------------------------------------------
@@ -394,7 +380,7 @@ def test_a_ctrl_c_that_trips_while_next_is_blocked_still_interrupts() -> None:
     sender.join(GUARD)
     assert rescued == []
     items.close()
-    assert len(_loop_threads()) == 0
+    assert len(loop_threads()) == 0
 
 
 class _InterruptedAfterTaking(queue.SimpleQueue[Any]):
@@ -445,7 +431,7 @@ def test_ctrl_c_between_taking_a_batch_and_telling_the_pump_leaves_it_running() 
     assert not hung
     # The interrupted next() calls took 0 and 1 with them; the rest comes once, in order.
     assert (len(interrupts), got) == (2, [2, 3, 4, 5])
-    assert len(_loop_threads()) == 0
+    assert len(loop_threads()) == 0
 
 
 # In-memory epochs run on the consumer's thread ---------------------------------------------
@@ -477,7 +463,7 @@ def test_an_in_memory_for_epoch_runs_on_the_consumers_thread_without_a_loop() ->
     loader = DataLoader(dataset, batch_size=4, shuffle=True, generator=5)
     sync = [[b.ravel().tolist() for b in loader] for _ in range(2)]
     assert dataset.threads == {threading.get_ident()}
-    assert _loop_threads() == []  # no loop was started for it
+    assert loop_threads() == []  # no loop was started for it
 
     async def run() -> list[list[list[int]]]:
         fresh = DataLoader(_InMemory(10), batch_size=4, shuffle=True, generator=5)
@@ -538,7 +524,7 @@ def test_an_inline_epoch_with_an_async_collate_still_runs_on_a_loop() -> None:
 
     loader = DataLoader(dataset, batch_size=3, collate_fn=collate)
     assert list(loader) == [[0, 1, 2], [3, 4, 5]]
-    assert len(_loop_threads()) == 1
+    assert len(loop_threads()) == 1
     loader.close()
 
 
@@ -676,7 +662,7 @@ def test_batches_cross_in_blocks_one_wake_up_of_the_loop_per_block() -> None:
         assert len(wakes) == before + 1  # one wake-up, and the pump refills a block
     got += list(items)
     assert got == list(range(10))
-    assert len(_loop_threads()) == 0
+    assert len(loop_threads()) == 0
 
 
 def test_an_in_memory_epoch_with_a_plain_sampler_runs_on_the_consumers_thread() -> None:
@@ -691,4 +677,4 @@ def test_an_in_memory_epoch_with_a_plain_sampler_runs_on_the_consumers_thread() 
     loader = DataLoader(dataset, batch_size=4, sampler=Backwards())
     assert [b.ravel().tolist() for b in loader] == [[9, 8, 7, 6], [5, 4, 3, 2], [1, 0]]
     assert dataset.threads == {threading.get_ident()}
-    assert _loop_threads() == []
+    assert loop_threads() == []

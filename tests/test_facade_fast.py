@@ -6,29 +6,13 @@ No test asserts a duration.
 from __future__ import annotations
 
 import asyncio
-import gc
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from loopthreads import ignore_earlier_loops, loop_threads  # noqa: F401
 
 from aloader._facade import PrivateLoop, SyncIterator, _Pump
-
-_EARLIER: set[threading.Thread] = set()
-
-
-@pytest.fixture(autouse=True)
-def _ignore_earlier_loops() -> Iterator[None]:
-    """Loop threads that other tests left alive are not this test's to count."""
-    gc.collect()
-    _EARLIER.clear()
-    _EARLIER.update(threading.enumerate())
-    yield
-
-
-def _loop_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "aloader-loop" and t not in _EARLIER]
 
 
 class _Holder:
@@ -65,7 +49,7 @@ def test_the_batches_of_one_loop_step_reach_a_waiting_consumer_together() -> Non
     holder.pump = items._pump
     assert list(items) == list(range(groups * size))
     assert seen == [0] * (groups * size)  # none had crossed before its step ended
-    assert len(_loop_threads()) == 0
+    assert len(loop_threads()) == 0
 
 
 class _WithErrors:
@@ -111,4 +95,4 @@ def test_batches_and_errors_cross_in_order_once_each(slow: bool) -> None:
             pause.wait(0.002)  # the consumer busy: the pump gets ahead, puts at once
     expected = [("error", i) if i % every == every - 1 else i for i in range(n)]
     assert got == expected
-    assert len(_loop_threads()) == 0
+    assert len(loop_threads()) == 0
