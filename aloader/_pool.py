@@ -24,7 +24,13 @@ never runs the user's main module, so a worker starts in milliseconds and a scri
 ``__main__`` guard. The dataset, ``collate_fn`` and ``worker_init_fn`` are pickled once per
 pool with cloudpickle (by value where they are not importable by name: lambdas, local
 functions, classes of ``__main__``), their large arrays into one shared-memory segment that
-every worker maps copy-on-write.
+every worker maps copy-on-write. A setup that cannot be pickled at all (a lock, an open file, a
+database connection) makes the pool fork its workers from the loader's process instead, on
+Linux, as torch's default start method does: they inherit it. That fork is made from a thread
+while the loader's loop runs, as torch's is while the user's threads run; aloader's own locks
+that a worker uses are reset in a forked child (``_shm``, ``_cache``, ``_parquet``), a lock the
+dataset shares with a thread of the user's is the user's, as under torch, and obstore's runtime,
+which does not survive a fork, turns the fallback off once started.
 
 Shutdown: the loader closes its socket ends (a worker reading its next task exits at once),
 waits briefly, then terminates and kills what is left, and removes any shared-memory segment a
@@ -361,6 +367,16 @@ class WorkerPool:
         try:
             self._message = self.codec.encode(self.setup, by_value="always")
         except Exception as exc:
+            if (isinstance(self.context, _spawn.Context) and not isinstance(exc, OSError)
+                    and _spawn.may_fork_workers()):
+                # What torch's default start method takes without pickling (a lock, an open
+                # file, a database connection): this pool's workers are plain forks of this
+                # process, as under torch, and inherit the setup.
+                worker_log.info("the dataset, collate_fn or worker_init_fn cannot be pickled "
+                                "(%s: %s): forking this loader's workers", type(exc).__name__,
+                                exc)
+                self.context = multiprocessing.get_context("fork")
+                return
             exc.add_note(
                 "DataLoader workers receive the dataset, collate_fn and worker_init_fn "
                 "pickled with cloudpickle (by value where they are not importable): what "

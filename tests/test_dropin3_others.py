@@ -97,9 +97,6 @@ class HoldsALock(tud.Dataset):  # type: ignore[misc]
             return index
 
 
-@pytest.mark.xfail(strict=True, reason="aloader/_pool.py: the setup is pickled for the "
-                   "template's workers; torch's default fork needs no pickling (a helpful note "
-                   "says to pass multiprocessing_context='fork')")
 def test_dataset_holding_an_unpicklable_object_runs_with_workers_like_torch() -> None:
     theirs = [b.tolist() for b in tud.DataLoader(HoldsALock(), batch_size=2, num_workers=1)]
     ours = [b.tolist() for b in aloader.DataLoader(HoldsALock(), batch_size=2, num_workers=1)]

@@ -1,0 +1,143 @@
+"""Workers for a dataset that cannot be pickled: forked as under torch's default start method.
+
+aloader's default workers receive their setup pickled; when it cannot be (a lock, an open file, a
+database connection), the pool forks its workers instead on Linux, which inherit it, as torch's
+do. Compared with torch where it runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import aloader
+
+torch = pytest.importorskip("torch")
+tud = torch.utils.data
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="the fork fallback is Linux's")
+
+
+class Locked(tud.Dataset):  # type: ignore[misc]
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> list[int]:
+        with self.lock:
+            return [index, os.getpid()]
+
+
+class Rows(tud.Dataset):  # type: ignore[misc]
+    """Rows of an sqlite database, read through the connection opened here (as user code
+    written for torch's fork does), and a line of an open file."""
+
+    def __init__(self, folder: Path, size: int) -> None:
+        self.db = sqlite3.connect(folder / "rows.db", check_same_thread=False)
+        self.db.execute("create table t (i integer, sq integer)")
+        self.db.executemany("insert into t values (?, ?)", [(i, i * i) for i in range(size)])
+        self.db.commit()
+        (folder / "lines.txt").write_text("".join(f"line {i}\n" for i in range(size)))
+        self.file = open(folder / "lines.txt")  # noqa: SIM115  (held, as the dataset's)
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[int, str]:
+        (square,) = self.db.execute("select sq from t where i = ?", (index,)).fetchone()
+        self.file.seek(0)
+        return square, self.file.readlines()[index].strip()
+
+
+def values(batches: list[Any]) -> list[Any]:
+    return [[int(i) for i in b[0]] for b in batches]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_dataset_holding_a_lock_loads_each_sample_once_like_torch(workers: int) -> None:
+    def run(loader_type: Any) -> list[list[int]]:
+        loader = loader_type(Locked(23), batch_size=2, num_workers=workers)
+        return sorted(int(s[0]) for batch in loader for s in zip(*batch, strict=True))
+
+    ours = run(aloader.DataLoader)
+    assert ours == run(tud.DataLoader) == list(range(23))
+
+
+def test_the_workers_are_other_processes() -> None:
+    pids = {int(s[1]) for b in aloader.DataLoader(Locked(8), batch_size=2, num_workers=2)
+            for s in zip(*b, strict=True)}
+    assert os.getpid() not in pids and len(pids) == 2
+
+
+def test_sqlite_and_an_open_file_like_torch(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ours = list(aloader.DataLoader(Rows(tmp_path / "a", 9), batch_size=4, num_workers=2))
+    theirs = list(tud.DataLoader(Rows(tmp_path / "b", 9), batch_size=4, num_workers=2))
+    assert [(b[0].tolist(), list(b[1])) for b in ours] == [
+        (b[0].tolist(), list(b[1])) for b in theirs]
+
+
+async def test_async_for_and_persistent_workers(anyio_backend: str) -> None:
+    loader = aloader.DataLoader(Locked(10), batch_size=3, num_workers=2,
+                                persistent_workers=True)
+    try:
+        with anyio.fail_after(60):
+            for _ in range(2):
+                got = [int(i) for b in [b async for b in loader] for i in b[0]]
+                assert got == list(range(10))
+    finally:
+        await loader.aclose()
+
+
+class LockedAndFailing(Locked):
+    def __getitem__(self, index: int) -> list[int]:
+        if index == 5:
+            raise KeyError("sample 5 is missing")
+        return super().__getitem__(index)
+
+
+def test_an_error_in_a_forked_worker_keeps_its_type_and_place() -> None:
+    got: list[list[int]] = []
+    with pytest.raises(KeyError, match="sample 5 is missing") as ours:
+        for batch in aloader.DataLoader(LockedAndFailing(10), batch_size=2, num_workers=2):
+            got.append([int(i) for i in batch[0]])
+    assert "in DataLoader worker process 0" in str(ours.value)
+    assert got == [[0, 1], [2, 3]]  # batch 2 (worker 0's second) failed, in its turn
+
+
+class LockedStream(tud.IterableDataset):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def __iter__(self) -> Any:
+        info = tud.get_worker_info()
+        with self.lock:
+            return iter(range(info.id, 12, info.num_workers))
+
+
+def test_an_iterable_dataset_holding_a_lock_like_torch() -> None:
+    def run(loader_type: Any) -> list[list[int]]:
+        return [b.tolist() for b in loader_type(LockedStream(), batch_size=2, num_workers=2)]
+
+    assert run(aloader.DataLoader) == run(tud.DataLoader)
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_an_explicit_start_method_still_pickles_and_says_why(context: str) -> None:
+    with pytest.raises(TypeError, match="cannot pickle") as info:
+        list(aloader.DataLoader(Locked(4), batch_size=2, num_workers=1,
+                                multiprocessing_context=context))
+    assert any("multiprocessing_context='fork'" in note for note in info.value.__notes__)
