@@ -194,6 +194,10 @@ class _WorkerHandle:
     outbox: bytearray = field(default_factory=bytearray)
     outstanding: int = 0  # tasks sent and not answered, across epochs
     ready: bool = False  # set up and serving
+    # Its setup or worker_init_fn failed (the RemoteError): the answer to each of its tasks,
+    # as torch answers a failed worker's first task with it, so that the batches before come
+    # first whichever message arrives first.
+    setup_error: Any = None
     # Segments of this worker's batches that no array views any more (appended from any
     # thread), handed back with its next task.
     released: deque[str] = field(default_factory=deque)
@@ -440,10 +444,11 @@ class _Pending:
     """A job's wait for its answer: a :class:`~aloader._backend.Waiter` (a plain future on
     asyncio, one per job: cheaper than an event) and the answer once it is in."""
 
-    __slots__ = ("reply", "waiter")
+    __slots__ = ("reply", "waiter", "worker")
 
-    def __init__(self, waiter: Waiter) -> None:
+    def __init__(self, waiter: Waiter, worker: _WorkerHandle) -> None:
         self.waiter = waiter
+        self.worker = worker  # the worker asked
         self.reply: Reply | None = None
 
 
@@ -532,7 +537,8 @@ class PoolEpoch:
             self._serving
             and worker_id < len(workers)
             and self._sent[lane] == ticket
-            and workers[worker_id].outstanding < self._limit
+            and (workers[worker_id].outstanding < self._limit
+                 or workers[worker_id].setup_error is not None)
         ) and lane not in self._exhausted:
             await self._changed.wait()
         if lane in self._exhausted:  # its replica has ended: no need to ask
@@ -592,6 +598,8 @@ class PoolEpoch:
 
     # Sending and receiving -------------------------------------------------------------------
     async def _call(self, worker: _WorkerHandle, kind: Kind, key: Any) -> Reply:
+        if worker.setup_error is not None:  # never asked: its setup's error is the answer
+            return Reply(SETUP_JOB, Status.ERROR, worker.setup_error)
         job = next(self.pool.jobs)
         released = worker.released
         names = [released.popleft() for _ in range(len(released))]
@@ -599,7 +607,7 @@ class PoolEpoch:
         data = self.pool.codec.encode(request.wire())
         if self._waiter is None:  # the epoch's loop, looked up once
             self._waiter = waiters()
-        pending = _Pending(self._waiter())
+        pending = _Pending(self._waiter(), worker)
         self._pending[job] = pending
         worker.outstanding += 1
         try:
@@ -649,6 +657,8 @@ class PoolEpoch:
                 while (ended := self._take_in(worker)) is None:
                     await anyio.wait_readable(worker.fd)
             if not ended:  # the epoch failed
+                return
+            if worker.setup_error is not None:  # it exited after reporting why: its tasks say
                 return
         except Exception as exc:  # an answer that cannot be read here
             self._fail(exc)
@@ -719,8 +729,13 @@ class PoolEpoch:
             if reply.status == Status.READY:
                 worker.ready = True
                 self.pool.note_ready()
-            else:  # setup or worker_init_fn failed
-                self._fail(reply.value.rebuild())
+            else:  # setup or worker_init_fn failed: its tasks raise it, in their turn
+                worker.setup_error = reply.value
+                for job, waiting in self._pending.items():  # asked before it failed
+                    if waiting.worker is worker and not waiting.waiter.done():
+                        waiting.reply = Reply(job, Status.ERROR, reply.value)
+                        waiting.waiter.set_result(None)
+                self._changed.notify()
             return
         worker.outstanding -= 1
         self._changed.notify()

@@ -141,3 +141,61 @@ def test_an_explicit_start_method_still_pickles_and_says_why(context: str) -> No
         list(aloader.DataLoader(Locked(4), batch_size=2, num_workers=1,
                                 multiprocessing_context=context))
     assert any("multiprocessing_context='fork'" in note for note in info.value.__notes__)
+
+
+# A worker_init_fn failing in one worker: torch raises at that worker's first batch ------------
+def fail_in_worker_1(worker_id: int) -> None:
+    if worker_id == 1:
+        raise ValueError("init of worker 1 failed")
+
+
+class SlowFirst(tud.Dataset):  # type: ignore[misc]
+    """Batch 0 is slow to make, so that worker 1's failure is known well before it."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> int:
+        if index == 0:
+            import time
+
+            time.sleep(0.5)
+        return index
+
+
+def until_error(loader_type: Any, dataset: Any) -> tuple[list[list[int]], str]:
+    got: list[list[int]] = []
+    with pytest.raises(ValueError) as caught:
+        for batch in loader_type(dataset, batch_size=2, num_workers=3,
+                                 worker_init_fn=fail_in_worker_1):
+            got.append(batch.tolist())
+    return got, str(caught.value).splitlines()[0]
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("run", range(12))
+def test_a_failed_worker_init_raises_after_the_batches_before_it(run: int) -> None:
+    expected = ([[0, 1]], "Caught ValueError in DataLoader worker process 1.")
+    assert until_error(aloader.DataLoader, list(range(12))) == expected
+    if run == 0:
+        assert until_error(tud.DataLoader, list(range(12))) == expected
+        assert until_error(aloader.DataLoader, SlowFirst()) == expected
+
+
+class Replicas(tud.IterableDataset):  # type: ignore[misc]
+    def __iter__(self) -> Any:
+        info = tud.get_worker_info()
+        return iter(range(info.id, 12, info.num_workers))
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_a_failed_worker_init_of_an_iterable_dataset_like_torch() -> None:
+    assert until_error(aloader.DataLoader, Replicas()) == until_error(tud.DataLoader, Replicas())
+
+
+def test_a_failed_worker_that_gets_no_batch_fails_nothing_like_torch() -> None:
+    def run(loader_type: Any) -> list[list[int]]:
+        return [b.tolist() for b in loader_type(list(range(2)), batch_size=2, num_workers=2,
+                                                worker_init_fn=fail_in_worker_1)]
+
+    assert run(aloader.DataLoader) == run(tud.DataLoader) == [[0, 1]]
