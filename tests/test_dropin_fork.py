@@ -7,6 +7,7 @@ do. Compared with torch where it runs.
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import sys
@@ -100,6 +101,31 @@ async def test_async_for_and_persistent_workers(anyio_backend: str) -> None:
                 assert got == list(range(10))
     finally:
         await loader.aclose()
+
+
+def test_the_fallback_is_logged_and_runs_beside_a_thread_of_the_users(
+        caplog: pytest.LogCaptureFixture) -> None:
+    dataset = Locked(12)
+    stop = threading.Event()
+
+    def busy() -> None:  # a thread of the user's at work while the workers fork
+        held = threading.Lock()
+        while not stop.is_set():
+            with held:
+                pass
+
+    thread = threading.Thread(target=busy)
+    thread.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="aloader.workers"):
+            got = [int(i) for b in aloader.DataLoader(dataset, batch_size=3, num_workers=2,
+                                                      timeout=60) for i in b[0]]
+    finally:
+        stop.set()
+        thread.join()
+    assert got == list(range(12))
+    assert any("cannot be pickled" in r.getMessage() and "forking" in r.getMessage()
+               for r in caplog.records)
 
 
 class LockedAndFailing(Locked):
