@@ -26,11 +26,15 @@ pool with cloudpickle (by value where they are not importable by name: lambdas, 
 functions, classes of ``__main__``), their large arrays into one shared-memory segment that
 every worker maps copy-on-write. A setup that cannot be pickled at all (a lock, an open file, a
 database connection) makes the pool fork its workers from the loader's process instead, on
-Linux, as torch's default start method does: they inherit it. That fork is made from a thread
-while the loader's loop runs, as torch's is while the user's threads run; aloader's own locks
-that a worker uses are reset in a forked child (``_shm``, ``_cache``, ``_parquet``), a lock the
-dataset shares with a thread of the user's is the user's, as under torch, and obstore's runtime,
-which does not survive a fork, turns the fallback off once started.
+Linux, as torch's default start method does (explicit ``spawn`` or ``forkserver`` contexts keep
+pickling, and fail with a note saying what to do): the workers inherit the setup. Those forks
+are made from the thread that starts the workers while the loader's loop runs, as torch forks
+while the user's threads run, so torch's caveat holds: a lock another thread holds at that
+moment (one the dataset shares with a thread of the user's, a stream's buffer lock mid-write)
+stays held in the workers. aloader's own threads are then waiting (the synchronous facade's
+loop thread on the start, its consumer on the loop), and the locks of aloader's that a worker
+takes are made anew in a forked child (``_shm``, ``_cache``, ``_parquet``); obstore's runtime,
+whose threads do not survive a fork, turns the fallback off once it has started.
 
 Shutdown: the loader closes its socket ends (a worker reading its next task exits at once),
 waits briefly, then terminates and kills what is left, and removes any shared-memory segment a
