@@ -1,8 +1,9 @@
-"""Workers for a dataset that cannot be pickled: forked as under torch's default start method.
+"""Workers as torch's: a dataset that cannot be pickled, a failing worker_init_fn, StopIteration.
 
 aloader's default workers receive their setup pickled; when it cannot be (a lock, an open file, a
 database connection), the pool forks its workers instead on Linux, which inherit it, as torch's
-do. Compared with torch where it runs.
+do. A worker whose worker_init_fn failed raises at its first batch, after the batches before.
+Compared with torch where it runs.
 """
 
 from __future__ import annotations
@@ -225,3 +226,29 @@ def test_a_failed_worker_that_gets_no_batch_fails_nothing_like_torch() -> None:
                                                 worker_init_fn=fail_in_worker_1)]
 
     assert run(aloader.DataLoader) == run(tud.DataLoader) == [[0, 1]]
+
+
+class StopsAtSix(tud.Dataset):  # type: ignore[misc]
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int) -> int:
+        if index == 6:
+            raise StopIteration
+        return index
+
+
+async def test_stop_iteration_in_a_worker_reads_as_without_workers(anyio_backend: str) -> None:
+    async def run(workers: int) -> tuple[list[list[int]], str, Any]:
+        got: list[list[int]] = []
+        with pytest.raises(RuntimeError) as caught:
+            async for batch in aloader.DataLoader(StopsAtSix(), batch_size=2,
+                                                  num_workers=workers):
+                got.append(batch.tolist())
+        return got, str(caught.value), type(caught.value.__cause__)
+
+    with anyio.fail_after(60):
+        alone = await run(0)
+        assert alone == ([[0, 1], [2, 3], [4, 5]],
+                         "the dataset raised StopIteration while loading a batch", StopIteration)
+        assert await run(2) == alone
