@@ -469,6 +469,7 @@ class DataLoader(Generic[T_co]):
         self._stats_epochs = 0
         if num_workers > 0:
             prepare_context(self._context(), warm=True)
+        self._check_worker_number(stacklevel=3)  # torch warns here too, and at each epoch
         self.__initialized = True
 
     # torch's guards --------------------------------------------------------------------------
@@ -547,8 +548,10 @@ class DataLoader(Generic[T_co]):
         forbid_running_loop("DataLoader", "batch in loader")
         return DataLoaderIter(self)
 
-    def _check_worker_number(self) -> None:
-        """torch's warning when an epoch is to start more workers than there are CPUs."""
+    def _check_worker_number(self, stacklevel: int = 3) -> None:
+        """torch's warning when a loader is built, or an epoch is to start, with more workers
+        than there are CPUs (``stacklevel``: the caller's frame to blame, as for
+        :func:`warnings.warn`)."""
         workers = self.num_workers
         if workers == 0 or (self.persistent_workers and self._pool is not None):
             return
@@ -567,7 +570,8 @@ class DataLoader(Generic[T_co]):
             "Please be aware that excessive worker creation might get DataLoader running slow "
             "or even freeze, lower the worker number to avoid potential slowness/freeze if "
             "necessary.",
-            stacklevel=3,  # the `async for` (the synchronous facade's loop for `for`)
+            # The `async for` (the synchronous facade's loop for `for`), or the construction.
+            stacklevel=stacklevel,
         )
 
     async def aclose(self) -> None:
@@ -1147,6 +1151,11 @@ class AsyncDataLoaderIter(Generic[T_co]):
         if error is not None:
             if isinstance(error, FailureBudgetExceeded):
                 self._shutdown()  # the budget is spent: the epoch ends here
+            if (isinstance(error, RuntimeError) and str(error).endswith(" raised StopIteration")
+                    and isinstance(error.__cause__, StopIteration)):
+                # PEP 479's conversion, where the error crossed a coroutine (from a worker):
+                # reported as the dataset's own StopIteration, workers or not.
+                error = error.__cause__
             if isinstance(error, (StopIteration, StopAsyncIteration)):
                 # Raised as is, it would end the epoch silently and lose the rest.
                 raise RuntimeError(
@@ -1174,7 +1183,11 @@ class AsyncDataLoaderIter(Generic[T_co]):
             warnings.warn(
                 f"Length of IterableDataset {self._loader.dataset} was reported to be {length}"
                 f"(when accessing len(dataloader)), but {self.num_yielded} samples have been "
-                "fetched. ",
+                "fetched. " + (
+                    "For multiprocessing data-loading, this could be caused by not properly "
+                    "configuring the IterableDataset replica at each worker. Please see "
+                    "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
+                    "for examples." if self._loader.num_workers > 0 else ""),
                 stacklevel=3,
             )
 

@@ -24,7 +24,17 @@ never runs the user's main module, so a worker starts in milliseconds and a scri
 ``__main__`` guard. The dataset, ``collate_fn`` and ``worker_init_fn`` are pickled once per
 pool with cloudpickle (by value where they are not importable by name: lambdas, local
 functions, classes of ``__main__``), their large arrays into one shared-memory segment that
-every worker maps copy-on-write.
+every worker maps copy-on-write. A setup that cannot be pickled at all (a lock, an open file, a
+database connection) makes the pool fork its workers from the loader's process instead, on
+Linux, as torch's default start method does (explicit ``spawn`` or ``forkserver`` contexts keep
+pickling, and fail with a note saying what to do): the workers inherit the setup. Those forks
+are made from the thread that starts the workers while the loader's loop runs, as torch forks
+while the user's threads run, so torch's caveat holds: a lock another thread holds at that
+moment (one the dataset shares with a thread of the user's, a stream's buffer lock mid-write)
+stays held in the workers. aloader's own threads are then waiting (the synchronous facade's
+loop thread on the start, its consumer on the loop), and the locks of aloader's that a worker
+takes are made anew in a forked child (``_shm``, ``_cache``, ``_parquet``); obstore's runtime,
+whose threads do not survive a fork, turns the fallback off once it has started.
 
 Shutdown: the loader closes its socket ends (a worker reading its next task exits at once),
 waits briefly, then terminates and kills what is left, and removes any shared-memory segment a
@@ -188,6 +198,10 @@ class _WorkerHandle:
     outbox: bytearray = field(default_factory=bytearray)
     outstanding: int = 0  # tasks sent and not answered, across epochs
     ready: bool = False  # set up and serving
+    # Its setup or worker_init_fn failed (the RemoteError): the answer to each of its tasks,
+    # as torch answers a failed worker's first task with it, so that the batches before come
+    # first whichever message arrives first.
+    setup_error: Any = None
     # Segments of this worker's batches that no array views any more (appended from any
     # thread), handed back with its next task.
     released: deque[str] = field(default_factory=deque)
@@ -361,6 +375,16 @@ class WorkerPool:
         try:
             self._message = self.codec.encode(self.setup, by_value="always")
         except Exception as exc:
+            if (isinstance(self.context, _spawn.Context) and not isinstance(exc, OSError)
+                    and _spawn.may_fork_workers()):
+                # What torch's default start method takes without pickling (a lock, an open
+                # file, a database connection): this pool's workers are plain forks of this
+                # process, as under torch, and inherit the setup.
+                worker_log.info("the dataset, collate_fn or worker_init_fn cannot be pickled "
+                                "(%s: %s): forking this loader's workers", type(exc).__name__,
+                                exc)
+                self.context = multiprocessing.get_context("fork")
+                return
             exc.add_note(
                 "DataLoader workers receive the dataset, collate_fn and worker_init_fn "
                 "pickled with cloudpickle (by value where they are not importable): what "
@@ -424,10 +448,11 @@ class _Pending:
     """A job's wait for its answer: a :class:`~aloader._backend.Waiter` (a plain future on
     asyncio, one per job: cheaper than an event) and the answer once it is in."""
 
-    __slots__ = ("reply", "waiter")
+    __slots__ = ("reply", "waiter", "worker")
 
-    def __init__(self, waiter: Waiter) -> None:
+    def __init__(self, waiter: Waiter, worker: _WorkerHandle) -> None:
         self.waiter = waiter
+        self.worker = worker  # the worker asked
         self.reply: Reply | None = None
 
 
@@ -516,7 +541,8 @@ class PoolEpoch:
             self._serving
             and worker_id < len(workers)
             and self._sent[lane] == ticket
-            and workers[worker_id].outstanding < self._limit
+            and (workers[worker_id].outstanding < self._limit
+                 or workers[worker_id].setup_error is not None)
         ) and lane not in self._exhausted:
             await self._changed.wait()
         if lane in self._exhausted:  # its replica has ended: no need to ask
@@ -576,6 +602,8 @@ class PoolEpoch:
 
     # Sending and receiving -------------------------------------------------------------------
     async def _call(self, worker: _WorkerHandle, kind: Kind, key: Any) -> Reply:
+        if worker.setup_error is not None:  # never asked: its setup's error is the answer
+            return Reply(SETUP_JOB, Status.ERROR, worker.setup_error)
         job = next(self.pool.jobs)
         released = worker.released
         names = [released.popleft() for _ in range(len(released))]
@@ -583,7 +611,7 @@ class PoolEpoch:
         data = self.pool.codec.encode(request.wire())
         if self._waiter is None:  # the epoch's loop, looked up once
             self._waiter = waiters()
-        pending = _Pending(self._waiter())
+        pending = _Pending(self._waiter(), worker)
         self._pending[job] = pending
         worker.outstanding += 1
         try:
@@ -633,6 +661,8 @@ class PoolEpoch:
                 while (ended := self._take_in(worker)) is None:
                     await anyio.wait_readable(worker.fd)
             if not ended:  # the epoch failed
+                return
+            if worker.setup_error is not None:  # it exited after reporting why: its tasks say
                 return
         except Exception as exc:  # an answer that cannot be read here
             self._fail(exc)
@@ -703,8 +733,13 @@ class PoolEpoch:
             if reply.status == Status.READY:
                 worker.ready = True
                 self.pool.note_ready()
-            else:  # setup or worker_init_fn failed
-                self._fail(reply.value.rebuild())
+            else:  # setup or worker_init_fn failed: its tasks raise it, in their turn
+                worker.setup_error = reply.value
+                for job, waiting in self._pending.items():  # asked before it failed
+                    if waiting.worker is worker and not waiting.waiter.done():
+                        waiting.reply = Reply(job, Status.ERROR, reply.value)
+                        waiting.waiter.set_result(None)
+                self._changed.notify()
             return
         worker.outstanding -= 1
         self._changed.notify()

@@ -58,12 +58,19 @@ _TEMPLATES = sys.platform.startswith("linux")
 def may_fork(quiet: frozenset[threading.Thread] = frozenset()) -> bool:
     """Whether this process may fork its template now: only its main thread runs Python,
     apart from ``quiet`` threads, which hold no lock (:func:`aloader._facade.parked`)."""
-    # obstore's runtime threads are not Python's, and do not survive a fork (_objstore).
-    objstore: Any = sys.modules.get("aloader._objstore")
     main = threading.main_thread()
-    return (_TEMPLATES and threading.current_thread() is main
+    return (threading.current_thread() is main
             and all(thread is main or thread in quiet for thread in threading.enumerate())
-            and not (objstore is not None and objstore.runtime_started()))
+            and may_fork_workers())
+
+
+def may_fork_workers() -> bool:
+    """Whether a pool whose setup cannot be pickled may fork its workers from this process
+    instead, as torch's default start method does whatever threads run (Linux only, as the
+    template): not once obstore's runtime has started, whose threads are not Python's and do
+    not survive a fork (:mod:`aloader._objstore`)."""
+    objstore: Any = sys.modules.get("aloader._objstore")
+    return _TEMPLATES and not (objstore is not None and objstore.runtime_started())
 
 
 @contextlib.contextmanager

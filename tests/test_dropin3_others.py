@@ -35,9 +35,6 @@ def _error(num_workers: int) -> tuple[list[list[int]], str, str]:
     return got, type(caught.value).__name__, str(caught.value).splitlines()[0]
 
 
-@pytest.mark.xfail(strict=True, reason="aloader/_pool.py: the rebuilt StopIteration is raised "
-                   "inside the fetch coroutine, which Python turns into 'coroutine raised "
-                   "StopIteration'")
 def test_stop_iteration_in_getitem_reads_the_same_with_workers() -> None:
     # torch ends the epoch silently (batches 3-4 lost); aloader raises. Workers or not, the
     # same error should say so.
@@ -65,8 +62,6 @@ def _length_warnings(loader_type: Any) -> list[str]:
             if "Length of IterableDataset" in str(w.message)]
 
 
-@pytest.mark.xfail(strict=True, reason="aloader/_loader.py _warn_length: without torch's "
-                   "'For multiprocessing data-loading, ...' sentence when num_workers > 0")
 def test_iterable_length_warning_with_workers_is_torchs() -> None:
     theirs = _length_warnings(tud.DataLoader)
     assert theirs  # torch warns for the 5th and 6th samples
@@ -82,8 +77,6 @@ def _worker_count_warnings(loader_type: Any, workers: int) -> list[int]:
     return [built, len(caught)]
 
 
-@pytest.mark.xfail(strict=True, reason="aloader/_loader.py: torch warns about too many workers "
-                   "in DataLoader.__init__ too, not only when an epoch starts")
 def test_too_many_workers_warns_at_construction_like_torch() -> None:
     import os
 
@@ -104,9 +97,6 @@ class HoldsALock(tud.Dataset):  # type: ignore[misc]
             return index
 
 
-@pytest.mark.xfail(strict=True, reason="aloader/_pool.py: the setup is pickled for the "
-                   "template's workers; torch's default fork needs no pickling (a helpful note "
-                   "says to pass multiprocessing_context='fork')")
 def test_dataset_holding_an_unpicklable_object_runs_with_workers_like_torch() -> None:
     theirs = [b.tolist() for b in tud.DataLoader(HoldsALock(), batch_size=2, num_workers=1)]
     ours = [b.tolist() for b in aloader.DataLoader(HoldsALock(), batch_size=2, num_workers=1)]

@@ -528,8 +528,9 @@ def test_lambdas_travel_by_value() -> None:
 def test_unpicklable_dataset_names_the_cause() -> None:
     dataset = Squares(4)
     dataset.lock = threading.Lock()  # type: ignore[attr-defined]
+    # The default context forks such a loader's workers on Linux (test_dropin_workers.py).
     with pytest.raises(TypeError, match="cannot pickle") as info:
-        list(DataLoader(dataset, batch_size=2, num_workers=1))
+        list(DataLoader(dataset, batch_size=2, num_workers=1, multiprocessing_context="spawn"))
     assert any("multiprocessing_context='fork'" in note for note in info.value.__notes__)
 
 
