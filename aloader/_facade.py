@@ -294,8 +294,15 @@ class _Pump:
 
     The other way too: while the consumer waits on the empty queue (:attr:`consumer_waits`),
     the batches that one step of the loop makes are held in :attr:`pending` and put together
-    when the step ends (:meth:`flush`, called soon on the loop), or as soon as ``AHEAD`` are
-    held, the pipeline ends or an error comes. The consumer's thread is woken once per block
+    when the step ends (:meth:`flush`, called soon on the loop), or as soon as ``BLOCK`` are
+    held, the pipeline ends or an error comes. ``BLOCK`` is above ``AHEAD``: a busy loop's
+    step finishes a dozen batches at once, and capped at ``AHEAD`` such a step crossed as
+    three blocks, each a hand-off of the GIL to the consumer and back (a few futex calls, and
+    under load a wait of the loop thread for the consumer's to be scheduled), and while the
+    consumer had not taken a block the pump stopped pulling, so the pipeline's room for
+    finished batches ran out and its fetch workers parked. A consumer that waits takes a
+    block at once, so the queue holds more than ``AHEAD`` only for that moment; one that does
+    not wait keeps at most ``AHEAD`` waiting. The consumer's thread is woken once per block
     rather than once per batch, and handed the GIL then (woken by the put, it would otherwise
     wait for the interpreter's switch interval, 5 ms, while the busy loop thread keeps the
     GIL): each wake-up is a few futex calls and a GIL round trip, in which the loop thread
@@ -312,6 +319,7 @@ class _Pump:
 
     AHEAD = 4
     LOW = 1
+    BLOCK = 16
     # In the main thread a wait wakes up this often (seconds) to let CPython run a signal's
     # handler, which it does only between bytecodes: a SIGINT that trips without interrupting
     # the blocked wait (landing just before the wait starts, handled by another thread, or
@@ -333,12 +341,12 @@ class _Pump:
 
     async def run(self) -> None:
         while True:
-            while self.out.qsize() + len(self.pending) >= self.AHEAD:
+            while self.full():
                 self.flush()  # room comes only from what the consumer can see
                 waiting = self.waiting = anyio.Event()
                 # Checked again after publishing the event: the consumer may have taken a batch
                 # in between, and then it saw no event to set.
-                if self.out.qsize() < self.AHEAD:
+                if not self.full():
                     break
                 await waiting.wait()
             self.waiting = None
@@ -354,6 +362,14 @@ class _Pump:
                 self.send((None, exc), now=True)
             else:
                 self.send((value, None))
+
+    def full(self) -> bool:
+        """Whether the pump must stop pulling batches: ``BLOCK`` held for a consumer waiting
+        on the empty queue, else ``AHEAD`` put or held."""
+        queued = self.out.qsize()
+        if self.consumer_waits and not queued:
+            return len(self.pending) >= self.BLOCK
+        return queued + len(self.pending) >= self.AHEAD
 
     def send(self, item: tuple[Any, BaseException | None], now: bool = False) -> None:
         """Hand ``item`` to the consumer: held for the end of this step while it waits, put

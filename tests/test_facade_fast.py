@@ -96,3 +96,36 @@ def test_batches_and_errors_cross_in_order_once_each(slow: bool) -> None:
     expected = [("error", i) if i % every == every - 1 else i for i in range(n)]
     assert got == expected
     assert len(loop_threads()) == 0
+
+
+def test_a_step_that_makes_more_than_ahead_batches_crosses_as_one_block() -> None:
+    # A busy loop's step finishes more than AHEAD batches at once: for a consumer waiting on
+    # the empty queue they cross together, up to BLOCK (one hand-off, the pump never stopping
+    # for the consumer in the middle of the step), not in blocks of AHEAD.
+    assert _Pump.BLOCK > _Pump.AHEAD
+    holder = _Holder()
+    groups, size = 3, _Pump.BLOCK
+    blocks: list[int] = []
+
+    async def grouped() -> Any:
+        pump = holder.pump
+        assert pump is not None
+        flush = pump.flush
+
+        def counted(hand_off: bool = True) -> None:
+            if pump.pending:
+                blocks.append(len(pump.pending))
+            flush(hand_off)
+
+        pump.flush = counted  # type: ignore[method-assign]
+        for g in range(groups):
+            await _until_the_consumer_waits(holder)
+            for i in range(size):  # no await in between: one step of the loop
+                yield g * size + i
+
+    items = SyncIterator(grouped, PrivateLoop(), owns_loop=True)
+    holder.pump = items._pump
+    assert list(items) == list(range(groups * size))
+    assert blocks == [size] * groups + [1]  # and the end, on its own
+    assert len(loop_threads()) == 0
+
