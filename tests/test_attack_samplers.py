@@ -240,11 +240,6 @@ def test_distributed_shuffled_epochs_follow_torchs_rules(n: int, world: int, dro
     assert orders[0] != orders[1] or n <= 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "documented difference (README: int seeds give numpy streams): DistributedSampler(seed=s) "
-    "shuffles with numpy's permutation of seed + epoch, torch with "
-    "torch.randperm(generator=manual_seed(seed + epoch)); a drop-in DDP script gets other "
-    "(valid) shards. tests/test_distributed.py pins the numpy order: the lead's call"))
 def test_distributed_shuffled_order_is_torchs() -> None:
     ours = aloader.DistributedSampler(range(20), 2, 0, seed=5)
     theirs = tud.DistributedSampler(range(20), 2, 0, seed=5)
