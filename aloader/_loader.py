@@ -1057,7 +1057,9 @@ class AsyncDataLoaderIter(Generic[T_co]):
             keys = self._keys = kind.keys()
             self._asked = kind.asked
             if self._asked is not None:
-                self._asked(self._ahead())  # torch's iterator with workers asks at iter()
+                # Torch's iterator asks here: at iter() with workers, prefetching; at the first
+                # next() without.
+                self._asked(max(1, self._ahead()))
         return keys
 
     def _ahead(self) -> int:

@@ -228,29 +228,31 @@ def epoch_batches(batch_sampler: object, skip: int = 0) -> Iterator[IndexArray] 
 
 
 class TorchDraws:
-    """One epoch of a :class:`RandomSampler` over a ``torch.Generator`` (without replacement),
-    drawn permutation by permutation as torch's sampler draws it: piece ``p`` (the ``p``-th
-    permutation of ``n``, the last one cut to the epoch's tail, possibly empty) is drawn when
-    index ``p * n`` is first asked for, so that what the generator has drawn depends only on
-    how far the epoch was asked, as in torch.
+    """One epoch of a :class:`RandomSampler` over a ``torch.Generator``, drawn piece by piece
+    as torch's sampler draws it: without replacement piece ``p`` is the ``p``-th permutation
+    of ``n`` (the last one cut to the epoch's tail, possibly empty), with replacement the
+    ``p``-th ``torch.randint`` of 32 (the last one of the remainder). A piece is drawn when its
+    first index is first asked for, so that what the generator has drawn depends only on how
+    far the epoch was asked, as in torch.
 
     Two callers ask, from any thread (a lock keeps the draws in order, each made once):
     :meth:`chunks`, the keys' reader, takes the pieces that hold indices; :meth:`reach`, the
     consumer's call (``DataLoader``: where torch's iterator asks its sampler, see
     :meth:`aloader._loader.AsyncDataLoaderIter._advance`), draws every piece whose first index
-    it has reached, the empty tail included, which no reader needs: so an epoch left early
+    it has reached, an empty tail included, which no reader needs: so an epoch left early
     never draws it, and one read to the end draws it at the call torch's would.
 
     Args:
-        draw: draws a permutation of ``n`` from the sampler's generator.
-        n: the dataset's size.
+        draw: draws a piece of the given size from the sampler's generator.
+        piece: the size of every piece but the last.
         num_samples: the epoch's indices.
     """
 
-    def __init__(self, draw: Callable[[], IndexArray], n: int, num_samples: int) -> None:
+    def __init__(self, draw: Callable[[int], IndexArray], piece: int, num_samples: int
+                 ) -> None:
         self._draw_one = draw
-        self._n = n
-        self._full, self._rest = divmod(num_samples, n)
+        self._piece = piece
+        self._full, self._rest = divmod(num_samples, piece)
         self._drawn = 0  # pieces drawn so far
         self._ready: dict[int, IndexArray] = {}  # drawn, not yet taken by chunks()
         self._lock = threading.Lock()
@@ -258,21 +260,24 @@ class TorchDraws:
     def _draw_upto(self, piece: int) -> None:
         with self._lock:
             while self._drawn <= piece:
-                order = self._draw_one()
-                self._ready[self._drawn] = order if self._drawn < self._full else (
-                    order[: self._rest])
+                size = self._piece if self._drawn < self._full else self._rest
+                self._ready[self._drawn] = self._draw_one(size)
                 self._drawn += 1
 
     def reach(self, count: int) -> None:
         """Draw every piece whose first index is below ``count`` (the indices asked for)."""
         if count > 0:
-            self._draw_upto(min(self._full, (count - 1) // self._n))
+            self._draw_upto(min(self._full, (count - 1) // self._piece))
 
     def take(self, piece: int) -> IndexArray:
         """Piece ``piece``, drawn now unless it was already."""
         self._draw_upto(piece)
         with self._lock:
             return self._ready.pop(piece)
+
+    def pieces(self) -> int:
+        """The epoch's pieces, an empty last one included."""
+        return self._full + 1
 
     def chunks(self) -> Iterator[IndexArray]:
         """The epoch's pieces holding indices, in order (drawn as they are read, or before)."""
@@ -581,28 +586,32 @@ class RandomSampler(_ArraySampler):
         return torch_generator(self.generator) is not None
 
     def _torch_epoch(self) -> TorchDraws | None:
-        """This epoch as torch draws it, permutation by permutation (:class:`TorchDraws`),
-        or None (nothing drawn) unless this sampler draws as torch's does without
-        replacement, in an epoch of at most ``_EPOCH_MAX`` indices."""
-        if not self._draws_as_torch() or self.replacement or self.num_samples > _EPOCH_MAX:
+        """This epoch as torch draws it, piece by piece (:class:`TorchDraws`), or None
+        (nothing drawn) unless this sampler draws as torch's does and only the epoch's first
+        piece holds indices (at most ``len(data_source)`` of them without replacement, 32
+        with): what a reader reads is then all drawn at the epoch's first ask, and only an
+        empty tail is left for the consumer's calls."""
+        if not self._draws_as_torch() or self.num_samples > (
+                32 if self.replacement else self._source_len()):
+            # Pieces after the first with indices in them: a reader running ahead of the
+            # consumer would draw them when it gets to them, so the generator's state would
+            # depend on timing. Such an epoch is drawn whole, before any key is read.
             return None
-        n = self._source_len()
-        rng = reseeded(self.generator) if self._reseed else self.generator
-        return TorchDraws(lambda: permutation(rng, n), n, self.num_samples)
+        return self._new_torch_epoch()
 
-    def _torch_draws(self) -> Iterator[int]:
+    def _new_torch_epoch(self) -> TorchDraws:
         n = self._source_len()
-        num_samples = self.num_samples
         rng = reseeded(self.generator) if self._reseed else self.generator
         if self.replacement:
-            for _ in range(num_samples // 32):
-                yield from integers(rng, n, 32).tolist()
-            yield from integers(rng, n, num_samples % 32).tolist()
-            return
-        # Each permutation when its first index is asked for; the tail's (even an empty one)
-        # when the epoch's end is.
-        draws = TorchDraws(lambda: permutation(rng, n), n, num_samples)
-        for piece in range(num_samples // n + 1):
+            # torch's sampler draws 32 indices at a time.
+            return TorchDraws(lambda size: integers(rng, n, size), 32, self.num_samples)
+        return TorchDraws(lambda size: permutation(rng, n)[:size], n, self.num_samples)
+
+    def _torch_draws(self) -> Iterator[int]:
+        # Each piece when its first index is asked for; the last one (even an empty one) when
+        # the epoch's end is.
+        draws = self._new_torch_epoch()
+        for piece in range(draws.pieces()):
             yield from draws.take(piece).tolist()
 
     def __len__(self) -> int:

@@ -237,13 +237,15 @@ def test_distributed_shuffled_order_is_torchs() -> None:
 
 # The consumer's calls decide the draws ----------------------------------------------------
 # (dataset size, loader kwargs): an empty tail permutation at a full last batch, at a short
-# one, with drop_last, without batching, and a non-empty tail (num_samples < n).
+# one, with drop_last, without batching, a non-empty tail (num_samples < n); with replacement,
+# torch's 32 draws at a time and an empty last draw.
 DRAWN_AS_TORCH: dict[str, tuple[int, dict[str, Any]]] = {
     "full last batch": (24, {"batch_size": 4, "shuffle": True}),
     "short last batch": (20, {"batch_size": 3, "shuffle": True}),
     "drop_last": (20, {"batch_size": 3, "shuffle": True, "drop_last": True}),
     "no batching": (9, {"batch_size": None, "shuffle": True}),
     "num_samples < n": (20, {"batch_size": 3, "sampler_samples": 11}),
+    "replacement": (20, {"batch_size": 8, "sampler_samples": 32, "replacement": True}),
 }
 
 
@@ -251,8 +253,9 @@ def _loader(module: Any, name: str, g: Any, workers: int) -> Any:
     n, kwargs = DRAWN_AS_TORCH[name]
     kwargs = dict(kwargs)
     samples = kwargs.pop("sampler_samples", None)
+    replacement = kwargs.pop("replacement", False)
     if samples is not None:
-        kwargs["sampler"] = module.RandomSampler(range(n), num_samples=samples, generator=g)
+        kwargs["sampler"] = module.RandomSampler(range(n), replacement, samples, generator=g)
     return module.DataLoader(range(n), generator=g, num_workers=workers, **kwargs)
 
 
