@@ -93,6 +93,81 @@ static PyObject *permutation(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyMethodDef methods[] = {{"permutation", permutation, METH_VARARGS, "Fill an int64 buffer with a uniform random permutation of range(len)."}, {NULL, NULL, 0, NULL}};
+
+/* torch.randperm(n, generator=torch.Generator().manual_seed(seed)) on the CPU, without torch
+ * (DistributedSampler's shuffle): torch's mt19937 (std::mt19937's seeding from the seed's low
+ * 32 bits) and its randperm_cpu. Below n = UINT32_MAX / 20 torch swaps position i with
+ * i + random() % (n - i); from there on it runs an inside-out Fisher-Yates with
+ * random64() % (i + 1), random64 being two 32-bit draws, the first the high half. */
+typedef struct { uint32_t s[624]; int pos; } mt_t;
+static void mt_seed(mt_t *m, uint32_t seed) {
+    m->s[0] = seed;
+    for (int j = 1; j < 624; j++)
+        m->s[j] = 1812433253U * (m->s[j - 1] ^ (m->s[j - 1] >> 30)) + (uint32_t)j;
+    m->pos = 624;
+}
+static void mt_twist(mt_t *m) {
+    uint32_t *s = m->s;
+    for (int i = 0; i < 624; i++) {
+        uint32_t y = (s[i] & 0x80000000U) | (s[(i + 1) % 624] & 0x7fffffffU);
+        s[i] = s[(i + 397) % 624] ^ (y >> 1) ^ ((y & 1U) ? 0x9908b0dfU : 0U);
+    }
+    m->pos = 0;
+}
+static inline uint32_t mt_next(mt_t *m) {
+    if (m->pos >= 624) mt_twist(m);
+    uint32_t y = m->s[m->pos++];
+    y ^= y >> 11;
+    y ^= (y << 7) & 0x9d2c5680U;
+    y ^= (y << 15) & 0xefc60000U;
+    y ^= y >> 18;
+    return y;
+}
+static void torch_perm(int64_t *a, int64_t n, mt_t *m) {
+    if (n < (int64_t)(UINT32_MAX / 20)) {
+        for (int64_t i = 0; i < n; i++) a[i] = i;
+        for (int64_t i = 0; i < n - 1; i++) {
+            int64_t z = (int64_t)(mt_next(m) % (uint64_t)(n - i)) + i;
+            int64_t t = a[i];
+            a[i] = a[z];
+            a[z] = t;
+        }
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t hi = mt_next(m);
+        uint64_t r = (hi << 32) | mt_next(m);
+        int64_t z = (int64_t)(r % (uint64_t)(i + 1));
+        a[i] = a[z];
+        a[z] = i;
+    }
+}
+
+static PyObject *torch_shuffle(PyObject *self, PyObject *args) {
+    Py_buffer out;
+    unsigned long long seed;
+    if (!PyArg_ParseTuple(args, "w*K", &out, &seed)) return NULL;
+    if (out.itemsize != 8 || out.len % 8 != 0) {
+        PyBuffer_Release(&out);
+        PyErr_SetString(PyExc_ValueError, "torch_shuffle needs a writable int64 buffer");
+        return NULL;
+    }
+    mt_t *m = malloc(sizeof(mt_t));
+    if (m == NULL) {
+        PyBuffer_Release(&out);
+        return PyErr_NoMemory();
+    }
+    mt_seed(m, (uint32_t)seed);
+    Py_BEGIN_ALLOW_THREADS
+    torch_perm((int64_t *)out.buf, (int64_t)(out.len / 8), m);
+    Py_END_ALLOW_THREADS
+    free(m);
+    PyBuffer_Release(&out);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {{"permutation", permutation, METH_VARARGS, "Fill an int64 buffer with a uniform random permutation of range(len)."},
+    {"torch_shuffle", torch_shuffle, METH_VARARGS, "Fill an int64 buffer with torch.randperm(len) of a CPU generator seeded with seed."},
+    {NULL, NULL, 0, NULL}};
 static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "_cperm", NULL, -1, methods};
 PyMODINIT_FUNC PyInit__cperm(void) { return PyModule_Create(&mod); }

@@ -14,12 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from ._random import IndexArray, permutation
+from ._random import IndexArray, torch_randperm
 from ._sampler import _EPOCH_MAX, Sampler, _blocks, _concat, _iter_chunks, _Stateful
 
 __all__ = ("DistributedSampler",)
 
-_UINT64 = 1 << 64
 
 
 def _env_int(name: str, default: int) -> int:
@@ -37,11 +36,13 @@ def _env_int(name: str, default: int) -> int:
 class DistributedSampler(_Stateful, Sampler[int]):
     """Sampler that restricts data loading to one rank's share of the dataset.
 
-    Every rank builds the same order (a permutation seeded by ``seed + epoch`` when shuffling,
-    else ``range(N)``), pads it by repeating it from its start (or truncates it with
-    ``drop_last``) to a multiple of ``num_replicas``, and takes every ``num_replicas``-th index
-    starting at ``rank``. For 10 items over 4 ranks without shuffling, rank 1 gets
-    ``[1, 5, 9]`` and rank 3 gets ``[3, 7, 1]``.
+    Every rank builds the same order (when shuffling torch's,
+    ``torch.randperm(N, generator=torch.Generator().manual_seed(seed + epoch))``, computed
+    without torch by :func:`~aloader._random.torch_randperm`; else ``range(N)``), pads it by
+    repeating it from its start (or truncates it with ``drop_last``) to a multiple of
+    ``num_replicas``, and takes every ``num_replicas``-th index starting at ``rank``. For 10
+    items over 4 ranks without shuffling, rank 1 gets ``[1, 5, 9]`` and rank 3 gets
+    ``[3, 7, 1]``.
 
     Call :meth:`set_epoch` before each epoch to get a new order; otherwise every epoch repeats
     the same one. The dataset is assumed to keep its size.
@@ -132,10 +133,9 @@ class DistributedSampler(_Stateful, Sampler[int]):
             )
         order: IndexArray | None = None
         if self.shuffle:
-            seed = int(self.seed) + int(self.epoch)
-            # Like torch.manual_seed, a negative seed wraps around to an unsigned one.
-            rng = np.random.default_rng(seed % _UINT64 if seed < 0 else seed)
-            order = permutation(rng, n)
+            # torch's own order: randperm of a generator seeded with seed + epoch (wrapped
+            # modulo 2**64 as manual_seed wraps it), made without torch.
+            order = torch_randperm(n, int(self.seed) + int(self.epoch))
         remaining, self._remaining = self._remaining, None
         if remaining is not None:
             return self._elastic(order, n, remaining)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeAlias, cast
 
@@ -62,6 +62,7 @@ from ._sampler import (
     epoch_indices,
     load_sampler_state,
     sampler_state,
+    torch_epoch,
 )
 from ._streams import Stream, _StreamIterator, check_field
 from ._util import close_iterator, is_async_callable
@@ -148,6 +149,9 @@ class MapEpochs:
         # A resumed epoch's failed samples, left out of its keys (see aloader._failures).
         self.known_failed: KnownFailed | None = None
         self.loaded_skip: Skip | None = None
+        # Set by keys(): where the consumer tells an epoch drawn as torch's sampler draws it
+        # how many keys it has asked for (see aloader._sampler.TorchDraws); else None.
+        self.asked: Callable[[int], None] | None = None
 
     # Checkpoints ---------------------------------------------------------------------------
     def begin(self) -> None:
@@ -232,12 +236,18 @@ class MapEpochs:
         epoch's (:attr:`resume`, consumed here) without the batches already received, and
         without the samples that failed before the checkpoint (:attr:`known_failed`)."""
         known, self.known_failed = self.known_failed, None
+        self.asked = None
         keys = self._resumed_keys()
         return keys if known is None else cast(Any, known.keys(keys))
 
     def _resumed_keys(self) -> Iterator[Any] | AsyncIterator[Any]:
         skip, self.resume = self.resume, None
         if skip is None or (skip.prefix == 0 and not skip.delivered):
+            # Only a whole epoch is drawn as torch's is: a resumed one has no torch twin.
+            lazy = torch_epoch(self.index_sampler, self.auto_collation)
+            if lazy is not None:
+                torch_keys, self.asked = lazy
+                return torch_keys
             return self._keys(0)
         keys = self._keys(skip.prefix)
         if not skip.delivered:

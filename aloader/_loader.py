@@ -1005,6 +1005,10 @@ class AsyncDataLoaderIter(Generic[T_co]):
         self._timeout = loader.timeout
         self._len_called = loader._kind.reported_length()
         self._keys: Iterator[Any] | AsyncIterator[Any] | None = None  # see _draw
+        # Where the consumer's calls tell the epoch's sampler how far torch's would have been
+        # asked (see _advance), and those calls so far.
+        self._asked: Callable[[int], None] | None = None
+        self._calls = 0
         if loader.num_workers > 0 and isinstance(kind, MapEpochs):
             self._draw()  # where torch's iterator with workers draws it: at iter()
         self._epoch: Epoch | None = None
@@ -1055,7 +1059,28 @@ class AsyncDataLoaderIter(Generic[T_co]):
             if resumed is not None and resumed[1]:
                 kind.known_failed = KnownFailed(resumed[1], kind.auto_collation)
             keys = self._keys = kind.keys()
+            self._asked = kind.asked
+            if self._asked is not None:
+                # Torch's iterator asks here: at iter() with workers, prefetching; at the first
+                # next() without.
+                self._asked(max(1, self._ahead()))
         return keys
+
+    def _ahead(self) -> int:
+        """The batches torch's iterator asks its sampler for ahead of its consumer: with
+        workers ``prefetch_factor`` per worker at ``iter()``, one more at each ``next()``."""
+        loader = self._loader
+        return loader.prefetch_factor * loader.num_workers if loader.num_workers else 0
+
+    def _advance(self) -> None:
+        """A consumer's call for the next batch: an epoch drawn as torch's sampler draws it
+        (:class:`aloader._sampler.TorchDraws`) draws what torch's would have drawn by this
+        call (the epoch's empty tail permutation at the call that ends it without workers),
+        whatever the pipeline has read ahead. Called where the consumer calls: by
+        :meth:`__anext__`, or by :class:`DataLoaderIter` when a pump runs ahead of it."""
+        self._calls += 1
+        if self._asked is not None:
+            self._asked(self._calls + self._ahead())
 
     def _start(self, here: bool = False) -> Epoch:
         """Start the epoch (with ``here``, an iterable one on the consumer's call: see
@@ -1113,6 +1138,8 @@ class AsyncDataLoaderIter(Generic[T_co]):
         epoch = self._epoch
         if epoch is None:
             epoch = self._epoch = self._start()
+        if not self._deferred:
+            self._advance()
         asked = _now()
         stats = self._stats
         assert stats is not None
@@ -1293,6 +1320,8 @@ class DataLoaderIter(Iterator[T_co]):
             if self._closed:
                 raise StopIteration
             sync = self._open()
+        if not isinstance(sync, LocalIterator) and not self._closed:
+            self._source._advance()  # the pump runs ahead of this call
         try:
             item = next(sync)
         except StopIteration:

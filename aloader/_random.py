@@ -40,6 +40,7 @@ __all__ = (
     "restore_rng",
     "rng_state",
     "torch_generator",
+    "torch_randperm",
 )
 
 # Any: a torch.Generator, typed without importing torch.
@@ -203,6 +204,66 @@ def permutation(rng: np.random.Generator, n: int) -> IndexArray:
         rng.shuffle(order[start:end])
         start = end
     return order
+
+
+# torch's randperm_cpu changes algorithm at this size (see torch_randperm).
+_TORCH_SWAP_MAX = (1 << 32) // 20
+
+
+def _torch_mt19937(seed: int) -> np.random.MT19937:
+    """numpy's MT19937 in the state of ``torch.Generator().manual_seed(seed)``'s engine: torch
+    (as std::mt19937) initialises it from the seed's low 32 bits with Knuth's recurrence."""
+    key = np.empty(624, dtype=np.uint32)
+    x = seed & 0xFFFFFFFF
+    key[0] = x
+    for j in range(1, 624):
+        x = (1812433253 * (x ^ (x >> 30)) + j) & 0xFFFFFFFF
+        key[j] = x
+    bit_generator = np.random.MT19937()
+    bit_generator.state = {"bit_generator": "MT19937", "state": {"key": key, "pos": 624}}
+    return bit_generator
+
+
+def torch_randperm(n: int, seed: int) -> IndexArray:
+    """``torch.randperm(n, generator=torch.Generator().manual_seed(seed))``, without torch.
+
+    torch's CPU algorithm: below ``2**32 // 20`` it swaps position ``i`` with
+    ``i + random() % (n - i)`` for each ``i``, ``random()`` being the engine's next 32-bit
+    output; from there on an inside-out Fisher-Yates with ``random64() % (i + 1)``, two
+    outputs making one 64-bit number (the first the high half). The compiled path
+    (``aloader._cperm``) runs it in C; the fallback replays the same draws with numpy's
+    MT19937 (the same engine) and a Python loop.
+
+    Args:
+        n: the permutation's length.
+        seed: the generator's seed; like ``manual_seed``, it wraps modulo ``2**64``, and the
+            engine reads its low 32 bits.
+    """
+    seed %= 1 << 64
+    out: IndexArray = np.empty(n, dtype=np.int64)
+    compiled = getattr(_cperm, "torch_shuffle", None)  # None without the C extension
+    if compiled is not None:
+        compiled(out, seed)
+        return out
+    bit_generator = _torch_mt19937(seed)
+    if n < _TORCH_SWAP_MAX:
+        out[:] = np.arange(n, dtype=np.int64)
+        draws = bit_generator.random_raw(max(n - 1, 0)).tolist()
+        perm = out.tolist()
+        for i, r in enumerate(draws):
+            z = r % (n - i) + i
+            perm[i], perm[z] = perm[z], perm[i]
+        out[:] = perm
+        return out
+    raw = bit_generator.random_raw(2 * n)
+    wide = ((raw[0::2] << np.uint64(32)) | raw[1::2]).tolist()
+    perm = [0] * n
+    for i, r in enumerate(wide):
+        z = r % (i + 1)
+        perm[i] = perm[z]
+        perm[z] = i
+    out[:] = perm
+    return out
 
 
 def _plain(value: Any) -> Any:

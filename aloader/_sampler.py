@@ -29,7 +29,16 @@ from __future__ import annotations
 import itertools
 import numbers
 import sys
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence, Sized
+import threading
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Iterable,
+    Iterator,
+    Sequence,
+    Sized,
+)
 from typing import Any, Generic, TypeGuard, TypeVar, cast
 
 import numpy as np
@@ -50,8 +59,8 @@ from ._util import close_iterator
 
 __all__ = (
     "BatchSampler", "RandomSampler", "Sampler", "SequentialSampler", "SubsetRandomSampler",
-    "WeightedRandomSampler", "epoch_batches", "epoch_chunks", "epoch_indices", "is_stateful",
-    "load_sampler_state", "sampler_state",
+    "TorchDraws", "WeightedRandomSampler", "epoch_batches", "epoch_chunks", "epoch_indices",
+    "is_stateful", "load_sampler_state", "sampler_state", "torch_epoch",
 )
 
 T_co = TypeVar("T_co", covariant=True)
@@ -216,6 +225,92 @@ def epoch_batches(batch_sampler: object, skip: int = 0) -> Iterator[IndexArray] 
             return itertools.islice(cast("Iterator[IndexArray]", result), skip, None)
         return cast("Iterator[IndexArray] | None", result)
     return None
+
+
+class TorchDraws:
+    """One epoch of a :class:`RandomSampler` over a ``torch.Generator``, drawn piece by piece
+    as torch's sampler draws it: without replacement piece ``p`` is the ``p``-th permutation
+    of ``n`` (the last one cut to the epoch's tail, possibly empty), with replacement the
+    ``p``-th ``torch.randint`` of 32 (the last one of the remainder). A piece is drawn when its
+    first index is first asked for, so that what the generator has drawn depends only on how
+    far the epoch was asked, as in torch.
+
+    Two callers ask, from any thread (a lock keeps the draws in order, each made once):
+    :meth:`chunks`, the keys' reader, takes the pieces that hold indices; :meth:`reach`, the
+    consumer's call (``DataLoader``: where torch's iterator asks its sampler, see
+    :meth:`aloader._loader.AsyncDataLoaderIter._advance`), draws every piece whose first index
+    it has reached, an empty tail included, which no reader needs: so an epoch left early
+    never draws it, and one read to the end draws it at the call torch's would.
+
+    Args:
+        draw: draws a piece of the given size from the sampler's generator.
+        piece: the size of every piece but the last.
+        num_samples: the epoch's indices.
+    """
+
+    def __init__(self, draw: Callable[[int], IndexArray], piece: int, num_samples: int
+                 ) -> None:
+        self._draw_one = draw
+        self._piece = piece
+        self._full, self._rest = divmod(num_samples, piece)
+        self._drawn = 0  # pieces drawn so far
+        self._ready: dict[int, IndexArray] = {}  # drawn, not yet taken by chunks()
+        self._lock = threading.Lock()
+
+    def _draw_upto(self, piece: int) -> None:
+        with self._lock:
+            while self._drawn <= piece:
+                size = self._piece if self._drawn < self._full else self._rest
+                self._ready[self._drawn] = self._draw_one(size)
+                self._drawn += 1
+
+    def reach(self, count: int) -> None:
+        """Draw every piece whose first index is below ``count`` (the indices asked for)."""
+        if count > 0:
+            self._draw_upto(min(self._full, (count - 1) // self._piece))
+
+    def take(self, piece: int) -> IndexArray:
+        """Piece ``piece``, drawn now unless it was already."""
+        self._draw_upto(piece)
+        with self._lock:
+            return self._ready.pop(piece)
+
+    def pieces(self) -> int:
+        """The epoch's pieces, an empty last one included."""
+        return self._full + 1
+
+    def chunks(self) -> Iterator[IndexArray]:
+        """The epoch's pieces holding indices, in order (drawn as they are read, or before)."""
+        for piece in range(self._full + (self._rest > 0)):
+            yield self.take(piece)
+
+
+def torch_epoch(index_sampler: object, batched: bool
+                ) -> tuple[Iterator[Any], Callable[[int], None]] | None:
+    """An epoch of keys drawn as torch's sampler draws them, and how to say how many keys the
+    consumer has asked for (torch's batches, or indices without ``batched``); None (nothing
+    drawn) unless ``index_sampler`` is a :class:`RandomSampler` that draws as torch's does
+    (:class:`TorchDraws`), in a :class:`BatchSampler` when ``batched``.
+
+    The keys are those of :func:`epoch_batches` (arrays) or the indices as ints."""
+    inner = index_sampler
+    if batched:
+        if not isinstance(index_sampler, BatchSampler) or not _fast_path_matches_iter(
+                index_sampler, "_epoch_batches"):
+            return None
+        inner = index_sampler.sampler
+    if not isinstance(inner, RandomSampler) or not _fast_path_matches_iter(
+            inner, "_epoch_chunks"):
+        return None
+    draws = inner._torch_epoch()
+    if draws is None:
+        return None
+    if not batched:
+        return _iter_chunks(draws.chunks()), draws.reach
+    assert isinstance(index_sampler, BatchSampler)
+    size = index_sampler.batch_size
+    batches = _slices(draws.chunks(), size, index_sampler.drop_last)
+    return batches, lambda keys: draws.reach(keys * size)
 
 
 def _skip_chunks(chunks: Iterable[IndexArray], count: int) -> Iterator[IndexArray]:
@@ -490,18 +585,34 @@ class RandomSampler(_ArraySampler):
         DataLoader's) draws the same epoch at once."""
         return torch_generator(self.generator) is not None
 
-    def _torch_draws(self) -> Iterator[int]:
+    def _torch_epoch(self) -> TorchDraws | None:
+        """This epoch as torch draws it, piece by piece (:class:`TorchDraws`), or None
+        (nothing drawn) unless this sampler draws as torch's does and only the epoch's first
+        piece holds indices (at most ``len(data_source)`` of them without replacement, 32
+        with): what a reader reads is then all drawn at the epoch's first ask, and only an
+        empty tail is left for the consumer's calls."""
+        if not self._draws_as_torch() or self.num_samples > (
+                32 if self.replacement else self._source_len()):
+            # Pieces after the first with indices in them: a reader running ahead of the
+            # consumer would draw them when it gets to them, so the generator's state would
+            # depend on timing. Such an epoch is drawn whole, before any key is read.
+            return None
+        return self._new_torch_epoch()
+
+    def _new_torch_epoch(self) -> TorchDraws:
         n = self._source_len()
-        num_samples = self.num_samples
         rng = reseeded(self.generator) if self._reseed else self.generator
         if self.replacement:
-            for _ in range(num_samples // 32):
-                yield from integers(rng, n, 32).tolist()
-            yield from integers(rng, n, num_samples % 32).tolist()
-            return
-        for _ in range(num_samples // n):
-            yield from permutation(rng, n).tolist()
-        yield from permutation(rng, n)[: num_samples % n].tolist()
+            # torch's sampler draws 32 indices at a time.
+            return TorchDraws(lambda size: integers(rng, n, size), 32, self.num_samples)
+        return TorchDraws(lambda size: permutation(rng, n)[:size], n, self.num_samples)
+
+    def _torch_draws(self) -> Iterator[int]:
+        # Each piece when its first index is asked for; the last one (even an empty one) when
+        # the epoch's end is.
+        draws = self._new_torch_epoch()
+        for piece in range(draws.pieces()):
+            yield from draws.take(piece).tolist()
 
     def __len__(self) -> int:
         """``num_samples``."""

@@ -8,6 +8,7 @@ are the situations around them.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -140,11 +141,6 @@ def test_two_loaders_sharing_a_generator_one_after_the_other() -> None:
     assert _same_state(ours_g, theirs_g)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "aloader's iter(loader) draws the base seed and the epoch's permutation at once; torch's "
-    "iter() draws the base seed and its sampler draws the permutation at the first next(), so "
-    "iterating two loaders of one generator side by side interleaves the draws differently "
-    "(_loader.py / _facade.py: the lead's)"))
 def test_two_loaders_sharing_a_generator_side_by_side() -> None:
     def run(module: Any) -> list[Any]:
         g = torch.Generator().manual_seed(1)
@@ -155,13 +151,6 @@ def test_two_loaders_sharing_a_generator_side_by_side() -> None:
     assert run(aloader) == run(tud)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the loader draws a shuffled epoch as one array, the tail's (empty) permutation included, "
-    "when the epoch starts; torch draws that permutation only when its sampler is exhausted, "
-    "so after a `break` torch's generator is one randperm behind and the next epoch differs. "
-    "Drawing it lazily in the sampler alone would make it depend on how far the pipeline has "
-    "read the sampler ahead (timing): the loader must ask for the epoch's end only when the "
-    "consumer reaches it (_epochs.py / _pipeline.py: the lead's)"))
 def test_break_then_next_epoch_matches_torch() -> None:
     def run(module: Any) -> list[Any]:
         g = torch.Generator().manual_seed(3)
@@ -240,12 +229,92 @@ def test_distributed_shuffled_epochs_follow_torchs_rules(n: int, world: int, dro
     assert orders[0] != orders[1] or n <= 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "documented difference (README: int seeds give numpy streams): DistributedSampler(seed=s) "
-    "shuffles with numpy's permutation of seed + epoch, torch with "
-    "torch.randperm(generator=manual_seed(seed + epoch)); a drop-in DDP script gets other "
-    "(valid) shards. tests/test_distributed.py pins the numpy order: the lead's call"))
 def test_distributed_shuffled_order_is_torchs() -> None:
     ours = aloader.DistributedSampler(range(20), 2, 0, seed=5)
     theirs = tud.DistributedSampler(range(20), 2, 0, seed=5)
     assert list(ours) == list(theirs)
+
+
+# The consumer's calls decide the draws ----------------------------------------------------
+# (dataset size, loader kwargs): an empty tail permutation at a full last batch, at a short
+# one, with drop_last, without batching, a non-empty tail (num_samples < n); with replacement,
+# torch's 32 draws at a time and an empty last draw.
+DRAWN_AS_TORCH: dict[str, tuple[int, dict[str, Any]]] = {
+    "full last batch": (24, {"batch_size": 4, "shuffle": True}),
+    "short last batch": (20, {"batch_size": 3, "shuffle": True}),
+    "drop_last": (20, {"batch_size": 3, "shuffle": True, "drop_last": True}),
+    "no batching": (9, {"batch_size": None, "shuffle": True}),
+    "num_samples < n": (20, {"batch_size": 3, "sampler_samples": 11}),
+    "replacement": (20, {"batch_size": 8, "sampler_samples": 32, "replacement": True}),
+}
+
+
+def _loader(module: Any, name: str, g: Any, workers: int) -> Any:
+    n, kwargs = DRAWN_AS_TORCH[name]
+    kwargs = dict(kwargs)
+    samples = kwargs.pop("sampler_samples", None)
+    replacement = kwargs.pop("replacement", False)
+    if samples is not None:
+        kwargs["sampler"] = module.RandomSampler(range(n), replacement, samples, generator=g)
+    return module.DataLoader(range(n), generator=g, num_workers=workers, **kwargs)
+
+
+def _epochs_with_breaks(module: Any, name: str, workers: int) -> list[Any]:
+    """Epochs left after 1, 2, 3 and 5 batches, then a whole one; then what the generator
+    draws next (its state)."""
+    g = torch.Generator().manual_seed(7)
+    loader = _loader(module, name, g, workers)
+    out: list[Any] = []
+    for stop in (1, 2, 3, 5, None):
+        for step, batch in enumerate(loader):
+            out.append(batch.tolist() if hasattr(batch, "tolist") else batch)
+            if step + 1 == stop:
+                break
+    out.append(torch.randint(1 << 30, (4,), generator=g).tolist())
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("name", list(DRAWN_AS_TORCH))
+def test_epochs_left_early_leave_the_generator_where_torchs_does(name: str, workers: int
+                                                                 ) -> None:
+    """The empty tail permutation is drawn at the consumer's call where torch's sampler
+    draws it (with workers, ``prefetch_factor * num_workers`` batches ahead), so every break
+    point leaves the shared generator as torch's, epoch after epoch."""
+    assert _epochs_with_breaks(aloader, name, workers) == _epochs_with_breaks(tud, name,
+                                                                              workers)
+
+
+async def test_async_for_with_breaks_draws_as_torchs_iterator(anyio_backend: str) -> None:
+    """``async for`` is the consumer's call too: breaks leave the generator as torch's."""
+    del anyio_backend
+    name = "short last batch"
+    g = torch.Generator().manual_seed(7)
+    loader = _loader(aloader, name, g, 0)
+    out: list[Any] = []
+    for stop in (1, 2, 3, 5, None):
+        step = 0
+        async with contextlib.aclosing(loader.__aiter__()) as it:
+            async for batch in it:
+                out.append(batch.tolist())
+                step += 1
+                if step == stop:
+                    break
+    out.append(torch.randint(1 << 30, (4,), generator=g).tolist())
+    assert out == _epochs_with_breaks(tud, name, 0)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_two_loaders_side_by_side_over_several_epochs(workers: int) -> None:
+    def run(module: Any) -> list[Any]:
+        g = torch.Generator().manual_seed(2)
+        a = module.DataLoader(range(10), batch_size=3, shuffle=True, generator=g,
+                              num_workers=workers)
+        b = module.DataLoader(range(10, 22), batch_size=4, shuffle=True, generator=g,
+                              num_workers=workers)
+        out = []
+        for _ in range(EPOCHS):
+            out.append([(x.tolist(), y.tolist()) for x, y in zip(a, b, strict=False)])
+        return out
+
+    assert run(aloader) == run(tud)

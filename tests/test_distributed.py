@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aloader import BatchSampler, DistributedSampler
-from aloader._random import permutation
+from aloader._random import torch_randperm
 from aloader._sampler import epoch_batches, epoch_indices
 
 SETTINGS = settings(max_examples=80, deadline=None)
@@ -91,7 +91,7 @@ def test_shards_cover_the_padded_order(
     # Interleaving the shards rebuilds one global order shared by every rank.
     order = [shards[i % replicas][i // replicas] for i in range(num_samples * replicas)]
     base = (
-        permutation(np.random.default_rng(seed + epoch), n).tolist() if shuffle else list(range(n))
+        torch_randperm(n, seed + epoch).tolist() if shuffle else list(range(n))
     )
     assert order == _expected_global_order(n, replicas, drop_last, base)
 
@@ -329,7 +329,7 @@ def test_block_by_block_shard_is_the_shard(
         sampler = DistributedSampler(range(n), replicas, rank, shuffle=shuffle, seed=3,
                                      drop_last=drop_last)
         sampler.set_epoch(2)
-        base = permutation(np.random.default_rng(5), n).tolist() if shuffle else list(range(n))
+        base = torch_randperm(n, 5).tolist() if shuffle else list(range(n))
         expected = _expected_global_order(n, replicas, drop_last, base)[rank::replicas]
         assert list(sampler) == expected
         batches = epoch_batches(BatchSampler(sampler, 2, False))
@@ -345,3 +345,21 @@ def test_a_dataset_that_changed_size_fails_like_torch() -> None:
     del data[5:]
     with pytest.raises(AssertionError, match=r"Number of indices \(5\) does not match total_size"):
         list(sampler)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 10, 23, 100, 1000])
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_shuffled_shards_are_torchs(n: int, world: int, drop_last: bool) -> None:
+    """Differential: each rank's shard, epoch after epoch, is torch's (torch's randperm of a
+    generator seeded with seed + epoch, made without torch)."""
+    torch = pytest.importorskip("torch")
+    for seed in (0, 5, -7, 2**32 + 1):
+        for rank in range(world):
+            ours = DistributedSampler(range(n), world, rank, seed=seed, drop_last=drop_last)
+            theirs = torch.utils.data.DistributedSampler(range(n), world, rank, seed=seed,
+                                                         drop_last=drop_last)
+            for epoch in (0, 1, 4):
+                ours.set_epoch(epoch)
+                theirs.set_epoch(epoch)
+                assert list(ours) == list(theirs), (seed, rank, epoch)

@@ -75,3 +75,14 @@ def test_permutation_looks_uniform(path: str) -> None:
     assert abs(float(np.mean(ascents)) - 0.5) < 0.01
     chi2 = float(((first_bins - 25) ** 2 / 25).sum())
     assert chi2 < 24.3  # p = 0.001 for 7 degrees of freedom
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 50, 1000, 70_000])
+def test_torch_randperm_is_torchs(path: str, n: int) -> None:
+    """torch_randperm(n, seed) is torch.randperm(n) of a generator seeded with seed, with the C
+    extension and without it; seeds wrap as manual_seed wraps them (the engine reads 32 bits)."""
+    torch = pytest.importorskip("torch")
+    for seed in (0, 1, 12345, -3, 2**32 + 7, 2**64 - 1):
+        expected = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+        got = _random.torch_randperm(n, seed)
+        assert got.dtype == np.int64 and got.tolist() == expected, seed
