@@ -14,7 +14,10 @@ The protocol (every message a :class:`Request` or a :class:`Reply`):
 * Parent to worker: ``Request(kind, job, epoch, key, released, loader_epoch)``, where ``kind``
   is :attr:`Kind.TASK` (map-style: load and collate the index batch ``key``) or
   :attr:`Kind.NEXT` (iterable: the next batch of this worker's replica in epoch ``epoch``;
-  ``key`` is None); or EOF: exit. ``epoch`` tells the pool's epochs apart; ``loader_epoch`` is
+  ``key`` is None) or :attr:`Kind.ROLLBACK` (a persistent pool's map-style epoch ended in a
+  break: put back the global RNG states saved before task ``key``, answered with nothing; a
+  TASK's ``mark`` says whether to save them, see :class:`~aloader._pool.MapPoolEpoch`); or
+  EOF: exit. ``epoch`` tells the pool's epochs apart; ``loader_epoch`` is
   the loader's epoch number, which a stream iterated in the worker uses (see
   :attr:`WorkerInfo.epoch`). ``released`` names the worker's segments the loader no longer
   maps, for the worker to write its next batches into.
