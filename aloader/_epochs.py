@@ -287,7 +287,8 @@ class MapEpochs:
     def on_workers(self, plan: FetchPlan, results: Results, remote: PoolEpoch,
                    keys: Iterator[Any] | AsyncIterator[Any]) -> Epoch:
         """An epoch whose ``keys`` go to the workers (``remote`` is a :class:`MapPoolEpoch`)."""
-        return MapEpoch(plan, results, keys)
+        assert isinstance(remote, MapPoolEpoch)
+        return MapEpoch(plan, results, remote.keys(keys))
 
 
 class IterableEpochs:

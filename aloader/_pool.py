@@ -61,7 +61,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from multiprocessing.connection import Connection
@@ -341,6 +341,8 @@ class WorkerPool:
         # must not outlive its report (its traceback holds the consumer's frames).
         self.broken = False
         self.holder: PoolEpoch | None = None
+        # The epoch that ended last, settled when the next one starts (PoolEpoch.settle).
+        self.unsettled: PoolEpoch | None = None
         self.jobs = itertools.count()
         self.epochs = itertools.count()
         self._ready = 0
@@ -508,6 +510,10 @@ class PoolEpoch:
         self._previous = None
         if pool.broken:
             raise WorkerError("DataLoader workers stopped after an earlier error")
+        # The consumer has left the last epoch by now: what it took of it is final.
+        unsettled, pool.unsettled = pool.unsettled, None
+        if unsettled is not None and unsettled is not self:
+            unsettled.settle()  # its frames wait in the outboxes, flushed below, in order
         async with anyio.create_task_group() as tg:
             self._tg = tg
             for worker_id in range(pool.num_workers):
@@ -549,7 +555,7 @@ class PoolEpoch:
             return SKIP
         self._sent[lane] += 1
         self._changed.notify()  # the worker's next ticket may go once this one is sent
-        reply = await self._call(workers[worker_id], kind, payload)
+        reply = await self._call(workers[worker_id], kind, payload, self.mark(seq))
         if reply.extra is not None:
             self._absorb(worker_id, reply.status, reply.extra)
             if reply.extra[3]:  # every sample failed within the failure budget
@@ -566,6 +572,15 @@ class PoolEpoch:
 
     def note_meta(self, seq: int, lane: int, meta: Any) -> None:
         """Job ``seq``'s batch came with metadata (the position of replica ``lane``)."""
+
+    def mark(self, seq: int) -> tuple[int, int] | None:
+        """The :attr:`~aloader._worker.Request.mark` of job ``seq``'s task, sent now."""
+        return None
+
+    def settle(self) -> None:
+        """The epoch has ended and its consumer has left it (the next epoch is starting, on a
+        persistent pool): make the workers' state what torch's would be (after a break: see
+        :class:`MapPoolEpoch`)."""
 
     def _absorb(self, worker_id: int, status: Status, extra: Any) -> None:
         """Record what a worker counted besides its sources: failed samples, timings (a
@@ -588,6 +603,8 @@ class PoolEpoch:
     def close(self) -> None:
         """The epoch has ended: hand the pool back, or shut it down."""
         pool = self.pool
+        if pool.persistent:
+            pool.unsettled = self  # the consumer may still be taking its batches: see serve()
         self.released = True
         if pool.holder is self:
             pool.holder = None
@@ -601,14 +618,12 @@ class PoolEpoch:
         raise NotImplementedError
 
     # Sending and receiving -------------------------------------------------------------------
-    async def _call(self, worker: _WorkerHandle, kind: Kind, key: Any) -> Reply:
+    async def _call(self, worker: _WorkerHandle, kind: Kind, key: Any,
+                    mark: tuple[int, int] | None = None) -> Reply:
         if worker.setup_error is not None:  # never asked: its setup's error is the answer
             return Reply(SETUP_JOB, Status.ERROR, worker.setup_error)
         job = next(self.pool.jobs)
-        released = worker.released
-        names = [released.popleft() for _ in range(len(released))]
-        request = Request(kind, job, self.epoch, key, names, self.loader_epoch)
-        data = self.pool.codec.encode(request.wire())
+        data = self._request(worker, kind, job, key, mark)
         if self._waiter is None:  # the epoch's loop, looked up once
             self._waiter = waiters()
         pending = _Pending(self._waiter(), worker)
@@ -622,7 +637,17 @@ class PoolEpoch:
         assert pending.reply is not None
         return pending.reply
 
-    def _send(self, worker: _WorkerHandle, data: bytes) -> None:
+    def _request(self, worker: _WorkerHandle, kind: Kind, job: int, key: Any,
+                 mark: tuple[int, int] | None = None) -> bytes:
+        """Request ``job`` of ``worker``, encoded, with the segments it may reuse."""
+        released = worker.released
+        names = [released.popleft() for _ in range(len(released))]
+        request = Request(kind, job, self.epoch, key, names, self.loader_epoch, mark)
+        return self.pool.codec.encode(request.wire())
+
+    def _send(self, worker: _WorkerHandle, data: bytes, flush: bool = True) -> None:
+        """Write a frame, what does not fit kept in order in the worker's outbox and flushed
+        by a task of this epoch (``flush``) or of the next epoch's serve."""
         frame = _FRAME.pack(len(data)) + data
         if worker.outbox:  # a flush is under way: keep the frames in order
             worker.outbox += frame
@@ -635,7 +660,8 @@ class PoolEpoch:
             return
         if sent < len(frame):
             worker.outbox += frame[sent:]
-            self._tg.start_soon(self._flush, worker)
+            if flush:
+                self._tg.start_soon(self._flush, worker)
 
     async def _flush(self, worker: _WorkerHandle) -> None:
         while worker.outbox:
@@ -763,11 +789,93 @@ class PoolEpoch:
 
 class MapPoolEpoch(PoolEpoch):
     """A map-style epoch on the workers: job ``k`` (an index batch, or an index) goes to
-    worker ``k % num_workers`` as its task ``k // num_workers``."""
+    worker ``k % num_workers`` as its task ``k // num_workers``.
+
+    Persistent workers after a break: torch's have run exactly the tasks it had sent, which
+    are ``prefetch_factor * num_workers`` plus one per batch the consumer took (the epoch's
+    first ``due`` tasks), so their global RNGs (``random``, numpy's, torch's) go on from
+    there in the next epoch. This pool sends as far ahead as its window lets it, whatever
+    the consumer took, so its workers may have run further, or (a break before the pipeline
+    sent its next tasks) less far. Rather than hold tasks back (which slowed fast epochs
+    down), each task goes with its number and ``due`` as of its sending
+    (:attr:`~aloader._worker.Request.mark`): one past ``due`` runs after a snapshot of the
+    worker's RNGs. When the epoch ends (:meth:`settle`), ``due`` is final: a worker sent
+    tasks past it is told to put back the snapshot of its first one (a ``ROLLBACK``, which
+    the worker answers with nothing), and one sent fewer is sent the tasks it lacks, their
+    keys drawn from the sampler if the pipeline had not yet, their answers dropped as those
+    of any cancelled job. No result of a task past ``due`` reaches the consumer: the epoch's
+    jobs were cancelled. What a task changes besides the global RNGs (a dataset's own state)
+    is not undone. Where this does not apply: an async dataset or ``max_concurrency`` (the
+    worker runs its tasks concurrently: their draws interleave by timing, as no torch
+    worker's do), an async sampler (its keys cannot be drawn at the end: the tasks the
+    pipeline had not drawn stay unsent), and iterable datasets (:class:`ReplicaPoolEpoch`:
+    a replica's next epoch starts a new iterator, and the batches it drew ahead of the
+    consumer are not put back).
+    """
+
+    def __init__(self, pool: WorkerPool, loader_epoch: int = 0) -> None:
+        super().__init__(pool, loader_epoch)
+        setup = pool.setup
+        #: Batches the consumer has taken (set by the loader): None turns settling off.
+        self.taken: Callable[[], int] | None = None
+        self._settles = pool.persistent and not setup.plan.needs_event_loop
+        self._window = self._limit * pool.num_workers  # torch's tasks sent before a take
+        self._keys: Iterator[Any] | None = None
+        self._drawn: dict[int, Any] = {}  # job -> its key, drawn and not yet sent
+        self._count = 0  # keys drawn
 
     def route(self, key: Any, seq: int) -> tuple[int, int, int, Kind, Any]:
         count = self.pool.num_workers
         return seq % count, seq % count, seq // count, Kind.TASK, key
+
+    def keys(self, keys: Iterator[Any] | AsyncIterator[Any]) -> Iterator[Any] | AsyncIterator[Any]:
+        """The epoch's ``keys``, kept until their tasks are sent (see the class docstring)."""
+        if not self._settles or not isinstance(keys, Iterator):
+            return keys
+        self._keys = keys
+        return self
+
+    def __iter__(self) -> MapPoolEpoch:
+        return self
+
+    def __next__(self) -> Any:
+        assert self._keys is not None
+        key = next(self._keys)
+        self._drawn[self._count] = key
+        self._count += 1
+        return key
+
+    def mark(self, seq: int) -> tuple[int, int] | None:
+        if not self._settles or self.taken is None:
+            return None
+        self._drawn.pop(seq, None)
+        return seq, self._window + self.taken()
+
+    def settle(self) -> None:
+        if not self._settles or self.taken is None:
+            return
+        due = self._window + self.taken()
+        if self._keys is not None:
+            with contextlib.suppress(Exception):  # the sampler's end, or its error: no more
+                while self._count < due:
+                    next(self)
+        count = self.pool.num_workers
+        for worker_id, worker in enumerate(self.pool.workers):
+            if worker.setup_error is not None:  # it exited after its setup failed: nothing ran
+                continue
+            torchs = max(0, -(-(due - worker_id) // count))  # tickets torch sent it
+            first = worker_id + count * torchs  # its first task torch would not have sent
+            if self._sent[worker_id] > torchs:
+                self._send(worker, self._request(worker, Kind.ROLLBACK, -1, first), False)
+                continue
+            for seq in range(worker_id + count * self._sent[worker_id], first, count):
+                if seq not in self._drawn:  # past the sampler's end
+                    break
+                worker.outstanding += 1  # answered in a later epoch, or never
+                request = self._request(worker, Kind.TASK, next(self.pool.jobs),
+                                        self._drawn.pop(seq))
+                self._send(worker, request, False)
+        self._drawn.clear()
 
 
 class ReplicaPoolEpoch(PoolEpoch):

@@ -14,7 +14,10 @@ The protocol (every message a :class:`Request` or a :class:`Reply`):
 * Parent to worker: ``Request(kind, job, epoch, key, released, loader_epoch)``, where ``kind``
   is :attr:`Kind.TASK` (map-style: load and collate the index batch ``key``) or
   :attr:`Kind.NEXT` (iterable: the next batch of this worker's replica in epoch ``epoch``;
-  ``key`` is None); or EOF: exit. ``epoch`` tells the pool's epochs apart; ``loader_epoch`` is
+  ``key`` is None) or :attr:`Kind.ROLLBACK` (a persistent pool's map-style epoch ended in a
+  break: put back the global RNG states saved before task ``key``, answered with nothing; a
+  TASK's ``mark`` says whether to save them, see :class:`~aloader._pool.MapPoolEpoch`); or
+  EOF: exit. ``epoch`` tells the pool's epochs apart; ``loader_epoch`` is
   the loader's epoch number, which a stream iterated in the worker uses (see
   :attr:`WorkerInfo.epoch`). ``released`` names the worker's segments the loader no longer
   maps, for the worker to write its next batches into.
@@ -95,6 +98,8 @@ __all__ = (
     "WorkerSetup",
     "get_worker_info",
     "replica_copy",
+    "rng_state",
+    "set_rng_state",
     "worker_main",
 )
 
@@ -105,6 +110,7 @@ class Kind(IntEnum):
 
     TASK = 0  # map-style: load and collate an index batch
     NEXT = 1  # iterable: the next batch of this worker's replica
+    ROLLBACK = 2  # map-style, after a break: undo the global RNG draws of the tasks from ``key``
 
 
 class Status(IntEnum):
@@ -139,10 +145,14 @@ class Request(NamedTuple):
     key: Any  # TASK: the index batch; NEXT: None
     released: list[str]  # this worker's segments the loader no longer maps
     loader_epoch: int  # the loader's epoch number (WorkerInfo.epoch)
+    # TASK of a persistent pool: (the task's sequence number in the epoch, the first one
+    # torch would not have sent yet); a task at or past it runs after a snapshot of the RNGs.
+    mark: tuple[int, int] | None = None
 
     def wire(self) -> tuple[Any, ...]:
         """The message as it crosses the socket: a plain tuple, the kind as an int."""
-        return (int(self.kind), self.job, self.epoch, self.key, self.released, self.loader_epoch)
+        return (int(self.kind), self.job, self.epoch, self.key, self.released, self.loader_epoch,
+                self.mark)
 
     @classmethod
     def of(cls, wire: tuple[Any, ...]) -> Request:
@@ -314,6 +324,23 @@ def seed_worker(base_seed: int, worker_id: int) -> int:
     return seed
 
 
+def rng_state() -> tuple[Any, Any, Any]:
+    """This process's global RNG states: ``random``'s, numpy's, torch's (None unless the
+    worker has imported torch)."""
+    torch = sys.modules.get("torch")
+    return (random.getstate(), np.random.get_state(),
+            None if torch is None else torch.get_rng_state())
+
+
+def set_rng_state(state: tuple[Any, Any, Any]) -> None:
+    """Put back what :func:`rng_state` returned."""
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+    torch = sys.modules.get("torch")
+    if torch is not None and state[2] is not None:
+        torch.set_rng_state(state[2])
+
+
 def _watch_parent(owner: str) -> None:
     """Exit as soon as the loader's process dies, removing the segments left for it."""
     parent = multiprocessing.parent_process()
@@ -413,10 +440,30 @@ class _WorkerServer:
             await anyio.wait_readable(self.conn.fileno())
         return self.receive()
 
-    # Plain map-style datasets: one batch per task, no event loop.
+    # Plain map-style datasets: one batch per task, no event loop. A persistent pool's tasks
+    # come marked: one torch would not have sent yet runs after a snapshot of the global RNGs,
+    # so that after a break (ROLLBACK) the worker has drawn exactly what torch's has.
     def serve_tasks(self) -> None:
         plan = self.setup.plan
+        snapshots: deque[tuple[int, tuple[Any, Any, Any]]] = deque()
+        epoch = None
         while (request := self.receive()) is not None:
+            if request.epoch != epoch:  # an epoch that ended without a break left these
+                epoch = request.epoch
+                snapshots.clear()
+            if request.kind == Kind.ROLLBACK:
+                for seq, state in snapshots:
+                    if seq >= request.key:
+                        set_rng_state(state)
+                        break
+                snapshots.clear()
+                continue
+            if request.mark is not None:
+                seq, due = request.mark
+                while snapshots and snapshots[0][0] < due:  # torch has sent these since
+                    snapshots.popleft()
+                if seq >= due:
+                    snapshots.append((seq, rng_state()))
             try:
                 batch = plan.load_sync(request.key)
             except Exception as exc:

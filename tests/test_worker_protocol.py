@@ -38,6 +38,6 @@ def test_the_wire_carries_plain_ints_not_classes() -> None:
 
 
 def test_kinds_and_statuses_are_distinct_types() -> None:
-    assert set(Kind) == {Kind.TASK, Kind.NEXT}
+    assert set(Kind) == {Kind.TASK, Kind.NEXT, Kind.ROLLBACK}
     assert [s.name for s in Status] == ["READY", "FAILED", "OK", "ERROR", "END"]
     assert not isinstance(Kind.TASK, Status)
