@@ -46,8 +46,8 @@ All times come from the event loop's clock (:func:`anyio.current_time`), so trio
 
 Cost (the hot path, counted in tests/test_batcher_fast.py and tests/test_batcher_fast2.py): a
 request is one ``_Request`` and one waiter of the bound loop, with no anyio object: a plain
-future on asyncio (:func:`~aloader._backend.waiters`), trio's low-level park and reschedule on
-trio (:func:`_trio_waiter`, no ``trio.Event``). Its timeout is answered, never a cancellation
+future on asyncio, trio's low-level park and reschedule on trio (both
+:func:`~aloader._backend.waiters`, no ``trio.Event``). Its timeout is answered, never a cancellation
 of the caller: one loop timer on asyncio, one entry in a heap that the batcher's one alarm task
 serves on trio (:class:`_TrioTimeouts`: a cancel scope per request cost more there than the
 rest of the request). A lone request costs two scheduler steps (the caller wakes the
@@ -74,7 +74,7 @@ import math
 import sys
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from types import CoroutineType as _Coroutine
 from types import TracebackType
 from typing import Any, Generic, Protocol, TypedDict, TypeVar, cast, overload
@@ -190,52 +190,6 @@ class _Request:
             waiter.set_result(None)
 
 
-_DONE_ITER: Generator[Any, None, Any] = cast("Generator[Any, None, Any]", iter(()))
-
-
-@functools.cache
-def _trio_waiter() -> Callable[[], Waiter]:
-    """The :class:`Waiter` factory the batcher uses on trio: trio's own low-level pair (park
-    with ``wait_task_rescheduled``, wake with ``reschedule``), without ``trio.Event``'s set
-    of tasks, its abort closure and its checkpoint (measured: a request and the dispatcher's
-    wake-up cost 8 us less per request than with two Events).
-
-    Like the asyncio future it stands for, awaiting it once done returns at once, and a
-    cancelled wait leaves it not done, so a later ``set_result`` wakes nobody.
-    """
-    from trio.lowlevel import Abort, current_task, reschedule, wait_task_rescheduled
-
-    class _TrioWaiter:
-        __slots__ = ("_done", "_task")
-
-        def __init__(self) -> None:
-            self._done = False
-            self._task: Any = None
-
-        def done(self) -> bool:
-            return self._done
-
-        def set_result(self, result: None, /) -> None:
-            self._done = True
-            task = self._task
-            if task is not None:
-                self._task = None
-                reschedule(task)
-
-        def _abort(self, raise_cancel: object) -> Abort:
-            self._task = None  # cancelled: trio raises in the task, never reschedule it
-            return Abort.SUCCEEDED
-
-        def __await__(self) -> Generator[Any, None, Any]:
-            if self._done:
-                return _DONE_ITER
-            self._task = current_task()
-            # Trio's own awaitable, not a generator around it: one frame less per wake-up.
-            return wait_task_rescheduled(self._abort).__await__()
-
-    return _TrioWaiter
-
-
 class _TrioTimeouts:
     """The per-request timeouts of a batcher on trio: one alarm task and one cancel scope for
     all of its requests. A cancel scope per request cost ~15 us on trio (its deadline added to
@@ -338,7 +292,11 @@ def _clock_of(loop: object) -> Callable[[], float]:
         return time.monotonic if type(loop).time is asyncio.BaseEventLoop.time else loop.time
     import trio
 
-    return trio.current_time
+    # The run's own clock (trio's SystemClock, or a test's MockClock), which trio.current_time()
+    # reaches through two frames more; a lone request reads it three times (its admission, its
+    # batch's start and end). Called on the bound run's thread: that run's clock.
+    now: Callable[[], float] = trio.lowlevel.current_clock().current_time
+    return now
 
 
 def _loop_is_alive(loop: object) -> bool:
@@ -412,7 +370,7 @@ class _LoopBinding:
             the first start.
         now: that loop's clock (what :func:`anyio.current_time` returns there).
         new_waiter: that loop's :class:`Waiter` factory (:func:`waiters`: a plain future on
-            asyncio; on trio :func:`_trio_waiter`'s, trio's low-level park and reschedule).
+            asyncio, trio's low-level park and reschedule on trio).
         timers: the asyncio loop, whose timers time requests out there (None on trio, where
             the batcher's :class:`_TrioTimeouts` does).
         alive: a dispatcher is running, or about to.
@@ -458,12 +416,8 @@ class _LoopBinding:
         background of the loop (lazy)."""
         self.loop = loop
         self.now = _clock_of(loop)
-        if isinstance(loop, asyncio.AbstractEventLoop):
-            self.timers = loop
-            self.new_waiter = waiters()
-        else:
-            self.timers = None
-            self.new_waiter = _trio_waiter()
+        self.new_waiter = waiters()
+        self.timers = loop if isinstance(loop, asyncio.AbstractEventLoop) else None
         self.alive = True
         self.stopped = anyio.Event()
         if task_group is None:

@@ -610,6 +610,7 @@ class ParquetRows(ShardedSource[Any]):
             async with Closing(self._pass(ctx, True)) as blocks:
                 async for block in blocks:
                     yield block
+                    del block  # not kept while the next is made (see _items)
             return
         _, num_units = await self._planned(ctx)
         quota, where = self._quota_of(ctx, num_units)
@@ -620,6 +621,7 @@ class ParquetRows(ShardedSource[Any]):
                 first[0] = False
                 async for block in blocks:
                     yield block, None
+                    del block
 
         async with Closing(_up_to(quota, passes, self.stats, where)) as pairs:
             async for block, _ in pairs:
@@ -647,10 +649,12 @@ class ParquetRows(ShardedSource[Any]):
                                                                len(readers)))) as blocks:
                 async for block in blocks:
                     yield block
+                    del block  # not kept while the next is made (see _items)
             return
         async with Closing(self._read_local(plan, ctx.blocking)) as blocks:
             async for block in blocks:
                 yield block
+                del block
 
     def _leaves(self, name: str, schema: Any) -> list[int]:
         """Indices of the leaf columns read; an unknown column is an error (pyarrow would
@@ -685,7 +689,12 @@ class ParquetRows(ShardedSource[Any]):
         thread: the conversion holds the GIL either way (so a thread did not free the loop,
         only cut its work into switch intervals, 5 ms), a piece blocks the loop for about as
         long (4096 rows of five columns: ~1.5 ms), and made in the thread that consumes them,
-        the rows are still in its caches."""
+        the rows are still in its caches.
+
+        No stage of the chain keeps a block it handed on once the next is asked for (``del
+        block`` after each yield; the consumer keeps only its length: see the resume notes
+        of :mod:`aloader._streams`), so a block's ~2 MB of dicts are freed before the next
+        block is made, which reuses that memory while it is in the caches."""
         if self.as_batches:
             yield got
             return
@@ -713,6 +722,7 @@ class ParquetRows(ShardedSource[Any]):
                 if items is not None:
                     for block in self._items(items):
                         yield block
+                        del block  # not kept while the next is made (see _items)
                 if items is None or reader.rows >= reader.total:
                     break
             if unit.owns_last:
@@ -765,6 +775,7 @@ class ParquetRows(ShardedSource[Any]):
                 if items is not None:
                     for block in self._items(items):
                         yield block
+                        del block  # not kept while the next is made (see _items)
                 if done and plan[index].owns_last:
                     stats.shards += 1
         finally:

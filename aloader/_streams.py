@@ -84,6 +84,12 @@ _BLOCK = 256
 # costs a reference and a counter per batch. The invariant each stage keeps: resuming its
 # output from ``_state(token, skip)`` yields exactly what the uninterrupted epoch yields after
 # that position (the epoch, worker and seeds being the same).
+#
+# No stage (nor the consumer) keeps a block it handed on once it asks for the next: a stage
+# that forwards blocks drops its reference after the yield (``del block``), and the consumer
+# keeps the block's length, not the block. So a consumed block is freed before the next one
+# is made, into the memory it held, still in the CPU's caches: kept, each block of Parquet
+# rows (~2 MB of dicts) was made while the last one was alive (see ParquetRows._items).
 
 STATE_FORMAT = "aloader.Stream"
 STATE_VERSION = 1
@@ -152,6 +158,7 @@ async def _discarding(
                 block, token = block[count:], _Skip(token, count)
                 count = 0
             yield block, token
+            del block  # not kept while the next is made (see the resume notes above)
 
 
 def _check_upstream(upstream: Stream[Any], at: dict[str, Any], slot: tuple[int, int, int],
@@ -335,8 +342,8 @@ class _Driver:
     Holds no reference to the iterator, so dropping the iterator lets ``__del__`` stop it.
     ``error`` is what ended the chain (the channel's reader gets this very object, and drops
     it here once it has it), ``last``
-    the last pair the channel took: after an interrupt of the chain, the epoch goes on from
-    its end (:meth:`after`).
+    the size and token of the last block the channel took: after an interrupt of the chain,
+    the epoch goes on from its end (:meth:`after`).
     """
 
     def __init__(self, stream: Stream[Any], epoch: int, capacity: int, at: Any,
@@ -351,7 +358,7 @@ class _Driver:
         self.channel: _Channel[tuple[list[Any], Any]] = _Channel(capacity)
         self.done = anyio.Event()
         self.error: BaseException | None = None
-        self.last: tuple[list[Any], Any] | None = None
+        self.last: tuple[int, Any] | None = None
         self._task = Detached()
 
     def start(self) -> None:
@@ -386,7 +393,7 @@ class _Driver:
     def after(self) -> Any:
         """The position after the last block the channel took (``at`` before any)."""
         last = self.last
-        return self.at if last is None else _state_of(self.stream, last[1], len(last[0]))
+        return self.at if last is None else _state_of(self.stream, last[1], last[0])
 
     async def _pump(self, ctx: _Context) -> BaseException | None:
         channel = self.channel
@@ -395,7 +402,8 @@ class _Driver:
                 async for pair in blocks:
                     if pair[0]:
                         await channel.put(pair)
-                        self.last = pair
+                        self.last = len(pair[0]), pair[1]
+                    del pair  # not kept while the next is made (see the resume notes)
         except _Abandoned:
             return None
         except Exception as exc:
@@ -406,9 +414,11 @@ class _Driver:
 class _StreamIterator(AsyncIterator[T]):
     """One epoch of a stream: the consumer's position, and the blocks the driver prefetches.
 
-    Invariant: the consumer is at item ``len(_block) - _cursor.__length_hint__()`` of the
-    block whose token is ``_token`` (before the first block, at ``_at``). ``_cursor`` is the
-    list iterator over ``_block`` that every way of consuming takes its items from, so no
+    Invariant: the consumer is at item ``_size - _cursor.__length_hint__()`` of the block
+    whose token is ``_token`` (before the first block, at ``_at``), a block of ``_size``
+    items. ``_cursor`` is the list iterator over it that every way of consuming takes its
+    items from (the iterator lets go of the block once spent, and nothing else here holds it:
+    see the resume notes at the top of the module), so no
     path counts items one by one: :meth:`__anext__` and :meth:`_take` (the loader's, which
     slices whole batches off it), :meth:`items` (the async generator ``async for`` gets,
     whose items cost no Python frame each), and :class:`_SyncItems` (a plain ``for``, fed
@@ -417,8 +427,9 @@ class _StreamIterator(AsyncIterator[T]):
     delivered.
     """
 
-    __slots__ = ("__weakref__", "_at", "_block", "_capacity", "_cursor", "_driver", "_epoch",
-                 "_finished", "_inline", "_reading", "_restart", "_slot", "_stream", "_token")
+    __slots__ = ("__weakref__", "_at", "_capacity", "_cursor", "_driver", "_epoch",
+                 "_finished", "_inline", "_reading", "_restart", "_size", "_slot", "_stream",
+                 "_token")
 
     def __init__(self, stream: Stream[T], epoch: int, capacity: int, at: Any = None,
                  reading: dict[Any, Any] | None = None) -> None:
@@ -429,8 +440,8 @@ class _StreamIterator(AsyncIterator[T]):
         self._reading: dict[Any, Any] = {} if reading is None else reading
         self._driver: _Driver | None = None
         self._inline: AsyncGenerator[tuple[list[T], Any], None] | None = None
-        self._block: list[T] = []
-        self._cursor: Iterator[T] = iter(self._block)
+        self._size = 0
+        self._cursor: Iterator[T] = iter([])
         self._finished = False
         self._at = at
         # Where the chain opens next (``_at`` until an interrupt of the chain, see _receive).
@@ -441,7 +452,7 @@ class _StreamIterator(AsyncIterator[T]):
     def _snapshot(self) -> tuple[Any, ...]:
         """The consumer's position now, cheaply (encoded only when a state is asked for)."""
         # A list iterator's length hint is the number of items it has left (0 once spent).
-        pos = len(self._block) - self._cursor.__length_hint__()  # type: ignore[attr-defined]
+        pos = self._size - self._cursor.__length_hint__()  # type: ignore[attr-defined]
         return (self._epoch, self._token, pos, self._finished, self._at, self._slot)
 
     def __aiter__(self) -> _StreamIterator[T]:
@@ -465,7 +476,7 @@ class _StreamIterator(AsyncIterator[T]):
 
     def _enter(self, block: list[T], token: Any) -> Iterator[T]:
         """Start the consumer on ``block`` (the channel hands on no empty block)."""
-        self._block = block
+        self._size = len(block)
         self._token = token
         cursor = self._cursor = iter(block)
         return cursor
@@ -475,9 +486,9 @@ class _StreamIterator(AsyncIterator[T]):
         self._finished = True
         # Spent, the cursor gives nothing more to a consumer still holding it (the chain of
         # a sync for that was closed).
-        cast(Any, self._cursor).__setstate__(len(self._block))
-        self._block = []
-        self._cursor = iter(self._block)
+        cast(Any, self._cursor).__setstate__(self._size)
+        self._size = 0
+        self._cursor = iter([])
 
     async def _receive(self) -> tuple[list[T], Any]:
         """The next (block, token) of the epoch; StopAsyncIteration at the end, or the
@@ -648,7 +659,7 @@ class _LocalPairs(Iterator[tuple[list[T], Any]]):
         if iterator._token is _START:
             at = iterator._at
         else:  # after an interrupt: from the end of the block the consumer is on
-            at = _state_of(iterator._stream, iterator._token, len(iterator._block))
+            at = _state_of(iterator._stream, iterator._token, iterator._size)
         blocks = self._blocks = iterator._stream._blocks_at(
             iterator._context(blocking=True), at)
         return blocks
@@ -898,8 +909,10 @@ class Stream(IterableDataset[T_co]):
         count = 0
         async with Closing(self._blocks(ctx)) as blocks:
             async for block in blocks:
+                size = len(block)
                 yield block, count
-                count += len(block)
+                del block  # not kept while the next is made (see the resume notes above)
+                count += size
 
     def _state(self, token: Any, skip: int) -> dict[str, Any]:
         """The position at item ``skip`` of the block ``token`` names, as JSON builtins."""

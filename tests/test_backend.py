@@ -18,6 +18,7 @@ from aloader._backend import (
     spawn_background,
     task_group,
     threadsafe_caller,
+    waiters,
 )
 
 pytestmark = pytest.mark.anyio
@@ -200,3 +201,65 @@ async def test_task_group_cancelled_from_outside_cancels_children(anyio_backend:
             await anyio.sleep(60)
     assert scope.cancelled_caught
     assert sorted(cancelled) == list(range(5))
+
+
+# waiters: one-shot wake-ups shaped like asyncio's plain future, on both backends --------------
+async def test_waiter_wakes_the_task_that_awaits_it(anyio_backend: str) -> None:
+    new = waiters()
+    waiter = new()
+    woken: list[str] = []
+
+    async def wait() -> None:
+        await waiter
+        woken.append("woken")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait)
+        await anyio.sleep(0.01)
+        assert not waiter.done() and woken == []
+        waiter.set_result(None)
+        assert waiter.done()
+    assert woken == ["woken"]
+
+
+async def test_a_done_waiter_returns_at_once_without_a_checkpoint(anyio_backend: str) -> None:
+    # As an asyncio future does: awaiting one that is done neither yields nor takes a pending
+    # cancellation (trio.Event.wait checkpoints there, and raised Cancelled).
+    waiter = waiters()()
+    waiter.set_result(None)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await waiter
+        await waiter
+        reached = True
+    assert reached and not scope.cancelled_caught
+
+
+async def test_a_cancelled_wait_leaves_the_waiter_waking_nobody(anyio_backend: str) -> None:
+    waiter = waiters()()
+    with anyio.move_on_after(0.01) as scope:
+        await waiter
+    assert scope.cancelled_caught
+    if not waiter.done():  # asyncio: the cancelled future is done; trio: nobody to wake
+        waiter.set_result(None)
+    await anyio.sleep(0)  # a stray reschedule of this task would break trio's run here
+
+
+def test_a_trio_waiter_refuses_a_second_task() -> None:
+    # A second task would take the first one's wake-up and leave it parked forever: an error.
+    trio = pytest.importorskip("trio")
+
+    async def main() -> None:
+        waiter = waiters()()
+
+        async def first() -> None:
+            await waiter
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(first)
+            await trio.sleep(0.01)
+            with pytest.raises(RuntimeError, match="one task at a time"):
+                await waiter
+            waiter.set_result(None)  # the first task wakes, and the nursery ends
+
+    trio.run(main)

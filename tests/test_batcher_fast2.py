@@ -16,6 +16,7 @@ import contextlib
 import functools
 import gc
 import math
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,7 +25,7 @@ import pytest
 import trio
 import trio.testing
 
-from aloader import Batcher, BatcherTimeoutError
+from aloader import Batcher, BatcherTimeoutError, _batcher
 from aloader._batcher import _Request
 
 
@@ -119,6 +120,37 @@ def test_a_lone_trio_request_costs_two_scheduler_steps() -> None:
                 assert steps.steps == 200
 
     trio.run(main)
+
+
+def test_a_trio_request_reads_the_runs_clock_directly() -> None:
+    """The batcher reads the run's own clock (its MockClock here) three times a request,
+    without trio.current_time()'s two frames around it each time."""
+    clock = trio.testing.MockClock()
+
+    async def main() -> None:
+        async with Batcher(instant) as b:
+            assert await b(0) == 0
+            reads: list[str] = []
+
+            def profile(frame: Any, event: str, arg: Any) -> None:
+                # The batcher's reads of a clock: the functions it calls named current_time.
+                if (
+                    event == "call"
+                    and frame.f_code.co_name == "current_time"
+                    and frame.f_back.f_code.co_filename == _batcher.__file__
+                ):
+                    reads.append(frame.f_code.co_qualname)
+
+            sys.setprofile(profile)
+            try:
+                for i in range(10):
+                    assert await b(i) == i * 10
+            finally:
+                sys.setprofile(None)
+        assert reads == ["MockClock.current_time"] * 30
+        assert b.metrics()["queue_wait"]["max"] == 0.0  # the MockClock stood still
+
+    trio.run(main, clock=clock)
 
 
 # -- the alarm's contract (MockClock) --------------------------------------------------------
