@@ -57,20 +57,23 @@ _TEMPLATES = sys.platform.startswith("linux")
 
 def may_fork(quiet: frozenset[threading.Thread] = frozenset()) -> bool:
     """Whether this process may fork its template now: only its main thread runs Python,
-    apart from ``quiet`` threads, which hold no lock (:func:`aloader._facade.parked`)."""
+    apart from ``quiet`` threads, which hold no lock (:func:`aloader._facade.parked`), and
+    obstore's runtime has not started: its threads are not Python's and do not survive a fork
+    (:mod:`aloader._objstore`), and every later worker would come from that template."""
     main = threading.main_thread()
+    objstore: Any = sys.modules.get("aloader._objstore")
     return (threading.current_thread() is main
             and all(thread is main or thread in quiet for thread in threading.enumerate())
-            and may_fork_workers())
+            and _TEMPLATES and not (objstore is not None and objstore.runtime_started()))
 
 
 def may_fork_workers() -> bool:
     """Whether a pool whose setup cannot be pickled may fork its workers from this process
     instead, as torch's default start method does whatever threads run (Linux only, as the
-    template): not once obstore's runtime has started, whose threads are not Python's and do
-    not survive a fork (:mod:`aloader._objstore`)."""
-    objstore: Any = sys.modules.get("aloader._objstore")
-    return _TEMPLATES and not (objstore is not None and objstore.runtime_started())
+    template). Also once obstore's runtime has started: a forked worker that then reads an
+    object store gets a :class:`~aloader.FetchError` saying why, never a hang, and one that
+    does not (most such datasets) runs as under torch."""
+    return _TEMPLATES
 
 
 @contextlib.contextmanager

@@ -77,6 +77,19 @@ def test_a_dataset_holding_a_lock_loads_each_sample_once_like_torch(workers: int
     assert ours == run(tud.DataLoader) == list(range(23))
 
 
+def test_the_fallback_forks_after_obstore_has_run_in_this_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A process that read an object store earlier (its tokio runtime started) still forks an
+    # unpicklable dataset's workers: they only fail, with a FetchError, if they read a store.
+    from aloader import _objstore
+
+    monkeypatch.setattr(_objstore, "_RUNTIME_PID", os.getpid())
+    assert _objstore.runtime_started()
+    got = sorted(int(s[0]) for b in aloader.DataLoader(Locked(9), batch_size=2, num_workers=2)
+                 for s in zip(*b, strict=True))
+    assert got == list(range(9))
+
+
 def test_the_workers_are_other_processes() -> None:
     pids = {int(s[1]) for b in aloader.DataLoader(Locked(8), batch_size=2, num_workers=2)
             for s in zip(*b, strict=True)}
