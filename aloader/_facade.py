@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import importlib
 import os
 import queue
@@ -48,6 +49,13 @@ from typing import Any, Generic, Protocol, TypeVar, cast
 import anyio
 
 from ._backend import current_backend, threadsafe_caller
+
+# sniffio's context variable (anyio sets it in anyio.run()); anyio may run without sniffio.
+_LIBRARY_VAR: contextvars.ContextVar[str | None] | None
+try:
+    from sniffio import current_async_library_cvar as _LIBRARY_VAR
+except ImportError:  # pragma: no cover - anyio without sniffio
+    _LIBRARY_VAR = None
 
 __all__ = (
     "LocalIterator",
@@ -154,7 +162,13 @@ class PrivateLoop:
             if self.closed:
                 future.cancel()
                 return future
-            self._loop.call_soon_threadsafe(start)
+            # The caller's context goes with the task (its context variables are the
+            # dataset's too), less the async library it names: code run under anyio.run()
+            # with trio (or any sniffio user) would make anyio read this asyncio loop as trio.
+            context = contextvars.copy_context()
+            if _LIBRARY_VAR is not None:
+                context.run(_LIBRARY_VAR.set, None)
+            self._loop.call_soon_threadsafe(start, context=context)
         return future
 
     def _cancel_soon(self, task: asyncio.Task[None]) -> None:

@@ -9,9 +9,11 @@ import asyncio
 import threading
 from typing import Any
 
+import anyio
 import pytest
 from loopthreads import ignore_earlier_loops, loop_threads  # noqa: F401
 
+import aloader
 from aloader._facade import PrivateLoop, SyncIterator, _Pump
 
 
@@ -129,3 +131,25 @@ def test_a_step_that_makes_more_than_ahead_batches_crosses_as_one_block() -> Non
     assert blocks == [size] * groups + [1]  # and the end, on its own
     assert len(loop_threads()) == 0
 
+
+
+def test_a_sync_for_under_a_trio_library_context_runs_on_its_asyncio_loop() -> None:
+    # anyio.run(..., backend="trio") sets sniffio's context variable; a sync `for` started in
+    # that context (a finalizer, or code between runs) carried it to its private asyncio loop,
+    # where anyio then took the loop for trio ("must be called from async context").
+    sniffio = pytest.importorskip("sniffio")
+    import contextvars
+
+    class Slow(aloader.Dataset[int]):
+        def __len__(self) -> int:
+            return 12
+
+        async def __getitem__(self, i: int) -> int:
+            await anyio.sleep(0)
+            return i
+
+    def run() -> list[list[int]]:
+        sniffio.current_async_library_cvar.set("trio")
+        return [b.tolist() for b in aloader.DataLoader(Slow(), batch_size=4)]
+
+    assert contextvars.copy_context().run(run) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
