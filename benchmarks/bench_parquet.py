@@ -39,6 +39,7 @@ float64, ``label`` int32 with some nulls, ``text`` a short string, ``blob`` 64 r
 
 from __future__ import annotations
 
+import gc
 import statistics
 import sys
 import tempfile
@@ -88,23 +89,54 @@ def to_arrays(batch: Any) -> dict[str, Any]:
             for name, column in zip(batch.schema.names, batch.columns, strict=True)}
 
 
-def pyarrow_loop(paths: list[str], columns: list[str] | None, convert: str) -> int:
+def known_rows(piece: Any) -> list[dict[str, Any]]:
+    """A piece's rows as a program that knows its five columns writes them: each column's
+    ``to_pylist`` zipped into dict displays, the cyclic collector paused meanwhile (a piece's
+    dicts hold no cycles: see the module's description). The same dicts as ``to_pylist``."""
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        return [{"id": a, "x": b, "label": c, "text": d, "blob": e}
+                for a, b, c, d, e in zip(*[column.to_pylist() for column in piece.columns])]
+    finally:
+        if paused:
+            gc.enable()
+
+
+def pyarrow_loop(paths: list[str], columns: list[str] | None, convert: str,
+                 seen: list[tuple[int, int, int]] | None = None) -> int:
+    """One epoch of the no-loader programs; ``convert`` says what each makes of the batches
+    (see the module's description). ``seen``, where given, gets (length, first id, last id) of
+    each list of ``LOADER_BATCH`` rows a "lists" program hands on."""
     rows = 0
+    pylist = convert.endswith("-pylist")
+    make: Callable[[Any], list[Any]] = (lambda piece: piece.to_pylist()) if pylist \
+        else known_rows
+    carried: list[Any] = []  # rows of the last piece not yet in a full list (the lists program)
     for path in paths:
         for batch in pq.ParquetFile(path).iter_batches(batch_size=BATCH, columns=columns):
             if convert == "arrays":
                 to_arrays(batch)
-            elif convert == "lists":
+            elif convert.startswith("lists"):
                 for piece in range(0, batch.num_rows, PIECE):
-                    listed = batch.slice(piece, PIECE).to_pylist()
-                    for start in range(0, len(listed), LOADER_BATCH):
-                        listed[start : start + LOADER_BATCH]
-            elif convert == "rows":
+                    listed = make(batch.slice(piece, PIECE))
+                    if carried:
+                        listed = carried + listed
+                    full = len(listed) - len(listed) % LOADER_BATCH
+                    for start in range(0, full, LOADER_BATCH):
+                        out = listed[start : start + LOADER_BATCH]
+                        if seen is not None:
+                            seen.append((len(out), out[0]["id"], out[-1]["id"]))
+                    carried = listed[full:]
+            elif convert.startswith("rows"):
                 for piece in range(0, batch.num_rows, PIECE):
-                    for _ in batch.slice(piece, PIECE).to_pylist():  # one by one, as aloader's
+                    for _ in make(batch.slice(piece, PIECE)):  # one by one, as aloader's
                         rows += 1
                 continue
             rows += batch.num_rows
+    if carried and seen is not None:  # the last, short list, as aloader's last batch
+        seen.append((len(carried), carried[0]["id"], carried[-1]["id"]))
     return rows
 
 
@@ -120,13 +152,29 @@ async def aloader_epoch(paths: list[str], columns: list[str] | None, as_batches:
     return rows
 
 
-async def aloader_loader(paths: list[str]) -> int:
+async def aloader_loader(paths: list[str], seen: list[tuple[int, int, int]] | None = None
+                         ) -> int:
     rows = 0
     loader = DataLoader(ParquetRows(paths, batch_rows=BATCH), batch_size=LOADER_BATCH,
                         collate_fn=list)
     async for batch in loader:
         rows += len(batch)
+        if seen is not None:
+            seen.append((len(batch), batch[0]["id"], batch[-1]["id"]))
     return rows
+
+
+async def same_lists(paths: list[str]) -> None:
+    """The lists programs hand on the batches aloader's DataLoader does: same lengths, same
+    rows (by id) at both ends of each, across pieces and files."""
+    ours: list[tuple[int, int, int]] = []
+    await aloader_loader(paths, ours)
+    for convert in ("lists", "lists-pylist"):
+        theirs: list[tuple[int, int, int]] = []
+        pyarrow_loop(paths, None, convert, theirs)
+        assert theirs == ours, (convert, len(theirs), len(ours))
+    first = next(pq.ParquetFile(paths[0]).iter_batches(batch_size=PIECE)).slice(0, PIECE)
+    assert known_rows(first) == first.to_pylist()
 
 
 async def race(contestants: dict[str, Callable[[], Any]], expected: int
@@ -161,6 +209,11 @@ def report(label: str, rows: int, best: dict[str, float], cpu: dict[str, float],
     print(f"| | iter_batches + the same output (target) | {same:,.0f} | "
           f"{cpu['same'] * 1e3:,.0f} | **{ratio:.2f}x** ({'met' if ratio >= 0.8 else 'not met'})"
           f" | {cpu['same'] / cpu['aloader']:.2f}x (paired median {paired:.2f}x) |")
+    if "pylist" in best:
+        pylist = rows / best["pylist"]
+        print(f"| | iter_batches + ``to_pylist`` of the pieces (info: the target of earlier "
+              f"runs) | {pylist:,.0f} | {cpu['pylist'] * 1e3:,.0f} | {ours / pylist:.2f}x | "
+              f"{cpu['pylist'] / cpu['aloader']:.2f}x |")
     print(f"| | bare iter_batches, Arrow batches (info) | {alone:,.0f} | "
           f"{cpu['alone'] * 1e3:,.0f} | {ours / alone:.2f}x | "
           f"{cpu['alone'] / cpu['aloader']:.2f}x |")
@@ -184,15 +237,20 @@ async def main() -> None:
         ]
         for label, columns, as_batches in cases:
             convert = "arrays" if as_batches else "rows"
-            best, cpu, paired = await race({
+            contestants: dict[str, Callable[[], Any]] = {
                 "aloader": lambda c=columns, b=as_batches: aloader_epoch(paths, c, b),
                 "same": lambda c=columns, v=convert: pyarrow_loop(paths, c, v),
                 "alone": lambda c=columns: pyarrow_loop(paths, c, "none"),
-            }, rows)
+            }
+            if not as_batches:
+                contestants["pylist"] = lambda: pyarrow_loop(paths, None, "rows-pylist")
+            best, cpu, paired = await race(contestants, rows)
             report(label, rows, best, cpu, paired)
+        await same_lists(paths)
         best, cpu, paired = await race({
             "aloader": lambda: aloader_loader(paths),
             "same": lambda: pyarrow_loop(paths, None, "lists"),
+            "pylist": lambda: pyarrow_loop(paths, None, "lists-pylist"),
             "alone": lambda: pyarrow_loop(paths, None, "none"),
         }, rows)
         report(f"rows in DataLoader batches of {LOADER_BATCH} (collate_fn=list)", rows, best,
