@@ -97,8 +97,9 @@ def known_rows(piece: Any) -> list[dict[str, Any]]:
     if paused:
         gc.disable()
     try:
+        columns = [column.to_pylist() for column in piece.columns]  # a batch's: equal lengths
         return [{"id": a, "x": b, "label": c, "text": d, "blob": e}
-                for a, b, c, d, e in zip(*[column.to_pylist() for column in piece.columns])]
+                for a, b, c, d, e in zip(*columns, strict=False)]
     finally:
         if paused:
             gc.enable()
