@@ -568,16 +568,33 @@ class _StreamIterator(AsyncIterator[T]):
     async def _take(self, n: int) -> list[T]:
         """Up to ``n`` items (fewer only at the end), sliced from the prefetched blocks.
 
-        The DataLoader cuts batches with this rather than ``n`` calls of ``__anext__``.
+        The DataLoader cuts batches with this rather than ``n`` calls of ``__anext__``: a
+        slice of the block the cursor is over (its list and position read off the cursor's
+        pickle form, so nothing else holds the block), the cursor moved past it. A slice
+        copies the items' pointers at once, where ``islice`` stepped the cursor item by item
+        (~80 instructions a row, counted on ``DataLoader(ParquetRows)``).
         """
-        out = list(itertools.islice(self._cursor, n))
-        while len(out) < n:
+        out: list[T] = []
+        cursor: Any = self._cursor
+        while True:
+            if cursor.__length_hint__():  # a list iterator not spent: (iter, (list,), index)
+                _, (block,), pos = cursor.__reduce__()
+                got = block[pos : pos + n - len(out)]
+                del block  # not kept while the next is made (see the resume notes)
+                cursor.__setstate__(pos + len(got))
+                if out:
+                    out.extend(got)
+                else:
+                    out = got
+            if len(out) >= n:
+                return out
+            # The cursor is at its block's end: a step past it lets go of the block (a list
+            # iterator holds its list until then), so it is freed before the next is made.
+            next(cursor, None)
             try:
                 cursor = await self._next_block()
             except StopAsyncIteration:
-                break
-            out.extend(itertools.islice(cursor, n - len(out)))
-        return out
+                return out
 
     async def items(self) -> AsyncGenerator[T, None]:
         """The epoch's items, for ``async for``: a plain ``for`` over each block's cursor, so

@@ -39,12 +39,13 @@ float64, ``label`` int32 with some nulls, ``text`` a short string, ``blob`` 64 r
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,31 +90,43 @@ def to_arrays(batch: Any) -> dict[str, Any]:
             for name, column in zip(batch.schema.names, batch.columns, strict=True)}
 
 
-def known_rows(piece: Any) -> list[dict[str, Any]]:
-    """A piece's rows as a program that knows its five columns writes them: each column's
-    ``to_pylist`` zipped into dict displays, the cyclic collector paused meanwhile (a piece's
-    dicts hold no cycles: see the module's description). The same dicts as ``to_pylist``."""
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic collector paused meanwhile, as ``aloader._parquet._rows_of`` pauses it
+    (rows of Arrow values hold no cycles: see the module's description)."""
     paused = gc.isenabled()
     if paused:
         gc.disable()
     try:
-        columns = [column.to_pylist() for column in piece.columns]  # a batch's: equal lengths
-        return [{"id": a, "x": b, "label": c, "text": d, "blob": e}
-                for a, b, c, d, e in zip(*columns, strict=False)]
+        yield
     finally:
         if paused:
             gc.enable()
+
+
+def known_rows(piece: Any) -> list[dict[str, Any]]:
+    """A piece's rows as a program that knows its five columns writes them: each column's
+    ``to_pylist`` zipped into dict displays. The same dicts as ``to_pylist`` (checked)."""
+    columns = [column.to_pylist() for column in piece.columns]  # a batch's: equal lengths
+    return [{"id": a, "x": b, "label": c, "text": d, "blob": e}
+            for a, b, c, d, e in zip(*columns, strict=False)]
 
 
 def pyarrow_loop(paths: list[str], columns: list[str] | None, convert: str,
                  seen: list[tuple[int, int, int]] | None = None) -> int:
     """One epoch of the no-loader programs; ``convert`` says what each makes of the batches
     (see the module's description). ``seen``, where given, gets (length, first id, last id) of
-    each list of ``LOADER_BATCH`` rows a "lists" program hands on."""
+    each list of ``LOADER_BATCH`` rows a "lists" program hands on.
+
+    The target programs (no ``-pylist``) make their rows with :func:`known_rows`, the collector
+    paused while they make them and, in the lists program, while they cut them into lists
+    (the consumer, here doing nothing, runs with it on); the ``-pylist`` ones are those of
+    earlier runs (``to_pylist``, collector on)."""
     rows = 0
     pylist = convert.endswith("-pylist")
     make: Callable[[Any], list[Any]] = (lambda piece: piece.to_pylist()) if pylist \
         else known_rows
+    pause = contextlib.nullcontext if pylist else collector_paused
     carried: list[Any] = []  # rows of the last piece not yet in a full list (the lists program)
     for path in paths:
         for batch in pq.ParquetFile(path).iter_batches(batch_size=BATCH, columns=columns):
@@ -121,19 +134,26 @@ def pyarrow_loop(paths: list[str], columns: list[str] | None, convert: str,
                 to_arrays(batch)
             elif convert.startswith("lists"):
                 for piece in range(0, batch.num_rows, PIECE):
-                    listed = make(batch.slice(piece, PIECE))
-                    if carried:
-                        listed = carried + listed
-                    full = len(listed) - len(listed) % LOADER_BATCH
-                    for start in range(0, full, LOADER_BATCH):
-                        out = listed[start : start + LOADER_BATCH]
+                    with pause():
+                        listed = make(batch.slice(piece, PIECE))
+                        if carried:
+                            listed = carried + listed
+                        full = len(listed) - len(listed) % LOADER_BATCH
+                        lists = [listed[start : start + LOADER_BATCH]
+                                 for start in range(0, full, LOADER_BATCH)]
+                        carried = listed[full:]
+                        del listed
+                    for out in lists:  # the consumer
                         if seen is not None:
                             seen.append((len(out), out[0]["id"], out[-1]["id"]))
-                    carried = listed[full:]
+                    del lists
             elif convert.startswith("rows"):
                 for piece in range(0, batch.num_rows, PIECE):
-                    for _ in make(batch.slice(piece, PIECE)):  # one by one, as aloader's
+                    with pause():
+                        made = make(batch.slice(piece, PIECE))
+                    for _ in made:  # one by one, as aloader's
                         rows += 1
+                    del made
                 continue
             rows += batch.num_rows
     if carried and seen is not None:  # the last, short list, as aloader's last batch
