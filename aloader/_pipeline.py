@@ -1505,9 +1505,13 @@ class IterableEpoch(Epoch):
         batch_size: int | None,
         drop_last: bool,
         snapshot: Callable[[int, bool], Any] | None = None,
+        before_draw: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__(plan, results)
         self._source = source
+        # Called with a batch's number just before its samples are drawn (a persistent
+        # worker saves its global RNGs there, see aloader._worker).
+        self._before_draw = before_draw
         self._batch_size = batch_size
         self._drop_last = drop_last
         # Called once a batch's samples are drawn, with the samples drawn so far and whether
@@ -1567,6 +1571,8 @@ class IterableEpoch(Epoch):
         ended = False
         while not ended:
             await self.results.reserve(seq)
+            if self._before_draw is not None:
+                self._before_draw(seq)
             try:
                 if isinstance(source, AsyncIterator):
                     batch, ended = await self._draw(source, limiter)
