@@ -44,9 +44,10 @@ __all__ = (
 class ColumnBatch(Sequence[tuple[Any, ...]]):
     """A batch of samples stored column-wise, as vectorised ``__getitems__`` produce it.
 
-    Sample ``i`` is ``tuple(column[i] for column in columns)``, so user code that treats the batch
-    as a list of samples works unchanged, while :func:`default_collate` returns the columns
-    without unstacking and restacking them.
+    Sample ``i`` is ``tuple(column[i] for column in columns)``, so code that reads the batch as
+    a sequence of samples works unchanged, while :func:`default_collate` returns the columns
+    without unstacking and restacking them. It is no ``list``: a loader's ``collate_fn`` other
+    than ``default_collate`` is given ``list(batch)``, as torch's loader gives it a list.
     """
 
     __slots__ = ("columns",)

@@ -487,8 +487,13 @@ class ConcatDataset(Dataset[T_co]):
     """Dataset as a concatenation of datasets.
 
     Supports negative indices; ``cumulative_sizes[k]`` is the total length of the first ``k + 1``
-    datasets. ``__getitems__`` groups a batch's indices per child, forwards each group to the
-    child's ``__getitems__`` when it has one, and returns the samples in the requested order
+    datasets. torch's has no ``__getitems__``: its loader fetches a batch index by index, in
+    order, through ``__getitem__``; so does this one's ``__getitems__`` over children that run
+    the user's code (a child's own ``__getitems__`` is not called, and what its
+    ``__getitem__`` draws from the global RNGs is drawn in torch's order). Over children that
+    run none (arrays, lists, :class:`ArrayDataset` and aloader's wrappers of such) or async
+    ones, it groups a batch's indices per child, forwards each group to the child's
+    ``__getitems__`` when it has one, and returns the samples in the requested order
     (still column-wise when every child answers with a
     :class:`~aloader._collate.ColumnBatch` of matching columns). When a child is async, so is
     the concatenation: its methods return awaitables.
@@ -522,6 +527,11 @@ class ConcatDataset(Dataset[T_co]):
         self.cumulative_sizes = self.cumsum(self.datasets)
         # Computed once, like cumulative_sizes: per-item fetches must not scan every child.
         self._child_modes: list[FetchMode] = [fetch_mode(d) for d in self.datasets]
+        # torch's ConcatDataset has no __getitems__: its loader fetches a batch index by index,
+        # in the batch's order, through __getitem__, never a child's __getitems__. A batch is
+        # fetched per child at once only where that cannot tell: children that run no code of
+        # the user's (see _runs_no_user_code), or async ones (torch has none).
+        self._grouped = all(map(_runs_no_user_code, self.datasets))
         self._any_async = "async" in self._child_modes
         self._starts = np.asarray([0, *self.cumulative_sizes[:-1]], dtype=np.int64)
         self._ends = np.asarray(self.cumulative_sizes, dtype=np.int64)
@@ -630,6 +640,8 @@ class ConcatDataset(Dataset[T_co]):
                 calls = [functools.partial(self.__getitem__, i) for i in indices]
                 return cast(Sequence[T_co], gather(calls))
             return [self[i] for i in indices]
+        if not (self._grouped or self._any_async):  # torch's order, through __getitem__
+            return [self[i] for i in indices]
         size, plan = self._plan(indices)
         if size == 0:
             return cast(Sequence[T_co], _resolved([])) if self._any_async else []
@@ -648,6 +660,28 @@ class ConcatDataset(Dataset[T_co]):
             mode = self._child_modes[child]
             calls.append(functools.partial(fetch_many, dataset, getitems_of(dataset), local, mode))
         return cast(Sequence[T_co], _merge(size, plan, await gather(calls)))
+
+
+def _runs_no_user_code(dataset: object) -> bool:
+    """Whether fetching from ``dataset`` runs none of the user's code: a list, tuple, range or
+    numpy array, or aloader's own datasets (not redefining ``__getitem__``/``__getitems__``)
+    over such children. How a batch of those is fetched (per child, vectorised) changes
+    nothing; a user's ``__getitem__`` may draw from the global RNGs, in the order it is
+    called, and a user's ``__getitems__`` may do what ``__getitem__`` does not.
+    """
+    if type(dataset) in (list, tuple, range, np.ndarray):
+        return True
+    methods = ("__getitem__", "__getitems__")
+    if isinstance(dataset, ArrayDataset):
+        return not _overridden(dataset, ArrayDataset, methods)
+    if isinstance(dataset, ConcatDataset):
+        return not _overridden(dataset, ConcatDataset, methods) and dataset._grouped
+    if isinstance(dataset, Subset):
+        return not _overridden(dataset, Subset, methods) and _runs_no_user_code(dataset.dataset)
+    if isinstance(dataset, StackDataset):
+        return (not _overridden(dataset, StackDataset, methods)
+                and all(map(_runs_no_user_code, dataset._children())))
+    return False
 
 
 def _same_columns(batches: list[ColumnBatch]) -> bool:

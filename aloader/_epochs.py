@@ -407,6 +407,11 @@ class IterableEpochs:
         states = [None] * count if pending is None else pending["replicas"]
         begin = self._begin_of(states, remote.loader_epoch, saved)
         remote.resume(turn, states, begin, None if saved == count else saved)
+        # torch's workers after a break, for what torch runs: a plain iterable, from its start
+        # (a stream's extra reads would count in its statistics; see ReplicaPoolEpoch).
+        dataset = self.dataset
+        remote.settles = (remote.pool.persistent and pending is None
+                          and not isinstance(dataset, Stream) and aiter_of(dataset) is None)
         results.metas = remote.delivered
         self._began(begin[0] if saved == 0 else ("workers", tuple(begin), turn), plan.epoch)
         return MapEpoch(plan, results, remote.keys())

@@ -34,7 +34,6 @@ from ._failures import Failures, KnownFailed, check_max_failures, json_index
 from ._log import SLOW_FIRST_BATCH, loader_log, worker_log
 from ._pipeline import Epoch, FetchPlan, MapEpoch, Results
 from ._pool import (
-    MapPoolEpoch,
     PoolEpoch,
     WorkerPool,
     default_context,
@@ -1103,10 +1102,9 @@ class AsyncDataLoaderIter(Generic[T_co]):
         epoch: Epoch
         if loader.num_workers > 0:
             remote = loader._remote(self.base_seed, loader._claim_epoch(self.epoch))
-            if isinstance(remote, MapPoolEpoch):
-                # The batches the consumer took (the sync facade's pump runs ahead of it).
-                record, before = self._record, self._record.yielded
-                remote.taken = lambda: record.yielded - before
+            # The batches the consumer took (the sync facade's pump runs ahead of it).
+            record, before = self._record, self._record.yielded
+            remote.taken = lambda: record.yielded - before
             plan = loader._plan(transform, remote, self.epoch)
             epoch = (kind.on_workers(plan, results, remote, self._draw())
                      if isinstance(kind, MapEpochs) else kind.on_workers(plan, results, remote))

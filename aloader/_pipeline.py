@@ -64,6 +64,7 @@ import anyio.lowlevel
 import numpy as np
 
 from ._backend import Detached, Waiter, current_backend, task_group, threadsafe_caller, waiters
+from ._collate import ColumnBatch, default_collate
 from ._dataset import aiter_of, fetch_mode
 from ._exceptions import FailureBudgetExceeded, LoaderClosedError
 from ._failures import KNOWN_FAILED, Failures, resumable
@@ -719,7 +720,17 @@ class FetchPlan:
         self._async_collate = is_async_callable(self.collate_fn)
         # Whether collate_fn returns plain values (None: not called on the loop yet).
         self._collate_plain: bool | None = False if self._async_collate else None
+        # A user's collate_fn gets the list torch's loader gives it: a column-wise batch (a
+        # vectorised __getitems__'s) is no list (no sort, no append), only default_collate
+        # reads it whole.
+        self._listed = self.collate_fn is not default_collate
         self.abandon = _Abandon()
+
+    def _call_collate(self, samples: Any) -> Any:
+        """``collate_fn(samples)``, a :class:`ColumnBatch` given to a user's as its list."""
+        if self._listed and type(samples) is ColumnBatch:
+            samples = list(samples)
+        return self.collate_fn(samples)
 
     async def in_thread(
         self, fn: Callable[..., Any], *args: Any, limiter: anyio.CapacityLimiter
@@ -840,7 +851,7 @@ class FetchPlan:
         if samples is SKIP:  # every sample failed within the budget
             return SKIP
         started = _now()
-        batch = self.collate_fn(samples)
+        batch = self._call_collate(samples)
         batch = batch if self.transform is None else self.transform(batch)
         self.stats.collated_in_thread(samples, _now() - started)
         return batch
@@ -966,7 +977,7 @@ class FetchPlan:
             batch = samples
         else:
             started = _now()
-            batch = self.collate_fn(samples)
+            batch = self._call_collate(samples)
             if inspect.isawaitable(batch):
                 if inspect.iscoroutine(batch):
                     batch.close()
@@ -985,7 +996,7 @@ class FetchPlan:
             return self.collate_now(samples)
         if started is None:
             started = _now()
-        batch = self.collate_fn(samples)
+        batch = self._call_collate(samples)
         if inspect.isawaitable(batch):  # async def, or a plain function returning one
             self._collate_plain = False
             batch = await batch
@@ -1505,9 +1516,13 @@ class IterableEpoch(Epoch):
         batch_size: int | None,
         drop_last: bool,
         snapshot: Callable[[int, bool], Any] | None = None,
+        before_draw: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__(plan, results)
         self._source = source
+        # Called with a batch's number just before its samples are drawn (a persistent
+        # worker saves its global RNGs there, see aloader._worker).
+        self._before_draw = before_draw
         self._batch_size = batch_size
         self._drop_last = drop_last
         # Called once a batch's samples are drawn, with the samples drawn so far and whether
@@ -1567,6 +1582,8 @@ class IterableEpoch(Epoch):
         ended = False
         while not ended:
             await self.results.reserve(seq)
+            if self._before_draw is not None:
+                self._before_draw(seq)
             try:
                 if isinstance(source, AsyncIterator):
                     batch, ended = await self._draw(source, limiter)

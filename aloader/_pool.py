@@ -499,6 +499,9 @@ class PoolEpoch:
         self._stats: list[Any] | None = None  # the loader's sources, found at the first report
         self.failures: Failures | None = None  # the epoch's failure budget, set by the loader
         self.stats: Collector | None = None  # the epoch's statistics, set by the loader
+        #: Batches the consumer has taken (set by the loader): None turns settling off.
+        self.taken: Callable[[], int] | None = None
+        self._window = self._limit * pool.num_workers  # torch's tasks sent before a take
 
     # The FetchPlan's remote protocol ---------------------------------------------------------
     async def serve(self) -> None:
@@ -581,6 +584,15 @@ class PoolEpoch:
         """The epoch has ended and its consumer has left it (the next epoch is starting, on a
         persistent pool): make the workers' state what torch's would be (after a break: see
         :class:`MapPoolEpoch`)."""
+
+    def _due(self) -> int:
+        """The tasks torch's loader has sent so far: its window, then one per batch taken."""
+        assert self.taken is not None
+        return self._window + self.taken()
+
+    def _torchs(self, worker_id: int, due: int) -> int:
+        """The tasks torch had sent worker ``worker_id`` once it had sent ``due`` in turn."""
+        return max(0, -(-(due - worker_id) // self.pool.num_workers))
 
     def _absorb(self, worker_id: int, status: Status, extra: Any) -> None:
         """Record what a worker counted besides its sources: failed samples, timings (a
@@ -808,18 +820,13 @@ class MapPoolEpoch(PoolEpoch):
     is not undone. Where this does not apply: an async dataset or ``max_concurrency`` (the
     worker runs its tasks concurrently: their draws interleave by timing, as no torch
     worker's do), an async sampler (its keys cannot be drawn at the end: the tasks the
-    pipeline had not drawn stay unsent), and iterable datasets (:class:`ReplicaPoolEpoch`:
-    a replica's next epoch starts a new iterator, and the batches it drew ahead of the
-    consumer are not put back).
+    pipeline had not drawn stay unsent). Iterable datasets settle the same way (see
+    :class:`ReplicaPoolEpoch`).
     """
 
     def __init__(self, pool: WorkerPool, loader_epoch: int = 0) -> None:
         super().__init__(pool, loader_epoch)
-        setup = pool.setup
-        #: Batches the consumer has taken (set by the loader): None turns settling off.
-        self.taken: Callable[[], int] | None = None
-        self._settles = pool.persistent and not setup.plan.needs_event_loop
-        self._window = self._limit * pool.num_workers  # torch's tasks sent before a take
+        self._settles = pool.persistent and not pool.setup.plan.needs_event_loop
         self._keys: Iterator[Any] | None = None
         self._drawn: dict[int, Any] = {}  # job -> its key, drawn and not yet sent
         self._count = 0  # keys drawn
@@ -849,12 +856,12 @@ class MapPoolEpoch(PoolEpoch):
         if not self._settles or self.taken is None:
             return None
         self._drawn.pop(seq, None)
-        return seq, self._window + self.taken()
+        return seq, self._due()
 
     def settle(self) -> None:
         if not self._settles or self.taken is None:
             return
-        due = self._window + self.taken()
+        due = self._due()
         if self._keys is not None:
             with contextlib.suppress(Exception):  # the sampler's end, or its error: no more
                 while self._count < due:
@@ -863,7 +870,7 @@ class MapPoolEpoch(PoolEpoch):
         for worker_id, worker in enumerate(self.pool.workers):
             if worker.setup_error is not None:  # it exited after its setup failed: nothing ran
                 continue
-            torchs = max(0, -(-(due - worker_id) // count))  # tickets torch sent it
+            torchs = self._torchs(worker_id, due)  # tickets torch sent it
             first = worker_id + count * torchs  # its first task torch would not have sent
             if self._sent[worker_id] > torchs:
                 self._send(worker, self._request(worker, Kind.ROLLBACK, -1, first), False)
@@ -894,6 +901,17 @@ class ReplicaPoolEpoch(PoolEpoch):
     ``r % num_workers`` as a *virtual replica* that sees the worker facts of the run that
     saved it (see :mod:`aloader._workerinfo`). Each replica is a lane of its own, so that a
     worker serving several answers each one's requests in order.
+
+    Persistent workers after a break (:attr:`settles`, which the loader's epoch kind sets for
+    a plain iterable dataset in an epoch not resumed): as with :class:`MapPoolEpoch`, torch's
+    workers have drawn the batches of exactly the first ``due`` requests, sent in turn (each
+    worker's replica draws a batch per request, then a new epoch starts a new iterator), so
+    what their global RNGs give next follows from that. Requests go marked, and a worker's
+    replica saves its RNGs before it draws a batch past ``due`` (it draws one ahead of the
+    requests, :mod:`aloader._worker`). When the epoch ends, each worker is sent the requests
+    torch had sent it that this pool had not (their answers dropped), then a ``ROLLBACK`` to
+    the first batch torch had not asked of it. Not after a replica has ended: which of
+    torch's later requests skip it then depends on when its end was seen.
     """
 
     def __init__(self, pool: WorkerPool, loader_epoch: int = 0) -> None:
@@ -908,6 +926,8 @@ class ReplicaPoolEpoch(PoolEpoch):
         self._resume_states: list[Any] = [None] * count  # sent with each replica's ticket 0
         #: The replicas' positions as the consumer takes the batches (Results.metas).
         self.delivered = _Delivered([None] * count, 0)
+        #: Whether a break is settled as torch's would leave the workers (class docstring).
+        self.settles = False
 
     def resume(self, turn: int, states: list[Any], begin: list[Any],
                saved: int | None = None) -> None:
@@ -934,6 +954,28 @@ class ReplicaPoolEpoch(PoolEpoch):
             return key, key, ticket, Kind.NEXT, state
         return key % self.pool.num_workers, key, ticket, Kind.NEXT, (
             "replica", key, self._saved, state)
+
+    def mark(self, seq: int) -> tuple[int, int] | None:
+        if not self.settles or self.taken is None:
+            return None
+        return seq, self._due()
+
+    def settle(self) -> None:
+        if not self.settles or self.taken is None or self._exhausted:
+            return
+        due = self._due()
+        count = self.pool.num_workers
+        for worker_id, worker in enumerate(self.pool.workers):
+            if worker.setup_error is not None:  # it exited after its setup failed: nothing ran
+                continue
+            torchs = self._torchs(worker_id, due)
+            for ticket in range(self._sent[worker_id], torchs):
+                worker.outstanding += 1  # answered in a later epoch, or never
+                request = self._request(worker, Kind.NEXT, next(self.pool.jobs), None,
+                                        (worker_id + count * ticket, due))
+                self._send(worker, request, False)
+            self._send(worker, self._request(worker, Kind.ROLLBACK, -1,
+                                             worker_id + count * torchs), False)
 
     def keys(self) -> AsyncIterator[int]:
         """The replica asked for each next batch, in turn."""

@@ -74,6 +74,15 @@ class TorchBacked(np.random.Generator):
         super().__init__(np.random.PCG64(np.random.SeedSequence(seed)))
         self.torch_generator = torch_generator
 
+    def __getattr__(self, name: str) -> Any:
+        # What numpy's Generator lacks is the torch.Generator's (manual_seed, initial_seed,
+        # get_state...): a torch script reseeding ``sampler.generator`` reseeds the draws.
+        # Never a private name: copy and pickle probe those, and must not find torch's.
+        torch_generator = self.__dict__.get("torch_generator")
+        if name.startswith("_") or torch_generator is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(torch_generator, name)
+
     def __reduce__(self) -> tuple[Any, ...]:
         # numpy's own reduce would rebuild a plain Generator, silently dropping torch.
         return (_rebuild_torch_backed, (self.torch_generator, self.bit_generator.state))

@@ -14,9 +14,10 @@ The protocol (every message a :class:`Request` or a :class:`Reply`):
 * Parent to worker: ``Request(kind, job, epoch, key, released, loader_epoch)``, where ``kind``
   is :attr:`Kind.TASK` (map-style: load and collate the index batch ``key``) or
   :attr:`Kind.NEXT` (iterable: the next batch of this worker's replica in epoch ``epoch``;
-  ``key`` is None) or :attr:`Kind.ROLLBACK` (a persistent pool's map-style epoch ended in a
-  break: put back the global RNG states saved before task ``key``, answered with nothing; a
-  TASK's ``mark`` says whether to save them, see :class:`~aloader._pool.MapPoolEpoch`); or
+  ``key`` is None) or :attr:`Kind.ROLLBACK` (a persistent pool's epoch ended in a break: put
+  back the global RNG states saved before task ``key``, answered with nothing; a TASK's or
+  NEXT's ``mark`` says which to save, see :class:`~aloader._pool.MapPoolEpoch` and
+  :class:`~aloader._pool.ReplicaPoolEpoch`); or
   EOF: exit. ``epoch`` tells the pool's epochs apart; ``loader_epoch`` is
   the loader's epoch number, which a stream iterated in the worker uses (see
   :attr:`WorkerInfo.epoch`). ``released`` names the worker's segments the loader no longer
@@ -110,7 +111,7 @@ class Kind(IntEnum):
 
     TASK = 0  # map-style: load and collate an index batch
     NEXT = 1  # iterable: the next batch of this worker's replica
-    ROLLBACK = 2  # map-style, after a break: undo the global RNG draws of the tasks from ``key``
+    ROLLBACK = 2  # after a break: undo the global RNG draws of the tasks from ``key``
 
 
 class Status(IntEnum):
@@ -145,8 +146,9 @@ class Request(NamedTuple):
     key: Any  # TASK: the index batch; NEXT: None
     released: list[str]  # this worker's segments the loader no longer maps
     loader_epoch: int  # the loader's epoch number (WorkerInfo.epoch)
-    # TASK of a persistent pool: (the task's sequence number in the epoch, the first one
-    # torch would not have sent yet); a task at or past it runs after a snapshot of the RNGs.
+    # TASK or NEXT of a persistent pool: (the task's sequence number in the epoch, the first
+    # one torch would not have sent yet); a task at or past it runs after a snapshot of the
+    # RNGs (see _Snapshots).
     mark: tuple[int, int] | None = None
 
     def wire(self) -> tuple[Any, ...]:
@@ -341,6 +343,42 @@ def set_rng_state(state: tuple[Any, Any, Any]) -> None:
         torch.set_rng_state(state[2])
 
 
+class _Snapshots:
+    """A persistent worker's global RNG states, saved before each task of the epoch that
+    torch's loader had not sent yet (a request's ``mark``: see :class:`~aloader._pool.
+    MapPoolEpoch`), so that after a break (``ROLLBACK``) the worker has drawn exactly what
+    torch's has. A task is known by its job's sequence number in the epoch."""
+
+    def __init__(self) -> None:
+        self._due: int | None = None  # the tasks torch had sent, as of the latest mark
+        self._saved: deque[tuple[int, tuple[Any, Any, Any]]] = deque()
+
+    def clear(self) -> None:
+        """A new epoch: nothing is saved, nothing marked."""
+        self._due = None
+        self._saved.clear()
+
+    def note(self, mark: tuple[int, int] | None) -> None:
+        """A request's mark: torch has sent the tasks before ``due`` since."""
+        if mark is not None:
+            self._due = due = mark[1]
+            while self._saved and self._saved[0][0] < due:
+                self._saved.popleft()
+
+    def before(self, seq: int) -> None:
+        """Task ``seq`` is about to draw: save the RNGs first if torch had not sent it."""
+        if self._due is not None and seq >= self._due:
+            self._saved.append((seq, rng_state()))
+
+    def rollback(self, first: int) -> None:
+        """Put back the RNGs as they were before task ``first`` (if it ran) and forget."""
+        for seq, state in self._saved:
+            if seq >= first:
+                set_rng_state(state)
+                break
+        self._saved.clear()
+
+
 def _watch_parent(owner: str) -> None:
     """Exit as soon as the loader's process dies, removing the segments left for it."""
     parent = multiprocessing.parent_process()
@@ -445,25 +483,18 @@ class _WorkerServer:
     # so that after a break (ROLLBACK) the worker has drawn exactly what torch's has.
     def serve_tasks(self) -> None:
         plan = self.setup.plan
-        snapshots: deque[tuple[int, tuple[Any, Any, Any]]] = deque()
+        snapshots = _Snapshots()
         epoch = None
         while (request := self.receive()) is not None:
             if request.epoch != epoch:  # an epoch that ended without a break left these
                 epoch = request.epoch
                 snapshots.clear()
             if request.kind == Kind.ROLLBACK:
-                for seq, state in snapshots:
-                    if seq >= request.key:
-                        set_rng_state(state)
-                        break
-                snapshots.clear()
+                snapshots.rollback(request.key)
                 continue
             if request.mark is not None:
-                seq, due = request.mark
-                while snapshots and snapshots[0][0] < due:  # torch has sent these since
-                    snapshots.popleft()
-                if seq >= due:
-                    snapshots.append((seq, rng_state()))
+                snapshots.note(request.mark)
+                snapshots.before(request.mark[0])
             try:
                 batch = plan.load_sync(request.key)
             except Exception as exc:
@@ -500,26 +531,46 @@ class _WorkerServer:
 
     # Iterable datasets: one replica iterator per epoch, batched by the loader's pipeline;
     # several (virtual replicas, each a lane) in an epoch resumed from another num_workers.
+    # A persistent pool's requests come marked (see aloader._pool.ReplicaPoolEpoch): the
+    # replica draws each batch past torch's requests after a snapshot of the global RNGs (it
+    # draws one batch ahead of the requests), put back by a ROLLBACK after a break.
     async def serve_replica(self, serve: ServeReplica) -> None:
         current: int | None = None
         # This epoch's replicas by lane; None: one that failed to start (its requests END).
         epochs: dict[int, IterableEpoch | None] = {}
+        snapshots = _Snapshots()
+        count = self.setup.num_workers
+
+        def before_draw(batch: int) -> None:  # this worker's batch n is the epoch's job n
+            snapshots.before(self.id + count * batch)
+
+        async def stop() -> None:
+            for epoch in epochs.values():
+                if epoch is not None:
+                    epoch.stop()
+                    await epoch.done.wait()
+            epochs.clear()
+
         try:
             while (request := await self.areceive()) is not None:
                 job, epoch_id = request.job, request.epoch
                 if epoch_id != current:
                     current = epoch_id
-                    for epoch in epochs.values():
-                        if epoch is not None:
-                            epoch.stop()
-                            await epoch.done.wait()
-                    epochs = {}
+                    await stop()
+                    snapshots.clear()
+                if request.kind == Kind.ROLLBACK:  # nothing more is drawn in this epoch
+                    await stop()
+                    snapshots.rollback(request.key)
+                    current = None
+                    continue
+                snapshots.note(request.mark)
                 lane, state, slot = self._lane(request.key)
                 if lane not in epochs:
                     epochs[lane] = None
                     try:
-                        epochs[lane] = self._open_replica(serve, lane, state, slot,
-                                                          request.loader_epoch)
+                        epochs[lane] = self._open_replica(
+                            serve, lane, state, slot, request.loader_epoch,
+                            before_draw if slot is None else None)
                     except Exception as exc:  # __iter__ failed: this replica is done
                         self.fail(job, exc)
                         continue
@@ -551,7 +602,8 @@ class _WorkerServer:
         return self.id, key, None
 
     def _open_replica(self, serve: ServeReplica, lane: int, state: Any,
-                      slot: tuple[int, int] | None, loader_epoch: int) -> IterableEpoch:
+                      slot: tuple[int, int] | None, loader_epoch: int,
+                      before_draw: Callable[[int], None] | None = None) -> IterableEpoch:
         """Start a replica's epoch: this worker's own, or a virtual replica (a copy of the
         dataset that sees worker ``slot`` of the saved run, see aloader._workerinfo)."""
         setup = self.setup
@@ -560,7 +612,7 @@ class _WorkerServer:
             parsed = parse(dataset, state, (self.id, setup.num_workers))
             source, snapshot = open_replica(dataset, parsed)
             epoch = IterableEpoch(setup.plan, Results(1, True), source, serve.batch_size,
-                                  serve.drop_last, snapshot)
+                                  serve.drop_last, snapshot, before_draw)
             epoch.start()
             return epoch
         replica = replica_copy(dataset)

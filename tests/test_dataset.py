@@ -401,22 +401,29 @@ def test_concat_cummulative_sizes_is_deprecated() -> None:
         assert ds.cummulative_sizes == [2]
 
 
-def test_concat_getitems_groups_per_child_in_order() -> None:
+def test_concat_getitems_over_user_children_fetches_item_by_item_like_torch() -> None:
+    # torch's ConcatDataset has no __getitems__: each index goes through __getitem__, in the
+    # batch's order, and a child's own __getitems__ is never called (tests/
+    # test_dropin_concat_getitems.py compares with torch). Grouping per child is for
+    # children that run no user code (column batches below) and async ones.
     a, b, c = Batched(3), Plain(2, base=10), Batched(4, base=20)
     ds = ConcatDataset([a, b, c])
     indices = [8, 0, 3, 5, 2, -1, 4, 1]
-    assert ds.__getitems__(indices) == [ds[i] for i in indices]
-    # One call per child holding indices, with that child's local indices in batch order.
-    assert a.calls == [[0, 2, 1]]
-    assert c.calls == [[3, 0, 3]]
+    assert ds.__getitems__(indices) == [ds[i] for i in indices] == [
+        23, 0, 10, 20, 2, 23, 11, 1]
+    assert a.calls == [] and c.calls == []
     assert ds.__getitems__([]) == []
     assert ds.__getitems__(np.asarray([6, 6])) == [21, 21]
+    with pytest.raises(IndexError):
+        ds.__getitems__([0, 9])
 
 
-def test_concat_getitems_rejects_wrong_child_output() -> None:
-    ds = ConcatDataset([WrongSize(3), Plain(3)])
+@pytest.mark.anyio
+async def test_concat_getitems_rejects_wrong_child_output() -> None:
+    assert ConcatDataset([WrongSize(3), Plain(3)]).__getitems__([0, 4, 1]) == [0, 1, 1]
+    grouped = ConcatDataset([WrongSize(3), AsyncItems(3)])  # async: grouped per child
     with pytest.raises(ValueError, match=r"Expected 2, got 1"):
-        ds.__getitems__([0, 4, 1])
+        await grouped.__getitems__([0, 4, 1])  # type: ignore[misc]
 
 
 def test_concat_getitems_keeps_column_batches() -> None:

@@ -227,3 +227,20 @@ def test_dataloader_without_generator_follows_torch_manual_seed(workers: int) ->
     ours = [[[t.tolist() for t in b] for b in e] for e in _global(make(aloader), 2)]
     theirs = [[[t.tolist() for t in b] for b in e] for e in _global(make(tud), 2)]
     assert ours == theirs
+
+
+def test_a_samplers_torch_generator_answers_torchs_methods() -> None:
+    """A script reseeding its sampler's generator (``sampler.generator.manual_seed(s)``, as
+    with torch's sampler, whose attribute is the ``torch.Generator`` itself) gets torch's
+    orders: the wrapper answers the generator's own methods."""
+    ds = list(range(10))
+    ours = aloader.RandomSampler(ds, generator=torch.Generator().manual_seed(2))
+    theirs = tud.RandomSampler(ds, generator=torch.Generator().manual_seed(2))
+    assert list(ours) == list(theirs)
+    for sampler in (ours, theirs):
+        assert sampler.generator.manual_seed(5) is not None  # torch's returns the generator
+    assert list(ours) == list(theirs)
+    assert ours.generator.initial_seed() == theirs.generator.initial_seed() == 5
+    assert torch.equal(ours.generator.get_state(), theirs.generator.get_state())
+    with pytest.raises(AttributeError):
+        ours.generator._no_such_private_name  # noqa: B018
