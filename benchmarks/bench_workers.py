@@ -219,7 +219,8 @@ def _limit_worker(tickets: int, results: socket.socket, persistent: bool) -> Non
     next epoch's tickets then, until its quit ticket)."""
     results.send(os.getpid().to_bytes(_HEADER, "little"))
     while True:
-        k = int.from_bytes(os.read(tickets, 4), "little")
+        raw = os.read(tickets, 4)  # b"": the loader process is gone
+        k = int.from_bytes(raw, "little") if raw else _QUIT
         if k == _QUIT or (k == _END and not persistent):
             return
         if k == _END:
@@ -369,16 +370,27 @@ def _worker_pids(loader: Any) -> list[int]:
     return [w.pid for w in loader._iterator._workers]
 
 
-def bench_cpu(rounds: int, torch: bool) -> None:
-    def single() -> float:  # as anchors_torch_spdl.py measures it: 100 items in this process
-        start = time.perf_counter()
-        for i in range(100):
-            cpu_work(i)
-        return 2 / ((time.perf_counter() - start) / 100)
+def _single() -> float:
+    """Two cores at the single-item speed of this process, as ``anchors_torch_spdl.py``
+    measures it (100 items)."""
+    start = time.perf_counter()
+    for i in range(100):
+        cpu_work(i)
+    return 2 / ((time.perf_counter() - start) / 100)
 
+
+def bench_cpu(rounds: int, torch: bool) -> None:
     # Forked first, while only this thread runs, as aloader forks its template at its first
     # loader with workers.
     tight = _Limit()
+    try:
+        _bench_cpu(rounds, torch, tight)
+    finally:
+        tight.close()
+
+
+def _bench_cpu(rounds: int, torch: bool, tight: _Limit) -> None:
+    """The cpu section, ``tight`` its limit's processes."""
     cpu: dict[str, list[tuple[float, float, float]]] = {}  # (wall, main CPU, workers' CPU)
 
     def timed(name: str, epoch: Callable[[], float], pids: list[int]) -> Callable[[], float]:
@@ -401,7 +413,7 @@ def bench_cpu(rounds: int, torch: bool) -> None:
     contenders: dict[str, Callable[[], float]] = {
         "limit": tight.each_epoch,
         "limit persistent": timed("limit", *tight.persistent()),
-        "single": single,
+        "single": _single,
         "bare": _bare_processes,
         "limit static": lambda: tight.each_epoch(static=True),
         "batches": _bare_batches,
@@ -416,10 +428,7 @@ def bench_cpu(rounds: int, torch: bool) -> None:
         contenders["torch persistent"] = persistent("torch", _torch)
     _aloader(CpuDataset(), batch_size=BATCH, num_workers=2)  # the fork server starts once
     each: dict[str, list[float]] = {}
-    try:
-        best = _best(contenders, rounds, each)
-    finally:
-        tight.close()
+    best = _best(contenders, rounds, each)
     lim = best["limit"]
     rows = [("limit, workers started each epoch: 2 processes forked by a template (a fork of "
              "this process made once), taking batch numbers from a pipe as they come free, "
