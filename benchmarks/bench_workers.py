@@ -20,9 +20,9 @@ the cores.
   the anchors' limit (two cores at the single-item speed measured in this process) and two
   bare processes computing half the items each. aloader / torch and aloader / limit are given
   as the ratio of the bests and as the median of each round's own ratio (the two run next to
-  each other). A second table gives the CPU time per epoch of the main process and of the
-  workers (persistent, the limit's too), which shows what each loader costs beside the items'
-  own work.
+  each other). A second table gives the CPU time per epoch of the main process (starting
+  workers each epoch costs it: forking this process, pickling a setup) and of persistent
+  workers (the limit's too), which shows what each loader costs beside the items' own work.
 - ttfb: time to the first batch of the cpu dataset with 2 workers, each measured in a fresh
   process of this script whose main module imports torch at the top, or does not (aloader
   only: torch's loader needs torch): the first loader of the process iterated at once (and
@@ -410,22 +410,24 @@ def _bench_cpu(rounds: int, torch: bool, tight: _Limit) -> None:
         _count(loader)  # a warm-up epoch starts the workers; the timed ones reuse them
         return timed(name, lambda: _rate(lambda: loader), _worker_pids(loader))
 
+    # Workers started each epoch: the main process's CPU only (its workers are gone at the
+    # end), which shows what starting them costs it (forking this process, pickling a setup).
     contenders: dict[str, Callable[[], float]] = {
-        "limit": tight.each_epoch,
-        "limit persistent": timed("limit", *tight.persistent()),
+        "limit": timed("limit", tight.each_epoch, []),
+        "limit persistent": timed("limit persistent", *tight.persistent()),
         "single": _single,
         "bare": _bare_processes,
         "limit static": lambda: tight.each_epoch(static=True),
-        "batches": _bare_batches,
+        "batches": timed("limit until issue 13", _bare_batches, []),
         "batches, exits off": lambda: _bare_batches(exits=False),
-        "aloader": lambda: _rate(lambda: _aloader(CpuDataset(), batch_size=BATCH,
-                                                  num_workers=2)),
-        "aloader persistent": persistent("aloader", _aloader),
+        "aloader": timed("aloader", lambda: _rate(lambda: _aloader(
+            CpuDataset(), batch_size=BATCH, num_workers=2)), []),
+        "aloader persistent": persistent("aloader persistent", _aloader),
     }
     if torch:
-        contenders["torch"] = lambda: _rate(
-            lambda: _torch(CpuDataset(), batch_size=BATCH, num_workers=2))
-        contenders["torch persistent"] = persistent("torch", _torch)
+        contenders["torch"] = timed("torch", lambda: _rate(
+            lambda: _torch(CpuDataset(), batch_size=BATCH, num_workers=2)), [])
+        contenders["torch persistent"] = persistent("torch persistent", _torch)
     _aloader(CpuDataset(), batch_size=BATCH, num_workers=2)  # the fork server starts once
     each: dict[str, list[float]] = {}
     best = _best(contenders, rounds, each)
@@ -475,13 +477,16 @@ def _bench_cpu(rounds: int, torch: bool, tight: _Limit) -> None:
            f"main module (ratio: of the limit of workers started each epoch unless said; load "
            f"average {load})", rows)
     rows = []
-    for name, runs in cpu.items():
+    for name, runs in sorted(cpu.items(), key=lambda item: "persistent" in item[0]):
         wall, main, workers = (float(np.median(column)) for column in zip(*runs, strict=True))
-        rows.append((name, f"main {main * 1e3:.0f} ms, workers {workers:.2f} s, "
-                     f"wall {wall:.2f} s", f"{workers / (2 * wall):.2f}"))
-    _table("cpu: CPU time per epoch of persistent workers, median of the rounds above (ratio: "
-           "the workers' CPU over 2 x wall, below 1 where a worker waited or another program "
-           "ran)", rows)
+        if "persistent" in name:
+            rows.append((name, f"main {main * 1e3:.0f} ms, workers {workers:.2f} s, "
+                         f"wall {wall:.2f} s", f"{workers / (2 * wall):.2f}"))
+        else:
+            rows.append((name, f"main {main * 1e3:.0f} ms, wall {wall:.2f} s", ""))
+    _table("cpu: CPU time per epoch, median of the rounds above: the main process's, and the "
+           "workers' where they persist (ratio: the workers' CPU over 2 x wall, below 1 where a "
+           "worker waited or another program ran)", rows)
 
 
 # ttfb --------------------------------------------------------------------------------------------
