@@ -43,7 +43,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sized
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 import anyio
@@ -307,10 +307,17 @@ class _Pump:
     each waiting pump is woken once.
 
     The other way too: while the consumer waits on the empty queue (:attr:`consumer_waits`),
-    the batches that one step of the loop makes are held in :attr:`pending` and put together
-    when the step ends (:meth:`flush`, called soon on the loop), or as soon as ``BLOCK`` are
-    held, the pipeline ends or an error comes. ``BLOCK`` is above ``AHEAD``: a busy loop's
-    step finishes a dozen batches at once, and capped at ``AHEAD`` such a step crossed as
+    the batches that the loop makes are held in :attr:`pending` and put together when the
+    step that made them ends (:meth:`flush`, called soon on the loop), or as soon as ``BLOCK``
+    are held, the pipeline ends or an error comes. On asyncio's loop, whose queue of ready
+    callbacks the pump can see, a flush that finds it not empty (the loop is busy: its next
+    step starts at once) holds the block on to the next step, ``HOLD_STEPS`` times at most:
+    each hand-off stalls a busy loop thread while the consumer's thread is scheduled and
+    runs, and a busy asyncio step makes about half as many batches as uvloop's (five of the
+    io workload's against nine), so that a block per step woke the consumer twice as often
+    as on uvloop (uvloop's queue is not visible: its blocks stay one step's). A loop with
+    nothing more ready hands the block over at once. ``BLOCK`` is above ``AHEAD``: a busy
+    loop's step finishes a dozen batches at once, and capped at ``AHEAD`` such a step crossed as
     three blocks, each a hand-off of the GIL to the consumer and back (a few futex calls, and
     under load a wait of the loop thread for the consumer's to be scheduled), and while the
     consumer had not taken a block the pump stopped pulling, so the pipeline's room for
@@ -334,6 +341,9 @@ class _Pump:
     AHEAD = 4
     LOW = 1
     BLOCK = 16
+    # Bounded in steps, not waiting for BLOCK: a loop kept busy by other tasks while the
+    # pipeline makes nothing more must not keep a waiting consumer's batches from it.
+    HOLD_STEPS = 3
     # In the main thread a wait wakes up this often (seconds) to let CPython run a signal's
     # handler, which it does only between bytecodes: a SIGINT that trips without interrupting
     # the blocked wait (landing just before the wait starts, handled by another thread, or
@@ -347,11 +357,13 @@ class _Pump:
         self.woken: anyio.Event | None = None  # the waiting event woken last (consumer's side)
         self.call_soon = threadsafe_caller()
         self._loop = asyncio.get_running_loop()  # made on the loop it runs on
+        # asyncio's queue of the callbacks that its next step runs; uvloop shows none (None).
+        self._ready: Sized | None = getattr(self._loop, "_ready", None)
         # The consumer is blocked on an empty queue (set and cleared by its thread).
         self.consumer_waits = False
         # Made while the consumer waits, put at the end of the loop's step (the loop's side).
         self.pending: list[tuple[Any, BaseException | None]] = []
-        self.flushing = False  # a flush is due on the loop (one at least)
+        self.flushing = False  # a _flush_due is queued on the loop (exactly one)
 
     async def run(self) -> None:
         while True:
@@ -398,12 +410,21 @@ class _Pump:
         elif not self.flushing:
             self.flushing = True
             # Run in the loop's next step, after the callbacks of this one (which may make
-            # more batches): the block is what one step made.
-            self._loop.call_soon(self.flush)
+            # more batches): the block is what one step made, or a few of a busy loop's.
+            self._loop.call_soon(self._flush_due, self.HOLD_STEPS)
+
+    def _flush_due(self, steps: int) -> None:
+        """At the end of a step: flush, or hold on one more step while the loop is busy
+        (``steps`` more at most)."""
+        ready = self._ready
+        if steps and ready is not None and len(ready) and self.pending and self.consumer_waits:
+            self._loop.call_soon(self._flush_due, steps - 1)
+            return
+        self.flushing = False
+        self.flush()
 
     def flush(self, hand_off: bool = True) -> None:
         """Put the held batches, in order, and hand the GIL to a consumer waiting for them."""
-        self.flushing = False
         pending = self.pending
         if not pending:
             return

@@ -14,7 +14,7 @@ import pytest
 from loopthreads import ignore_earlier_loops, loop_threads  # noqa: F401
 
 import aloader
-from aloader._facade import PrivateLoop, SyncIterator, _Pump
+from aloader._facade import UVLOOP_ENV, PrivateLoop, SyncIterator, _Pump
 
 
 class _Holder:
@@ -131,6 +131,76 @@ def test_a_step_that_makes_more_than_ahead_batches_crosses_as_one_block() -> Non
     assert blocks == [size] * groups + [1]  # and the end, on its own
     assert len(loop_threads()) == 0
 
+
+
+def _counted_blocks(pump: _Pump, blocks: list[int]) -> None:
+    """Record the size of each block the pump puts."""
+    flush = pump.flush
+
+    def counted(hand_off: bool = True) -> None:
+        if pump.pending:
+            blocks.append(len(pump.pending))
+        flush(hand_off)
+
+    pump.flush = counted  # type: ignore[method-assign]
+
+
+def test_a_busy_asyncio_loop_holds_a_block_over_several_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One batch per step, the loop busy (the pipeline's next step is ready each time): asyncio's
+    # loop holds the block for HOLD_STEPS more steps, so that the waiting consumer's thread is
+    # woken once for them all, where it was woken once per step (blocks of one).
+    monkeypatch.setenv(UVLOOP_ENV, "0")
+    holder = _Holder()
+    groups, size = 3, _Pump.HOLD_STEPS + 1
+    blocks: list[int] = []
+
+    async def stepped() -> Any:
+        pump = await _until_the_consumer_waits(holder)  # holder.pump set too
+        _counted_blocks(pump, blocks)
+        for g in range(groups):
+            await _until_the_consumer_waits(holder)
+            for i in range(size):
+                yield g * size + i
+                await asyncio.sleep(0)  # the next batch in the next step: the loop is busy
+            while pump.pending or pump.out.qsize():  # until the consumer has the block
+                await asyncio.sleep(0.001)
+
+    items = SyncIterator(stepped, PrivateLoop(), owns_loop=True)
+    holder.pump = items._pump
+    assert list(items) == list(range(groups * size))
+    assert blocks == [size] * groups + [1]  # and the end, on its own
+    assert len(loop_threads()) == 0
+
+
+def test_a_loop_kept_busy_does_not_keep_a_batch_from_a_waiting_consumer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The pipeline makes nothing more until the consumer has its batch, and keeps the loop
+    # busy meanwhile (a callback ready at the end of every step): the batch is held for at
+    # most HOLD_STEPS steps, never until BLOCK are held (that would be never).
+    monkeypatch.setenv(UVLOOP_ENV, "0")
+    received: list[int] = []
+    spins: list[int] = []
+
+    async def one_at_a_time() -> Any:
+        for i in range(3):
+            yield i
+            spin = 0
+            while len(received) <= i:  # set by the consumer's thread
+                spin += 1
+                if spin > 100_000:  # a failure rather than a hang
+                    raise AssertionError(f"batch {i} was held from the waiting consumer")
+                await asyncio.sleep(0)
+            spins.append(spin)
+
+    items = SyncIterator(one_at_a_time, PrivateLoop(), owns_loop=True)
+    for item in items:
+        received.append(item)
+    assert received == [0, 1, 2]
+    assert all(spin > _Pump.HOLD_STEPS for spin in spins)  # held while the loop was busy
+    assert len(loop_threads()) == 0
 
 
 def test_a_sync_for_under_a_trio_library_context_runs_on_its_asyncio_loop() -> None:
