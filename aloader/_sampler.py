@@ -407,7 +407,9 @@ class _Generated:
     def generator(self, generator: GeneratorLike) -> None:
         rng = as_generator(generator)
         self._rng = rng
-        self._passed = rng if torch_generator(rng) is None or generator is None else generator
+        torch_passed = None if generator is None else torch_generator(rng)
+        # The DataLoader passes its own TorchBacked: its torch.Generator is the user's.
+        self._passed = rng if torch_passed is None else torch_passed
         self._reseed = generator is None
 
 

@@ -175,6 +175,12 @@ def test_a_samplers_generator_is_the_torch_generator_passed_and_may_be_assigned(
         assert torch.equal(new_ours.get_state(), new_theirs.get_state())
 
 
+def test_a_shuffling_loaders_sampler_has_the_loaders_torch_generator() -> None:
+    g = torch.Generator().manual_seed(4)
+    assert aloader.DataLoader(range(6), shuffle=True, generator=g).sampler.generator is g
+    assert tud.DataLoader(range(6), shuffle=True, generator=g).sampler.generator is g
+
+
 def test_a_samplers_assigned_torch_generator_is_in_its_state() -> None:
     sampler = aloader.RandomSampler(range(6), generator=torch.Generator().manual_seed(2))
     sampler.generator = torch.Generator().manual_seed(9)
