@@ -13,12 +13,11 @@ passed, and may be assigned; ``WeightedRandomSampler.weights`` is torch's double
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 import aloader
@@ -151,6 +150,47 @@ def test_without_workers_fetching_ahead_draws_in_one_order_whatever_the_timing(
     assert _prefetching("slow consumer", asynchronous) == first
 
 
+class FailsAt13:
+    def __iter__(self) -> Any:
+        for index in range(SIZE):
+            if index == 13:
+                raise ValueError("no index 13")
+            yield index
+
+    def __len__(self) -> int:
+        return SIZE
+
+
+@pytest.mark.parametrize(("workers", "concurrency"), [(0, None), (0, 2), (2, None)])
+def test_a_samplers_error_comes_after_the_batches_drawn_before_it(
+        workers: int, concurrency: int | None) -> None:
+    loader = aloader.DataLoader(Items(), sampler=FailsAt13(), batch_size=2,
+                                num_workers=workers, max_concurrency=concurrency)
+    got = []
+    with pytest.raises(ValueError, match="no index 13") as raised:
+        for batch in loader:
+            got.append(batch.tolist())
+    loader.close()
+    assert got == [[i, i + 1] for i in range(0, 12, 2)]
+    assert raised.value.__notes__ == ["raised by the sampler"]
+
+
+def test_aloaders_own_samplers_keep_their_array_path() -> None:
+    # Drawn whole where torch's draw their first index: nothing to pace, nothing slowed.
+    g = torch.Generator().manual_seed(0)
+    loader = aloader.DataLoader(Items(), batch_size=2, shuffle=True, generator=g,
+                                num_workers=2)
+    iterator = iter(loader)
+    assert not isinstance(iterator._source._keys, aloader._pipeline.PacedKeys)
+    mine = aloader.DataLoader(Items(), sampler=GlobalDraws(), batch_size=2, num_workers=2)
+    other = iter(mine)
+    assert isinstance(other._source._keys, aloader._pipeline.PacedKeys)
+    iterator.close()
+    other.close()
+    loader.close()
+    mine.close()
+
+
 # The samplers' attributes ----------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["RandomSampler", "SubsetRandomSampler", "WeightedRandomSampler"])
 def test_a_samplers_generator_is_the_torch_generator_passed_and_may_be_assigned(name: str
@@ -207,10 +247,8 @@ def test_weighted_sampler_weights_are_torchs_double_tensor() -> None:
     assert 1 not in list(ours)
 
 
-def test_weighted_sampler_weights_are_numpy_without_torch() -> None:
-    code = ("import sys, aloader; w = aloader.WeightedRandomSampler([1, 2], 3).weights; "
-            "print(type(w).__name__, w.dtype, 'torch' in sys.modules)")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, env=env).stdout.split()
-    assert out == ["ndarray", "float64", "False"]
+def test_weighted_sampler_weights_are_numpy_without_torch(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    monkeypatch.delitem(sys.modules, "torch")  # a program that never imported it
+    weights = aloader.WeightedRandomSampler([1, 2], 3, generator=0).weights
+    assert type(weights) is np.ndarray and weights.dtype == np.float64
