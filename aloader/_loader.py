@@ -1076,7 +1076,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         """How far ahead of torch's count a user's sampler is drawn (see
         :class:`aloader._pipeline.PacedKeys`), or None to draw it as the pipeline reads it.
 
-        With workers, not at all: torch's schedule. Without, an epoch in this process reads
+        With workers 0: torch's schedule exactly. Without, an epoch in this process reads
         its keys on the consumer's call when it is inline (torch's schedule, nothing ahead);
         one fetching ahead (threads, an async dataset) gets keys for two windows of jobs
         and the batches that may wait for the consumer: always the same count, so what the
