@@ -51,6 +51,7 @@ from ._pipeline import (
     FetchPlan,
     IterableEpoch,
     MapEpoch,
+    PacedKeys,
     Results,
     _batch_error,
 )
@@ -150,8 +151,10 @@ class MapEpochs:
         self.known_failed: KnownFailed | None = None
         self.loaded_skip: Skip | None = None
         # Set by keys(): where the consumer tells an epoch drawn as torch's sampler draws it
-        # how many keys it has asked for (see aloader._sampler.TorchDraws); else None.
+        # (aloader._sampler.TorchDraws), or drawn on its calls (aloader._pipeline.PacedKeys),
+        # how many keys torch's loader would have asked for; else None.
         self.asked: Callable[[int], None] | None = None
+        self._generic = False  # see _keys
 
     # Checkpoints ---------------------------------------------------------------------------
     def begin(self) -> None:
@@ -231,14 +234,32 @@ class MapEpochs:
         """A map-style epoch yields exactly its length: nothing to warn about."""
         return None
 
-    def keys(self) -> Iterator[Any] | AsyncIterator[Any]:
+    def keys(self, lead: Callable[[], int | None] = lambda: None
+             ) -> Iterator[Any] | AsyncIterator[Any]:
         """This epoch's keys: index batches, or indices without auto-batching; a resumed
         epoch's (:attr:`resume`, consumed here) without the batches already received, and
-        without the samples that failed before the checkpoint (:attr:`known_failed`)."""
+        without the samples that failed before the checkpoint (:attr:`known_failed`).
+
+        Where ``lead()`` is not None (asked only then), keys of a sampler without an array
+        form (a user's) are drawn only as the consumer asks
+        (:class:`~aloader._pipeline.PacedKeys`, ``lead()`` ahead of torch's count;
+        :attr:`asked` is its ``reach``). Never with a failure budget: a batch whose samples
+        all failed is passed over within one consumer call, whose next key would then never
+        be asked for."""
         known, self.known_failed = self.known_failed, None
         self.asked = None
+        self._generic = False
         keys = self._resumed_keys()
-        return keys if known is None else cast(Any, known.keys(keys))
+        if known is not None:
+            return cast("Iterator[Any] | AsyncIterator[Any]", known.keys(keys))
+        if self.asked is not None or not self._generic or not isinstance(keys, Iterator):
+            return keys
+        ahead = lead()
+        if ahead is None:
+            return keys
+        paced = PacedKeys(keys, ahead)
+        self.asked = paced.reach
+        return paced
 
     def _resumed_keys(self) -> Iterator[Any] | AsyncIterator[Any]:
         skip, self.resume = self.resume, None
@@ -258,8 +279,10 @@ class MapEpochs:
 
     def _keys(self, skip: int) -> Iterator[Any] | AsyncIterator[Any]:
         """The keys after the first ``skip`` (left out by slicing where the sampler has an
-        array form; else drawn and discarded, except by an async iterator: see keys())."""
+        array form; else drawn and discarded, except by an async iterator: see keys()).
+        Sets :attr:`_generic`: whether they are the sampler's own iteration (no array form)."""
         sampler = self.index_sampler
+        self._generic = False
         if self.auto_collation:
             batches = epoch_batches(sampler, skip)
             if batches is not None:
@@ -268,6 +291,7 @@ class MapEpochs:
             indices = epoch_indices(sampler)
             if indices is not None:
                 return iter(cast(list[Any], indices[skip:].tolist()))
+        self._generic = True
         if type(sampler) is BatchSampler:  # over a sync sampler: sync keys (no loop needed)
             after = sampler._batches_after(skip)
             if after is not None:

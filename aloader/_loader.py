@@ -1051,7 +1051,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         epoch = self._epoch = self._start(here=True)
         return isinstance(epoch, MapEpoch) and epoch.loopless
 
-    def _draw(self) -> Iterator[Any] | AsyncIterator[Any]:
+    def _draw(self, plan: FetchPlan | None = None) -> Iterator[Any] | AsyncIterator[Any]:
         """A map-style epoch's keys, drawn from its sampler now, once: by the consumer, at the
         point torch's iterator draws them (:class:`DataLoaderIter`), whichever thread later
         runs the epoch; a loader's generator is drawn from in the consumer's order, not as a
@@ -1064,13 +1064,34 @@ class AsyncDataLoaderIter(Generic[T_co]):
             resumed = self._resumed_failures
             if resumed is not None and resumed[1]:
                 kind.known_failed = KnownFailed(resumed[1], kind.auto_collation)
-            keys = self._keys = kind.keys()
+            keys = self._keys = kind.keys(lambda: self._lead(plan))
             self._asked = kind.asked
             if self._asked is not None:
                 # Torch's iterator asks here: at iter() with workers, prefetching; at the first
                 # next() without.
                 self._asked(max(1, self._ahead()))
         return keys
+
+    def _lead(self, plan: FetchPlan | None) -> int | None:
+        """How far ahead of torch's count a user's sampler is drawn (see
+        :class:`aloader._pipeline.PacedKeys`), or None to draw it as the pipeline reads it.
+
+        With workers 0: torch's schedule exactly. Without, an epoch in this process reads
+        its keys on the consumer's call when it is inline (torch's schedule, nothing ahead);
+        one fetching ahead (threads, an async dataset) gets keys for two windows of jobs
+        and the batches that may wait for the consumer: always the same count, so what the
+        sampler draws interleaves with the consumer's own draws in one order, run after run.
+        None with a failure budget (see :meth:`aloader._epochs.MapEpochs.keys`)."""
+        loader = self._loader
+        if loader.max_failures:
+            return None
+        if loader.num_workers > 0:
+            return 0
+        if plan is None:
+            plan = loader._plan(None, epoch=self.epoch)
+        if plan.mode == "inline":
+            return 0
+        return 2 * plan.window + max(1, loader.prefetch_factor)
 
     def _ahead(self) -> int:
         """The batches torch's iterator asks its sampler for ahead of its consumer: with
@@ -1111,7 +1132,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         else:
             remote = None
             plan = loader._plan(transform, epoch=self.epoch, here=here)
-            epoch = (kind.local(plan, results, self._draw()) if isinstance(kind, MapEpochs)
+            epoch = (kind.local(plan, results, self._draw(plan)) if isinstance(kind, MapEpochs)
                      else kind.local(plan, results, here=here))
         plan = epoch.plan
         if loader.max_failures:

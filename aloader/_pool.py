@@ -75,7 +75,7 @@ from ._backend import Waiter, current_backend, waiters
 from ._exceptions import WorkerError
 from ._failures import Failures
 from ._log import worker_log
-from ._pipeline import SKIP
+from ._pipeline import SKIP, PacedKeys
 from ._sources import merge_stats, source_stats
 from ._stats import Collector
 from ._util import Signal
@@ -836,8 +836,18 @@ class MapPoolEpoch(PoolEpoch):
         return seq % count, seq % count, seq // count, Kind.TASK, key
 
     def keys(self, keys: Iterator[Any] | AsyncIterator[Any]) -> Iterator[Any] | AsyncIterator[Any]:
-        """The epoch's ``keys``, kept until their tasks are sent (see the class docstring)."""
-        if not self._settles or not isinstance(keys, Iterator):
+        """The epoch's ``keys``, kept until their tasks are sent (see the class docstring).
+
+        Keys drawn on the consumer's calls (:class:`~aloader._pipeline.PacedKeys`) are read
+        as they are, and recorded; those the pipeline had not read are taken at the end from
+        what the consumer's calls drew (exactly torch's, so never drawing more)."""
+        if not self._settles:
+            return keys
+        if isinstance(keys, PacedKeys):
+            keys.on_read = self._note
+            self._keys = keys.buffered()
+            return keys
+        if not isinstance(keys, Iterator):
             return keys
         self._keys = keys
         return self
@@ -848,9 +858,13 @@ class MapPoolEpoch(PoolEpoch):
     def __next__(self) -> Any:
         assert self._keys is not None
         key = next(self._keys)
+        self._note(key)
+        return key
+
+    def _note(self, key: Any) -> None:
+        """The pipeline drew ``key``, the next job's."""
         self._drawn[self._count] = key
         self._count += 1
-        return key
 
     def mark(self, seq: int) -> tuple[int, int] | None:
         if not self._settles or self.taken is None:

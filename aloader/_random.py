@@ -34,6 +34,7 @@ __all__ = (
     "TorchBacked",
     "as_generator",
     "draw_seed",
+    "imported_torch",
     "integers",
     "permutation",
     "reseeded",
@@ -101,6 +102,13 @@ def _torch() -> Any:
     return sys.modules["torch"]  # present: a torch.Generator exists
 
 
+def imported_torch() -> Any | None:
+    """The torch module if the program has imported it, else None (torch is never imported
+    here): where aloader gives torch's objects rather than numpy's without being handed any
+    (a ``generator=None``'s draws, a sampler's ``weights``)."""
+    return sys.modules.get("torch")
+
+
 def reseeded(rng: np.random.Generator) -> np.random.Generator:
     """A new generator seeded by one draw from ``rng``: torch's RandomSampler without a generator.
 
@@ -133,7 +141,7 @@ def as_generator(generator: GeneratorLike) -> np.random.Generator:
         TypeError: for anything else (a bool or a float is not a seed).
     """
     if generator is None:
-        torch = sys.modules.get("torch")
+        torch = imported_torch()
         if torch is not None:
             # torch's samplers and loader draw from its global RNG when given no generator:
             # a script that calls torch.manual_seed gets the same orders run after run.

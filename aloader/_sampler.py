@@ -48,6 +48,7 @@ from ._random import (
     GeneratorLike,
     IndexArray,
     as_generator,
+    imported_torch,
     integers,
     permutation,
     reseeded,
@@ -363,7 +364,7 @@ class _Stateful:
 
     def state_dict(self) -> dict[str, Any]:
         """This sampler's state as JSON builtins: what its next epoch is drawn from."""
-        generator = getattr(self, "generator", None)
+        generator = getattr(self, "_rng", None)
         return {} if generator is None else {"generator": rng_state(generator)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -379,11 +380,37 @@ class _Stateful:
         if not isinstance(state, dict):
             raise ValueError(f"{type(self).__name__} state should be a dict, "
                              f"but got {type(state).__name__}")
-        generator = getattr(self, "generator", None)
+        generator = getattr(self, "_rng", None)
         if generator is not None:
             if "generator" not in state:
                 raise ValueError(f"{type(self).__name__} state: missing field 'generator'")
             restore_rng(generator, state["generator"], apply=apply)
+
+
+class _Generated:
+    """A sampler drawing from a ``generator=`` argument: ``generator`` is what was passed
+    where it is a ``torch.Generator`` (the object itself, as torch's samplers keep it), else
+    the numpy Generator it became; assigning it (torch's samplers allow it) makes the next
+    epoch draw from the new one. Every draw goes through :attr:`_rng`, the argument as a
+    numpy Generator (:func:`~aloader._random.as_generator`)."""
+
+    _rng: np.random.Generator
+    _passed: Any  # the torch.Generator passed, else the numpy one
+    _reseed: bool  # no generator: each epoch is seeded from the global RNG (torch's rule)
+
+    @property
+    def generator(self) -> Any:
+        """The generator the epochs draw from (see the class docstring)."""
+        return self._passed
+
+    @generator.setter
+    def generator(self, generator: GeneratorLike) -> None:
+        rng = as_generator(generator)
+        self._rng = rng
+        torch_passed = None if generator is None else torch_generator(rng)
+        # The DataLoader passes its own TorchBacked: its torch.Generator is the user's.
+        self._passed = rng if torch_passed is None else torch_passed
+        self._reseed = generator is None
 
 
 def _is_int(value: object) -> TypeGuard[numbers.Integral]:
@@ -486,7 +513,7 @@ class SequentialSampler(_ArraySampler):
         return len(self.data_source)
 
 
-class RandomSampler(_ArraySampler):
+class RandomSampler(_Generated, _ArraySampler):
     """Samples elements randomly; without replacement it samples from a shuffled dataset.
 
     Without replacement and ``num_samples > len(data_source)``, an epoch is
@@ -514,7 +541,6 @@ class RandomSampler(_ArraySampler):
 
     data_source: Sized
     replacement: bool
-    generator: np.random.Generator
 
     def __init__(
         self,
@@ -536,9 +562,8 @@ class RandomSampler(_ArraySampler):
                 "num_samples should be a positive integer value, "
                 f"but got num_samples={self.num_samples}"
             )
-        self.generator = as_generator(generator)
-        # torch's RandomSampler without a generator reseeds from the global RNG every epoch.
-        self._reseed = generator is None
+        # Without a generator torch's RandomSampler reseeds from the global RNG every epoch.
+        self.generator = generator
 
     @property
     def num_samples(self) -> int:
@@ -563,7 +588,7 @@ class RandomSampler(_ArraySampler):
     def _draw(self) -> Iterator[IndexArray]:
         n = self._source_len()
         num_samples = self.num_samples
-        rng = reseeded(self.generator) if self._reseed else self.generator
+        rng = reseeded(self._rng) if self._reseed else self._rng
         if self.replacement:
             for _, size in _blocks(num_samples):
                 yield integers(rng, n, size)
@@ -583,7 +608,7 @@ class RandomSampler(_ArraySampler):
         included; with replacement, 32 indices at a time), so that an epoch left early leaves
         the generator where torch's would. The array path (:meth:`_epoch_indices`, the
         DataLoader's) draws the same epoch at once."""
-        return torch_generator(self.generator) is not None
+        return torch_generator(self._rng) is not None
 
     def _torch_epoch(self) -> TorchDraws | None:
         """This epoch as torch draws it, piece by piece (:class:`TorchDraws`), or None
@@ -601,7 +626,7 @@ class RandomSampler(_ArraySampler):
 
     def _new_torch_epoch(self) -> TorchDraws:
         n = self._source_len()
-        rng = reseeded(self.generator) if self._reseed else self.generator
+        rng = reseeded(self._rng) if self._reseed else self._rng
         if self.replacement:
             # torch's sampler draws 32 indices at a time.
             return TorchDraws(lambda size: integers(rng, n, size), 32, self.num_samples)
@@ -619,7 +644,7 @@ class RandomSampler(_ArraySampler):
         return self.num_samples
 
 
-class SubsetRandomSampler(_Stateful, Sampler[int]):
+class SubsetRandomSampler(_Generated, _Stateful, Sampler[int]):
     """Samples elements randomly from a given sequence of indices, without replacement.
 
     With a ``torch.Generator`` each epoch is ``torch.randperm(len(indices), generator=g)``,
@@ -632,11 +657,10 @@ class SubsetRandomSampler(_Stateful, Sampler[int]):
     """
 
     indices: Sequence[int]
-    generator: np.random.Generator
 
     def __init__(self, indices: Sequence[int], generator: GeneratorLike = None) -> None:
         self.indices = indices
-        self.generator = as_generator(generator)
+        self.generator = generator
 
     def _epoch_indices(self) -> IndexArray | None:
         # Non-int indices (keys of some mapping dataset) have no array form; checked before
@@ -644,7 +668,7 @@ class SubsetRandomSampler(_Stateful, Sampler[int]):
         indices = _as_index_array(self.indices)
         if indices is None:
             return None
-        return indices[permutation(self.generator, len(indices))]
+        return indices[permutation(self._rng, len(indices))]
 
     def __iter__(self) -> Iterator[int]:
         """Iterate over a fresh random permutation of ``indices``."""
@@ -653,7 +677,7 @@ class SubsetRandomSampler(_Stateful, Sampler[int]):
             yield from _iter_ints(order)
             return
         indices = self.indices
-        for i in _iter_ints(permutation(self.generator, len(indices))):
+        for i in _iter_ints(permutation(self._rng, len(indices))):
             yield indices[i]
 
     def __len__(self) -> int:
@@ -661,7 +685,7 @@ class SubsetRandomSampler(_Stateful, Sampler[int]):
         return len(self.indices)
 
 
-class WeightedRandomSampler(_ArraySampler):
+class WeightedRandomSampler(_Generated, _ArraySampler):
     """Samples ``[0, len(weights))`` with the given (unnormalised) probabilities.
 
     With replacement, draws are independent. Without replacement no index is drawn twice: the
@@ -686,10 +710,8 @@ class WeightedRandomSampler(_ArraySampler):
             with torch's messages.
     """
 
-    weights: npt.NDArray[np.float64]
     num_samples: int
     replacement: bool
-    generator: np.random.Generator
 
     def __init__(
         self,
@@ -715,11 +737,26 @@ class WeightedRandomSampler(_ArraySampler):
         self.weights = weights_array
         self.num_samples = int(num_samples)
         self.replacement = replacement
-        self.generator = as_generator(generator)
+        self.generator = generator
+
+    @property
+    def weights(self) -> Any:
+        """The weights as float64: a ``torch.double`` tensor (torch's attribute) where torch
+        is imported (see :func:`~aloader._random.imported_torch`), else a numpy array. Both
+        are the one buffer the epochs read, so an in-place change reaches the next epoch,
+        as with torch's."""
+        return self._weights_out
+
+    @weights.setter
+    def weights(self, weights: npt.ArrayLike) -> None:
+        array = np.asarray(weights, dtype=np.float64)
+        self._weights = array
+        torch = imported_torch()
+        self._weights_out = array if torch is None else torch.from_numpy(array)
 
     def _check_weights(self) -> npt.NDArray[np.float64]:
         # torch.multinomial's checks and messages, which depend on the sampling path it takes.
-        w = self.weights
+        w = self._weights
         k = self.num_samples
         if not self.replacement and k > len(w):
             raise RuntimeError(
@@ -747,7 +784,7 @@ class WeightedRandomSampler(_ArraySampler):
 
     def _draw(self) -> Iterator[IndexArray]:
         w = self._check_weights()
-        rng = self.generator
+        rng = self._rng
         tg = torch_generator(rng)
         if tg is not None:
             torch = sys.modules["torch"]  # present: the generator is torch's

@@ -184,7 +184,9 @@ def test_same_torch_seed_gives_the_same_aloader_sequence() -> None:
 
 def test_public_names_accept_a_torch_generator() -> None:
     g = torch.Generator().manual_seed(0)
-    assert isinstance(aloader.RandomSampler(range(3), generator=g).generator, TorchBacked)
+    sampler = aloader.RandomSampler(range(3), generator=g)
+    assert sampler.generator is g  # the object itself, as torch's sampler keeps it
+    assert isinstance(sampler._rng, TorchBacked)
 
 
 # generator=None with torch imported: torch's global RNG, as torch's own components use it ----
