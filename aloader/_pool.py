@@ -374,8 +374,11 @@ class WorkerPool:
         self.started = True
         if self.context.get_start_method() == "fork":
             return  # a forked worker inherits the setup
+        # The dataset's tensors travel as arrays, out of band as its numpy arrays do, and in
+        # dtypes torch's own pickle cannot load back (uint16, float8); requests skip that hook.
+        codec = _shm.Codec(self.shm_owner, self.tag, tensors=True)
         try:
-            self._message = self.codec.encode(self.setup, by_value="always")
+            self._message = codec.encode(self.setup, by_value="always")
         except Exception as exc:
             if (isinstance(self.context, _spawn.Context) and not isinstance(exc, OSError)
                     and _spawn.may_fork_workers()):
@@ -395,7 +398,7 @@ class WorkerPool:
                 "pass multiprocessing_context='fork' (unsafe when the process runs threads)."
             )
             raise
-        self._setup_segment = self.codec.last_segment
+        self._setup_segment = codec.last_segment
 
     def start_worker(self, worker_id: int) -> _WorkerHandle:
         """Start worker ``worker_id`` (blocking: run it in a thread)."""

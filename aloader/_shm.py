@@ -178,14 +178,24 @@ def sweep_stale() -> None:
             _unlink(name)
 
 
-def _tensor_from_numpy(array: Any) -> Any:
+def _tensor_from_numpy(array: Any, dtype: str | None = None) -> Any:
     import torch
 
-    return torch.from_numpy(array)
+    tensor = torch.from_numpy(array)
+    return tensor if dtype is None else tensor.view(getattr(torch, dtype))
+
+
+# numpy's dtype of each itemsize, to carry the bits of a tensor whose dtype numpy lacks.
+_BITS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64, 16: np.complex128}
 
 
 def _reduce_tensor(obj: Any) -> Any:
-    """A contiguous CPU tensor as a numpy array, so that its data goes out of band too."""
+    """A contiguous CPU tensor as a numpy array, so that its data goes out of band too.
+
+    A dtype numpy lacks (bfloat16, float8, complex32) travels as the integers of its bits and
+    is viewed back: torch's own pickle of float8, complex32 and uint16/32/64 tensors cannot
+    be loaded (its legacy storage format has no such dtype), so it is never the fallback.
+    """
     torch = sys.modules["torch"]
     if (
         type(obj) is torch.Tensor
@@ -195,10 +205,15 @@ def _reduce_tensor(obj: Any) -> Any:
         and obj.is_contiguous()
     ):
         try:
-            array = obj.numpy()
-        except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16...)
+            return _tensor_from_numpy, (obj.numpy(),)
+        except TypeError:  # "Got unsupported ScalarType": a dtype numpy lacks
+            bits = _BITS.get(obj.element_size())
+            if bits is None:
+                return NotImplemented
+            view = obj.view(getattr(torch, np.dtype(bits).name)).numpy()
+            return _tensor_from_numpy, (view, str(obj.dtype).removeprefix("torch."))
+        except RuntimeError:  # a conjugate or negative bit set: torch's pickle resolves it
             return NotImplemented
-        return _tensor_from_numpy, (array,)
     return NotImplemented
 
 
