@@ -53,8 +53,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ("SHM_DIR", "Codec", "decode", "owner", "prefix", "process_prefix", "sweep",
-           "sweep_stale")
+__all__ = ("SHM_DIR", "Codec", "SharedTensorError", "decode", "owner", "prefix",
+           "process_prefix", "sweep", "sweep_stale")
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
@@ -249,6 +249,19 @@ class _Pickler(pickle.Pickler):
         {np.ndarray: _reduce_array}, copyreg.dispatch_table)
 
 
+class SharedTensorError(TypeError):
+    """A tensor in shared memory (``share_memory_()``) met by a codec that refuses them: its
+    copy in a worker would not see the other processes' writes, nor they its own."""
+
+
+def _reduce_unshared_tensor(obj: Any) -> Any:
+    """:func:`_reduce_tensor`, raising :class:`SharedTensorError` at a tensor in shared memory."""
+    if isinstance(obj, sys.modules["torch"].Tensor) and obj.is_shared():
+        raise SharedTensorError(
+            f"a tensor in shared memory ({obj.dtype}, shape {tuple(obj.shape)}) would be copied")
+    return _reduce_tensor(obj)
+
+
 class _TorchPickler(_Pickler):
     """Sends contiguous CPU tensors as numpy arrays."""
 
@@ -256,21 +269,31 @@ class _TorchPickler(_Pickler):
         return _reduce_tensor(obj)
 
 
-_by_value_picklers: dict[bool, type[pickle.Pickler]] = {}
+class _UnsharedTorchPickler(_Pickler):
+    """:class:`_TorchPickler` refusing tensors in shared memory."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        return _reduce_unshared_tensor(obj)
 
 
-def _by_value_pickler(tensors: bool) -> type[pickle.Pickler]:
-    """cloudpickle's pickler (tensors as numpy arrays too): what is not importable by name,
-    such as a lambda, a local function or anything defined in ``__main__``, goes by value."""
-    pickler = _by_value_picklers.get(tensors)
+_TensorReducer = Callable[[Any], Any]
+_by_value_picklers: dict[_TensorReducer | None, type[pickle.Pickler]] = {}
+
+
+def _by_value_pickler(reduce_tensor: _TensorReducer | None) -> type[pickle.Pickler]:
+    """cloudpickle's pickler (tensors reduced by ``reduce_tensor`` first, when given): what is
+    not importable by name, such as a lambda, a local function or anything defined in
+    ``__main__``, goes by value."""
+    pickler = _by_value_picklers.get(reduce_tensor)
     if pickler is None:
         import cloudpickle
 
-        if tensors:
+        if reduce_tensor is not None:
+            reduce = reduce_tensor
 
             class _TorchCloudPickler(cloudpickle.CloudPickler):  # type: ignore[misc]
                 def reducer_override(self, obj: Any) -> Any:
-                    reduced = _reduce_tensor(obj)
+                    reduced = reduce(obj)
                     if reduced is NotImplemented:
                         return super().reducer_override(obj)
                     return reduced
@@ -278,7 +301,7 @@ def _by_value_pickler(tensors: bool) -> type[pickle.Pickler]:
             pickler = _TorchCloudPickler
         else:
             pickler = cloudpickle.CloudPickler
-        _by_value_picklers[tensors] = pickler
+        _by_value_picklers[reduce_tensor] = pickler
     return pickler
 
 
@@ -294,6 +317,8 @@ class Codec:
         threshold: buffers at least this large go to shared memory.
         inline_limit: pickle streams larger than this go to shared memory.
         tensors: send CPU torch tensors out of band (costs a call per pickled object).
+        shared_tensors: with ``tensors``, whether a tensor in shared memory may be copied;
+            when not, :meth:`encode` raises :class:`SharedTensorError` at one.
         recycle: how many released segments to keep for reuse (0: one-shot segments).
     """
 
@@ -305,12 +330,14 @@ class Codec:
         threshold: int = THRESHOLD,
         inline_limit: int = INLINE_LIMIT,
         tensors: bool = False,
+        shared_tensors: bool = True,
         recycle: int = 0,
     ) -> None:
         self.prefix = prefix(owner, creator)
         self.threshold = threshold
         self.inline_limit = inline_limit
         self.tensors = tensors
+        self.shared_tensors = shared_tensors
         self.recycle = recycle
         self.last_segment: str | None = None  # name of the latest segment written
         self._free: list[str] = []  # released segments, the most recent last
@@ -365,9 +392,12 @@ class Codec:
                 out_of_band.append(buffer)
                 return False
 
-        tensors = self.tensors and "torch" in sys.modules
-        pickler = (_by_value_pickler(tensors) if by_value else
-                   _TorchPickler if tensors else _Pickler)
+        reduce_tensor: _TensorReducer | None = None
+        if self.tensors and "torch" in sys.modules:
+            reduce_tensor = _reduce_tensor if self.shared_tensors else _reduce_unshared_tensor
+        pickler = (_by_value_pickler(reduce_tensor) if by_value else
+                   _Pickler if reduce_tensor is None else
+                   _TorchPickler if self.shared_tensors else _UnsharedTorchPickler)
         stream = io.BytesIO()
         pickler(stream, protocol=5, buffer_callback=callback).dump(obj)
         return stream.getvalue(), out_of_band

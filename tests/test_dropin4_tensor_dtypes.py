@@ -44,3 +44,34 @@ def test_the_codec_round_trips_a_tensor_of_each_dtype(dtype: object) -> None:
     for by_value in ("never", "always"):
         back = _shm.decode(codec.encode([tensor, tensor[:3]], by_value=by_value))
         assert _view([back]) == _view([[tensor, tensor[:3]]])
+
+
+class _Counting(aloader.Dataset[int]):
+    """Counts its fetches in a tensor in shared memory, as a worker-filled cache would."""
+
+    def __init__(self) -> None:
+        self.seen = torch.zeros(8, dtype=torch.int64).share_memory_()
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        self.seen[index] += 1
+        return index
+
+
+def test_a_shared_tensor_of_the_dataset_is_shared_with_the_workers_like_torch() -> None:
+    # Pickled, each worker wrote into its own copy: the loader's process saw zeros.
+    theirs, ours = _Counting(), _Counting()
+    list(tud.DataLoader(theirs, batch_size=2, num_workers=2))
+    batches = aloader.DataLoader(ours, batch_size=2, num_workers=2)
+    assert [batch.tolist() for batch in batches] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert ours.seen.tolist() == theirs.seen.tolist() == [1] * 8
+
+
+def test_a_codec_refusing_shared_tensors() -> None:
+    codec = _shm.Codec(_shm.owner(), "test", tensors=True, shared_tensors=False)
+    for by_value in ("never", "always"):
+        assert _shm.decode(codec.encode(torch.ones(2), by_value=by_value)).tolist() == [1, 1]
+        with pytest.raises(_shm.SharedTensorError, match="shared memory"):
+            codec.encode({"x": torch.ones(2).share_memory_()}, by_value=by_value)
