@@ -216,7 +216,9 @@ def default_collate(batch: Any) -> Any:
     one's dtype are not checked further (``[int64 array, uint16 array]`` gives int64; torch
     refuses mixing uint16/32/64), while the others get ``torch.stack``'s dtype (int32 with
     float32 gives float32); no shared memory is used in workers. The mode is decided
-    by the first sample alone: a tensor first appearing in a later sample is not seen.
+    by the first sample, but a batch numpy mode refuses whose tensors first appear in a later
+    sample (``[1, tensor(2)]``, a dataset returning tensors for some indices) is collated in
+    torch mode, as torch collates it.
 
     Extend it by adding entries to :data:`default_collate_fn_map`.
 
@@ -230,7 +232,17 @@ def default_collate(batch: Any) -> Any:
         TypeError: for an unsupported element type or a string/object array.
         RuntimeError: for arrays of different shapes or sequences of different lengths.
     """
-    return collate(batch, collate_fn_map=_map_for(batch))
+    collate_fn_map = _map_for(batch)
+    try:
+        return collate(batch, collate_fn_map=collate_fn_map)
+    except Exception:
+        # Looked for only now: a batch numpy mode collates costs no pass over its samples.
+        tensor = _tensor_type()
+        if (collate_fn_map is not default_collate_fn_map or tensor is None
+                or not any(_holds(sample, tensor) for sample in batch)):
+            raise
+    # Outside the except clause, so that torch's error is raised without numpy mode's.
+    return collate(batch, collate_fn_map=_torch_map(default_collate_fn_map))
 
 
 def default_convert(data: Any) -> Any:

@@ -1,7 +1,7 @@
 """DistributedSampler: one rank's shard of a map-style dataset, with torch's padding rules.
 
 This module owns :class:`DistributedSampler` and the reading of a rank's place from the
-environment (``RANK``, ``WORLD_SIZE``; :func:`_env_int`), which the sources' sharding
+process group or the environment (:func:`default_place`), which the sources' sharding
 (:mod:`aloader._sharding`) uses too.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Iterator, Sized
 from typing import Any
 
@@ -17,8 +18,36 @@ import numpy as np
 from ._random import IndexArray, torch_randperm
 from ._sampler import _EPOCH_MAX, Sampler, _blocks, _concat, _iter_chunks, _Stateful
 
-__all__ = ("DistributedSampler",)
+__all__ = ("DistributedSampler", "default_place")
 
+
+def default_place(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """``(rank, world_size)`` with each None filled in as torch's DistributedSampler fills it.
+
+    An initialized ``torch.distributed`` default process group gives its rank and world size,
+    as torch's sampler asks it: a script that calls ``init_process_group(rank=r,
+    world_size=w)`` itself (``mp.spawn``) sets no ``RANK``/``WORLD_SIZE``, and read from the
+    environment alone each of its ranks would load the whole dataset. Without a group, the
+    ``RANK`` and ``WORLD_SIZE`` environment variables torchrun sets, else rank 0 of 1.
+    torch.distributed is only read if it is imported already.
+
+    Raises:
+        ValueError: if an environment variable used is not an integer.
+    """
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        if world_size is None:
+            world_size = int(dist.get_world_size())
+        if rank is None:
+            rank = int(dist.get_rank())
+        return rank, world_size
+    if world_size is None:
+        world_size = _env_int("WORLD_SIZE", 1)
+    if rank is None:
+        rank = _env_int("RANK", 0)
+    return rank, world_size
 
 
 def _env_int(name: str, default: int) -> int:
@@ -64,9 +93,11 @@ class DistributedSampler(_Stateful, Sampler[int]):
 
     Args:
         dataset: the dataset to sample from (only its ``len()`` is used).
-        num_replicas: number of processes; defaults to the ``WORLD_SIZE`` environment variable
-            (set by torchrun), else 1.
-        rank: this process's rank; defaults to the ``RANK`` environment variable, else 0.
+        num_replicas: number of processes; defaults to the world size of torch.distributed's
+            initialized process group, else the ``WORLD_SIZE`` environment variable (set by
+            torchrun), else 1.
+        rank: this process's rank; defaults to the process group's rank, else the ``RANK``
+            environment variable, else 0.
         shuffle: shuffle the indices.
         seed: shuffling seed; must be the same on every rank.
         drop_last: drop the tail so that the data divides evenly, instead of padding it.
@@ -95,10 +126,7 @@ class DistributedSampler(_Stateful, Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
-        if num_replicas is None:
-            num_replicas = _env_int("WORLD_SIZE", 1)
-        if rank is None:
-            rank = _env_int("RANK", 0)
+        rank, num_replicas = default_place(rank, num_replicas)
         if rank >= num_replicas or rank < 0:
             raise ValueError(
                 f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]"

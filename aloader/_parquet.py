@@ -410,8 +410,10 @@ class ParquetRows(ShardedSource[Any]):
         shuffle_shards: shuffle the files (or row groups) at every epoch, seeded by
             ``seed + epoch``; rows keep their order within a unit (add ``.shuffle(n)``).
         seed: the shuffling seed; the same on every rank.
-        rank: this process's rank (default: ``RANK``, else 0).
-        world_size: number of ranks (default: ``WORLD_SIZE``, else 1).
+        rank: this process's rank (default: torch.distributed's initialized process group's,
+            else ``RANK``, else 0).
+        world_size: number of ranks (default: the process group's, else ``WORLD_SIZE``,
+            else 1).
         even_ranks: every rank reads the same number of units (files, or row groups when
             there are fewer files than consumers) per epoch (None: on when ``world_size >
             1``); see :class:`ShardedSource`. With it on, fewer row groups in all than ranks

@@ -374,14 +374,19 @@ class WorkerPool:
         self.started = True
         if self.context.get_start_method() == "fork":
             return  # a forked worker inherits the setup
+        may_fork = isinstance(self.context, _spawn.Context) and _spawn.may_fork_workers()
+        # The dataset's tensors travel as arrays, out of band as its numpy arrays do, and in
+        # dtypes torch's own pickle cannot load back (uint16, float8); requests skip that hook.
+        # A tensor in shared memory is refused where the workers may be forked instead: under
+        # torch's fork, what they write into it (a cache, counters) is seen by all, not lost.
+        codec = _shm.Codec(self.shm_owner, self.tag, tensors=True, shared_tensors=not may_fork)
         try:
-            self._message = self.codec.encode(self.setup, by_value="always")
+            self._message = codec.encode(self.setup, by_value="always")
         except Exception as exc:
-            if (isinstance(self.context, _spawn.Context) and not isinstance(exc, OSError)
-                    and _spawn.may_fork_workers()):
+            if may_fork and not isinstance(exc, OSError):
                 # What torch's default start method takes without pickling (a lock, an open
-                # file, a database connection): this pool's workers are plain forks of this
-                # process, as under torch, and inherit the setup.
+                # file, a database connection, a shared tensor): this pool's workers are plain
+                # forks of this process, as under torch, and inherit the setup.
                 worker_log.info("the dataset, collate_fn or worker_init_fn cannot be pickled "
                                 "(%s: %s): forking this loader's workers", type(exc).__name__,
                                 exc)
@@ -395,7 +400,7 @@ class WorkerPool:
                 "pass multiprocessing_context='fork' (unsafe when the process runs threads)."
             )
             raise
-        self._setup_segment = self.codec.last_segment
+        self._setup_segment = codec.last_segment
 
     def start_worker(self, worker_id: int) -> _WorkerHandle:
         """Start worker ``worker_id`` (blocking: run it in a thread)."""

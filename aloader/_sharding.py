@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Literal, TypeAlias
 
 import numpy as np
 
-from ._distributed import _env_int
+from ._distributed import default_place
 from ._random import permutation
 from ._workerinfo import get_worker_info
 
@@ -132,20 +132,19 @@ def expand_shards(shards: ShardsLike, objects: ObjectAccess | None = None) -> li
 
 
 def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """This process's rank and the world size, from the arguments or torchrun's environment.
+    """This process's rank and the world size, from the arguments or as torch would take them.
 
     Args:
-        rank: the rank, or None for the ``RANK`` environment variable (else 0).
-        world_size: the number of ranks, or None for ``WORLD_SIZE`` (else 1).
+        rank: the rank, or None for the initialized process group's, else the ``RANK``
+            environment variable, else 0 (:func:`~aloader._distributed.default_place`).
+        world_size: the number of ranks, or None for the process group's, else
+            ``WORLD_SIZE``, else 1.
 
     Raises:
         ValueError: with ``DistributedSampler``'s message when the rank is out of range, or
             when the world size is not positive.
     """
-    if world_size is None:
-        world_size = _env_int("WORLD_SIZE", 1)
-    if rank is None:
-        rank = _env_int("RANK", 0)
+    rank, world_size = default_place(rank, world_size)
     if world_size < 1:
         raise ValueError(f"world_size should be a positive integer, but got {world_size}")
     if rank >= world_size or rank < 0:

@@ -53,8 +53,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ("SHM_DIR", "Codec", "decode", "owner", "prefix", "process_prefix", "sweep",
-           "sweep_stale")
+__all__ = ("SHM_DIR", "Codec", "SharedTensorError", "decode", "owner", "prefix",
+           "process_prefix", "sweep", "sweep_stale")
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
@@ -178,14 +178,24 @@ def sweep_stale() -> None:
             _unlink(name)
 
 
-def _tensor_from_numpy(array: Any) -> Any:
+def _tensor_from_numpy(array: Any, dtype: str | None = None) -> Any:
     import torch
 
-    return torch.from_numpy(array)
+    tensor = torch.from_numpy(array)
+    return tensor if dtype is None else tensor.view(getattr(torch, dtype))
+
+
+# numpy's dtype of each itemsize, to carry the bits of a tensor whose dtype numpy lacks.
+_BITS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64, 16: np.complex128}
 
 
 def _reduce_tensor(obj: Any) -> Any:
-    """A contiguous CPU tensor as a numpy array, so that its data goes out of band too."""
+    """A contiguous CPU tensor as a numpy array, so that its data goes out of band too.
+
+    A dtype numpy lacks (bfloat16, float8, complex32) travels as the integers of its bits and
+    is viewed back: torch's own pickle of float8, complex32 and uint16/32/64 tensors cannot
+    be loaded (its legacy storage format has no such dtype), so it is never the fallback.
+    """
     torch = sys.modules["torch"]
     if (
         type(obj) is torch.Tensor
@@ -195,10 +205,15 @@ def _reduce_tensor(obj: Any) -> Any:
         and obj.is_contiguous()
     ):
         try:
-            array = obj.numpy()
-        except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16...)
+            return _tensor_from_numpy, (obj.numpy(),)
+        except TypeError:  # "Got unsupported ScalarType": a dtype numpy lacks
+            bits = _BITS.get(obj.element_size())
+            if bits is None:
+                return NotImplemented
+            view = obj.view(getattr(torch, np.dtype(bits).name)).numpy()
+            return _tensor_from_numpy, (view, str(obj.dtype).removeprefix("torch."))
+        except RuntimeError:  # a conjugate or negative bit set: torch's pickle resolves it
             return NotImplemented
-        return _tensor_from_numpy, (array,)
     return NotImplemented
 
 
@@ -234,6 +249,19 @@ class _Pickler(pickle.Pickler):
         {np.ndarray: _reduce_array}, copyreg.dispatch_table)
 
 
+class SharedTensorError(TypeError):
+    """A tensor in shared memory (``share_memory_()``) met by a codec that refuses them: its
+    copy in a worker would not see the other processes' writes, nor they its own."""
+
+
+def _reduce_unshared_tensor(obj: Any) -> Any:
+    """:func:`_reduce_tensor`, raising :class:`SharedTensorError` at a tensor in shared memory."""
+    if isinstance(obj, sys.modules["torch"].Tensor) and obj.is_shared():
+        raise SharedTensorError(
+            f"a tensor in shared memory ({obj.dtype}, shape {tuple(obj.shape)}) would be copied")
+    return _reduce_tensor(obj)
+
+
 class _TorchPickler(_Pickler):
     """Sends contiguous CPU tensors as numpy arrays."""
 
@@ -241,21 +269,31 @@ class _TorchPickler(_Pickler):
         return _reduce_tensor(obj)
 
 
-_by_value_picklers: dict[bool, type[pickle.Pickler]] = {}
+class _UnsharedTorchPickler(_Pickler):
+    """:class:`_TorchPickler` refusing tensors in shared memory."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        return _reduce_unshared_tensor(obj)
 
 
-def _by_value_pickler(tensors: bool) -> type[pickle.Pickler]:
-    """cloudpickle's pickler (tensors as numpy arrays too): what is not importable by name,
-    such as a lambda, a local function or anything defined in ``__main__``, goes by value."""
-    pickler = _by_value_picklers.get(tensors)
+_TensorReducer = Callable[[Any], Any]
+_by_value_picklers: dict[_TensorReducer | None, type[pickle.Pickler]] = {}
+
+
+def _by_value_pickler(reduce_tensor: _TensorReducer | None) -> type[pickle.Pickler]:
+    """cloudpickle's pickler (tensors reduced by ``reduce_tensor`` first, when given): what is
+    not importable by name, such as a lambda, a local function or anything defined in
+    ``__main__``, goes by value."""
+    pickler = _by_value_picklers.get(reduce_tensor)
     if pickler is None:
         import cloudpickle
 
-        if tensors:
+        if reduce_tensor is not None:
+            reduce = reduce_tensor
 
             class _TorchCloudPickler(cloudpickle.CloudPickler):  # type: ignore[misc]
                 def reducer_override(self, obj: Any) -> Any:
-                    reduced = _reduce_tensor(obj)
+                    reduced = reduce(obj)
                     if reduced is NotImplemented:
                         return super().reducer_override(obj)
                     return reduced
@@ -263,7 +301,7 @@ def _by_value_pickler(tensors: bool) -> type[pickle.Pickler]:
             pickler = _TorchCloudPickler
         else:
             pickler = cloudpickle.CloudPickler
-        _by_value_picklers[tensors] = pickler
+        _by_value_picklers[reduce_tensor] = pickler
     return pickler
 
 
@@ -279,6 +317,8 @@ class Codec:
         threshold: buffers at least this large go to shared memory.
         inline_limit: pickle streams larger than this go to shared memory.
         tensors: send CPU torch tensors out of band (costs a call per pickled object).
+        shared_tensors: with ``tensors``, whether a tensor in shared memory may be copied;
+            when not, :meth:`encode` raises :class:`SharedTensorError` at one.
         recycle: how many released segments to keep for reuse (0: one-shot segments).
     """
 
@@ -290,12 +330,14 @@ class Codec:
         threshold: int = THRESHOLD,
         inline_limit: int = INLINE_LIMIT,
         tensors: bool = False,
+        shared_tensors: bool = True,
         recycle: int = 0,
     ) -> None:
         self.prefix = prefix(owner, creator)
         self.threshold = threshold
         self.inline_limit = inline_limit
         self.tensors = tensors
+        self.shared_tensors = shared_tensors
         self.recycle = recycle
         self.last_segment: str | None = None  # name of the latest segment written
         self._free: list[str] = []  # released segments, the most recent last
@@ -350,9 +392,12 @@ class Codec:
                 out_of_band.append(buffer)
                 return False
 
-        tensors = self.tensors and "torch" in sys.modules
-        pickler = (_by_value_pickler(tensors) if by_value else
-                   _TorchPickler if tensors else _Pickler)
+        reduce_tensor: _TensorReducer | None = None
+        if self.tensors and "torch" in sys.modules:
+            reduce_tensor = _reduce_tensor if self.shared_tensors else _reduce_unshared_tensor
+        pickler = (_by_value_pickler(reduce_tensor) if by_value else
+                   _Pickler if reduce_tensor is None else
+                   _TorchPickler if self.shared_tensors else _UnsharedTorchPickler)
         stream = io.BytesIO()
         pickler(stream, protocol=5, buffer_callback=callback).dump(obj)
         return stream.getvalue(), out_of_band

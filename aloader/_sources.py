@@ -578,8 +578,10 @@ class ShardedSource(Stream[T_co]):
         shuffle_shards: shuffle the shard order at every epoch, with a permutation seeded by
             ``seed + epoch`` (the same on every rank and worker).
         seed: the shard shuffling seed; must be the same on every rank.
-        rank: this process's rank; defaults to the ``RANK`` environment variable, else 0.
-        world_size: number of ranks; defaults to ``WORLD_SIZE``, else 1.
+        rank: this process's rank; defaults to torch.distributed's initialized process
+            group's, else the ``RANK`` environment variable, else 0.
+        world_size: number of ranks; defaults to the process group's, else ``WORLD_SIZE``,
+            else 1.
         even_ranks: give every rank the same number of shards per epoch, so that a
             distributed job does not hang on a rank that ran out of batches (None, the
             default: on when ``world_size > 1``). Each rank reads ``len(shards) //

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from aloader import BatchSampler, DistributedSampler
 from aloader._random import torch_randperm
 from aloader._sampler import epoch_batches, epoch_indices
+from aloader._sharding import resolve_world
 
 SETTINGS = settings(max_examples=80, deadline=None)
 
@@ -363,3 +365,38 @@ def test_shuffled_shards_are_torchs(n: int, world: int, drop_last: bool) -> None
                 ours.set_epoch(epoch)
                 theirs.set_epoch(epoch)
                 assert list(ours) == list(theirs), (seed, rank, epoch)
+
+
+@pytest.fixture
+def process_group() -> Iterator[None]:
+    """torch.distributed's default group of rank 1 in a world of 3, as mp.spawn scripts make it
+    (init_process_group's own rank and world_size, no RANK/WORLD_SIZE in the environment)."""
+    pytest.importorskip("torch")
+    dist = pytest.importorskip("torch.distributed")
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=1, world_size=3)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("process_group")
+def test_an_initialized_process_group_gives_the_rank_and_world_like_torch() -> None:
+    # Read from the environment only, every rank of such a script got the whole dataset.
+    from torch.utils.data import DistributedSampler as TorchDistributedSampler
+
+    for kwargs in ({}, {"rank": 0}, {"num_replicas": 2}):
+        ours = DistributedSampler(range(10), shuffle=False, **kwargs)
+        theirs = TorchDistributedSampler(range(10), shuffle=False, **kwargs)
+        assert (ours.num_replicas, ours.rank) == (theirs.num_replicas, theirs.rank)
+        assert list(ours) == list(theirs)
+    assert resolve_world(None, None) == (1, 3)
+
+
+@pytest.mark.usefixtures("process_group")
+def test_the_process_group_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    sampler = DistributedSampler(range(10))
+    assert (sampler.num_replicas, sampler.rank) == (3, 1)
