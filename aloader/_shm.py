@@ -262,46 +262,38 @@ def _reduce_unshared_tensor(obj: Any) -> Any:
     return _reduce_tensor(obj)
 
 
-class _TorchPickler(_Pickler):
-    """Sends contiguous CPU tensors as numpy arrays."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        return _reduce_tensor(obj)
-
-
-class _UnsharedTorchPickler(_Pickler):
-    """:class:`_TorchPickler` refusing tensors in shared memory."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        return _reduce_unshared_tensor(obj)
-
-
 _TensorReducer = Callable[[Any], Any]
-_by_value_picklers: dict[_TensorReducer | None, type[pickle.Pickler]] = {}
+_picklers: dict[tuple[_TensorReducer | None, bool], type[pickle.Pickler]] = {}
 
 
-def _by_value_pickler(reduce_tensor: _TensorReducer | None) -> type[pickle.Pickler]:
-    """cloudpickle's pickler (tensors reduced by ``reduce_tensor`` first, when given): what is
-    not importable by name, such as a lambda, a local function or anything defined in
-    ``__main__``, goes by value."""
-    pickler = _by_value_picklers.get(reduce_tensor)
+def _pickler(reduce_tensor: _TensorReducer | None, by_value: bool) -> type[pickle.Pickler]:
+    """The pickler class for a codec: :class:`_Pickler`, or cloudpickle's with ``by_value``
+    (what is not importable by name, such as a lambda, a local function or anything defined
+    in ``__main__``, goes by value); with ``reduce_tensor``, each object is offered to it
+    first (CPU tensors as numpy arrays, :func:`_reduce_tensor`). Made once per kind."""
+    key = (reduce_tensor, by_value)
+    pickler = _picklers.get(key)
     if pickler is None:
-        import cloudpickle
+        if by_value:
+            import cloudpickle
 
+            pickler = cloudpickle.CloudPickler
+        else:
+            pickler = _Pickler
         if reduce_tensor is not None:
-            reduce = reduce_tensor
+            reduce, base = reduce_tensor, pickler
+            # cloudpickle's own reducer_override handles what the tensor reducer passes up.
+            fallback = getattr(base, "reducer_override", None)
 
-            class _TorchCloudPickler(cloudpickle.CloudPickler):  # type: ignore[misc]
+            class _TensorPickler(base):  # type: ignore[valid-type, misc]
                 def reducer_override(self, obj: Any) -> Any:
                     reduced = reduce(obj)
-                    if reduced is NotImplemented:
-                        return super().reducer_override(obj)
+                    if reduced is NotImplemented and fallback is not None:
+                        return fallback(self, obj)
                     return reduced
 
-            pickler = _TorchCloudPickler
-        else:
-            pickler = cloudpickle.CloudPickler
-        _by_value_picklers[reduce_tensor] = pickler
+            pickler = _TensorPickler
+        _picklers[key] = pickler
     return pickler
 
 
@@ -395,9 +387,7 @@ class Codec:
         reduce_tensor: _TensorReducer | None = None
         if self.tensors and "torch" in sys.modules:
             reduce_tensor = _reduce_tensor if self.shared_tensors else _reduce_unshared_tensor
-        pickler = (_by_value_pickler(reduce_tensor) if by_value else
-                   _Pickler if reduce_tensor is None else
-                   _TorchPickler if self.shared_tensors else _UnsharedTorchPickler)
+        pickler = _pickler(reduce_tensor, by_value)
         stream = io.BytesIO()
         pickler(stream, protocol=5, buffer_callback=callback).dump(obj)
         return stream.getvalue(), out_of_band
