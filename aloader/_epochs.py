@@ -107,6 +107,8 @@ class Skip:
     def global_number(self, seq: int) -> int:
         """The epoch's batch number of the resumed pipeline's job ``seq``."""
         number = self.prefix + seq
+        if not self.delivered:  # every epoch but a resumed one's: no sort per batch
+            return number
         for done in sorted(self.delivered):
             if done <= number:
                 number += 1

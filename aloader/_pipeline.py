@@ -52,6 +52,7 @@ import functools
 import inspect
 import math
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -68,7 +69,7 @@ from ._collate import ColumnBatch, default_collate
 from ._dataset import aiter_of, fetch_mode
 from ._exceptions import FailureBudgetExceeded, LoaderClosedError
 from ._failures import KNOWN_FAILED, Failures, resumable
-from ._sample_rng import BATCH, IDLE, Scope, scope_var
+from ._sample_rng import BATCH, IDLE, FrameScope, Scope, scope_var
 from ._stats import Collector
 from ._util import Signal, close_iterator, is_async_callable, resolve
 
@@ -85,12 +86,14 @@ __all__ = (
 )
 
 # The kinds of a job's work (``_Job.kind``): items fetched one by one on the loop, a job
-# fetched in one call, a job whose items fetch threads are filling, and a job with no item to
-# fetch (collated at once). All but the first are one piece of work, and negative.
+# fetched in one call, a job whose items fetch threads are filling, a job with no item to
+# fetch (collated at once), and items of a job that failed. The first and the last are a
+# piece per item; all but the first are negative.
 _ITEMS = 0
 _WHOLE_JOB = -1
 _AWAIT_THREADS = -2
 _NO_ITEMS = -3
+_FAILED_ITEMS = -4  # items of a job whose error is known: passed over, not fetched
 
 # Inline epochs give other tasks a turn at least this often (ns).
 _YIELD_EVERY_NS = 1_000_000
@@ -393,12 +396,13 @@ class _Job:
     """One batch (or one index without auto-batching) of a map epoch, from admission to its
     publication: its samples as they are fetched, and its pieces of work in the queue."""
 
-    __slots__ = ("count", "error", "fetched", "indices", "key", "kind", "next", "remaining",
-                 "samples", "seq")
+    __slots__ = ("count", "epoch", "error", "fetched", "indices", "key", "kind", "next",
+                 "remaining", "samples", "seq")
 
-    def __init__(self, seq: int, key: Any) -> None:
+    def __init__(self, seq: int, key: Any, epoch: int = 0) -> None:
         self.seq = seq
         self.key = key
+        self.epoch = epoch  # the plan's epoch at admission: sample_rng's, for its items
         self.samples: list[Any] = []
         self.remaining = 0  # samples not yet fetched
         self.error: BaseException | None = None
@@ -950,9 +954,8 @@ class FetchPlan:
         """What to await for sample ``index`` alone: an async dataset's own awaitable,
         without a coroutine of ours around it (with hundreds of fetches in flight, every frame
         costs on every resume). The caller times the await (the ``fetch`` stage) and, for a
-        fetch on the loop (not ``"thread"``), awaits it in the sample's scope
-        (``scope_var`` set to ``Scope(seed, epoch, index)``), since an async fetch runs when
-        awaited."""
+        fetch on the loop (not ``"thread"``), awaits it in the sample's scope (its worker's
+        :class:`~aloader._sample_rng.FrameScope`), since an async fetch runs when awaited."""
         if self.mode == "thread":
             return self.in_thread(self.get_item, index, limiter=limiter)
         value = self.dataset[index]
@@ -1079,7 +1082,7 @@ class _Admission:
         self._sampling.add(_now() - started)
         self._free -= 1
         plan = self._epoch.plan
-        job = _Job(self.seq, key)
+        job = _Job(self.seq, key, plan.epoch)
         self.seq += 1
         if plan.granularity == "job":
             job.kind = _WHOLE_JOB
@@ -1363,16 +1366,17 @@ class MapEpoch(Epoch):
         getitem: Callable[[Any], Awaitable[Any]] | None,
     ) -> None:
         plan = self.plan
-        fetch_item, add = plan.fetch_item, plan.stats.fetch.add
-        # The sample's scope for a fetch on the loop (see FetchPlan.fetch_item): one per
-        # worker, set in the worker task's own context once (a context variable's set and
-        # reset cost more than the rest of a fetch's bookkeeping), at the sample's index
-        # while it is fetched, IDLE between fetches; the epoch read per sample: a worker
-        # process's plan changes it per request.
-        scope = None
+        add = plan.stats.fetch.add
+        fetch: Callable[[Any], Awaitable[Any]] = getitem if getitem is not None else (
+            functools.partial(plan.fetch_item, limiter=limiter))
+        # sample_rng's scope for a fetch on the loop is this frame (FrameScope): the index
+        # being fetched is the local ``fetching``, IDLE between fetches (``job`` and
+        # ``position`` name the fetch). Set once in the worker task's own context: a context
+        # variable's set and reset, or a store into a scope object, per fetch cost more than
+        # the rest of a fetch's bookkeeping.
+        fetching: Any = IDLE
         if plan.mode != "thread" and plan.seed is not None:
-            scope = Scope(plan.seed, plan.epoch, IDLE)
-            scope_var.set(scope)
+            scope_var.set(FrameScope(plan.seed, sys._getframe()))
         take, get = queue.take, queue.get
         # The clock at the end of this worker's last fetch while nothing but bookkeeping has
         # run since (no await, no collate): the next fetch starts then, a clock read less.
@@ -1386,47 +1390,53 @@ class MapEpoch(Epoch):
                     if job is None:
                         return
                 position = job.next - 1  # the piece taken, read before any await
-                if job.kind:  # not one item: one test on the items' path
+                if job.kind:  # not an item to fetch: one test on the items' path
                     ended = None
-                    if job.kind == _WHOLE_JOB:
-                        await self._run_job(job, limiter)
-                        window.release()
-                        continue
-                    if job.kind == _AWAIT_THREADS:
-                        assert job.fetched is not None
-                        await job.fetched.wait()
-                        if job.error is not None and not isinstance(job.error, Exception):
-                            raise job.error  # a KeyboardInterrupt in a fetch thread: see _guard
-                    await self._complete(job, limiter, window)  # _AWAIT_THREADS, _NO_ITEMS
+                    await self._other_piece(job, limiter, window)
                     continue
-                if job.error is None:
-                    index = job.indices[position]
-                    started = _now() if ended is None else ended
-                    if scope is not None:
-                        if scope.epoch != plan.epoch:
-                            scope = Scope(plan.seed, plan.epoch)  # type: ignore[arg-type]
-                            scope_var.set(scope)
-                        scope.begin(index)
-                    try:
-                        job.samples[position] = await (
-                            getitem(index) if getitem is not None else fetch_item(index, limiter)
-                        )
-                    except Exception as exc:
-                        error = plan.absorb(index, _note(exc, f"raised while fetching index "
-                                                              f"{index!r} of batch {job.seq}"))
-                        if error is None:
-                            job.samples[position] = _FAILED
-                        else:
-                            job.error = error
-                    finally:
-                        if scope is not None:
-                            scope.index = IDLE
-                        ended = _now()
-                        add(ended - started)
+                fetching = job.indices[position]
+                started = _now() if ended is None else ended
+                try:
+                    job.samples[position] = await fetch(fetching)
+                except Exception as exc:
+                    self._fetch_failed(job, position, fetching, exc)
+                fetching = IDLE
+                ended = _now()
+                add(ended - started)
                 job.remaining -= 1
                 if job.remaining == 0:
                     ended = None
                     await self._complete(job, limiter, window)
+
+    async def _other_piece(self, job: _Job, limiter: anyio.CapacityLimiter,
+                           window: _Admission) -> None:
+        """A fetch worker's piece of work that is not an item to fetch (``job.kind``)."""
+        if job.kind == _WHOLE_JOB:
+            await self._run_job(job, limiter)
+            window.release()
+            return
+        if job.kind == _FAILED_ITEMS:  # an item of a job already failed: not fetched
+            job.remaining -= 1
+            if job.remaining:
+                return
+        elif job.kind == _AWAIT_THREADS:
+            assert job.fetched is not None
+            await job.fetched.wait()
+            if job.error is not None and not isinstance(job.error, Exception):
+                raise job.error  # a KeyboardInterrupt in a fetch thread: see _guard
+        await self._complete(job, limiter, window)  # and _NO_ITEMS
+
+    def _fetch_failed(self, job: _Job, position: int, index: Any, error: Exception) -> None:
+        """The fetch of ``job``'s item at ``position`` raised ``error``: the item is left out
+        (within the failure budget), or the job fails with its first error and its items not
+        yet taken are passed over (``_FAILED_ITEMS``)."""
+        final = self.plan.absorb(index, _note(error, f"raised while fetching index {index!r} "
+                                                     f"of batch {job.seq}"))
+        if final is None:
+            job.samples[position] = _FAILED
+        elif job.error is None:
+            job.error = final
+            job.kind = _FAILED_ITEMS
 
     async def _run_job(self, job: _Job, limiter: anyio.CapacityLimiter) -> None:
         """Load a job fetched in one call, publishing its batch or its error."""

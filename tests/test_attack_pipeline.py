@@ -251,3 +251,32 @@ def test_an_interrupted_epoch_leaves_no_loop_thread() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=60, check=True)
     assert done.stdout.split() == ["0"]
+
+
+@pytest.mark.parametrize("max_concurrency", [1, 3])
+def test_a_failed_batch_fetches_no_more_of_its_items(max_concurrency: int) -> None:
+    # Items of a batch whose fetch already failed are passed over, not fetched; the batch
+    # reports its first error, and the next batches are fetched whole.
+    fetched: list[int] = []
+
+    class Failing(aloader.Dataset[Any]):
+        def __len__(self) -> int:
+            return 16
+
+        async def __getitem__(self, i: int) -> Any:
+            fetched.append(i)
+            await anyio.sleep(0)
+            if i in (1, 2):
+                raise ValueError(f"bad index {i}")
+            return i
+
+    iterator = iter(aloader.DataLoader(Failing(), batch_size=8, max_concurrency=max_concurrency,
+                                       collate_fn=list))
+    with pytest.raises(ValueError, match="bad index 1"):
+        next(iterator)
+    assert next(iterator) == list(range(8, 16))
+    with pytest.raises(StopIteration):
+        next(iterator)
+    first = [i for i in fetched if i < 8]
+    assert first == list(range(len(first))) and 2 <= len(first) <= 1 + max_concurrency
+    assert sorted(i for i in fetched if i >= 8) == list(range(8, 16))

@@ -134,3 +134,59 @@ def test_non_int_indices_have_streams_too() -> None:
     first = list(DataLoader(Keys(), batch_size=None, sampler=["a", "b"], generator=1))
     again = list(DataLoader(Keys(), batch_size=None, sampler=["b", "a"], generator=1))
     assert first == again[::-1] and first[0] != first[1]
+
+
+class AsyncDraw(aloader.Dataset[Any]):
+    """One draw per fetch, on the loop: its stream must be the sample's own, fresh per fetch."""
+
+    def __len__(self) -> int:
+        return N
+
+    async def __getitem__(self, index: int) -> Any:
+        await anyio.sleep(0)
+        first = sample_rng()
+        assert sample_rng() is first  # the same generator for the whole fetch
+        return [index, int(first.integers(1 << 40))]
+
+
+@pytest.mark.anyio
+async def test_a_worker_fetching_an_index_again_draws_a_fresh_stream(anyio_backend: str) -> None:
+    # One fetch worker (max_concurrency=1) fetches index 3 four times in a row: every fetch
+    # starts the sample's stream afresh, as a fetch by another worker would.
+    loader = DataLoader(AsyncDraw(), batch_size=2, sampler=[3, 3, 1, 3, 3], generator=9,
+                        max_concurrency=1, collate_fn=list)
+    rows = [row async for batch in loader for row in batch]
+    draws_of_3 = {tuple(row) for row in rows if row[0] == 3}
+    assert len(rows) == 5 and len(draws_of_3) == 1
+    wide = DataLoader(AsyncDraw(), batch_size=2, sampler=[3, 1], generator=9,
+                      max_concurrency=8, collate_fn=list)
+    assert {tuple(row) for batch in [b async for b in wide] for row in batch} == (
+        draws_of_3 | {tuple(row) for row in rows if row[0] == 1})
+
+
+@pytest.mark.anyio
+async def test_on_the_loop_sample_rng_is_a_fetchs_only(anyio_backend: str) -> None:
+    # Between fetches (collate_fn runs in the fetch worker's task) sample_rng raises; a task
+    # the fetch starts shares its sample's scope.
+    class Spawning(AsyncDraw):
+        async def __getitem__(self, index: int) -> Any:  # type: ignore[override]
+            got: list[Any] = []
+
+            async def child() -> None:
+                got.append(int(sample_rng().integers(1 << 40)))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(child)
+            return [index, got[0]]
+
+    assert [row async for batch in DataLoader(Spawning(), batch_size=2, generator=9,
+                                              collate_fn=list) for row in batch] == [
+        row async for batch in DataLoader(AsyncDraw(), batch_size=2, generator=9,
+                                          collate_fn=list) for row in batch]
+
+    def collate(samples: list[Any]) -> Any:
+        return sample_rng()
+
+    with pytest.raises(SampleRngError, match="only available while"):
+        async for _ in DataLoader(AsyncDraw(), batch_size=2, collate_fn=collate):
+            pass
