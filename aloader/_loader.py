@@ -505,6 +505,10 @@ class DataLoader(Generic[T_co]):
                 f"{attr} attribute should not be set after {self.__class__.__name__} is "
                 "initialized"
             )
+        if attr == "generator" and self.__initialized:
+            # As torch's: later epochs draw their base seeds from the new generator (the
+            # sampler keeps the one it was built with).
+            super().__setattr__("_rng", as_generator(val))
         super().__setattr__(attr, val)
 
     @property

@@ -246,3 +246,18 @@ def test_a_samplers_torch_generator_answers_torchs_methods() -> None:
     assert torch.equal(ours.generator.get_state(), theirs.generator.get_state())
     with pytest.raises(AttributeError):
         ours.generator._no_such_private_name  # noqa: B018
+
+
+def test_a_generator_set_after_construction_draws_the_base_seeds_as_torchs() -> None:
+    # torch lets a script assign loader.generator later: its epochs then draw from it.
+    g, ref = _pair(31)
+    data = list(range(20))
+    ours = DataLoader(data, batch_size=8)
+    theirs = tud.DataLoader(data, batch_size=8)
+    ours.generator = g
+    theirs.generator = ref
+    for _ in range(EPOCHS):
+        assert [b.tolist() for b in ours] == [b.tolist() for b in theirs]
+        assert _same_state(g, ref)
+    with pytest.raises(TypeError, match="generator should be"):
+        ours.generator = 1.5  # type: ignore[assignment]
