@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import numpy as np
 import pytest
 
@@ -177,6 +178,9 @@ async def test_on_the_loop_sample_rng_is_a_fetchs_only(anyio_backend: str) -> No
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(child)
+            # A thread the fetch runs shares it too (anyio runs it in a copy of the context).
+            in_thread = await anyio.to_thread.run_sync(lambda: sample_rng().integers(1 << 40))
+            assert in_thread != got[0]  # the same stream, continued
             return [index, got[0]]
 
     assert [row async for batch in DataLoader(Spawning(), batch_size=2, generator=9,
