@@ -189,12 +189,19 @@ def _tensor_from_numpy(array: Any, dtype: str | None = None) -> Any:
 _BITS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64, 16: np.complex128}
 
 
+# The dtypes whose tensors torch's own pickle writes and cannot load back (its legacy storage
+# format has no such dtype): never left to it.
+_UNLOADABLE = ("uint16", "uint32", "uint64", "complex32", "float8_e4m3fn", "float8_e5m2",
+               "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+
+
 def _reduce_tensor(obj: Any) -> Any:
     """A contiguous CPU tensor as a numpy array, so that its data goes out of band too.
 
     A dtype numpy lacks (bfloat16, float8, complex32) travels as the integers of its bits and
-    is viewed back: torch's own pickle of float8, complex32 and uint16/32/64 tensors cannot
-    be loaded (its legacy storage format has no such dtype), so it is never the fallback.
+    is viewed back. A non-contiguous tensor goes through torch's pickle (which keeps its
+    strides), except one of a dtype that pickle cannot load (``_UNLOADABLE``): it travels
+    contiguous, its values the same.
     """
     torch = sys.modules["torch"]
     if (
@@ -202,8 +209,11 @@ def _reduce_tensor(obj: Any) -> Any:
         and obj.device.type == "cpu"
         and obj.layout == torch.strided
         and not obj.requires_grad
-        and obj.is_contiguous()
     ):
+        if not obj.is_contiguous():
+            if str(obj.dtype).removeprefix("torch.") not in _UNLOADABLE:
+                return NotImplemented
+            obj = obj.contiguous()
         try:
             return _tensor_from_numpy, (obj.numpy(),)
         except TypeError:  # "Got unsupported ScalarType": a dtype numpy lacks
