@@ -389,13 +389,13 @@ class _Stateful:
 
 class _Generated:
     """A sampler drawing from a ``generator=`` argument: ``generator`` is what was passed
-    where it is a ``torch.Generator`` (the object itself, as torch's samplers keep it), else
-    the numpy Generator it became; assigning it (torch's samplers allow it) makes the next
-    epoch draw from the new one. Every draw goes through :attr:`_rng`, the argument as a
+    where it is a ``torch.Generator`` (the object itself, as torch's samplers keep it) or
+    None, else the numpy Generator it became; assigning it (torch's samplers allow it) makes
+    the next epoch draw from the new one. Every draw goes through :attr:`_rng`, the argument as a
     numpy Generator (:func:`~aloader._random.as_generator`)."""
 
     _rng: np.random.Generator
-    _passed: Any  # the torch.Generator passed, else the numpy one
+    _passed: Any  # the torch.Generator passed, None, else the numpy one
     _reseed: bool  # no generator: each epoch is seeded from the global RNG (torch's rule)
 
     @property
@@ -408,8 +408,10 @@ class _Generated:
         rng = as_generator(generator)
         self._rng = rng
         torch_passed = None if generator is None else torch_generator(rng)
-        # The DataLoader passes its own TorchBacked: its torch.Generator is the user's.
-        self._passed = rng if torch_passed is None else torch_passed
+        # The DataLoader passes its own TorchBacked: its torch.Generator is the user's. With
+        # none, None, as torch's (each epoch's seed comes from the global RNG).
+        self._passed = None if generator is None else rng if torch_passed is None else (
+            torch_passed)
         self._reseed = generator is None
 
 

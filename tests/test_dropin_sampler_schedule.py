@@ -204,6 +204,7 @@ def test_a_samplers_generator_is_the_torch_generator_passed_and_may_be_assigned(
     g = torch.Generator().manual_seed(1)
     ours, theirs = make(aloader, g), make(tud, torch.Generator().manual_seed(1))
     assert ours.generator is g
+    assert make(aloader, None).generator is None is make(tud, None).generator
     assert list(ours) == list(theirs)
     # Assigned after construction (from no generator, too): the next epoch draws from it.
     for first in (torch.Generator().manual_seed(2), None):
