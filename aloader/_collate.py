@@ -434,7 +434,8 @@ def collate_numpy_array_fn(
 
     Raises:
         TypeError: for string, bytes or object arrays.
-        RuntimeError: for arrays of different shapes, naming both shapes and their positions.
+        RuntimeError: for arrays of different shapes, naming both shapes and their positions;
+            for None (or another object torch infers no dtype for) beside 0-d arrays.
     """
     elem = batch[0]
     if elem.dtype.kind in _STR_OBJ_KINDS:
@@ -449,7 +450,11 @@ def collate_numpy_array_fn(
             raise
         raise mismatch from exc
     if out.dtype.kind in _STR_OBJ_KINDS:
-        # A later element promoted the batch to strings or objects.
+        # A later element promoted the batch to strings or objects: torch's as_tensor of an
+        # object that is no array, number or string (None...) is its RuntimeError.
+        odd = [v for v in batch if not isinstance(v, np.ndarray)]
+        if odd and _cannot_infer(odd[0]):
+            raise _non_number_error(odd[0])
         raise TypeError(default_collate_err_msg_format.format(_first_str_obj_dtype(batch, out)))
     if out.dtype != elem.dtype:
         # Arrays of several dtypes. numpy widens across kinds (int32 with float32 is float64)
@@ -488,8 +493,9 @@ def collate_numpy_scalar_fn(
         The array of the scalars.
 
     Raises:
-        TypeError: when an element is not a number.
-        RuntimeError: for a promotion torch refuses (uint16/32/64 with another integer type).
+        TypeError: for a string, sequence or array among the numbers.
+        RuntimeError: for a promotion torch refuses (uint16/32/64 with another integer type),
+            or an element torch infers no dtype for (None, a dict: torch's message).
         ValueError: for a python int outside the int64 range in an integer batch.
     """
     if len(set(map(type, batch))) > 1:
@@ -515,8 +521,12 @@ def collate_float_fn(
     Raises:
         TypeError: for an element that is not a real number.
     """
-    out = np.array(batch)
-    if out.dtype.kind not in "biuf":
+    out: np.ndarray[Any, Any] | None
+    try:
+        out = np.array(batch)
+    except ValueError:  # a list or an array among the floats: torch's TypeError, below
+        out = None
+    if out is None or out.dtype.kind not in "biuf":
         bad = _first_non_number(batch, numbers.Real)
         if bad is not None:
             raise TypeError(default_collate_err_msg_format.format(bad))
@@ -541,8 +551,9 @@ def collate_int_fn(
 
     Raises:
         ValueError: for an int outside the int64 range (torch's message).
-        TypeError: for an element that is not a number.
-        RuntimeError: for a promotion torch refuses (uint16/32/64 with another integer type).
+        TypeError: for a string, sequence or array among the numbers.
+        RuntimeError: for a promotion torch refuses (uint16/32/64 with another integer type),
+            or an element torch infers no dtype for (None, a dict: torch's message).
     """
     types = set(map(type, batch))
     if not types <= _INT_TYPES:
@@ -633,7 +644,7 @@ def _gather_numbers(batch: Sequence[Any]) -> np.ndarray[Any, Any]:
     for value in batch:
         dtype = _number_dtype(value)
         if dtype is None:
-            raise TypeError(default_collate_err_msg_format.format(type(value)))
+            raise _non_number_error(value)
         result = dtype if result is None else _promote(result, dtype)
     try:
         return np.array(batch, dtype=result)
@@ -679,6 +690,30 @@ def _first_str_obj_dtype(batch: Sequence[Any], out: np.ndarray[Any, Any]) -> np.
     """The dtype of the first string/object element, to name it rather than the promoted one."""
     dtypes = (np.asarray(value).dtype for value in batch)
     return next((dtype for dtype in dtypes if dtype.kind in _STR_OBJ_KINDS), out.dtype)
+
+
+def _cannot_infer(value: Any) -> bool:
+    """Whether ``torch.tensor`` finds no dtype for ``value`` (its RuntimeError), as it does for
+    None, mappings and other objects; strings, sequences, numpy values and tensors are not."""
+    return not isinstance(value, (str, bytes, Sequence, np.ndarray, np.generic, _TorchTensor))
+
+
+def _non_number_error(value: Any) -> Exception:
+    """The error for ``value`` among a batch's numbers: torch's "Could not infer dtype of ..."
+    RuntimeError where torch's tensor constructor raises it (a label that is sometimes None),
+    else the TypeError naming its type."""
+    if not _cannot_infer(value):
+        return TypeError(default_collate_err_msg_format.format(type(value)))
+    cls = type(value)
+    # torch names the type by its C name: a class of Python code or a builtin by its name
+    # alone, an extension type with its module ("decimal.Decimal").
+    name = cls.__name__
+    if not cls.__flags__ & _HEAP_TYPE and cls.__module__ != "builtins":
+        name = f"{cls.__module__}.{name}"
+    return RuntimeError(f"Could not infer dtype of {name}")
+
+
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: the class was made at run time (class statement)
 
 
 def _first_non_number(batch: Sequence[Any], kind: type = numbers.Number) -> type | None:

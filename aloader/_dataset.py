@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._collate import ColumnBatch
-from ._fetch import fetch_many, fetch_many_sync, fetch_one, gather, getitems_of
+from ._fetch import fetch_many, fetch_many_sync, fetch_one, gather, getitems_of, index_list
 from ._random import GeneratorLike, as_generator, permutation
 from ._util import close_iterator, is_async_callable
 
@@ -635,13 +635,13 @@ class ConcatDataset(Dataset[T_co]):
         """
         if _overridden(self, ConcatDataset, ("__getitem__",)):
             # A subclass that redefines __getitem__ (torch has no ConcatDataset.__getitems__)
-            # must keep seeing every fetch.
+            # must keep seeing every fetch, with torch's python-int indices.
             if self._async_fetch:
-                calls = [functools.partial(self.__getitem__, i) for i in indices]
+                calls = [functools.partial(self.__getitem__, i) for i in index_list(indices)]
                 return cast(Sequence[T_co], gather(calls))
-            return [self[i] for i in indices]
+            return [self[i] for i in index_list(indices)]
         if not (self._grouped or self._any_async):  # torch's order, through __getitem__
-            return [self[i] for i in indices]
+            return [self[i] for i in index_list(indices)]
         size, plan = self._plan(indices)
         if size == 0:
             return cast(Sequence[T_co], _resolved([])) if self._any_async else []

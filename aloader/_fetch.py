@@ -23,10 +23,19 @@ from typing import Any, TypeAlias
 
 import anyio
 import anyio.to_thread
+import numpy as np
 
 from ._util import resolve, single_error
 
-__all__ = ("InThread", "fetch_many", "fetch_many_sync", "fetch_one", "gather", "getitems_of")
+__all__ = (
+    "InThread",
+    "fetch_many",
+    "fetch_many_sync",
+    "fetch_one",
+    "gather",
+    "getitems_of",
+    "index_list",
+)
 
 # "async", "inline" or "thread" (see aloader._dataset.FetchMode); a plan's "process" mode
 # fetches in the worker processes, never here.
@@ -42,6 +51,17 @@ def getitems_of(dataset: object) -> Callable[[Any], Any] | None:
     return getitems if callable(getitems) else None
 
 
+def index_list(indices: Any) -> Any:
+    """``indices`` as ``__getitem__`` is to see them: python ints where they are an index array.
+
+    torch's fetcher hands ``dataset[i]`` the sampler's own ints; aloader's vectorised paths
+    carry a batch as an int64 array, whose elements (``np.int64``) a user's ``__getitem__``
+    could tell apart (``isinstance(i, int)``, ``json.dumps``). A ``__getitems__`` still gets
+    what it was given.
+    """
+    return indices.tolist() if isinstance(indices, np.ndarray) else indices
+
+
 def fetch_many_sync(dataset: Any, getitems: Getitems, indices: Any) -> Any:
     """The samples at ``indices``: one ``getitems`` call, or ``dataset[i]`` for each index.
 
@@ -49,7 +69,7 @@ def fetch_many_sync(dataset: Any, getitems: Getitems, indices: Any) -> Any:
     """
     if getitems is not None:
         return getitems(indices)
-    return [dataset[index] for index in indices]
+    return [dataset[index] for index in index_list(indices)]
 
 
 async def fetch_many(
@@ -68,7 +88,7 @@ async def fetch_many(
         samples = await in_thread(fetch_many_sync, dataset, getitems, indices)
     elif mode == "async" and getitems is None:
         getitem = dataset.__getitem__
-        return await gather([functools.partial(getitem, index) for index in indices])
+        return await gather([functools.partial(getitem, index) for index in index_list(indices)])
     else:
         samples = fetch_many_sync(dataset, getitems, indices)
     return await resolve(samples)

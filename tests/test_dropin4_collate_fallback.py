@@ -63,6 +63,6 @@ def test_a_dataset_mixing_ints_and_tensors_through_the_loader_like_torch() -> No
 
 def test_numpy_mode_errors_stand_without_a_tensor_or_under_a_users_map() -> None:
     with pytest.raises(TypeError, match="default_collate: batch must contain"):
-        aloader.default_collate([1, None])
+        aloader.default_collate([1, "a"])
     with pytest.raises(TypeError, match="default_collate: batch must contain"):
         aloader.collate([1, torch.tensor(2)], collate_fn_map=aloader.default_collate_fn_map)
