@@ -58,6 +58,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, Literal, Protocol
 
 import anyio
@@ -71,7 +72,7 @@ from ._exceptions import FailureBudgetExceeded, LoaderClosedError
 from ._failures import KNOWN_FAILED, Failures, resumable
 from ._sample_rng import BATCH, IDLE, FrameScope, Scope, scope_var
 from ._stats import Collector
-from ._util import Signal, close_iterator, is_async_callable, resolve
+from ._util import Signal, close_iterator, is_async_callable, is_awaitable, resolve
 
 __all__ = (
     "DEFAULT_MAX_CONCURRENCY",
@@ -930,7 +931,7 @@ class FetchPlan:
                 if self.auto_batch and isinstance(samples, list):
                     items = self.items_of(key) if self._getitems is None else None
                     for position, sample in enumerate(samples):
-                        if inspect.isawaitable(sample):
+                        if is_awaitable(sample):
                             if items is not None and scope is not None:
                                 scope.at(items[position])
                             samples[position] = await sample
@@ -959,7 +960,7 @@ class FetchPlan:
         if self.mode == "thread":
             return self.in_thread(self.get_item, index, limiter=limiter)
         value = self.dataset[index]
-        return value if inspect.isawaitable(value) else resolve(value)
+        return value if is_awaitable(value) else resolve(value)
 
     async def load(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
         """Fetch and collate one job in a single thread call (``collate_in_thread`` plans)."""
@@ -982,7 +983,7 @@ class FetchPlan:
         else:
             started = _now()
             batch = self._call_collate(samples)
-            if inspect.isawaitable(batch):
+            if is_awaitable(batch):
                 if inspect.iscoroutine(batch):
                     batch.close()
                 raise TypeError(f"collate_fn {self.collate_fn!r} returned an awaitable after "
@@ -1001,7 +1002,7 @@ class FetchPlan:
         if started is None:
             started = _now()
         batch = self._call_collate(samples)
-        if inspect.isawaitable(batch):  # async def, or a plain function returning one
+        if is_awaitable(batch):  # async def, or a plain function returning one
             self._collate_plain = False
             batch = await batch
         elif self._collate_plain is None:
@@ -1642,12 +1643,11 @@ def _pull_sync(source: Any, size: int | None) -> tuple[Any, bool]:
     """Up to ``size`` samples (one sample when ``size`` is None) and whether the source ended."""
     if size is None:
         return next(source, _NOTHING), False
-    samples = []
-    for sample in source:
-        samples.append(sample)
-        if len(samples) == size:
-            return samples, False
-    return (samples if samples else _NOTHING), True
+    # islice pulls at C speed (a Python loop's append and len per sample were ~40% of an
+    # in-memory iterable's batch); it stops after exactly ``size`` samples, so it never
+    # draws one sample more than the batch, and an error of the source propagates as is.
+    samples = list(islice(source, size))
+    return (samples if samples else _NOTHING), len(samples) < size
 
 
 def _pull_sync_tolerant(source: Iterator[Any], size: int | None, plan: FetchPlan
