@@ -131,7 +131,9 @@ def collate(batch: Any, *, collate_fn_map: CollateFnMap | None = None) -> Any:
         TypeError: when no entry of ``collate_fn_map`` nor the container rules match.
         RuntimeError: when sequences in the batch differ in length.
     """
-    if isinstance(batch, ColumnBatch) and collate_fn_map is not None:
+    # A list (what a loader collates, nearly always) is no ColumnBatch: ruled out before the
+    # ABC's isinstance check, a Python-level call per batch.
+    if type(batch) is not list and isinstance(batch, ColumnBatch) and collate_fn_map is not None:
         # Only under the untouched default rules (numpy's or torch's) may columns pass as is.
         tensor = None
         if collate_fn_map == _DEFAULT_ENTRIES or (

@@ -1534,7 +1534,7 @@ class IterableEpoch(Epoch):
         before_draw: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__(plan, results)
-        self._source = source
+        self._use(source)
         # Called with a batch's number just before its samples are drawn (a persistent
         # worker saves its global RNGs there, see aloader._worker).
         self._before_draw = before_draw
@@ -1547,6 +1547,15 @@ class IterableEpoch(Epoch):
         if snapshot is not None and results.metas is None:
             results.metas = {}
 
+    def _use(self, source: Iterator[Any] | AsyncIterator[Any]) -> None:
+        """Draw the samples from ``source`` from now on.
+
+        Invariant: ``_async`` says whether ``_source`` is an async iterator, decided here
+        once per source rather than per batch (``isinstance`` against the ABC costs a
+        Python-level check each time)."""
+        self._source = source
+        self._async = isinstance(source, AsyncIterator)
+
     async def _run(self) -> None:
         if self.plan.failures is not None:
             self.plan.failures.watch_sources(self.plan.dataset)
@@ -1558,15 +1567,15 @@ class IterableEpoch(Epoch):
             if not self.plan.abandon.given_up:
                 await close_iterator(self._source)
 
-    async def _draw(self, source: AsyncIterator[Any] | Iterator[Any],
-                    limiter: anyio.CapacityLimiter) -> tuple[Any, bool]:
-        """The next batch of a source (async, or a sync one pulled on this thread: an inline
-        epoch's), collated, and whether the source ended; the batch is _NOTHING when there
-        is none (the end, or a short last one with drop_last)."""
+    async def _draw(self, limiter: anyio.CapacityLimiter) -> tuple[Any, bool]:
+        """The next batch of the source (async, or a sync one pulled on this thread: an
+        inline epoch's), collated, and whether the source ended; the batch is _NOTHING when
+        there is none (the end, or a short last one with drop_last)."""
         plan, size = self.plan, self._batch_size
+        source: Any = self._source  # of the kind _async says (see _use)
         started = _now()
         try:
-            if not isinstance(source, AsyncIterator):
+            if not self._async:
                 samples, ended = (_pull_sync(source, size) if plan.failures is None
                                   else _pull_sync_tolerant(source, size, plan))
             elif plan.failures is None:
@@ -1591,7 +1600,7 @@ class IterableEpoch(Epoch):
     async def _pull_batches(self) -> None:
         plan = self.plan
         limiter = anyio.CapacityLimiter(1)
-        source = self._source
+        source: Any = self._source  # of the kind _async says (see _use)
         size = self._batch_size
         seq = 0
         ended = False
@@ -1600,8 +1609,8 @@ class IterableEpoch(Epoch):
             if self._before_draw is not None:
                 self._before_draw(seq)
             try:
-                if isinstance(source, AsyncIterator):
-                    batch, ended = await self._draw(source, limiter)
+                if self._async:
+                    batch, ended = await self._draw(limiter)
                 elif plan.mode == "thread":
                     batch, ended = await plan.in_thread(
                         plan.pull_sync, source, size, self._drop_last, limiter=limiter
