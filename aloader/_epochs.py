@@ -580,8 +580,9 @@ class InlineIterableEpoch(IterableEpoch):
     def _reopen(self) -> None:
         dataset = self._dataset
         parsed = parse(dataset, encode(dataset, self._at), (0, 1))
-        self._source, self._snapshot = open_replica(dataset, parsed)
-        self._open_here(self._source)
+        source, self._snapshot = open_replica(dataset, parsed)
+        self._use(source)
+        self._open_here(source)
         self._broken = False
 
     async def next(self) -> tuple[Any, BaseException | None]:
@@ -591,10 +592,10 @@ class InlineIterableEpoch(IterableEpoch):
         if self._broken:
             self._reopen()
         seq = self._seq
-        source = self._source  # a stream's epoch iterator, or a plain dataset's iterator
         error: BaseException | None = None
         try:
-            batch, ended = await self._draw(source, _NO_LIMITER)
+            # From a stream's epoch iterator, or a plain dataset's iterator.
+            batch, ended = await self._draw(_NO_LIMITER)
             if batch is _NOTHING:
                 await self._close()
                 raise StopAsyncIteration

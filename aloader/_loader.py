@@ -1223,23 +1223,26 @@ class AsyncDataLoaderIter(Generic[T_co]):
                     f"the dataset raised {type(error).__name__} while loading a batch"
                 ) from error
             raise error
-        self._last_meta = epoch.results.meta  # an iterable's position after this batch
-        number = self._skip.global_number(epoch.results.last)
+        results = epoch.results
+        meta = self._last_meta = results.meta  # an iterable's position after this batch
+        number = self._skip.global_number(results.last)
         if self._deferred:
-            self._receipt = (number, self._last_meta)
+            self._receipt = (number, meta)
         else:
-            self._record.received(number, self._last_meta)
-        self.num_yielded += 1
+            self._record.received(number, meta)
+        yielded = self.num_yielded = self.num_yielded + 1
         now = _now()
-        stats.delivered(asked, now, epoch.results.left)
-        if self.num_yielded == 1 and now - stats.started > SLOW_FIRST_BATCH * 1e9:
+        stats.delivered(asked, now, results.left)
+        if yielded == 1 and now - stats.started > SLOW_FIRST_BATCH * 1e9:
             loader_log.warning("the first batch took %.1f s (a cold start, or a stall: "
                                "see DataLoader.stats())", (now - stats.started) / 1e9)
-        self._warn_length()
-        return cast(T_co, value)
+        if self._len_called is not None:  # only an iterable's epoch may outrun its length
+            self._warn_length()
+        batch: T_co = value  # typed by assignment: a cast() is a call per batch
+        return batch
 
     def _warn_length(self) -> None:
-        length = self._len_called  # only an iterable dataset's epoch may outrun its length
+        length = self._len_called
         if length is not None and self.num_yielded > length:
             warnings.warn(
                 f"Length of IterableDataset {self._loader.dataset} was reported to be {length}"

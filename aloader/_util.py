@@ -24,6 +24,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import numpy as np
 
 from ._backend import Waiter, current_backend, waiters
 
@@ -33,6 +34,7 @@ __all__ = (
     "check_seconds",
     "close_iterator",
     "is_async_callable",
+    "is_awaitable",
     "resolve",
     "single_error",
 )
@@ -103,9 +105,24 @@ def is_async_callable(fn: object) -> bool:
     return call is not None and inspect.iscoroutinefunction(call)
 
 
+# Exact types that are never awaitable: what fetches and collates return nearly always. A
+# subclass may define ``__await__``, so only these types themselves are ruled out here.
+_NEVER_AWAITABLE: frozenset[type] = frozenset(
+    {list, tuple, dict, str, bytes, int, float, bool, type(None), np.ndarray}
+)
+
+
+def is_awaitable(value: object) -> bool:
+    """``inspect.isawaitable(value)``, with the builtin results of fetches and collates
+    (list, tuple, dict, str, bytes, numbers, None, ``ndarray``) ruled out by their exact
+    type first: ``inspect.isawaitable`` ends in an ``isinstance`` against
+    ``collections.abc.Awaitable``, a Python-level ABC check, on every batch."""
+    return type(value) not in _NEVER_AWAITABLE and inspect.isawaitable(value)
+
+
 async def resolve(value: Any) -> Any:
     """``value``, awaited first if it is awaitable (a fetch or collate of either kind)."""
-    if inspect.isawaitable(value):
+    if is_awaitable(value):
         return await value
     return value
 

@@ -1178,3 +1178,13 @@ def test_numpy_data_stays_numpy_with_torch_imported() -> None:
     assert isinstance(out[0], np.ndarray) and isinstance(out[1], np.ndarray)
     assert isinstance(out[2]["a"], np.ndarray)
     assert isinstance(default_convert((np.zeros(2), 1))[0], np.ndarray)
+
+
+def test_int_batches_checked_whole_not_by_first_sample() -> None:
+    # The all-int fast path must not take a batch whose later samples are other numbers.
+    torch = pytest.importorskip("torch")
+    for batch in ([1, 2, 3], [1, True, 3], [1, 2.5, 3], [1, np.int32(2)], [True, 1]):
+        got = aloader.default_collate(list(batch))
+        want = torch.utils.data.default_collate(list(batch))
+        assert str(got.dtype) == str(want.dtype).removeprefix("torch."), batch
+        assert got.tolist() == want.tolist(), batch

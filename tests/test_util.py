@@ -251,3 +251,36 @@ async def test_close_iterator_runs_a_suspended_generators_cleanup(anyio_backend:
     await _util.close_iterator(a)
     await _util.close_iterator(g)
     assert closed == ["a", "g"]
+
+
+def test_is_awaitable_agrees_with_inspect() -> None:
+    import inspect
+
+    import numpy as np
+
+    class AwaitableList(list[int]):  # a subclass of a type ruled out by its exact type
+        def __await__(self) -> Any:
+            return iter(())
+
+    async def coro() -> None:
+        return None
+
+    c = coro()
+    values: list[Any] = [[1], (1,), {1: 2}, "s", b"b", 1, 1.5, True, None, np.zeros(2),
+                         AwaitableList(), c, object()]
+    for value in values:
+        assert _util.is_awaitable(value) == inspect.isawaitable(value), value
+    c.close()
+
+
+def test_pull_sync_takes_exactly_a_batch() -> None:
+    from aloader._pipeline import _NOTHING, _pull_sync
+
+    source = iter(range(5))
+    assert _pull_sync(source, 2) == ([0, 1], False)
+    assert _pull_sync(source, 2) == ([2, 3], False)
+    assert next(source) == 4  # nothing drawn beyond the batches
+    assert _pull_sync(source, 2) == (_NOTHING, True)
+    assert _pull_sync(iter(range(3)), 2) == ([0, 1], False)
+    short = iter(range(1))
+    assert _pull_sync(short, 2) == ([0], True)
