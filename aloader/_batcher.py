@@ -89,7 +89,7 @@ from ._exceptions import (
     BatchResultError,
     QueueFullError,
 )
-from ._util import check_int, check_seconds, is_async_callable
+from ._util import check_int, check_seconds, is_async_callable, is_awaitable
 
 __all__ = (
     "Batcher",
@@ -1078,9 +1078,7 @@ class Batcher(Generic[T, R]):
                 # plain function may return a coroutine (a lambda around one), and a callable
                 # that looks async (an instance whose __call__ attribute is a coroutine
                 # function) may not. A list or tuple, the common result, is never awaitable.
-                if type(result) is _Coroutine or (
-                    type(result) is not list and inspect.isawaitable(result)
-                ):
+                if type(result) is _Coroutine or is_awaitable(result):
                     result = await result
                 results = _unpack(result, n, self._name)
             except anyio.get_cancelled_exc_class() as exc:
