@@ -59,6 +59,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import islice
+from types import SimpleNamespace
 from typing import Any, Literal, Protocol
 
 import anyio
@@ -70,7 +71,7 @@ from ._collate import ColumnBatch, default_collate
 from ._dataset import aiter_of, fetch_mode
 from ._exceptions import FailureBudgetExceeded, LoaderClosedError
 from ._failures import KNOWN_FAILED, Failures, resumable
-from ._sample_rng import BATCH, IDLE, FrameScope, Scope, scope_var
+from ._sample_rng import BATCH, IDLE, FrameScope, Scope, fetch_var, scope_var
 from ._stats import Collector
 from ._util import Signal, close_iterator, is_async_callable, is_awaitable, resolve
 
@@ -95,6 +96,10 @@ _WHOLE_JOB = -1
 _AWAIT_THREADS = -2
 _NO_ITEMS = -3
 _FAILED_ITEMS = -4  # items of a job whose error is known: passed over, not fetched
+
+# A fetch worker's stand-in for a FrameScope where sample_rng has none (fetches in threads):
+# never asked, so its fetches are never numbered.
+_NO_SCOPE = SimpleNamespace(asked=False)
 
 # Inline epochs give other tasks a turn at least this often (ns).
 _YIELD_EVERY_NS = 1_000_000
@@ -1371,13 +1376,19 @@ class MapEpoch(Epoch):
         fetch: Callable[[Any], Awaitable[Any]] = getitem if getitem is not None else (
             functools.partial(plan.fetch_item, limiter=limiter))
         # sample_rng's scope for a fetch on the loop is this frame (FrameScope): the index
-        # being fetched is the local ``fetching``, IDLE between fetches (``job`` and
-        # ``position`` name the fetch). Set once in the worker task's own context: a context
-        # variable's set and reset, or a store into a scope object, per fetch cost more than
-        # the rest of a fetch's bookkeeping.
+        # being fetched is the local ``fetching``, IDLE between fetches. Set once in the
+        # worker task's own context: a context variable's set, a Scope made or a store into
+        # one per fetch cost more than the rest of a fetch's bookkeeping. Once sample_rng has
+        # been asked for (``scope.asked``), each fetch is numbered, ``fetch_no`` here and in
+        # fetch_var in its context, which the tasks and threads it starts copy: one that
+        # outlives its fetch gets no stream, never a later fetch's.
         fetching: Any = IDLE
+        fetch_no = 0
+        scope: Any = _NO_SCOPE
         if plan.mode != "thread" and plan.seed is not None:
-            scope_var.set(FrameScope(plan.seed, sys._getframe()))
+            scope = FrameScope(plan.seed, sys._getframe())
+            scope_var.set(scope)
+            fetch_var.set(0)  # not the number of a fetch this worker runs in (nested loaders)
         take, get = queue.take, queue.get
         # The clock at the end of this worker's last fetch while nothing but bookkeeping has
         # run since (no await, no collate): the next fetch starts then, a clock read less.
@@ -1396,6 +1407,9 @@ class MapEpoch(Epoch):
                     await self._other_piece(job, limiter, window)
                     continue
                 fetching = job.indices[position]
+                if scope.asked:
+                    fetch_no += 1
+                    fetch_var.set(fetch_no)
                 started = _now() if ended is None else ended
                 try:
                     job.samples[position] = await fetch(fetching)

@@ -29,8 +29,8 @@ from numpy.random.bit_generator import ISeedSequence
 
 from ._exceptions import SampleRngError
 
-__all__ = ("BATCH", "IDLE", "FrameScope", "Scope", "index_key", "sample_rng", "scope_var",
-           "seed_of")
+__all__ = ("BATCH", "IDLE", "FrameScope", "Scope", "fetch_var", "index_key", "sample_rng",
+           "scope_var", "seed_of")
 
 _M = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -150,39 +150,54 @@ class FrameScope:
     called instead of written by the worker for every fetch.
 
     Contract: the frame's local ``fetching`` is the index being fetched, :data:`IDLE` between
-    fetches; its locals ``job`` and ``position`` name the fetch (each position of a job is
-    fetched once), and ``job.epoch`` is the epoch the job was admitted in. A worker fetches
+    fetches, and ``job.epoch`` (its local ``job``) the epoch the fetch's job was admitted in.
+    Once :attr:`asked` (set by the first :func:`sample_rng` call), the worker numbers each
+    later fetch: its local ``fetch_no``, and :data:`fetch_var` in the context the fetch runs
+    in, so in the tasks and threads it starts. One that outlives the fetch which started it
+    sees another ``fetch_no`` (or IDLE): it gets no scope, never the stream of the sample
+    fetched then (nor a draw from it, which would change that sample). Known hole: until
+    the first call, fetches are not numbered, so such a task left by one of them and asking
+    first, during the fetch of the first call, gets that fetch's stream. A worker fetches
     tens of thousands of items a second, hundreds of workers taking turns: a store into each
     worker's own scope object per fetch cost ~1.7% of an io epoch's CPU (a cache line per
     worker), a local's store nothing measurable. Reading the frame's locals costs ~1 us per
     call of :func:`sample_rng`, which makes a generator for several.
     """
 
-    __slots__ = ("_frame", "_made", "_seed")
+    __slots__ = ("_frame", "_made", "_seed", "asked")
 
     def __init__(self, seed: int, frame: FrameType) -> None:
         self._seed = seed
         self._frame = frame
-        # (job, position, its Scope) of the last fetch that asked: the job is kept so that its
-        # id is not reused by a later job while the pair names this fetch.
-        self._made: tuple[Any, int, Scope] | None = None
+        # (fetch_no, its Scope) of the last fetch that asked: 0 names only the fetch during
+        # which ``asked`` became true (no earlier fetch asked; later ones are numbered).
+        self._made: tuple[int, Scope] | None = None
+        self.asked = False  # whether sample_rng was called: the worker numbers its fetches
 
     def current(self) -> Scope | None:
-        """The scope of the fetch running now (one per fetch), or None between fetches."""
+        """The scope of the fetch running now (one per fetch) where the caller runs in its
+        context, else None (between fetches, or a task or thread of an earlier fetch)."""
         local = self._frame.f_locals  # empty once the worker has returned
         fetching = local.get("fetching", IDLE)
         if fetching is IDLE:
             return None
-        job, position = local["job"], local["position"]
+        number = local["fetch_no"]
+        if fetch_var.get() != number:
+            return None  # a task or thread of an earlier fetch
+        self.asked = True
         made = self._made
-        if made is None or made[0] is not job or made[1] != position:
-            made = self._made = (job, position, Scope(self._seed, job.epoch, fetching))
-        return made[2]
+        if made is None or made[0] != number:
+            made = self._made = (number, Scope(self._seed, local["job"].epoch, fetching))
+        return made[1]
 
 
 scope_var: contextvars.ContextVar[Scope | FrameScope | None] = contextvars.ContextVar(
     "aloader_sample_scope", default=None
 )
+# The number of the fetch (a FrameScope worker's local ``fetch_no``) in whose context the
+# caller runs: set by the worker as each fetch starts once sample_rng was asked for, copied
+# into the tasks and threads the fetch starts.
+fetch_var: contextvars.ContextVar[int] = contextvars.ContextVar("aloader_fetch_no", default=0)
 
 
 def sample_rng(index: Any = None) -> np.random.Generator:

@@ -194,3 +194,57 @@ async def test_on_the_loop_sample_rng_is_a_fetchs_only(anyio_backend: str) -> No
     with pytest.raises(SampleRngError, match="only available while"):
         async for _ in DataLoader(AsyncDraw(), batch_size=2, collate_fn=collate):
             pass
+
+
+@pytest.mark.anyio
+async def test_a_task_outliving_its_fetch_gets_no_stream(anyio_backend: str) -> None:
+    # The fetch of index 0 leaves a task running (in a task group of the caller's); it draws
+    # while the same worker fetches index 1. It must not get index 1's stream, nor take a
+    # draw from it (index 1's sample would change): SampleRngError, as after its fetch.
+    got: list[Any] = []
+    moved_on, drawn = anyio.Event(), anyio.Event()
+
+    async def orphan() -> None:
+        await moved_on.wait()
+        try:
+            got.append(int(sample_rng().integers(1 << 40)))
+        except SampleRngError as exc:
+            got.append(exc)
+        drawn.set()
+
+    async with anyio.create_task_group() as outer:
+        class Leaving(AsyncDraw):
+            async def __getitem__(self, index: int) -> Any:  # type: ignore[override]
+                if index == 0:
+                    outer.start_soon(orphan)
+                elif index == 1:
+                    moved_on.set()
+                    await drawn.wait()
+                return await AsyncDraw.__getitem__(self, index)
+
+        rows = [row async for batch in DataLoader(Leaving(), batch_size=2, generator=9,
+                                                  max_concurrency=1, collate_fn=list)
+                for row in batch]
+    assert len(got) == 1 and isinstance(got[0], SampleRngError)
+    assert rows == [row async for batch in DataLoader(AsyncDraw(), batch_size=2, generator=9,
+                                                      collate_fn=list) for row in batch]
+
+
+@pytest.mark.anyio
+async def test_a_loader_inside_a_fetch_has_its_own_streams(anyio_backend: str) -> None:
+    # The inner loader's fetch workers start in the outer fetch's context: their own scope
+    # and fetch numbers replace the outer ones.
+    def inner() -> DataLoader[Any]:
+        return DataLoader(AsyncDraw(), batch_size=2, generator=3, collate_fn=list)
+
+    class Outer(AsyncDraw):
+        async def __getitem__(self, index: int) -> Any:  # type: ignore[override]
+            own = int(sample_rng().integers(1 << 40))
+            return [own, [row async for batch in inner() for row in batch]]
+
+    expected = [row async for batch in inner() for row in batch]
+    # One fetch worker: its second and third fetches are numbered (the first asked).
+    rows = [row async for batch in DataLoader(Outer(), batch_size=2, sampler=[0, 1, 2],
+                                              max_concurrency=1, generator=9, collate_fn=list)
+            for row in batch]
+    assert [row[1] for row in rows] == [expected] * 3
