@@ -201,7 +201,8 @@ def _reduce_tensor(obj: Any) -> Any:
     A dtype numpy lacks (bfloat16, float8, complex32) travels as the integers of its bits and
     is viewed back. A non-contiguous tensor goes through torch's pickle (which keeps its
     strides), except one of a dtype that pickle cannot load (``_UNLOADABLE``): it travels
-    contiguous, its values the same.
+    contiguous, its values the same; so does a conjugate or negative view of such a dtype,
+    its bit resolved.
     """
     torch = sys.modules["torch"]
     if (
@@ -222,8 +223,11 @@ def _reduce_tensor(obj: Any) -> Any:
                 return NotImplemented
             view = obj.view(getattr(torch, np.dtype(bits).name)).numpy()
             return _tensor_from_numpy, (view, str(obj.dtype).removeprefix("torch."))
-        except RuntimeError:  # a conjugate or negative bit set: torch's pickle resolves it
-            return NotImplemented
+        except RuntimeError:  # a conjugate or negative bit set: torch's pickle keeps it...
+            if str(obj.dtype).removeprefix("torch.") not in _UNLOADABLE:
+                return NotImplemented
+            # ... but cannot load these dtypes back: the values travel, the bit resolved.
+            return _reduce_tensor(obj.resolve_conj().resolve_neg())
     return NotImplemented
 
 
