@@ -195,6 +195,11 @@ _UNLOADABLE = ("uint16", "uint32", "uint64", "complex32", "float8_e4m3fn", "floa
                "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
 
 
+def _unloadable(tensor: Any) -> bool:
+    """Whether torch's own pickle of ``tensor`` cannot be loaded back (its dtype)."""
+    return str(tensor.dtype).removeprefix("torch.") in _UNLOADABLE
+
+
 def _reduce_tensor(obj: Any) -> Any:
     """A contiguous CPU tensor as a numpy array, so that its data goes out of band too.
 
@@ -212,7 +217,7 @@ def _reduce_tensor(obj: Any) -> Any:
         and not obj.requires_grad
     ):
         if not obj.is_contiguous():
-            if str(obj.dtype).removeprefix("torch.") not in _UNLOADABLE:
+            if not _unloadable(obj):
                 return NotImplemented
             obj = obj.contiguous()
         try:
@@ -224,7 +229,7 @@ def _reduce_tensor(obj: Any) -> Any:
             view = obj.view(getattr(torch, np.dtype(bits).name)).numpy()
             return _tensor_from_numpy, (view, str(obj.dtype).removeprefix("torch."))
         except RuntimeError:  # a conjugate or negative bit set: torch's pickle keeps it...
-            if str(obj.dtype).removeprefix("torch.") not in _UNLOADABLE:
+            if not _unloadable(obj):
                 return NotImplemented
             # ... but cannot load these dtypes back: the values travel, the bit resolved.
             return _reduce_tensor(obj.resolve_conj().resolve_neg())
