@@ -1,7 +1,8 @@
 """aloader: an asyncio-native streaming data loader with torch.utils.data's semantics.
 
 This module owns the public namespace and nothing else: every public name is defined in a
-private module (``aloader._loader``, ``aloader._dataset``, ``aloader._sources``...) and
+private module (``aloader.loader._loader``, ``aloader.data._dataset``,
+``aloader.sources._sources``...) and
 re-exported here, listed in ``__all__``.
 
 Quick start::
@@ -11,20 +12,6 @@ Quick start::
         ...
 """
 
-from ._batcher import Batcher, BatcherMetrics, BatchMethod, LatencySummary, batch
-from ._collate import ColumnBatch, collate, default_collate, default_collate_fn_map, default_convert
-from ._dataset import (
-    ArrayDataset,
-    ChainDataset,
-    ConcatDataset,
-    Dataset,
-    IterableDataset,
-    StackDataset,
-    Subset,
-    TensorDataset,
-    random_split,
-)
-from ._distributed import DistributedSampler
 from ._exceptions import (
     AccessDeniedError,
     AloaderError,
@@ -44,13 +31,28 @@ from ._exceptions import (
     SourceError,
     WorkerError,
 )
-from ._formats import SourceStats
-from ._http import HttpOptions
-from ._loader import AsyncDataLoaderIter, DataLoader, DataLoaderIter
-from ._mix import interleave, mix
-from ._parquet import ParquetRows
-from ._sample_rng import sample_rng
-from ._sampler import (
+from ._stats import LoaderStats, SourceStats, StageStats
+from ._workerinfo import WorkerInfo, get_worker_info
+from .data._collate import (
+    ColumnBatch,
+    collate,
+    default_collate,
+    default_collate_fn_map,
+    default_convert,
+)
+from .data._dataset import (
+    ArrayDataset,
+    ChainDataset,
+    ConcatDataset,
+    Dataset,
+    IterableDataset,
+    StackDataset,
+    Subset,
+    TensorDataset,
+    random_split,
+)
+from .data._distributed import DistributedSampler
+from .data._sampler import (
     BatchSampler,
     RandomSampler,
     Sampler,
@@ -58,11 +60,22 @@ from ._sampler import (
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
-from ._sources import BinaryRecords, JsonLines, NpyRows, ShardedSource, SourceOptions, TextLines
-from ._stats import LoaderStats, StageStats
-from ._streams import Stream, as_stream
-from ._tar import TarShards
-from ._workerinfo import WorkerInfo, get_worker_info
+from .io._http import HttpOptions
+from .loader._loader import AsyncDataLoaderIter, DataLoader, DataLoaderIter
+from .pipeline._sample_rng import sample_rng
+from .serve._batcher import Batcher, BatcherMetrics, BatchMethod, LatencySummary, batch
+from .sources._parquet import ParquetRows
+from .sources._sources import (
+    BinaryRecords,
+    JsonLines,
+    NpyRows,
+    ShardedSource,
+    SourceOptions,
+    TextLines,
+)
+from .sources._tar import TarShards
+from .streams._mix import interleave, mix
+from .streams._streams import Stream, as_stream
 
 __version__ = "0.1.0.dev0"
 

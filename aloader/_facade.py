@@ -18,8 +18,8 @@ The private loop is uvloop's when uvloop is installed (``pip install 'aloader[fa
 asyncio's; ``ALOADER_UVLOOP=0`` in the environment keeps asyncio's (read when a loop starts).
 
 An epoch that needs no event loop at all (an in-memory dataset's: see
-:attr:`aloader._pipeline.MapEpoch.loopless`; a loopless stream's, batched on the consumer's
-call: :class:`aloader._epochs.InlineIterableEpoch`) runs on the consumer's thread instead,
+:attr:`aloader.pipeline._pipeline.MapEpoch.loopless`; a loopless stream's, batched on the consumer's
+call: :class:`aloader.loader._epochs.InlineIterableEpoch`) runs on the consumer's thread instead,
 with no loop and no thread: :class:`LocalIterator` drives its steps with :func:`run_here`.
 
 A pump task on the loop moves items into a thread-safe queue, at most ``_Pump.AHEAD`` ahead
@@ -213,7 +213,7 @@ def parked(timeout: float = 1.0) -> Iterator[frozenset[threading.Thread] | None]
     and yield the threads known to be quiet meanwhile (None if a loop did not stop in
     ``timeout`` seconds: one busy in a long step).
 
-    For a fork of this process (:mod:`aloader._spawn`'s template), which copies only the
+    For a fork of this process (:mod:`aloader.workers._spawn`'s template), which copies only the
     forking thread: a thread that held a lock at that moment leaves it held in the child.
     A held loop thread is inside this module's own callback, holding nothing, and so is an
     idle anyio worker thread of that loop (one the loop lists as idle waits for its next job
@@ -490,7 +490,8 @@ def run_here(awaitable: Awaitable[T]) -> T:
     """Run ``awaitable`` to its end on this thread, with no event loop, and return its result.
 
     For a step that never awaits a real event (an inline epoch's, see
-    :attr:`aloader._pipeline.MapEpoch.loopless`): ``send(None)`` runs it to its end at once.
+    :attr:`aloader.pipeline._pipeline.MapEpoch.loopless`): ``send(None)`` runs it to its end at
+    once.
     A bare ``yield`` (``asyncio.sleep(0)``) only gives turns, so it goes on; anything else
     waits for a loop that is not there.
 

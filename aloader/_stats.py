@@ -34,11 +34,22 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from operator import sub
 from typing import Any
 
-__all__ = ("Collector", "LoaderStats", "Occupancy", "Stage", "StageStats", "verdict")
+from ._exceptions import RecordError
+
+__all__ = (
+    "Collector",
+    "LoaderStats",
+    "Occupancy",
+    "SourceStats",
+    "Stage",
+    "StageStats",
+    "verdict",
+)
 
 _RING = 1024  # latencies kept per stage for the percentiles (the most recent ones)
 # Fold the appends every 32 batches: a stage fetched item by item appends an int per item, and
@@ -525,3 +536,105 @@ def _source_counts(source: Any) -> dict[str, int]:
         counts.update(cache_hits=source.cache_hits, cache_misses=source.cache_misses,
                       cache_bytes=source.cache_bytes, cache_evicted=source.cache_evicted)
     return counts
+
+
+# Errors kept for inspection when bad records are skipped (the count is exact regardless).
+_KEEP_ERRORS = 100
+
+
+@dataclass
+class SourceStats:
+    """Counters of a source, cumulative over its epochs.
+
+    With loader workers, each worker counts in its copy of the source and sends what it
+    counted with each batch; the loader adds it to the source it holds, so the loader's
+    process sees the totals of all workers: the sources of the stream the loader was given
+    and of the streams it reads from (see :func:`aloader.streams._sourcestats.source_stats`), not
+    those a dataset of your own holds.
+
+    Each epoch's content counts once (records, bytes, skipped, shards, repeated): a part of
+    an epoch read again (a chain reopened after a KeyboardInterrupt in a decoder or a
+    transform, a shuffle or mix replaying its input, a stream resumed from a state it saved
+    itself, which continues its reading) is not counted again, so an epoch interrupted and
+    continued counts what the uninterrupted one does; the same epoch read again from its start
+    counts again. A fresh source resumed from a state (a new loader or process) counts the
+    rest of the epoch: the records from the position, the bytes and skipped records from the
+    byte offset of the position's block in its shard's content. ``retries`` and the cache
+    counters count the requests and reads made, those of a part read again included. The
+    counts run ahead of the consumer by what the stream has read ahead. (:class:`ParquetRows`
+    counts what it reads.)
+
+    Attributes:
+        shards: shards read to their end.
+        records: records decoded (handed on by the source, before any transform).
+        bytes: the shards' content decoded, in bytes: after decompression (of a compressed
+            shard or a coded HTTP body), counted as each chunk is fed to the decoder.
+        skipped: malformed records skipped because ``skip_errors=True``.
+        retries: HTTP requests retried (connection errors, timeouts, 5xx).
+        shards_dropped: shards this rank left unread in an epoch to read as many shards as
+            every other rank (``even_ranks``; one per epoch at most, counted by its worker 0
+            when the epoch starts).
+        repeated: records delivered again, from a new pass over a consumer's shards, to make
+            up ``records_per_rank``.
+        cache_hits: remote shards read from the local cache (``cache_dir``).
+        cache_misses: remote shards read from their store while a cache was set (downloaded
+            into it when they fit, see :mod:`aloader.io._cache`).
+        cache_bytes: bytes read from the local cache.
+        cache_evicted: cached shards this source's reads evicted to stay under
+            ``cache_limit``.
+        skipped_errors: the errors of the last skipped records (up to 100).
+    """
+
+    shards: int = 0
+    records: int = 0
+    bytes: int = 0
+    skipped: int = 0
+    retries: int = 0
+    shards_dropped: int = 0
+    repeated: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_bytes: int = 0
+    cache_evicted: int = 0
+    skipped_errors: deque[RecordError] = field(
+        default_factory=lambda: deque(maxlen=_KEEP_ERRORS)
+    )
+
+    def counts(self) -> tuple[int, ...]:
+        """The counters (shards, records, bytes, skipped, retries, shards_dropped, repeated,
+        cache_hits, cache_misses, cache_bytes, cache_evicted), to diff against later."""
+        return (self.shards, self.records, self.bytes, self.skipped, self.retries,
+                self.shards_dropped, self.repeated, self.cache_hits, self.cache_misses,
+                self.cache_bytes, self.cache_evicted)
+
+    def since(self, before: tuple[int, ...]) -> tuple[Any, ...] | None:
+        """What was counted since ``counts()`` returned ``before``, or None if nothing.
+
+        Returns:
+            ``(*counts, errors)``: the increments of :meth:`counts` and the
+            errors of the records skipped since (the last ``_KEEP_ERRORS`` of them).
+        """
+        now = self.counts()
+        if now == before:
+            return None
+        increments = tuple(a - b for a, b in zip(now, before, strict=True))
+        new = min(increments[3], len(self.skipped_errors))
+        errors = list(self.skipped_errors)[len(self.skipped_errors) - new :] if new else []
+        return (*increments, errors)
+
+    def add(self, delta: tuple[Any, ...]) -> None:
+        """Count what :meth:`since` returned (a worker's counts, in the loader's process)."""
+        (shards, records, size, skipped, retries, dropped, repeated, hits, misses, cached,
+         evicted, errors) = delta
+        self.shards += shards
+        self.records += records
+        self.bytes += size
+        self.skipped += skipped
+        self.retries += retries
+        self.shards_dropped += dropped
+        self.repeated += repeated
+        self.cache_hits += hits
+        self.cache_misses += misses
+        self.cache_bytes += cached
+        self.cache_evicted += evicted
+        self.skipped_errors.extend(errors)

@@ -2,12 +2,15 @@
 
 This module owns the per-process facts that datasets and sources read while they iterate
 (which worker this is, how many there are, the loader epoch being served), and nothing else, so
-that sources (:mod:`aloader._streams`, :mod:`aloader._sharding`) can shard themselves without
-importing the worker server (:mod:`aloader._worker`), which sets these facts. Outside workers
+that sources (:mod:`aloader.streams._streams`, :mod:`aloader.sources._sharding`) can shard
+themselves without
+importing the worker server (:mod:`aloader.workers._worker`), which sets these facts. Outside
+workers
 ``get_worker_info()`` is None and :func:`served_epoch` is None.
 
 A replica of an iterable dataset may run where it was not saved: the rest of an epoch saved
-with ``W`` workers is run by ``W`` *virtual replicas* (:mod:`aloader._epochs`), in the loader's
+with ``W`` workers is run by ``W`` *virtual replicas* (:mod:`aloader.loader._epochs`), in the
+loader's
 process or several in one worker. Each must see the facts of the worker it replaces, and only
 its own: :func:`as_replica` sets them in a context variable (inherited by the tasks and threads
 the replica's iteration starts), which wins over the process's facts.
@@ -21,7 +24,7 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any, NamedTuple
 
-__all__ = ("WorkerInfo", "as_replica", "get_worker_info", "served_epoch")
+__all__ = ("WorkerInfo", "as_replica", "get_worker_info", "served_epoch", "worker_slot")
 
 
 class WorkerInfo:
@@ -162,3 +165,11 @@ def _mirror_to_torch() -> None:
         return
     worker._worker_info = _torch_mirror = worker.WorkerInfo(
         id=info.id, num_workers=info.num_workers, seed=info.seed, dataset=info.dataset)
+
+
+def worker_slot() -> tuple[int, int]:
+    """(worker id, number of workers) of this process: (0, 1) outside loader workers."""
+    info = get_worker_info()
+    if info is None:
+        return 0, 1
+    return int(info.id), int(info.num_workers)

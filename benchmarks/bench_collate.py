@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from aloader._collate import ColumnBatch, default_collate
+from aloader.data._collate import ColumnBatch, default_collate
 
 BATCH = 256
 FEATURES = 128

@@ -84,7 +84,7 @@ async def _window(concurrency: int, ranges: list[tuple[int, int]],
 def _ssl() -> Any:
     """One TLS context for every httpx client (as aloader keeps one per process): httpx
     loads the CA bundle again for each client made without one, ~10-100 ms each."""
-    from aloader._http import _ssl_context
+    from aloader.io._http import _ssl_context
 
     return _ssl_context()
 

@@ -10,7 +10,7 @@ answer:
 
 * HTTP: ``aloader._demo.ShardServer`` (threaded ``http.server``).
 * S3: the same ``ShardServer`` in its S3 mode (``bucket=``: path-style GET/HEAD with ranges,
-  ListObjectsV2, no signature check; tested in ``tests/test_s3bench.py``). The S3 and HTTP rows
+  ListObjectsV2, no signature check; tested in ``tests/io/test_s3_server.py``). The S3 and HTTP rows
   run the same server code with the same latency, so their ratio measures the client paths
   (obstore's and aloader's S3 path against aiohttp and aloader's HTTP path).
 * S3, moto: moto's S3 server behind aloader's fault proxy (``aloader._demo._s3.LocalS3``, the
@@ -26,7 +26,7 @@ work, which the wall clock of a loaded machine shows less faithfully.
 * aloader s3: ``DataLoader(JsonLines(s3_urls, concurrency=16), batch_size=256)`` against the
   S3 ``ShardServer``, credentials and endpoint from the environment: on asyncio the objects
   are read through signed URLs by aloader's HTTP path (aiohttp), on trio by obstore's blocking
-  API in threads (see :mod:`aloader._objstore` for which path reads when).
+  API in threads (see :mod:`aloader.io._objstore` for which path reads when).
 * aloader s3, obstore's reads: the same with an ``S3Store`` passed as ``store=``, which
   obstore reads itself (its async API's body stream on asyncio).
 * aloader s3, moto: the same on asyncio against moto (its store passed with ``store=``).
@@ -73,7 +73,7 @@ from common import (
 
 from aloader import DataLoader, JsonLines
 from aloader._demo import ShardServer, make_jsonl_shards
-from aloader._objstore import ObjectAccess
+from aloader.io._objstore import ObjectAccess
 
 BUCKET = "bench"
 # Rounds of the interleaved rows (each figure the best of them): more than common.RUNS, since

@@ -16,8 +16,9 @@ programs of a loaded machine disturb less than the wall clock.
 
 The rows programs make their dicts with ``RecordBatch.to_pylist``, what a program without a
 loader would write; aloader makes the same dicts (equal, same key order, same value types:
-tests/test_parquet_fast2.py) from the columns' ``to_pylist`` with a comprehension per schema
-and the cyclic collector paused per piece (``aloader._parquet._rows_of``), measured at ~0.72x
+tests/sources/test_parquet_row_maker.py) from the columns' ``to_pylist`` with a comprehension
+per schema and the cyclic collector paused per piece (``aloader.sources._parquet._rows_of``),
+measured at ~0.72x
 ``to_pylist``'s time per 4096 rows.
 
 Data: 8 files of 4 row groups, 1M rows in all (with ``--quick`` 200k): ``id`` int64, ``x``
@@ -92,7 +93,8 @@ def to_arrays(batch: Any) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """Python's cyclic collector paused meanwhile, as ``aloader._parquet._rows_of`` pauses it
+    """Python's cyclic collector paused meanwhile, as ``aloader.sources._parquet._rows_of`` pauses
+    it
     (rows of Arrow values hold no cycles: see the module's description)."""
     paused = gc.isenabled()
     if paused:

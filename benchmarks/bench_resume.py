@@ -27,7 +27,7 @@ import numpy as np
 
 import aloader
 from aloader import DataLoader
-from aloader._sample_rng import Scope, scope_var
+from aloader.pipeline._sample_rng import Scope, scope_var
 
 N = 10_000_000
 BATCH = 256

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from aloader._random import permutation
-from aloader._sampler import BatchSampler, RandomSampler, epoch_batches
+from aloader.data._random import permutation
+from aloader.data._sampler import BatchSampler, RandomSampler, epoch_batches
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 10_000_000
 BATCH = 256
@@ -47,7 +47,8 @@ def main() -> None:
     rows: list[tuple[str, float]] = []
     limit = best_ns_per_index(lambda: rng.permutation(N))
     rows.append(("numpy Generator.permutation (limit)", limit))
-    rows.append(("aloader._random.permutation", best_ns_per_index(lambda: permutation(rng, N))))
+    rows.append(("aloader.data._random.permutation", best_ns_per_index(lambda: permutation(rng,
+    N))))
     alone = best_ns_per_index(sampler._epoch_indices)
     rows.append(("RandomSampler._epoch_indices()", alone))
 

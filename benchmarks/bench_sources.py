@@ -112,7 +112,8 @@ from common import (
 import aloader
 from aloader import DataLoader, JsonLines, TextLines, default_collate
 from aloader._demo import make_jsonl_shards
-from aloader._formats import BadRecords, SourceStats
+from aloader._stats import SourceStats
+from aloader.sources._formats import BadRecords
 
 
 def _cpu_of(pid: int) -> float:

@@ -4,13 +4,21 @@ closing of loaders that only reference cycles still hold."""
 from __future__ import annotations
 
 import gc
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
-import pytest
-from faulty_server import FaultyServer
+# Tests live in one folder per wing, and a few share helpers across folders (test_failures'
+# datasets, test_tar's builders): every folder is importable by its files' basenames, which
+# stay unique, whatever order pytest collects them in.
+_HERE = Path(__file__).resolve().parent
+sys.path[1:1] = [str(d) for d in sorted(_HERE.iterdir()) if d.is_dir() and d.name.isidentifier()]
 
-from aloader import DataLoader
+import pytest  # noqa: E402
+from faulty_server import FaultyServer  # noqa: E402
+
+from aloader import DataLoader  # noqa: E402
 
 
 @pytest.fixture(params=["asyncio", "trio"])

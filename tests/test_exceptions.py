@@ -11,8 +11,10 @@ import anyio
 import pytest
 
 import aloader
-from aloader import _batcher, _exceptions, _streams
-from aloader._pipeline import Results
+from aloader import _exceptions
+from aloader.pipeline._pipeline import Results
+from aloader.serve import _batcher
+from aloader.streams import _streams
 
 # The tree as _exceptions' docstring draws it: name -> (parent in the tree, builtin base or None).
 TREE: dict[str, tuple[str, type[BaseException] | None]] = {

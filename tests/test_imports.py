@@ -1,9 +1,14 @@
-"""The package's import graph: no module imports, even lazily, one that imports it back.
+"""The package's import graph: no cycle, and imports run one way between the wings.
 
-Every ``aloader/*.py`` is parsed with :mod:`ast`; an edge is any import of a sibling module
-(``from . import x``, ``from ._x import y``, ``import aloader._x``, ``from aloader import _x``)
-at module level or inside a function. Imports under ``if TYPE_CHECKING:`` are left out: they
-never run.
+Every module under ``aloader/`` is parsed with :mod:`ast`; an edge is any import of another
+module of the package (``from . import x``, ``from ..io._http import y``, ``import
+aloader.io._http``, ``from aloader import _x``) at module level or inside a function. Imports
+under ``if TYPE_CHECKING:`` are left out: they never run. A module is named by its dotted path
+inside the package (``pipeline._pipeline``, ``_util``).
+
+The wings (folders named for their jobs) and what each may import, top to bottom; the base
+(the package's own top-level modules) imports no wing, and the package's entry points
+(``__init__``, ``__main__``, ``_cli``, ``_demo``) may import anything.
 """
 
 from __future__ import annotations
@@ -13,6 +18,20 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "aloader"
 
+BASE = ""
+# wing -> the wings it may import (itself and the base always).
+ALLOWED: dict[str, set[str]] = {
+    "data": set(),
+    "io": set(),
+    "serve": set(),
+    "pipeline": {"data"},
+    "streams": {"pipeline", "data"},
+    "sources": {"io", "streams", "pipeline", "data"},
+    "workers": {"pipeline", "streams", "data"},
+    "loader": {"data", "io", "pipeline", "streams", "sources", "workers"},
+}
+ENTRY_POINTS = {"__init__", "__main__", "_cli", "_demo"}
+
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
@@ -20,9 +39,36 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
-    """The sibling modules that ``tree`` imports, outside ``if TYPE_CHECKING:`` blocks."""
+def _resolve(package: str, level: int, module: str | None) -> str:
+    """The dotted target (inside aloader) of ``from <level dots><module> import ...`` written
+    in a module whose package is ``package`` (dotted, "" for aloader itself)."""
+    parts = package.split(".") if package else []
+    if level:
+        parts = parts[: len(parts) - (level - 1)]
+    elif module is not None:  # absolute: aloader.x.y
+        return module.removeprefix("aloader").removeprefix(".")
+    return ".".join([*parts, *(module.split(".") if module else [])])
+
+
+def _imports(tree: ast.AST, modules: set[str], package: str = "") -> set[str]:
+    """The modules of ``modules`` that ``tree`` (a module in ``package``) imports, outside
+    ``if TYPE_CHECKING:`` blocks."""
     found: set[str] = set()
+
+    def add(target: str, names: list[str]) -> None:
+        if target in modules:
+            found.add(target)
+            return
+        for name in names:  # from . import _x / from .io import _http
+            candidate = f"{target}.{name}" if target else name
+            if candidate in modules:
+                found.add(candidate)
+        if not any((f"{target}.{n}" if target else n) in modules for n in names):
+            # from .io._http import x, where the module is a package's attribute
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target:
+                found.add(target)
 
     def visit(node: ast.AST) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node.test):
@@ -30,34 +76,45 @@ def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
                 visit(child)
             return
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1 or node.module in {"aloader", None} or (
-                node.module or ""
-            ).startswith("aloader."):
-                base = node.module or ""
-                if node.level == 0:
-                    base = base.removeprefix("aloader").removeprefix(".")
-                if base:
-                    found.add(base.split(".")[0])
-                else:  # from . import x
-                    found.update(alias.name for alias in node.names)
+            absolute = node.level == 0
+            if not absolute or node.module == "aloader" or (node.module or "").startswith(
+                "aloader."
+            ):
+                target = _resolve(package, node.level, node.module)
+                add(target, [alias.name for alias in node.names])
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("aloader."):
-                    found.add(alias.name.split(".")[1])
+                    add(alias.name.removeprefix("aloader."), [])
         for child in ast.iter_child_nodes(node):
             visit(child)
 
     visit(tree)
-    return found & modules
+    return found
+
+
+def _name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
 
 
 def _graph() -> dict[str, set[str]]:
-    files = {path.stem: path for path in PACKAGE.glob("*.py")}
+    files = {_name(path): path for path in PACKAGE.rglob("*.py")}
     modules = set(files)
-    return {
-        name: _imports(ast.parse(path.read_text(), str(path)), modules) - {name}
-        for name, path in files.items()
-    }
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text(), str(path))
+        graph[name] = _imports(tree, modules, package) - {name}
+    return graph
+
+
+def _wing(module: str) -> str:
+    head = module.split(".")[0]
+    return head if head in ALLOWED else BASE
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -87,16 +144,18 @@ def test_the_parser_sees_every_kind_of_import() -> None:
     source = (
         "from . import _a\n"
         "from ._b import x\n"
-        "import aloader._c\n"
+        "import aloader.io._c\n"
         "from aloader import _d\n"
-        "from aloader._e import y\n"
+        "from aloader.io._e import y\n"
         "def f():\n"
-        "    from ._f import z\n"
+        "    from ..io._f import z\n"
         "if TYPE_CHECKING:\n"
         "    from ._g import w\n"
     )
-    modules = {"_a", "_b", "_c", "_d", "_e", "_f", "_g", "_h"}
-    assert _imports(ast.parse(source), modules) == {"_a", "_b", "_c", "_d", "_e", "_f"}
+    modules = {"data._a", "data._b", "io._c", "_d", "io._e", "io._f", "data._g", "_h"}
+    assert _imports(ast.parse(source), modules, "data") == {
+        "data._a", "data._b", "io._c", "_d", "io._e", "io._f",
+    }
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
@@ -106,6 +165,23 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_the_import_graph_has_no_cycle() -> None:
     graph = _graph()
-    assert "_pipeline" in graph["_loader"]  # the parser reads the real package
+    assert "pipeline._pipeline" in graph["loader._loader"]  # the parser reads the real package
     cycle = _cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_every_module_lives_in_a_wing_or_the_base() -> None:
+    for path in PACKAGE.iterdir():
+        if path.is_dir() and not path.name.startswith((".", "__")):
+            assert path.name in ALLOWED or path.name in ENTRY_POINTS, path.name
+
+
+def test_imports_run_one_way_between_the_wings() -> None:
+    wrong = []
+    for module, targets in sorted(_graph().items()):
+        if module.split(".")[0] in ENTRY_POINTS:
+            continue
+        wing = _wing(module)
+        allowed = {wing, BASE} | ALLOWED.get(wing, set()) if wing else {BASE}
+        wrong += [f"{module} -> {t}" for t in sorted(targets) if _wing(t) not in allowed]
+    assert not wrong, "imports against the wings' order:\n" + "\n".join(wrong)

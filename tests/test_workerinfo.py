@@ -34,7 +34,7 @@ def test_sources_do_not_import_the_worker_server() -> None:
     from pathlib import Path
 
     package = Path(aloader.__file__).parent
-    for name in ("_streams.py", "_sharding.py", "_sources.py"):
+    for name in ("streams/_streams.py", "sources/_sharding.py", "sources/_sources.py"):
         tree = ast.parse((package / name).read_text())
         modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         assert "_worker" not in modules, name

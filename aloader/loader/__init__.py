@@ -1,0 +1,4 @@
+"""DataLoader and the epochs it runs.
+
+Internal: the public names are exported by ``aloader``.
+"""

@@ -1,0 +1,154 @@
+"""Resuming an iterable dataset's epoch: where each batch left the dataset, and the way back.
+
+An iterable epoch (in this process, or in each worker's replica) asks, right after drawing a
+batch's samples, where the dataset now is (:func:`snapshotter`); that *snapshot* travels with
+the batch (``Results.meta``, a worker's reply), so the loader's state reflects exactly the
+batches its consumer received, whatever was prefetched. Three kinds, by what the dataset
+offers:
+
+* ``"stream"``: an aloader :class:`~aloader.Stream`: its iterator's position, a few references
+  (encoded by :meth:`Stream._state_from` only when a state is asked for);
+* ``"protocol"``: a dataset with torchdata's ``state_dict()`` / ``load_state_dict()`` (and, as
+  torchdata, an iterator that has them too): asked after every batch, and loaded before the
+  resumed epoch's ``iter()`` (the iterator's after it);
+* ``"count"``: any other iterable: the samples drawn. Resuming iterates it anew and discards
+  that many samples (torchdata's fast-forward): it costs reading them again.
+
+A snapshot is a tuple ``(kind, ...)``: plain data, cheap to take and to pickle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+from ..data._dataset import iterate
+from ._streams import Stream, _StreamIterator, check_field
+
+__all__ = ("encode", "open_replica", "parse", "resume", "snapshotter", "start_snapshot")
+
+
+def _has_protocol(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None))
+
+
+def snapshotter(dataset: Any, source: Any, before: int = 0) -> Callable[[int, bool], Any]:
+    """What an epoch calls after each batch's samples are drawn: ``(drawn, ended) -> snapshot``
+    of ``dataset`` iterated by ``source`` (which skipped ``before`` samples, resumed by
+    counting)."""
+    if isinstance(source, _StreamIterator):
+        position = source._snapshot
+        return lambda drawn, ended: ("stream", position())
+    if _has_protocol(dataset) or _has_protocol(source):
+        own = dataset.state_dict if _has_protocol(dataset) else None
+        of_iterator = source.state_dict if _has_protocol(source) else None
+        return lambda drawn, ended: ("protocol", None if own is None else own(),
+                                     None if of_iterator is None else of_iterator(), ended)
+    return lambda drawn, ended: ("count", before + drawn, ended)
+
+
+def open_replica(dataset: Any, parsed: Any) -> tuple[Iterator[Any] | AsyncIterator[Any],
+                                                     Callable[[int, bool], Any]]:
+    """A new iterator over ``dataset`` resumed from ``parsed`` (see :func:`parse`; None: the
+    start), and its snapshotter."""
+    source = resume(dataset, parsed)
+    before = parsed[1] if parsed is not None and parsed[0] == "count" else 0
+    return source, snapshotter(dataset, source, before)
+
+
+def start_snapshot(dataset: Any, epoch: int, slot: tuple[int, int]) -> Any:
+    """The snapshot of a replica that has delivered nothing yet in ``epoch`` (worker ``slot``):
+    None where the start needs no saving (not a stream)."""
+    if isinstance(dataset, Stream):
+        return ("stream", (epoch, None, 0, False, None, slot))
+    return None
+
+
+def encode(dataset: Any, snapshot: Any, counters: Any = None) -> dict[str, Any] | None:
+    """A snapshot as JSON builtins (None stays None: the replica's start)."""
+    if snapshot is None:
+        return None
+    kind = snapshot[0]
+    if kind == "encoded":  # a resumed replica that has delivered nothing since
+        return snapshot[1]  # type: ignore[no-any-return]
+    if kind == "stream":
+        return {"kind": "stream", "state": dataset._state_from(
+            snapshot[1], counters=counters, at_end=True)}
+    if kind == "protocol":
+        return {"kind": "protocol", "dataset": snapshot[1], "iterator": snapshot[2],
+                "ended": snapshot[3]}
+    return {"kind": "count", "drawn": snapshot[1], "ended": snapshot[2]}
+
+
+def parse(dataset: Any, state: Any, slot: tuple[int, int]) -> Any:
+    """Validate an encoded replica state for worker ``slot``; what :func:`resume` takes."""
+    if state is None:
+        return None
+    where = "iterable dataset"
+    kind = check_field(state, "kind", str, where)
+    expected = ("stream" if isinstance(dataset, Stream)
+                else "protocol" if _has_protocol(dataset) else "count")
+    if kind != expected:
+        raise ValueError(f"cannot load this state: field 'kind' is {kind!r}, but this dataset "
+                         f"({type(dataset).__name__}) resumes by {expected!r}")
+    if kind == "stream":
+        return ("stream", dataset._parse_state(state.get("state"), slot))
+    if kind == "protocol":
+        return ("protocol", state.get("dataset"), state.get("iterator"),
+                check_field(state, "ended", bool, where))
+    drawn = check_field(state, "drawn", int, where)
+    ended = check_field(state, "ended", bool, where)
+    return ("count", drawn, ended)
+
+
+def resume(dataset: Any, parsed: Any) -> Iterator[Any] | AsyncIterator[Any]:
+    """A new iterator over ``dataset``, from a state :func:`parse` validated (None: the
+    start)."""
+    if isinstance(dataset, Stream):  # its epoch's iterator, which the loader slices batches off
+        if parsed is not None:
+            dataset._apply_state(parsed[1])
+        return dataset._open()
+    if parsed is None:
+        return iterate(dataset)
+    kind = parsed[0]
+    if kind == "protocol":
+        if parsed[3]:  # the last batch drew the replica's last samples: nothing is left
+            return _skip(iter(()), 0, True)
+        if parsed[1] is not None and _has_protocol(dataset):
+            dataset.load_state_dict(parsed[1])
+        source = iterate(dataset)
+        if parsed[2] is not None and _has_protocol(source):
+            source.load_state_dict(parsed[2])  # type: ignore[union-attr]
+        return source
+    drawn, ended = parsed[1], parsed[2]
+    source = iterate(dataset)
+    if isinstance(source, AsyncIterator):
+        return _skip_async(source, drawn, ended)
+    return _skip(source, drawn, ended)
+
+
+def _skip(source: Iterator[Any], count: int, ended: bool) -> Iterator[Any]:
+    """``source`` without its first ``count`` items (all of them once it had ended)."""
+    if ended:
+        return
+    for _ in range(count):
+        if next(source, _END) is _END:
+            return
+    yield from source
+
+
+async def _skip_async(source: AsyncIterator[Any], count: int, ended: bool
+                      ) -> AsyncIterator[Any]:
+    if ended:
+        return
+    for _ in range(count):
+        try:
+            await source.__anext__()
+        except StopAsyncIteration:
+            return
+    async for item in source:
+        yield item
+
+
+_END: Any = object()
