@@ -143,6 +143,8 @@ _SIGNING_ENV = frozenset({
 # to cover clock skew between this machine and the store.
 _SIGNED_FOR = timedelta(hours=1)
 _MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
+# obstore's min_chunk_size for a body's pieces as they arrive (see _ObjectTransport).
+_AS_THEY_COME = 1
 
 
 def is_object_url(shard: str) -> bool:
@@ -635,7 +637,14 @@ class ObjectAccess:
 class _ObjectTransport:
     """Ranged GETs of one object for :func:`~aloader.io._resumable.resumable_chunks`: through
     signed URLs (:class:`~aloader.io._http.HttpTransport` with a :class:`_Presigned`) or
-    obstore's own GETs, chosen at the first request."""
+    obstore's own GETs, chosen at the first request.
+
+    An attempt that follows a failed one takes the body's pieces as they arrive (obstore's
+    smallest ``min_chunk_size``) instead of gathering ``chunk_size`` bytes first: the bytes
+    received before a cut are then handed on, and the next attempt resumes after them, so a
+    connection that is always cut after a few KiB still makes progress. The first attempt
+    gathers ``chunk_size`` bytes per piece (fewer hand-offs from obstore's thread).
+    """
 
     def __init__(self, access: ObjectAccess, url: str,
                  client: Callable[[], HttpClient] | None) -> None:
@@ -686,7 +695,7 @@ class _ObjectTransport:
                                  f"store sent bytes from {first}", source=url,
                                  offset=reading.offset)
             total, tag, modified = _version_of(result.meta)
-            stream = result.stream(min_chunk_size=size)
+            stream = result.stream(min_chunk_size=_AS_THEY_COME if reading.failures else size)
             yield Part(_pieces(calls, stream), 0, total, tag, modified)
         except (Retry, FetchError):
             raise
