@@ -191,7 +191,8 @@ class LoaderStats:
             verdict leaves out).
         workers: per worker process: ``{"batches": n, "busy": seconds}``.
         sources: the streaming sources' counters (records, bytes, retries, skipped...; with
-            ``cache_dir``, also cache_hits, cache_misses, cache_bytes and cache_evicted),
+            ``cache_dir``, also cache_hits, cache_misses, cache_bytes, cache_evicted and
+            cache_corrupt),
             cumulative over the loader's epochs, each epoch's content counted once (an epoch
             interrupted and continued, or resumed by this loader from its own state, counts
             what the uninterrupted one does; see :class:`~aloader.SourceStats`).
@@ -534,7 +535,8 @@ def _source_counts(source: Any) -> dict[str, int]:
               "skipped": source.skipped, "retries": source.retries}
     if source.cache_hits or source.cache_misses:
         counts.update(cache_hits=source.cache_hits, cache_misses=source.cache_misses,
-                      cache_bytes=source.cache_bytes, cache_evicted=source.cache_evicted)
+                      cache_bytes=source.cache_bytes, cache_evicted=source.cache_evicted,
+                      cache_corrupt=source.cache_corrupt)
     return counts
 
 
@@ -582,6 +584,10 @@ class SourceStats:
         cache_bytes: bytes read from the local cache.
         cache_evicted: cached shards this source's reads evicted to stay under
             ``cache_limit``.
+        cache_corrupt: cached copies found damaged (a block that does not match the checksum
+            recorded when it was downloaded, a wrong length, a symlink) and dropped, or
+            downloads whose bytes did not match the store's checksum (not kept); their
+            records came from the store instead.
         skipped_errors: the errors of the last skipped records (up to 100).
     """
 
@@ -596,16 +602,18 @@ class SourceStats:
     cache_misses: int = 0
     cache_bytes: int = 0
     cache_evicted: int = 0
+    cache_corrupt: int = 0
     skipped_errors: deque[RecordError] = field(
         default_factory=lambda: deque(maxlen=_KEEP_ERRORS)
     )
 
     def counts(self) -> tuple[int, ...]:
         """The counters (shards, records, bytes, skipped, retries, shards_dropped, repeated,
-        cache_hits, cache_misses, cache_bytes, cache_evicted), to diff against later."""
+        cache_hits, cache_misses, cache_bytes, cache_evicted, cache_corrupt), to diff
+        against later."""
         return (self.shards, self.records, self.bytes, self.skipped, self.retries,
                 self.shards_dropped, self.repeated, self.cache_hits, self.cache_misses,
-                self.cache_bytes, self.cache_evicted)
+                self.cache_bytes, self.cache_evicted, self.cache_corrupt)
 
     def since(self, before: tuple[int, ...]) -> tuple[Any, ...] | None:
         """What was counted since ``counts()`` returned ``before``, or None if nothing.
@@ -625,7 +633,7 @@ class SourceStats:
     def add(self, delta: tuple[Any, ...]) -> None:
         """Count what :meth:`since` returned (a worker's counts, in the loader's process)."""
         (shards, records, size, skipped, retries, dropped, repeated, hits, misses, cached,
-         evicted, errors) = delta
+         evicted, corrupt, errors) = delta
         self.shards += shards
         self.records += records
         self.bytes += size
@@ -637,4 +645,5 @@ class SourceStats:
         self.cache_misses += misses
         self.cache_bytes += cached
         self.cache_evicted += evicted
+        self.cache_corrupt += corrupt
         self.skipped_errors.extend(errors)

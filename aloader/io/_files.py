@@ -80,7 +80,7 @@ def _open(path: str) -> int:
 
 async def file_chunks(
     path: str, chunk_size: int, on_size: Callable[[int], None] | None = None, start: int = 0,
-    *, blocking: bool = False,
+    *, blocking: bool = False, opener: Callable[[str], int] | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The bytes of the file at ``path``, ``chunk_size`` bytes at a time (a chunk read from
     the page cache may be shorter, when only its first bytes are cached).
@@ -91,13 +91,16 @@ async def file_chunks(
         on_size: called with the file's size once it is open, before the first chunk.
         start: the byte to start at (a positioned read: a resumed shard is not read again).
         blocking: open and read on this thread, never awaiting (no event loop is needed).
+        opener: opens ``path`` (a descriptor open for reading), where plain ``open`` will
+            not do (the shard cache's: relative to its directory, no symlinks followed).
     """
+    open_ = _open if opener is None else opener
     if blocking:
-        fd = _open(path)
+        fd = open_(path)
     else:
         # Shielded: a cancelled open could leave the file open in its thread, unreachable.
         with anyio.CancelScope(shield=True):
-            fd = await anyio.to_thread.run_sync(_open, path)
+            fd = await anyio.to_thread.run_sync(open_, path)
     try:
         info = os.fstat(fd)
         size = info.st_size

@@ -74,7 +74,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -93,6 +93,7 @@ from .._exceptions import (
 )
 from .._stats import SourceStats
 from .._util import usable_cpus
+from ._checksums import etag_md5
 from ._http import HttpClient, HttpOptions, HttpTransport, Via, shares_one_pool
 from ._resumable import Part, Reading, Retry, resumable_chunks, retry_delay, where
 
@@ -463,6 +464,16 @@ class _Presigned(Via):
                 connect: bool) -> FetchError:
         failure = _Failure("unreachable" if connect else "transient", status, error)
         return _error(self.name, failure, offset, failures, self._endpoint)
+
+    def digests(self, headers: Mapping[str, str]) -> dict[str, str]:
+        # S3's ETag of a single-part upload is its MD5, unless the object is encrypted with
+        # a KMS key or the client's own (SSE-KMS, DSSE-KMS, SSE-C): their ETags are not.
+        encryption = headers.get("x-amz-server-side-encryption", "AES256").strip()
+        if encryption != "AES256" or "x-amz-server-side-encryption-customer-algorithm" in \
+                headers:
+            return {}
+        md5 = etag_md5(headers.get("ETag"))
+        return {} if md5 is None else {"md5": md5}
 
 
 @dataclass(frozen=True)

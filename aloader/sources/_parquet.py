@@ -73,6 +73,7 @@ from .._backend import Waiter, threadsafe_caller, waiters
 from .._exceptions import FetchError, RecordError, SourceError
 from .._util import Closing, check_int
 from .._workerinfo import worker_slot
+from ..io._cache import Version
 from ..io._http import http_chunks, make_client
 from ..io._objstore import is_object_url
 from ..streams._streams import Stream, _Context
@@ -165,27 +166,33 @@ def open_parquet_shard(name: str, source: ParquetRows, reuse: bool = False) -> A
     The one place a shard's bytes come from: a local path is passed as it is (pyarrow then
     opens it itself, the fastest way: 10% faster than a ``LocalFileSystem`` input file); a
     remote one is a :class:`_RangeFile` (``reuse``: it keeps one HTTP client for all its reads,
-    closed by :meth:`_RangeFile.aclose`), which the reader closes when it is done.
+    closed by :meth:`_RangeFile.aclose`), which the reader closes when it is done, or its copy
+    in the shard cache, a :class:`~aloader.io._cache.CopyFile` whose every read is checked
+    against the copy's checksums (a damaged copy is dropped, and read by ranges from there).
     """
     if not _is_remote(name):
         return name
-    if source._shard_cache is not None:
-        local = _on_loop(functools.partial(_cached_copy, name, source))
-        if local is not None:
-            return local
+    cache = source._shard_cache
+    if cache is not None:
+        version = _on_loop(functools.partial(_cached_copy, name, source))
+        if version is not None:
+            copy = cache.open_copy(name, version, source.stats,
+                                   functools.partial(_RangeFile, name, source, False))
+            if copy is not None:
+                return copy
     return _RangeFile(name, source, reuse)
 
 
-async def _cached_copy(name: str, source: ParquetRows, in_worker: bool) -> str | None:
-    """The local path of the remote file ``name`` in the source's shard cache, downloaded
+async def _cached_copy(name: str, source: ParquetRows, in_worker: bool) -> Version | None:
+    """The version of the remote file ``name`` kept in the source's shard cache, downloaded
     whole into it first if needed (random access needs the whole file; every column is kept);
     None when the file is larger than what the cache may keep, read by ranges then."""
     cache = source._shard_cache
     assert cache is not None
     version = source._versions.get(name)
-    if version is not None and (path := cache.kept(name, version)) is not None:
+    if version is not None and cache.holds(name, version):
         source.stats.cache_hits += 1  # pinned and kept: no request, nothing read
-        return path
+        return version
     too_big = False
 
     def sized(size: int) -> None:
@@ -208,8 +215,7 @@ async def _cached_copy(name: str, source: ParquetRows, in_worker: bool) -> str |
         if client is not None:
             with anyio.CancelScope(shield=True):
                 await client.aclose()
-    version = source._versions.get(name)
-    return None if version is None else cache.kept(name, version)
+    return source._versions.get(name)
 
 
 def _is_remote(name: str) -> bool:

@@ -52,13 +52,13 @@ async def test_a_pinned_copy_is_read_by_the_local_file_reader_itself(
 
     reader = cache.chunks(url, fetch, source._versions, source.stats, 1 << 16)
     try:
-        assert reader.ag_code is ShardCache._local.__code__  # type: ignore[attr-defined]
+        assert reader.ag_code is ShardCache._copy.__code__  # type: ignore[attr-defined]
         assert b"".join([piece async for piece in reader]) == SHARDS[Path(url).name]
     finally:
         await reader.aclose()
     # Without a pinned version the read goes through the locks (and the store).
     other = cache.chunks(url, fetch, {}, source.stats, 1 << 16)
-    assert other.ag_code is not ShardCache._local.__code__  # type: ignore[attr-defined]
+    assert other.ag_code is not ShardCache._copy.__code__  # type: ignore[attr-defined]
     await other.aclose()
 
 
@@ -95,10 +95,10 @@ async def test_an_unreadable_pinned_copy_names_the_url_and_the_cache(
     source = JsonLines(server.urls[:1], cache_dir=tmp_path, **FAST)
     await collect(source)
 
-    def refuse(path: str) -> int:
-        raise PermissionError(13, "Permission denied", path)
+    def refuse(directory: Any, name: str, *args: Any) -> int:
+        raise PermissionError(13, "Permission denied", name)
 
-    monkeypatch.setattr("aloader.io._files._open", refuse)
+    monkeypatch.setattr("aloader.io._cachedir.Directory.open", refuse)
     with pytest.raises(PermissionError) as info:
         await collect(source)
     assert any(server.urls[0] in note and str(tmp_path) in note
