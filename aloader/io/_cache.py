@@ -179,7 +179,7 @@ class ShardCache:
                       "or group a directory of its own", self.directory)
 
     def _dir(self) -> Directory:
-        return Directory(self.directory)
+        return Directory.of(self.directory)
 
     # Names -----------------------------------------------------------------------------
     def _base(self, url: str) -> str:
@@ -371,7 +371,7 @@ class ShardCache:
         if version is not None:
             try:
                 path = self.kept(url, version)
-            except OSError as exc:  # the directory cannot be used (a stamp refused, ...)
+            except OSError as exc:  # the directory cannot be used
                 self._noted(exc, url)
                 raise
             if path is not None:

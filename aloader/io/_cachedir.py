@@ -89,9 +89,10 @@ def write_failed(directory: Directory, url: str, exc: OSError) -> None:
               "logged at debug level from now on)", url, directory.path, exc)
 
 
-# Descriptors of the cache directories, by path (a process opens each once; a forked child
-# uses its parent's, which names the same directory).
-_OPENED: dict[str, int] = {}
+# The cache directories this process opened, by path, with when each was last checked.
+_OPENED: dict[str, tuple[Directory, float]] = {}
+# How long an opened directory is trusted to be the one at its path (see Directory.of).
+_RECHECK = 1.0
 
 
 class Directory:
@@ -102,18 +103,35 @@ class Directory:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        fd = _OPENED.get(path)
-        if fd is not None:
-            # The directory at the path may have been removed and made again (a hand's
-            # rm -rf): the descriptor would name the removed one. (Not closed: a read in
-            # another thread may still use it; one descriptor per such change.)
-            now, opened = os.stat(path), os.fstat(fd)
-            if (now.st_dev, now.st_ino) != (opened.st_dev, opened.st_ino):
-                fd = None
-        if fd is None:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            _OPENED[path] = fd
-        self.fd = fd
+        self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    @classmethod
+    def of(cls, path: str) -> Directory:
+        """The directory at ``path``, opened once per process (a forked child uses its
+        parent's descriptor, which names the same directory). Checked again at most once a
+        second: the directory at the path may have been removed and made again (a hand's
+        ``rm -rf``), and the descriptor would name the removed one. (Not closed then: a
+        read in another thread may still use it; one descriptor per such change.)"""
+        now = time.monotonic()
+        found = _OPENED.get(path)
+        if found is None:
+            directory = cls(path)
+        else:
+            directory, checked = found
+            if now - checked < _RECHECK:
+                return directory
+            try:
+                there, opened = os.stat(path), os.fstat(directory.fd)
+                if (there.st_dev, there.st_ino) != (opened.st_dev, opened.st_ino):
+                    directory = cls(path)
+            except FileNotFoundError:  # removed: made again, as the source did
+                try:
+                    os.makedirs(path, exist_ok=True)
+                    directory = cls(path)
+                except OSError:
+                    pass  # the old one's writes fail: the shards stream, uncached
+        _OPENED[path] = (directory, now)
+        return directory
 
     def full(self, name: str) -> str:
         """``name``'s path, for messages and callers that need one."""
@@ -126,6 +144,11 @@ class Directory:
             NotRegular: ``name`` is a symlink, a directory, a FIFO, ...
             OSError: any other error (FileNotFoundError, ...).
         """
+        return self.open_stat(name, flags, mode)[0]
+
+    def open_stat(self, name: str, flags: int = os.O_RDONLY, mode: int = 0o644
+                  ) -> tuple[int, os.stat_result]:
+        """:meth:`open`, and the file's ``fstat``."""
         try:
             fd = os.open(name, flags | _NOFOLLOW, mode, dir_fd=self.fd)
         except OSError as exc:
@@ -133,14 +156,14 @@ class Directory:
                 raise NotRegular(exc.errno, "not a regular file", self.full(name)) from None
             raise
         try:
-            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+            info = os.fstat(fd)
         except BaseException:
             os.close(fd)
             raise
-        if not regular:
+        if not stat.S_ISREG(info.st_mode):
             os.close(fd)
             raise NotRegular(errno.EINVAL, "not a regular file", self.full(name))
-        return fd
+        return fd, info
 
     def create(self, name: str) -> int:
         """A new file ``name``, open for writing (never one that exists, of any kind)."""
@@ -422,9 +445,14 @@ class Writer:
             directory.write_atomically(self.final + SUMS, self._sums.table(self.size))
             now = time.time_ns()
             os.utime(self.fd, ns=(now, now))
+            info = os.fstat(self.fd)
             os.close(self.fd)
             self.fd = None
             directory.rename(self.temp, self.final)
+            # This copy's checksums are known: no reader of this process reads them again.
+            table = SumTable.parse(self._sums.table(self.size), self.size)
+            if table is not None:
+                _remember((info.st_dev, info.st_ino, self.size, self.final), table)
         except OSError as exc:
             self.failed(exc)
             return ""
@@ -438,6 +466,22 @@ class Writer:
 
 
 # --------------------------------------------------------------------------------- reading
+
+
+# The checksums of the copies read lately, by the copy's (device, inode, size, name): an LRU
+# of at most _KEEP_SUMS bytes of checksums (4 bytes per 64 KiB of copy: those of 256 GiB of
+# copies), in _TABLES' order of use.
+_TABLES: dict[tuple[int, int, int, str], SumTable] = {}
+_KEEP_SUMS = 16 << 20
+_kept_sums = 0
+
+
+def _remember(key: tuple[int, int, int, str], table: SumTable) -> None:
+    global _kept_sums
+    _TABLES[key] = table
+    _kept_sums += table.nbytes
+    while _kept_sums > _KEEP_SUMS and len(_TABLES) > 1:
+        _kept_sums -= _TABLES.pop(next(iter(_TABLES))).nbytes
 
 
 class CopyReader:
@@ -474,27 +518,40 @@ class CopyReader:
         """
         directory = self.directory
         try:
-            fd = directory.open(name)
+            fd, info = directory.open_stat(name)
         except NotRegular:
             raise Damaged(None, "not a regular file") from None
         try:
-            length = os.fstat(fd).st_size
-            if length != self.size:
-                raise Damaged(None, f"{length} bytes, not {self.size}")
-            try:
-                data = directory.read(name + SUMS, _MAX_SUMS)
-            except FileNotFoundError:
-                raise Damaged(None, "no checksums beside it") from None
-            except NotRegular:
-                raise Damaged(None, "its checksum file is not a regular file") from None
-            table = SumTable.parse(data, self.size)
-            if table is None or table.block != BLOCK:
-                raise Damaged(None, "its checksum file is damaged, or of another copy")
+            if info.st_size != self.size:
+                raise Damaged(None, f"{info.st_size} bytes, not {self.size}")
+            # A copy is never changed in place (a new one is a new file, moved there), so its
+            # checksums are those read for the same file before: read once per process (not
+            # read again for a copy changed in place, whose change they then find; its
+            # modification time is no key: each use stamps it).
+            key = (info.st_dev, info.st_ino, info.st_size, name)
+            table = _TABLES.pop(key, None)
+            if table is None:
+                table = self._read_table(name + SUMS)
+                _remember(key, table)
+            else:
+                _TABLES[key] = table  # the most recently used
             self._table = table
         except BaseException:
             os.close(fd)
             raise
         return fd
+
+    def _read_table(self, name: str) -> SumTable:
+        try:
+            data = self.directory.read(name, _MAX_SUMS)
+        except FileNotFoundError:
+            raise Damaged(None, "no checksums beside it") from None
+        except NotRegular:
+            raise Damaged(None, "its checksum file is not a regular file") from None
+        table = SumTable.parse(data, self.size)
+        if table is None or table.block != BLOCK:
+            raise Damaged(None, "its checksum file is damaged, or of another copy")
+        return table
 
     def checked(self, chunk: bytes) -> bytes:
         """The bytes of the copy's next ``chunk`` (as read) that can be handed on: whole

@@ -138,6 +138,11 @@ class SumTable:
             sums.byteswap()
         return cls(sums, block, value)
 
+    @property
+    def nbytes(self) -> int:
+        """The memory its checksums take."""
+        return len(self._sums) * 4
+
     def check(self, index: int, data: bytes) -> bool:
         """Whether ``data`` is block ``index`` as it was downloaded."""
         return index < len(self._sums) and self._value(data) == self._sums[index]

@@ -123,7 +123,12 @@ def test_a_damaged_copy_is_not_served_to_a_sync_for(serve: Callable[..., FaultyS
 @pytest.mark.parametrize("damage", ["missing", "zeroed", "another copy's"])
 async def test_a_copy_without_its_own_checksums_is_downloaded_again(
         serve: Callable[..., FaultyServer], tmp_path: Path, anyio_backend: str,
-        damage: str) -> None:
+        damage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that read the copy's checksums keeps them (and checks the copy against
+    them); another process finds the checksum file damaged: the copy cannot be checked, so
+    it is downloaded again."""
+    from aloader.io import _cachedir
+
     server = serve(SMALL | {"c.jsonl": records(500, 200)})
     source = JsonLines(server.urls, cache_dir=tmp_path, **FAST)
     assert sorted(ids(await collect(source))) == list(range(200)) + list(range(500, 700))
@@ -135,6 +140,9 @@ async def test_a_copy_without_its_own_checksums_is_downloaded_again(
     else:
         sums.write_bytes(Path(str(copy_of(tmp_path, server, "c.jsonl")) + ".sum").read_bytes())
     requests = len(server.requests)
+    assert sorted(ids(await collect(source))) == list(range(200)) + list(range(500, 700))
+    assert source.stats.cache_corrupt == 0 and len(server.requests) == requests
+    monkeypatch.setattr(_cachedir, "_TABLES", {})  # as in another process
     assert sorted(ids(await collect(source))) == list(range(200)) + list(range(500, 700))
     assert source.stats.cache_corrupt == 1
     assert len(server.requests) == requests + 1

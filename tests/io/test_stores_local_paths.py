@@ -98,7 +98,7 @@ async def test_an_unreadable_pinned_copy_names_the_url_and_the_cache(
     def refuse(directory: Any, name: str, *args: Any) -> int:
         raise PermissionError(13, "Permission denied", name)
 
-    monkeypatch.setattr("aloader.io._cachedir.Directory.open", refuse)
+    monkeypatch.setattr("aloader.io._cachedir.Directory.open_stat", refuse)
     with pytest.raises(PermissionError) as info:
         await collect(source)
     assert any(server.urls[0] in note and str(tmp_path) in note
