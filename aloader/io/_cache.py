@@ -337,8 +337,9 @@ class ShardCache:
         A copy of the version this source pinned is read as a local file is (one
         :func:`~aloader.io._files.file_chunks`, each block's check and the counting of its
         bytes): a cached epoch costs what an epoch over local files does, plus a stamp of
-        each copy's last use and its checksums' read. Only without one does the read go
-        through the locks and the store.
+        each copy's last use (on its descriptor) and the CRC of its bytes (its checksums are
+        read once per process). Only without one does the read go through the locks and the
+        store.
 
         With ``blocking`` the reader awaits nothing (a chain with no event loop, a sync
         ``for``'s: see ``_streams._LocalPairs``): the copy is read on this thread, and a read
@@ -368,16 +369,11 @@ class ShardCache:
             return _on_own_loop(inner) if blocking else inner()
 
         version = versions.get(url)
-        if version is not None:
-            try:
-                path = self.kept(url, version)
-            except OSError as exc:  # the directory cannot be used
-                self._noted(exc, url)
-                raise
-            if path is not None:
-                return self._copy(url, version, stats, chunk_size, on_size, start, blocking,
-                                  read)
-        return read(start)
+        if version is None:
+            return read(start)
+        # The copy itself, looked up by opening it (no stat first): one that is not there
+        # (never kept, evicted) is read(start) instead, one damaged read(offset).
+        return self._copy(url, version, stats, chunk_size, on_size, start, blocking, read)
 
     async def _copy(
         self, url: str, version: Version, stats: SourceStats, chunk_size: int,
@@ -399,7 +395,7 @@ class ShardCache:
         """
         directory = self._dir()
         name = _copy_name(url, version)
-        reader = CopyReader(directory, name, version[0], start)
+        reader = CopyReader(directory, url, name, version[0], start)
         opened = False
 
         def sized(size: int) -> None:
@@ -569,12 +565,10 @@ class ShardCache:
                   fallback: Callable[[], Any]) -> CopyFile | None:
         """The committed copy of ``url`` at ``version`` as a blocking random-access file
         whose reads are checked (see :class:`CopyFile`), or None if there is none."""
-        if self.kept(url, version) is None:
-            return None
         try:
             return CopyFile(self._dir(), url, _copy_name(url, version), version[0], stats,
                             fallback)
-        except FileNotFoundError:  # evicted since
+        except FileNotFoundError:  # not kept, or evicted since
             return None
 
 
@@ -599,7 +593,7 @@ class CopyFile(io.RawIOBase):
         self._fallback = fallback
         self._remote: Any = None
         self._pos = 0
-        reader = CopyReader(directory, name, size, 0)
+        reader = CopyReader(directory, url, name, size, 0)
         self._fd: int | None = None
         try:
             self._fd = reader.open(name)

@@ -486,10 +486,12 @@ def _remember(key: tuple[int, int, int, str], table: SumTable) -> None:
 
 class CopyReader:
     """A committed copy of ``size`` bytes, opened with its checksum file (in one call: in a
-    thread for an async read) and checked a block at a time as it is read.
+    thread for an async read), stamped as just used (for the eviction's order) and checked a
+    block at a time as it is read.
 
     Args:
         directory: the cache directory.
+        url: the shard's URL (for messages).
         name: the copy's name.
         size: its length.
         start: the first byte wanted.
@@ -498,8 +500,10 @@ class CopyReader:
         read_from: the byte the reads start at (``start``'s block's first).
     """
 
-    def __init__(self, directory: Directory, name: str, size: int, start: int) -> None:
+    def __init__(self, directory: Directory, url: str, name: str, size: int,
+                 start: int) -> None:
         self.directory = directory
+        self.url = url
         self.name = name
         self.size = size
         self.start = start
@@ -524,6 +528,11 @@ class CopyReader:
         try:
             if info.st_size != self.size:
                 raise Damaged(None, f"{info.st_size} bytes, not {self.size}")
+            now = time.time_ns()
+            try:
+                os.utime(fd, ns=(now, now))
+            except OSError as exc:  # a directory gone read-only: eviction sees an older use
+                write_failed(directory, self.url, exc)
             # A copy is never changed in place (a new one is a new file, moved there), so its
             # checksums are those read for the same file before: read once per process (not
             # read again for a copy changed in place, whose change they then find; its
@@ -565,11 +574,12 @@ class CopyReader:
         assert table is not None  # opened
         data = self._pending + chunk if self._pending else chunk
         position = self._position
-        end = position + len(data)
+        length = len(data)
+        end = position + length
         if end > self.size:
             raise Damaged(max(self.start, position), "longer than its version")
-        usable = len(data) if end == self.size else len(data) - len(data) % BLOCK
-        whole = usable == len(data)
+        usable = length if end == self.size else length - length % BLOCK
+        whole = usable == length
         for at in range(0, usable, BLOCK):
             block = data if whole and usable <= BLOCK else data[at : at + BLOCK]
             if not table.check((position + at) // BLOCK, block):

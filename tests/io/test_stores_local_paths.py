@@ -71,17 +71,21 @@ async def test_a_pinned_copy_evicted_before_it_is_opened_is_read_from_the_store(
     source = JsonLines(server.urls, cache_dir=tmp_path, **FAST)
     await collect(source)
     assert gets(server) == 3
-    kept = ShardCache.kept
-    evicted: list[str] = []
+    from aloader.io import _cachedir
 
-    def evict_after_lookup(self: ShardCache, url: str, version: Any) -> str | None:
-        path = kept(self, url, version)
-        if path is not None and url == server.urls[1] and not evicted:
+    open_stat = _cachedir.Directory.open_stat
+    evicted: list[str] = []
+    cache = source._shard_cache
+    assert cache is not None
+    path = cache.path(server.urls[1], source._versions[server.urls[1]])
+
+    def evict_before_open(self: Any, name: str, *args: Any) -> Any:
+        if name == os.path.basename(path) and not evicted:
             os.unlink(path)
             evicted.append(path)
-        return path
+        return open_stat(self, name, *args)
 
-    monkeypatch.setattr(ShardCache, "kept", evict_after_lookup)
+    monkeypatch.setattr(_cachedir.Directory, "open_stat", evict_before_open)
     assert sorted(ids(await collect(source))) == ALL_IDS
     assert evicted and gets(server) == 4  # the evicted shard only
     assert os.path.exists(evicted[0])  # and kept again
