@@ -237,8 +237,24 @@ async def test_unreachable_endpoint(s3: LocalS3, anyio_backend: str) -> None:
                        rf"http://127\.0\.0\.1:{port} after 3 attempts"):
         await collect(source)
     assert source.stats.retries == 2
-    with pytest.raises(EndpointUnreachableError, match="s3://data-bucket/data/"):
-        JsonLines(url("data/"), store=store, retries=1, **FAST)
+    with pytest.raises(EndpointUnreachableError, match=rf"s3://data-bucket/data/: cannot "
+                       rf"connect to http://127\.0\.0\.1:{port} after 2 attempts"):
+        JsonLines(url("data/"), store=store, retries=1, **FAST)  # the listing
+
+
+async def test_a_prefix_without_its_slash_is_suggested(s3: LocalS3, anyio_backend: str
+                                                        ) -> None:
+    """``s3://bucket/data`` names no object, but objects exist under ``data/``: the error
+    says so; a key with nothing under it gets no suggestion."""
+    source = JsonLines(url("data"), store=s3.store(BUCKET), **FAST)
+    with pytest.raises(ObjectNotFoundError) as info:
+        await collect(source)
+    assert str(info.value).endswith(f"; objects exist under {url('data')}/: for the objects "
+                                    "under that prefix, end the URL with '/'")
+    assert info.value.source == url("data") and info.value.status_code == 404
+    with pytest.raises(ObjectNotFoundError) as info:
+        await collect(JsonLines(url("nothing-here"), store=s3.store(BUCKET), **FAST))
+    assert "objects exist under" not in str(info.value)
 
 
 def test_store_must_fit_the_urls(s3: LocalS3) -> None:
