@@ -1154,6 +1154,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
             plan.mode, plan.concurrency if plan.granularity == "item" else plan.window,
             max(1, loader.prefetch_factor), loader._stats_epochs, loader.num_workers,
             "iterable" if isinstance(kind, IterableEpochs) else "map", plan.auto_batch,
+            loader.in_order,
         )
         stats.sources = source_stats(loader.dataset)
         if self.failures is not None:
