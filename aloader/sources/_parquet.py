@@ -96,35 +96,73 @@ DEFAULT_BATCH_ROWS = 65536  # pyarrow's own default for iter_batches
 # made), and cost ~1.25x the CPU time of pieces of 4096-8192 rows (1M rows, to_pylist alone).
 ROW_BLOCK = 4096
 _INSTALL = "pip install aloader[parquet]"
-# Schemas wider than this are made into rows by pyarrow itself (see _row_maker).
-_MAX_MADE_COLUMNS = 256
+
+
+# The rows of 1 to 8 columns, each made by a comprehension over ``zip`` of the columns that
+# builds a dict display of the keys (bound to local names first): one BUILD_MAP per row, the
+# same keys in the same order with the same values as RecordBatch.to_pylist(), which looks
+# each value up by name in a dict of columns, then indexes the column by the row. Written
+# out per width because a dict display's width is fixed in the code (dict(zip(keys, row))
+# per row, the generic way, takes 2x the time; generating the code from the schema means
+# exec, which no schema's names should reach).
+def _rows1(keys: tuple[str, ...], columns: list[list[Any]]) -> list[Any]:
+    (k0,) = keys
+    return [{k0: a} for (a,) in zip(*columns, strict=True)]
+
+
+def _rows2(keys: tuple[str, ...], columns: list[list[Any]]) -> list[Any]:
+    k0, k1 = keys
+    return [{k0: a, k1: b} for a, b in zip(*columns, strict=True)]
+
+
+def _rows3(keys: tuple[str, ...], columns: list[list[Any]]) -> list[Any]:
+    k0, k1, k2 = keys
+    return [{k0: a, k1: b, k2: c} for a, b, c in zip(*columns, strict=True)]
+
+
+def _rows4(keys: tuple[str, ...], columns: list[list[Any]]) -> list[Any]:
+    k0, k1, k2, k3 = keys
+    return [{k0: a, k1: b, k2: c, k3: d} for a, b, c, d in zip(*columns, strict=True)]
+
+
+def _rows5(keys: tuple[str, ...], columns: list[list[Any]]) -> list[Any]:
+    k0, k1, k2, k3, k4 = keys
+    return [{k0: a, k1: b, k2: c, k3: d, k4: e}
+            for a, b, c, d, e in zip(*columns, strict=True)]
+
+
+def _rows6(keys: tuple[str, ...], columns: list[list[Any]]) -> list[Any]:
+    k0, k1, k2, k3, k4, k5 = keys
+    return [{k0: a, k1: b, k2: c, k3: d, k4: e, k5: f}
+            for a, b, c, d, e, f in zip(*columns, strict=True)]
+
+
+def _rows7(keys: tuple[str, ...], columns: list[list[Any]]) -> list[Any]:
+    k0, k1, k2, k3, k4, k5, k6 = keys
+    return [{k0: a, k1: b, k2: c, k3: d, k4: e, k5: f, k6: g}
+            for a, b, c, d, e, f, g in zip(*columns, strict=True)]
+
+
+def _rows8(keys: tuple[str, ...], columns: list[list[Any]]) -> list[Any]:
+    k0, k1, k2, k3, k4, k5, k6, k7 = keys
+    return [{k0: a, k1: b, k2: c, k3: d, k4: e, k5: f, k6: g, k7: h}
+            for a, b, c, d, e, f, g, h in zip(*columns, strict=True)]
+
+
+_MAKERS = (_rows1, _rows2, _rows3, _rows4, _rows5, _rows6, _rows7, _rows8)
 
 
 @functools.lru_cache(maxsize=64)
 def _row_maker(names: tuple[str, ...]) -> Callable[[list[list[Any]]], list[Any]] | None:
     """A function making the rows of a batch whose columns are ``names`` from its columns'
     values (``[column.to_pylist() for column in batch.columns]``): exactly what
-    ``RecordBatch.to_pylist()`` gives, in 0.8x its time, or None where pyarrow's own is used
-    (no columns, a name twice, a very wide schema).
-
-    ``to_pylist`` is ``to_pydict`` (each column's ``to_pylist``) and then, per row, a dict
-    filled by looking each column up by name in that dict and indexing it by the row: two
-    lookups and a store per value. The function made here is a comprehension over ``zip`` of
-    the columns building each row from a dict display with the names as constants (one
-    ``BUILD_CONST_KEY_MAP`` per row): the same keys in the same order with the same values,
-    measured at 1.54 against 1.95 ms per 4096 rows of five columns (the benchmark's).
-    """
-    if not names or len(set(names)) != len(names) or len(names) > _MAX_MADE_COLUMNS:
+    ``RecordBatch.to_pylist()`` gives, in 0.8x its time (0.63 against 0.78 ms per 4096 rows
+    of five columns, the benchmark's, the columns' to_pylist included), or None where
+    pyarrow's own is used: no columns, a name twice, more than 8 columns (see ``_rows1``).
+    The names are values the functions take, never code."""
+    if not names or len(set(names)) != len(names) or len(names) > len(_MAKERS):
         return None
-    values = [f"v{i}" for i in range(len(names))]
-    # repr() of a str is a str literal of it, whatever it holds: the names stay data.
-    display = ", ".join(f"{name!r}: {value}" for name, value in zip(names, values, strict=True))
-    source = (f"def rows(columns):\n"
-              f"    return [{{{display}}} for {', '.join(values)}, in zip(*columns)]\n")
-    space: dict[str, Any] = {}
-    exec(compile(source, f"<aloader rows of {len(names)} columns>", "exec"), space)
-    made: Callable[[list[list[Any]]], list[Any]] = space["rows"]
-    return made
+    return functools.partial(_MAKERS[len(names) - 1], names)
 
 
 def _rows_of(piece: Any) -> list[Any]:
