@@ -32,6 +32,7 @@ from ._exceptions import (
     WorkerError,
 )
 from ._stats import LoaderStats, SourceStats, StageStats
+from ._trace import Trace
 from ._workerinfo import WorkerInfo, get_worker_info
 from .data._collate import (
     ColumnBatch,
@@ -86,6 +87,7 @@ __all__ = (
     "DataLoaderIter",
     "LoaderStats",
     "StageStats",
+    "Trace",
     "WorkerInfo",
     "get_worker_info",
     "sample_rng",

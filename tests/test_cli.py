@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 import tomllib
@@ -230,6 +231,16 @@ def test_profile_the_example_factory() -> None:
     assert "batches 25/25  items       400" in out  # the progress line
     assert "400 items, 25 batches, 0 failed" in out
     assert "bottleneck: fetch latency: 4 of 4 fetches in flight, raise max_concurrency" in out
+
+
+def test_profile_writes_a_trace(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    result = run("-m", "aloader", "profile", "examples/profile_factory.py:make_loader",
+                 "--trace", str(path))
+    assert result.returncode == 0, result.stderr
+    assert f"trace: {path}" in result.stdout
+    events = json.loads(path.read_text())["traceEvents"]
+    assert sum(1 for e in events if e["name"] == "wait") == 25
 
 
 def test_profile_by_module_name_and_batches(tmp_path: Path) -> None:

@@ -75,13 +75,16 @@ def load_factory(target: str) -> Any:
     return factory
 
 
-def main(target: str, out: TextIO | None = None, batches: int | None = None) -> int:
+def main(target: str, out: TextIO | None = None, batches: int | None = None,
+         trace: str | None = None) -> int:
     """Profile one epoch of the loader ``target`` builds; returns the exit status.
 
     Args:
         target: ``module:factory``.
         out: where to print (default: standard output).
         batches: stop after this many batches (default: the whole epoch).
+        trace: also write the epoch's timings there as a Chrome trace
+            (:meth:`DataLoader.trace`).
     """
     out = out or sys.stdout
     try:
@@ -119,8 +122,14 @@ def main(target: str, out: TextIO | None = None, batches: int | None = None) -> 
             await loader.aclose()
         return count
 
-    count = anyio.run(epoch)
+    if trace is not None:
+        with loader.trace(trace):
+            count = anyio.run(epoch)
+    else:
+        count = anyio.run(epoch)
     snapshot = loader.stats()
     progress.finish(count, snapshot.items)
     out.write("\n" + snapshot.table() + "\n")
+    if trace is not None:
+        out.write(f"trace: {trace} (open it in https://ui.perfetto.dev or chrome://tracing)\n")
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 import threading
 import time
 import warnings
@@ -30,6 +31,7 @@ from .._exceptions import FailureBudgetExceeded, LoaderTimeoutError
 from .._facade import LocalIterator, PrivateLoop, SyncIterator, forbid_running_loop, loop_of
 from .._log import SLOW_FIRST_BATCH, loader_log, worker_log
 from .._stats import Collector, LoaderStats
+from .._trace import Trace
 from .._util import usable_cpus
 from ..data._collate import default_collate, default_convert
 from ..data._dataset import is_iterable_dataset
@@ -474,6 +476,7 @@ class DataLoader(Generic[T_co]):
         self._resume_failures: tuple[int, list[Any]] | None = None  # its failures so far
         self._stats: Collector | None = None  # the statistics of the latest epoch
         self._stats_epochs = 0
+        self._trace: Trace | None = None  # recording the epochs as they start (trace())
         if num_workers > 0:
             prepare_context(self._context(), warm=True)
         self._check_worker_number(stacklevel=3)  # torch warns here too, and at each epoch
@@ -531,6 +534,14 @@ class DataLoader(Generic[T_co]):
             except TypeError:
                 continue
         return None
+
+    def trace(self, path: str | os.PathLike[str], max_events: int = 1_000_000) -> Trace:
+        """Record the per-stage timings of the epochs that start from now on, and write them
+        to ``path`` as a Chrome trace (JSON: open it in https://ui.perfetto.dev or
+        ``chrome://tracing``) when the returned :class:`~aloader.Trace` stops: at the end of
+        a ``with`` block (``with loader.trace("epoch.json"): ...``) or at its ``stop()``.
+        See :mod:`aloader._trace`."""
+        return Trace(self, path, max_events)
 
     def stats(self) -> LoaderStats:
         """A snapshot of the statistics of the current or last epoch, with its verdict.
@@ -1157,6 +1168,8 @@ class AsyncDataLoaderIter(Generic[T_co]):
             loader.in_order,
         )
         stats.sources = source_stats(loader.dataset)
+        if loader._trace is not None:
+            loader._trace._attach(stats)
         if self.failures is not None:
             self.failures.stats = stats
             stats.failed = self.failures.count  # a resumed epoch's, from the checkpoint
