@@ -564,16 +564,6 @@ class ShardedSource(Stream[T_co]):
             store sees them (keys under its ``prefix``, if it has one). Without it, each
             bucket's store comes from the URL and the environment variables (see
             :mod:`aloader.io._objstore`). It must pickle, for worker processes.
-
-    Object store URLs (``s3://``, ``gs://``, ``az://``, ``abfs://``) are read through obstore
-    (``pip install obstore``): one ending in ``/`` stands for the objects under that prefix
-    and one with ``*``, ``?`` or ``[`` for the keys it matches, listed at construction and
-    sorted. They are streamed with ranged GETs, retried with the same ``retries``,
-    ``backoff`` and ``timeout`` and resumed from the last byte handed on, as
-    :mod:`aloader.io._objstore` describes; a missing object or bucket, refused credentials and
-    an unreachable endpoint raise :class:`ObjectNotFoundError`,
-    :class:`BucketNotFoundError`, :class:`AccessDeniedError` and
-    :class:`EndpointUnreachableError` (all :class:`FetchError`).
         compression: ``"auto"`` (by the shard's suffix: ``.gz``/``.tgz``, ``.zst``, ``.bz2``),
             ``"gzip"``, ``"zstd"`` (needs the zstandard package), ``"bz2"`` or None (read the
             bytes as they are). Shards are decompressed as they stream, with bounded memory; a
@@ -597,6 +587,16 @@ class ShardedSource(Stream[T_co]):
         cache_limit: the most bytes ``cache_dir`` keeps (None: no limit); the least recently
             used shards are evicted to stay under it, and a shard that cannot fit is read
             without being kept. Needs ``cache_dir``.
+
+    Object store URLs (``s3://``, ``gs://``, ``az://``, ``abfs://``) are read through obstore
+    (``pip install obstore``): one ending in ``/`` stands for the objects under that prefix
+    and one with ``*``, ``?`` or ``[`` for the keys it matches, listed at construction and
+    sorted. They are streamed with ranged GETs, retried with the same ``retries``,
+    ``backoff`` and ``timeout`` and resumed from the last byte handed on, as
+    :mod:`aloader.io._objstore` describes; a missing object or bucket, refused credentials and
+    an unreachable endpoint raise :class:`ObjectNotFoundError`,
+    :class:`BucketNotFoundError`, :class:`AccessDeniedError` and
+    :class:`EndpointUnreachableError` (all :class:`FetchError`).
 
     Resume (:meth:`~aloader.Stream.state_dict`): the state names this worker's shard (its
     number in the epoch's list and its name, checked on load), the byte offset and line or
