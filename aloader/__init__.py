@@ -1,7 +1,7 @@
 """aloader: an asyncio-native streaming data loader with torch.utils.data's semantics.
 
 This module owns the public namespace and nothing else: every public name is defined in a
-private module (``aloader.loader._loader``, ``aloader.data._dataset``,
+private module (``aloader.loader._dataloader``, ``aloader.data._dataset``,
 ``aloader.sources._sources``...) and
 re-exported here, listed in ``__all__``.
 
@@ -61,7 +61,7 @@ from .data._sampler import (
     WeightedRandomSampler,
 )
 from .io._http import HttpOptions
-from .loader._loader import AsyncDataLoaderIter, DataLoader, DataLoaderIter
+from .loader._dataloader import AsyncDataLoaderIter, DataLoader, DataLoaderIter
 from .pipeline._sample_rng import sample_rng
 from .serve._batcher import Batcher, BatcherMetrics, BatchMethod, LatencySummary, batch
 from .sources._parquet import ParquetRows

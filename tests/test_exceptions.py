@@ -12,7 +12,7 @@ import pytest
 
 import aloader
 from aloader import _exceptions
-from aloader.pipeline._pipeline import Results
+from aloader.pipeline._results import Results
 from aloader.serve import _batcher
 from aloader.streams import _streams
 

@@ -54,7 +54,7 @@ from .._util import Closing, Signal, check_int, close_iterator, is_async_callabl
 from .._workerinfo import get_worker_info, served_epoch, worker_slot
 from ..data._dataset import IterableDataset
 from ..data._random import GeneratorLike, as_generator, draw_seed, permutation
-from ..pipeline._pipeline import Results
+from ..pipeline._results import Results
 
 __all__ = (
     "FetchError",
