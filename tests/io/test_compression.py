@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import bz2
 import gzip
-import sys
 import io
 import json
 import struct
+import sys
 import tracemalloc
 import zlib
 from collections.abc import Callable
