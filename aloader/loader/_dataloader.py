@@ -25,12 +25,14 @@ import time
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
+from dataclasses import replace
 from typing import Any, Generic, TypeVar, cast, overload
 
 import anyio
 import numpy as np
 
 from .._backend import current_backend
+from .._epoch_setup import EpochSetup
 from .._exceptions import FailureBudgetExceeded, LoaderTimeoutError
 from .._facade import LocalIterator, PrivateLoop, SyncIterator, forbid_running_loop, loop_of
 from .._log import SLOW_FIRST_BATCH, loader_log, worker_log
@@ -577,9 +579,11 @@ class DataLoader(Generic[T_co]):
 
     # The epoch's plan ------------------------------------------------------------------------
     def _plan(self, transform: Callable[[Any], Any] | None, remote: PoolEpoch | None = None,
-              epoch: int = 0, here: bool = False) -> FetchPlan:
+              setup: EpochSetup | None = None, here: bool = False) -> FetchPlan:
         """The plan of an epoch in this process (or a worker's), or whose jobs go to ``remote``;
-        ``here``: one on the sync ``for``'s own thread (see :meth:`FetchPlan.for_dataset`)."""
+        ``setup``: the epoch it is for, which its statistics and failure budget are built from
+        too (None: a plan asked what it would decide, or the workers'); ``here``: one on the
+        sync ``for``'s own thread (see :meth:`FetchPlan.for_dataset`)."""
         return FetchPlan.for_dataset(
             self.dataset,
             iterable=isinstance(self._kind, IterableEpochs),
@@ -592,7 +596,7 @@ class DataLoader(Generic[T_co]):
             num_workers=self.num_workers,
             prefetch_factor=self.prefetch_factor,
             seed=None if isinstance(self._kind, IterableEpochs) else self.sample_seed,
-            epoch=epoch,
+            setup=setup,
             here=here,
         )
 
@@ -671,8 +675,9 @@ class DataLoader(Generic[T_co]):
         """
         load_state(self, state)
 
-    def _remote(self, base_seed: int, epoch: int) -> PoolEpoch:
-        """This epoch's use of the worker processes: the persistent pool when it is free."""
+    def _remote(self, base_seed: int, epoch: int, taken: Callable[[], int]) -> PoolEpoch:
+        """This epoch's use of the worker processes: the persistent pool when it is free;
+        ``taken`` counts the batches the consumer has taken."""
         pool = self._pool
         if pool is not None and (pool.closed or pool.broken):
             if pool.broken:
@@ -690,12 +695,13 @@ class DataLoader(Generic[T_co]):
             pool.shutdown()
             pool = self._pool = None
         if pool is not None and not stale and (pool.holder is None or pool.holder.stopping):
-            return self._kind.pool_epoch(pool, epoch)
+            return self._kind.pool_epoch(pool, epoch, taken)
         plan = self._plan(None)
-        plan.stats = Collector(plan.mode, auto_batch=plan.auto_batch)  # the workers' items
-        if self.max_failures:  # a worker reports its failures; the budget is counted here
-            plan.failures = Failures(math.inf)
-            plan.failures.sources_of = source_stats
+        # The workers' own statistics of the items they fetch, and (with a budget) an unlimited
+        # budget they report their failures under: the epoch's budget is counted here.
+        plan = replace(plan, stats=Collector(plan.mode, auto_batch=plan.auto_batch),
+                       failures=Failures(math.inf, sources_of=source_stats)
+                       if self.max_failures else None)
         setup = WorkerSetup(
             plan=plan,
             serve=self._kind.serve,
@@ -712,7 +718,15 @@ class DataLoader(Generic[T_co]):
         if persistent:
             self._pool = pool
             weakref.finalize(self, pool.shutdown)
-        return self._kind.pool_epoch(pool, epoch)
+        return self._kind.pool_epoch(pool, epoch, taken)
+
+    def _started(self, epoch: Epoch) -> None:
+        """``epoch`` has started: its statistics are the loader's latest, and closing the
+        loader stops it."""
+        self._stats_epochs += 1
+        self._stats = epoch.plan.stats
+        self._epochs = {e for e in self._epochs if not e.done.is_set()}
+        self._epochs.add(epoch)
 
     def __repr__(self) -> str:
         return (
@@ -848,7 +862,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         if loader.num_workers > 0:
             return 0
         if plan is None:
-            plan = loader._plan(None, epoch=self.epoch)
+            plan = loader._plan(None)
         if plan.mode == "inline":
             return 0
         return 2 * plan.window + max(1, loader.prefetch_factor)
@@ -869,57 +883,54 @@ class AsyncDataLoaderIter(Generic[T_co]):
         if self._asked is not None:
             self._asked(self._calls + self._ahead())
 
+    def _setup(self) -> EpochSetup:
+        """What this epoch is built from, decided as it starts (see
+        :class:`~aloader._epoch_setup.EpochSetup`)."""
+        loader = self._loader
+        resumed = self._resumed_failures  # the budget goes on where the checkpoint left it
+        return EpochSetup(
+            epoch=self.epoch,
+            base_seed=self.base_seed,
+            kind="iterable" if isinstance(loader._kind, IterableEpochs) else "map",
+            num_workers=loader.num_workers,
+            prefetch_factor=loader.prefetch_factor,
+            stats_epoch=loader._stats_epochs,
+            max_failures=loader.max_failures,
+            samples=loader._epoch_samples() if loader.max_failures else None,
+            resumed_failures=None if resumed is None else (resumed[0], tuple(resumed[1])),
+            sources=tuple(source_stats(loader.dataset)),
+            sources_of=source_stats,
+        )
+
     def _start(self, here: bool = False) -> Epoch:
         """Start the epoch (with ``here``, an iterable one on the consumer's call: see
-        :meth:`_start_here`)."""
+        :meth:`_start_here`): its plan, and through it its statistics and failure budget, are
+        built from one :meth:`_setup`."""
         loader = self._loader
         kind = loader._kind
         results = Results(loader.prefetch_factor, loader.in_order)
         transform = _pin_memory_transform(loader)
+        setup = self._setup()
         # Workers or not: decided here, once per epoch (num_workers may change between epochs).
-        resumed = self._resumed_failures
-        if isinstance(kind, IterableEpochs):
-            kind.base_seed = self.base_seed  # the seeds a resumed epoch's replicas see
         epoch: Epoch
         if loader.num_workers > 0:
-            remote = loader._remote(self.base_seed, loader._claim_epoch(self.epoch))
             # The batches the consumer took (the sync facade's pump runs ahead of it).
             record, before = self._record, self._record.yielded
-            remote.taken = lambda: record.yielded - before
-            plan = loader._plan(transform, remote, self.epoch)
+            remote = loader._remote(self.base_seed, loader._claim_epoch(self.epoch),
+                                    lambda: record.yielded - before)
+            plan = loader._plan(transform, remote, setup)
             epoch = (kind.on_workers(plan, results, remote, self._draw())
                      if isinstance(kind, MapEpochs) else kind.on_workers(plan, results, remote))
         else:
-            remote = None
-            plan = loader._plan(transform, epoch=self.epoch, here=here)
+            plan = loader._plan(transform, setup=setup, here=here)
             epoch = (kind.local(plan, results, self._draw(plan)) if isinstance(kind, MapEpochs)
-                     else kind.local(plan, results, here=here))
-        plan = epoch.plan
-        if loader.max_failures:
-            self.failures = plan.failures = Failures(loader.max_failures,
-                                                     loader._epoch_samples())
-            self.failures.sources_of = source_stats
-            if resumed is not None:  # the budget goes on where the checkpoint left it
-                self.failures.restore(*resumed)
-            self._record.failures = self.failures
-            if remote is not None:
-                remote.failures = self.failures
-        stats = self._stats = plan.stats = Collector(
-            plan.mode, plan.concurrency if plan.granularity == "item" else plan.window,
-            max(1, loader.prefetch_factor), loader._stats_epochs, loader.num_workers,
-            "iterable" if isinstance(kind, IterableEpochs) else "map", plan.auto_batch,
-        )
-        stats.sources = source_stats(loader.dataset)
-        if self.failures is not None:
-            self.failures.stats = stats
-            stats.failed = self.failures.count  # a resumed epoch's, from the checkpoint
-        loader._stats_epochs += 1
-        loader._stats = stats
-        if remote is not None:
-            remote.stats = stats
+                     else kind.local(plan, results, here=here, base_seed=self.base_seed))
+        # The iterator's own view of its epoch; the record (what a checkpoint says of the
+        # epoch, which the iterator keeps up to date) holds the budget for state_dict().
+        self.failures = self._record.failures = epoch.plan.failures
+        self._stats = epoch.plan.stats
         epoch.start()
-        loader._epochs = {e for e in loader._epochs if not e.done.is_set()}
-        loader._epochs.add(epoch)
+        loader._started(epoch)
         return epoch
 
     async def __anext__(self) -> T_co:

@@ -344,9 +344,6 @@ class IterableEpochs:
         self.auto_collation = batch_size is not None
         self.serve = ServeReplica(batch_size, drop_last)
         self._len_called: int | None = None
-        #: This epoch's ``base_seed`` (set by the loader as each epoch starts): the virtual
-        #: replicas of an epoch resumed here see the seeds of the workers they stand for.
-        self.base_seed = 0
 
     def length(self) -> int:
         """torch's length of an iterable loader: the dataset's length in batches.
@@ -378,14 +375,16 @@ class IterableEpochs:
         return (plain and (pending is None or pending["num_workers"] == 0)
                 and not is_async_callable(collate_fn))
 
-    def local(self, plan: FetchPlan, results: Results, *, here: bool = False) -> Epoch:
+    def local(self, plan: FetchPlan, results: Results, *, here: bool = False,
+              base_seed: int = 0) -> Epoch:
         """An epoch iterating the dataset in this process (from a loaded state, if any; one
-        saved with workers runs its replicas here, see :class:`VirtualReplicas`); with
-        ``here`` (only where :meth:`loopless` says so), one made on the consumer's call with
-        no event loop (:class:`InlineIterableEpoch`)."""
+        saved with workers runs its replicas here, see :class:`VirtualReplicas`, which see
+        the seeds of the workers they stand for: ``base_seed + id``); with ``here`` (only
+        where :meth:`loopless` says so), one made on the consumer's call with no event loop
+        (:class:`InlineIterableEpoch`)."""
         pending = self._pending
         if pending is not None and pending["num_workers"] > 0:
-            return self._virtual_local(plan, results, pending)
+            return self._virtual_local(plan, results, pending, base_seed)
         parsed = None if pending is None else parse(self.dataset, pending["replicas"][0], (0, 1))
         source, snapshot = open_replica(self.dataset, parsed)
         self._began(snapshot(0, False), plan.epoch)
@@ -394,8 +393,8 @@ class IterableEpochs:
                                        self.batch_size, self.drop_last, snapshot)
         return IterableEpoch(plan, results, source, self.batch_size, self.drop_last, snapshot)
 
-    def _virtual_local(self, plan: FetchPlan, results: Results, pending: dict[str, Any]
-                       ) -> Epoch:
+    def _virtual_local(self, plan: FetchPlan, results: Results, pending: dict[str, Any],
+                       base_seed: int) -> Epoch:
         count, turn, states = pending["num_workers"], pending["turn"], pending["replicas"]
         dataset = self.dataset
         # The epoch the saved workers served: a stream's own copy claims it (as when its
@@ -405,7 +404,7 @@ class IterableEpochs:
         lanes = []
         for w, state in enumerate(states):
             replica = replica_copy(dataset)
-            info = WorkerInfo(id=w, num_workers=count, seed=self.base_seed + w,
+            info = WorkerInfo(id=w, num_workers=count, seed=base_seed + w,
                               dataset=replica)
             lanes.append(_Lane(replica, parse(replica, state, (w, count)), info, epoch))
         self._began(("workers", tuple(begin), turn), plan.epoch)

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import anyio
 import numpy as np
@@ -31,6 +31,9 @@ from ._pull import _NOTHING, _pull_sync, _pull_sync_tolerant
 from ._results import SKIP
 from ._sample_rng import BATCH, Scope, scope_var
 from ._threads import _Abandon
+
+if TYPE_CHECKING:
+    from .._epoch_setup import EpochSetup
 
 __all__ = ("DEFAULT_MAX_CONCURRENCY", "FetchPlan", "Remote", "window_for")
 
@@ -53,10 +56,12 @@ class Remote(Protocol):
     from it ends the epoch with that error. ``stop`` is called (from any thread) when the epoch
     is asked to stop, and ``close`` once the epoch has ended. ``fetch`` gets the job's
     sequence number in the epoch with its key, so that where and when the job runs may depend
-    on its place in the epoch rather than on the order its task wakes up in.
+    on its place in the epoch rather than on the order its task wakes up in, and the plan's
+    statistics and failure budget, into which it records what the workers counted.
     """
 
-    async def fetch(self, key: Any, seq: int) -> Any: ...
+    async def fetch(self, key: Any, seq: int, stats: Collector,
+                    failures: Failures | None) -> Any: ...
 
     async def serve(self) -> None: ...
 
@@ -124,7 +129,7 @@ class FetchPlan:
         num_workers: int = 0,
         prefetch_factor: int = 2,
         seed: int | None = None,
-        epoch: int = 0,
+        setup: EpochSetup | None = None,
         here: bool = False,
     ) -> FetchPlan:
         """The one place that decides how an epoch fetches: mode, granularity, concurrency, window.
@@ -146,6 +151,10 @@ class FetchPlan:
         With ``remote`` (``num_workers`` worker processes): ``"process"``, whole jobs, at
         most ``prefetch_factor`` per worker in flight.
 
+        An epoch's plan is built from its ``setup``, as are its statistics and its failure
+        budget (which the plan holds); without one (a plan asked only what it would decide,
+        or the workers' plan), the statistics count nothing for anyone and there is no budget.
+
         Args:
             dataset: the dataset.
             iterable: whether it is an iterable dataset (see
@@ -159,11 +168,13 @@ class FetchPlan:
             num_workers: how many worker processes ``remote`` has.
             prefetch_factor: the loader's ``prefetch_factor``.
             seed: the loader's sample seed (see :mod:`aloader.pipeline._sample_rng`), or None.
-            epoch: the loader's epoch number.
+            setup: the epoch the plan is for (see :mod:`aloader._epoch_setup`), or None.
             here: the plan of a sync ``for`` on its consumer's thread.
         """
+        epoch = 0 if setup is None else setup.epoch
         if remote is not None:
             window = max(1, prefetch_factor) * num_workers
+            stats, failures = _recorders(setup, "process", window, auto_batch)
             return cls(
                 dataset=dataset,
                 mode="process",
@@ -176,6 +187,8 @@ class FetchPlan:
                 remote=remote,
                 seed=seed,
                 epoch=epoch,
+                failures=failures,
+                stats=stats,
             )
         on_consumer = False
         if iterable:
@@ -209,6 +222,8 @@ class FetchPlan:
             window = concurrency = 1 if max_concurrency is None else window_for(
                 max_concurrency, per_job
             )
+        stats, failures = _recorders(setup, mode, concurrency if item_level else window,
+                                     auto_batch)
         return cls(
             dataset=dataset,
             mode=mode,
@@ -221,6 +236,8 @@ class FetchPlan:
             transform=transform,
             seed=seed,
             epoch=epoch,
+            failures=failures,
+            stats=stats,
             on_consumer=on_consumer,
         )
 
@@ -402,7 +419,7 @@ class FetchPlan:
             in_flight = self.stats.in_flight
             in_flight.change(1, _now())
             try:
-                return await self.remote.fetch(key, seq)
+                return await self.remote.fetch(key, seq, self.stats, self.failures)
             finally:
                 in_flight.change(-1, _now())
         if key is KNOWN_FAILED:
@@ -515,6 +532,16 @@ class FetchPlan:
         self.stats.collated(samples, _now() - started)
         return batch if self.transform is None else self.transform(batch)
 
+
+
+def _recorders(setup: EpochSetup | None, mode: FetchMode, in_flight_limit: int,
+               auto_batch: bool) -> tuple[Collector, Failures | None]:
+    """The statistics and the failure budget of the epoch ``setup`` describes, for a plan
+    that fetches in ``mode`` with at most ``in_flight_limit`` fetches in flight."""
+    if setup is None:
+        return Collector(), None
+    stats = Collector.for_epoch(setup, mode, in_flight_limit, auto_batch)
+    return stats, Failures.for_epoch(setup, stats) if setup.max_failures else None
 
 
 def window_for(concurrency: int, batch_size: int | None) -> int:
