@@ -54,7 +54,7 @@ from ..workers._pool_epoch import PoolEpoch
 from ..workers._processes import WorkerPool
 from ..workers._worker import WorkerSetup
 from ._checkpoint import _EpochRecord, load_state, state_of
-from ._epochs import EpochKind, IterableEpochs, MapEpochs, Skip
+from ._epochs import AlreadyDelivered, EpochKind, IterableEpochs, MapEpochs
 from ._pin_memory import _pin_memory_transform, _require_torch
 
 __all__ = ("AsyncDataLoaderIter", "DataLoader", "DataLoaderIter")
@@ -412,7 +412,7 @@ class DataLoader(Generic[T_co]):
         # Checkpoints: the latest epoch's record, and a loaded state the next epoch resumes.
         self._record: _EpochRecord | None = None
         self._resume_state: dict[str, Any] | None = None
-        self._resume_skip: Skip | None = None
+        self._resume_skip: AlreadyDelivered | None = None
         self._resume_seed: int | None = None  # the persistent workers' seed of a resumed run
         self._resume_failures: tuple[int, list[Any]] | None = None  # its failures so far
         self._stats: Collector | None = None  # the statistics of the latest epoch
@@ -763,7 +763,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         start = rng_state(loader._rng)
         base_seed, drawn = loader._base_seed()
         self.base_seed: int = base_seed
-        self._skip = loader._resume_skip or Skip(0)
+        self._skip = loader._resume_skip or AlreadyDelivered(0)
         self._resumed_failures = loader._resume_failures
         loader._resume_skip = loader._resume_failures = None
         loader._resume_state = None

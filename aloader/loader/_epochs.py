@@ -66,8 +66,8 @@ from ..streams._streams import Stream, _StreamIterator, check_field
 from ..workers._pool_epoch import MapPoolEpoch, PoolEpoch, ReplicaPoolEpoch
 from ..workers._worker import ServeReplica, ServeTasks, replica_copy
 
-__all__ = ("EpochKind", "InlineIterableEpoch", "IterableEpochs", "MapEpochs", "Progress", "Skip",
-           "VirtualReplicas")
+__all__ = ("AlreadyDelivered", "EpochKind", "InlineIterableEpoch", "IterableEpochs", "MapEpochs",
+           "Progress", "VirtualReplicas")
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class Progress:
 
 
 @dataclass(frozen=True)
-class Skip:
+class AlreadyDelivered:
     """The batches a resumed map-style epoch leaves out: its first ``prefix`` ones and those
     numbered in ``delivered``."""
 
@@ -113,13 +113,13 @@ class Skip:
         return number
 
 
-def _without(keys: Iterator[Any], skip: Skip) -> Iterator[Any]:
+def _without(keys: Iterator[Any], skip: AlreadyDelivered) -> Iterator[Any]:
     for number, key in enumerate(keys, skip.prefix):
         if number not in skip.delivered:
             yield key
 
 
-async def _askip(keys: AsyncIterator[Any], skip: Skip) -> AsyncIterator[Any]:
+async def _askip(keys: AsyncIterator[Any], skip: AlreadyDelivered) -> AsyncIterator[Any]:
     number = 0
     async for key in keys:
         if number >= skip.prefix and number not in skip.delivered:
@@ -144,10 +144,10 @@ class MapEpochs:
         self.serve = ServeTasks()
         # What the latest epoch was drawn from (taken by begin()), and the next epoch's skip.
         self._start_state: Any = None
-        self.resume: Skip | None = None
+        self.resume: AlreadyDelivered | None = None
         # A resumed epoch's failed samples, left out of its keys (see aloader.pipeline._failures).
         self.known_failed: KnownFailed | None = None
-        self.loaded_skip: Skip | None = None
+        self.loaded_skip: AlreadyDelivered | None = None
         # Set by keys(): where the consumer tells an epoch drawn as torch's sampler draws it
         # (aloader.data._sampler.TorchDraws), or drawn on its calls
         # (aloader.pipeline._keys.PacedKeys),
@@ -206,7 +206,7 @@ class MapEpochs:
                             f"after the prefix ({prefix}), but got {delivered!r}")
         state = sub.get("sampler")
         load_sampler_state(self.index_sampler, state, apply=False)
-        skip = Skip(prefix, frozenset(delivered))
+        skip = AlreadyDelivered(prefix, frozenset(delivered))
         distributed = self._distributed()
         inner = state.get("sampler") if self.auto_collation and isinstance(state, dict) else (
             state
@@ -222,7 +222,7 @@ class MapEpochs:
             distributed._resume_elastic(
                 inner, prefix * size, [[d * size, (d + 1) * size] for d in sorted(delivered)]
             )
-            skip = Skip(0)
+            skip = AlreadyDelivered(0)
         self.loaded_skip = skip
 
     def length(self) -> int:
@@ -273,7 +273,8 @@ class MapEpochs:
         if not skip.delivered:
             return keys
         if isinstance(keys, AsyncIterator):
-            return _askip(keys, Skip(0, frozenset(d - skip.prefix for d in skip.delivered)))
+            return _askip(keys, AlreadyDelivered(
+                0, frozenset(d - skip.prefix for d in skip.delivered)))
         return _without(keys, skip)
 
     def _keys(self, skip: int) -> Iterator[Any] | AsyncIterator[Any]:
@@ -299,7 +300,7 @@ class MapEpochs:
         aiter_ = getattr(sampler, "__aiter__", None)
         if aiter_ is not None:
             keys = cast(AsyncIterator[Any], aiter_())
-            return keys if not skip else _askip(keys, Skip(skip))
+            return keys if not skip else _askip(keys, AlreadyDelivered(skip))
         return itertools.islice(cast(Iterator[Any], iter(sampler)), skip, None)
 
     def local(self, plan: FetchPlan, results: Results, keys: Iterator[Any] | AsyncIterator[Any]

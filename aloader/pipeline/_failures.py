@@ -110,7 +110,7 @@ class _KnownFailedKey:
         return "KNOWN_FAILED"
 
 
-#: The key of a job whose every sample failed before a resume: it publishes SKIP unfetched
+#: The key of a job whose every sample failed before a resume: it publishes NO_BATCH unfetched
 #: (it keeps its place, and its batch number, as the uninterrupted epoch's skipped batch).
 KNOWN_FAILED: Any = _KnownFailedKey()
 

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 
 import anyio
 import numpy as np
@@ -25,10 +25,11 @@ from .._stats import Collector
 from .._util import is_async_callable, is_awaitable, resolve
 from ..data._collate import ColumnBatch, default_collate
 from ..data._dataset import aiter_of, fetch_mode
+from ..data._fetch import DatasetFetchMode
 from ._errors import _note
 from ._failures import KNOWN_FAILED, Failures
 from ._pull import _NOTHING, _pull_sync, _pull_sync_tolerant
-from ._results import SKIP
+from ._results import NO_BATCH
 from ._sample_rng import BATCH, Scope, scope_var
 from ._threads import _Abandon
 
@@ -40,7 +41,9 @@ __all__ = ("DEFAULT_MAX_CONCURRENCY", "FetchPlan", "Remote", "window_for")
 # Fetches in flight for async datasets when max_concurrency is not given.
 DEFAULT_MAX_CONCURRENCY = 64
 
-FetchMode = Literal["async", "inline", "thread", "process"]
+# How a plan fetches: as its dataset's own fetches run (an "inline" plan may also be a
+# "thread" dataset's on the consumer's thread), or in worker processes ("process").
+FetchMode: TypeAlias = DatasetFetchMode | Literal["process"]
 # How a job's data is fetched: one call per job, or one call per item with items overlapping.
 Granularity = Literal["job", "item"]
 
@@ -330,9 +333,9 @@ class FetchPlan:
     # Synchronous halves, run inline on the loop or in a worker thread.
     def fetch_sync(self, key: Any) -> Any:
         """The samples of ``key``; with a failure budget, those that did not fail (a failing
-        batch call retried item by item), or :data:`SKIP` when none is left."""
+        batch call retried item by item), or :data:`NO_BATCH` when none is left."""
         if key is KNOWN_FAILED:
-            return SKIP
+            return NO_BATCH
         if self.failures is None:
             return self._fetch_sync(key)
         try:
@@ -346,14 +349,14 @@ class FetchPlan:
                 samples.append(self._fetch_sync([index])[0])
             except Exception as exc:
                 self._absorbed(index, exc)
-        return samples if samples else SKIP
+        return samples if samples else NO_BATCH
 
     def _absorbed(self, index: Any, error: Exception) -> Any:
-        """:data:`SKIP` when the budget absorbs ``error``; else raise the job's error."""
+        """:data:`NO_BATCH` when the budget absorbs ``error``; else raise the job's error."""
         final = self.absorb(index, _note(error, f"raised while fetching index {index!r}"))
         if final is not None:
             raise final
-        return SKIP
+        return NO_BATCH
 
     def _fetch_sync(self, key: Any) -> Any:
         scope = self._scope()
@@ -375,8 +378,8 @@ class FetchPlan:
             scope_var.reset(token)
 
     def collate_sync(self, samples: Any) -> Any:
-        if samples is SKIP:  # every sample failed within the budget
-            return SKIP
+        if samples is NO_BATCH:  # every sample failed within the budget
+            return NO_BATCH
         started = _now()
         batch = self._call_collate(samples)
         batch = batch if self.transform is None else self.transform(batch)
@@ -423,7 +426,7 @@ class FetchPlan:
             finally:
                 in_flight.change(-1, _now())
         if key is KNOWN_FAILED:
-            return SKIP
+            return NO_BATCH
         if self.failures is None:
             return await self._fetch(key, limiter)
         try:
@@ -437,7 +440,7 @@ class FetchPlan:
                 samples.append((await self._fetch([index], limiter))[0])
             except Exception as exc:
                 self._absorbed(index, exc)
-        return samples if samples else SKIP
+        return samples if samples else NO_BATCH
 
     async def _fetch(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
         started = _now()
@@ -496,10 +499,10 @@ class FetchPlan:
         return self._collate_plain is True
 
     def collate_now(self, samples: Any) -> Any:
-        """:meth:`collate` without an await: for SKIP, a remote's batch, or where the plan
+        """:meth:`collate` without an await: for NO_BATCH, a remote's batch, or where the plan
         :attr:`collates_on_loop`."""
-        if samples is SKIP:  # every sample failed within the budget, or none came
-            return SKIP
+        if samples is NO_BATCH:  # every sample failed within the budget, or none came
+            return NO_BATCH
         if self.remote is not None:  # collated by the worker
             batch = samples
         else:
@@ -519,7 +522,7 @@ class FetchPlan:
         stage before, when the caller has one)."""
         if self.collate_in_thread:
             return await self.in_thread(self.collate_sync, samples, limiter=limiter)
-        if samples is SKIP or self.remote is not None:
+        if samples is NO_BATCH or self.remote is not None:
             return self.collate_now(samples)
         if started is None:
             started = _now()

@@ -39,7 +39,7 @@ from .._stats import Collector
 from .._util import Signal
 from ..pipeline._failures import Failures
 from ..pipeline._keys import PacedKeys
-from ..pipeline._results import SKIP
+from ..pipeline._results import NO_BATCH
 from ..streams._sourcestats import merge_stats, source_stats
 from . import _shm, _spawn
 from ._processes import _FRAME, WorkerPool, _WorkerHandle, exit_message
@@ -161,18 +161,18 @@ class PoolEpoch:
         ) and lane not in self._exhausted:
             await self._changed.wait()
         if lane in self._exhausted:  # its replica has ended: no need to ask
-            return SKIP
+            return NO_BATCH
         self._sent[lane] += 1
         self._changed.notify()  # the worker's next ticket may go once this one is sent
         reply = await self._call(workers[worker_id], kind, payload, self.mark(seq))
         if reply.extra is not None:
             self._absorb(worker_id, reply.status, reply.extra, stats, failures)
             if reply.extra[3]:  # every sample failed within the failure budget
-                return SKIP
+                return NO_BATCH
         if reply.status == Status.END:
             self._exhausted.add(lane)
             self._changed.notify()  # its later requests need not wait for their turn
-            return SKIP
+            return NO_BATCH
         if reply.status == Status.ERROR:
             raise reply.value.rebuild()
         if reply.meta is not None:
@@ -513,8 +513,8 @@ class ReplicaPoolEpoch(PoolEpoch):
 
     Its jobs' keys (:meth:`keys`) are requests for the next batch of one replica, assigned in
     turn over the replicas not yet known to be exhausted; a request answered "exhausted"
-    yields :data:`~aloader.pipeline._results.SKIP` (so does one assigned to a replica since found
-    exhausted), and the epoch ends once every replica is exhausted. Timing only decides how
+    yields :data:`~aloader.pipeline._results.NO_BATCH` (so does one assigned to a replica since
+    found exhausted), and the epoch ends once every replica is exhausted. Timing only decides how
     many requests an exhausted replica is sent; the batches that remain interleave the live
     replicas in turn whatever it is.
 
