@@ -36,17 +36,18 @@ from .._exceptions import FailureBudgetExceeded, LoaderTimeoutError
 from .._facade import LocalIterator, PrivateLoop, SyncIterator, forbid_running_loop, loop_of
 from .._log import SLOW_FIRST_BATCH, loader_log
 from .._stats import Collector, LoaderStats
+from ..data._batchsampler import BatchSampler
 from ..data._collate import default_collate, default_convert
 from ..data._dataset import is_iterable_dataset
 from ..data._random import as_generator, draw_seed, rng_state
-from ..data._sampler import BatchSampler, RandomSampler, SequentialSampler
+from ..data._sampler import RandomSampler, SequentialSampler
 from ..pipeline._epoch import Epoch, MapEpoch
 from ..pipeline._failures import Failures, KnownFailed
 from ..pipeline._plan import FetchPlan
 from ..pipeline._results import Results
 from ..pipeline._sample_rng import seed_of
 from ..streams._sourcestats import source_stats
-from ..streams._streams import Stream
+from ..streams._stream import Stream
 from ..workers._context import default_context, prepare_context, resolve_context
 from ..workers._pool_epoch import PoolEpoch
 from ..workers._processes import WorkerPool

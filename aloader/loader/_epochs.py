@@ -44,16 +44,11 @@ import anyio
 from .._facade import run_here
 from .._util import close_iterator, is_async_callable
 from .._workerinfo import WorkerInfo, as_replica
+from ..data._batchsampler import BatchSampler, epoch_batches, torch_epoch
 from ..data._dataset import aiter_of
 from ..data._distributed import DistributedSampler
-from ..data._sampler import (
-    BatchSampler,
-    epoch_batches,
-    epoch_indices,
-    load_sampler_state,
-    sampler_state,
-    torch_epoch,
-)
+from ..data._indices import epoch_indices
+from ..data._sampler import load_sampler_state, sampler_state
 from ..pipeline._epoch import _NO_LIMITER, Epoch, IterableEpoch, MapEpoch
 from ..pipeline._errors import _batch_error
 from ..pipeline._failures import KnownFailed
@@ -61,8 +56,10 @@ from ..pipeline._keys import PacedKeys
 from ..pipeline._plan import FetchPlan
 from ..pipeline._pull import _NOTHING
 from ..pipeline._results import Results
+from ..streams._positions import check_field
 from ..streams._resume import encode, open_replica, parse, start_snapshot
-from ..streams._streams import Stream, _StreamIterator, check_field
+from ..streams._runtime import _StreamIterator
+from ..streams._stream import Stream
 from ..workers._pool_epoch import MapPoolEpoch, PoolEpoch, ReplicaPoolEpoch
 from ..workers._worker import ServeReplica, ServeTasks, replica_copy
 
@@ -538,7 +535,7 @@ class InlineIterableEpoch(IterableEpoch):
     """An iterable epoch made on the consumer's call, with no background task, no buffer
     between tasks and no event loop: each :meth:`next` draws one batch's samples from a
     loopless stream (its chain pulled on this thread, its reads blocking:
-    :meth:`~aloader.streams._streams._StreamIterator._pull_here`) or from a plain iterable
+    :meth:`~aloader.streams._runtime._StreamIterator._pull_here`) or from a plain iterable
     dataset's iterator, and collates them, as
     :meth:`IterableEpoch._pull_batches` does for one batch. The sync facade drives it on the
     consumer's thread (:class:`aloader._facade.LocalIterator`), as it drives an in-memory map

@@ -32,7 +32,7 @@ class Results:
     can always publish and no slot is ever held by a batch the consumer cannot take yet.
 
     The same buffer orders the results of ``Stream.map`` with concurrency (see
-    :mod:`aloader.streams._streams`), where a job is one item and a batch is its mapped value.
+    :mod:`aloader.streams._map`), where a job is one item and a batch is its mapped value.
 
     Batches of an iterable dataset come with metadata (where the dataset was once the batch's
     samples were drawn, for a resume): when ``metas`` is set (a mapping from job number to
