@@ -65,6 +65,7 @@ from .loader._loader import AsyncDataLoaderIter, DataLoader, DataLoaderIter
 from .pipeline._sample_rng import sample_rng
 from .serve._batcher import Batcher, BatcherMetrics, BatchMethod, LatencySummary, batch
 from .sources._parquet import ParquetRows
+from .sources._ray import from_ray
 from .sources._sources import (
     BinaryRecords,
     JsonLines,
@@ -126,6 +127,7 @@ __all__ = (
     "TarShards",
     "TextLines",
     "as_stream",
+    "from_ray",
     "interleave",
     "mix",
     # inference batching
