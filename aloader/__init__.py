@@ -62,6 +62,7 @@ from .data._sampler import (
 )
 from .io._http import HttpOptions
 from .loader._loader import AsyncDataLoaderIter, DataLoader, DataLoaderIter
+from .loader._ranks import DistributedState, merge_rank_states
 from .pipeline._sample_rng import sample_rng
 from .serve._batcher import Batcher, BatcherMetrics, BatchMethod, LatencySummary, batch
 from .sources._parquet import ParquetRows
@@ -85,10 +86,12 @@ __all__ = (
     "AsyncDataLoaderIter",
     "DataLoader",
     "DataLoaderIter",
+    "DistributedState",
     "LoaderStats",
     "StageStats",
     "WorkerInfo",
     "get_worker_info",
+    "merge_rank_states",
     "sample_rng",
     # datasets
     "ArrayDataset",

@@ -49,6 +49,7 @@ from ..workers._pool import (
 )
 from ..workers._worker import WorkerSetup
 from ._epochs import EpochKind, IterableEpochs, MapEpochs, Progress, Skip
+from ._ranks import RANKS_FORMAT, STATE_FORMAT, STATE_VERSION, place_of, rank_part
 
 __all__ = ("AsyncDataLoaderIter", "DataLoader", "DataLoaderIter")
 
@@ -60,8 +61,6 @@ DEFAULT_PREFETCH_FACTOR = 2
 
 _FROZEN = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
 
-STATE_FORMAT = "aloader.DataLoader"
-STATE_VERSION = 1
 
 
 def _json_copy(value: Any) -> Any:
@@ -745,6 +744,7 @@ class DataLoader(Generic[T_co]):
             "format": STATE_FORMAT,
             "version": STATE_VERSION,
             "kind": kind,
+            "rank": list(place_of(self)),
             "epoch": progress.epoch,
             "yielded": progress.yielded,
             "loader": {
@@ -780,6 +780,8 @@ class DataLoader(Generic[T_co]):
         """
         if not isinstance(state, Mapping):
             raise TypeError(f"state should be a dict, but got {type(state).__name__}")
+        if state.get("format") == RANKS_FORMAT:  # the ranks' states merged: take this rank's
+            state = rank_part(self, state)
         kind = self._kind_name()
         expected = {"format": STATE_FORMAT, "version": STATE_VERSION, "kind": kind}
         for name, value in expected.items():
