@@ -279,7 +279,8 @@ def test_a_state_of_another_dataset_is_refused(tmp_path: Path) -> None:
     plain = JsonLines(shard_paths(root), rank=0, world_size=2, shuffle_shards=True, seed=3,
                       even_ranks=False).map(record)
     with pytest.raises(ValueError, match="cannot load this stream state"):
-        DataLoader(plain, batch_size=BATCH, collate_fn=as_list).load_state_dict(merged)
+        DataLoader(plain, batch_size=BATCH, collate_fn=as_list,
+                   generator=11).load_state_dict(merged)
 
 
 @pytest.mark.hostile
