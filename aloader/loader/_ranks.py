@@ -1,9 +1,9 @@
 """The loader's state across the ranks of a distributed job: merged, split on any world size.
 
-This module owns the formats of a :class:`~aloader.DataLoader`'s checkpoint (one rank's, from
-``state_dict()``, and the ranks' merged, from :func:`merge_rank_states`), the part of a merged
-state each rank of another world size takes (:func:`rank_part`), and
-:class:`DistributedState`, the state as a ``torch.distributed.checkpoint`` ``Stateful``.
+This module owns the merged state of a job's ranks (:func:`merge_rank_states`) and the part of
+it each rank of any world size takes (:func:`rank_part`); one rank's state is
+aloader.loader._checkpoint's, and the merged state as a ``torch.distributed.checkpoint``
+``Stateful`` aloader.loader._dcp's.
 
 Invariant: the ranks of any world size ``W'`` that load one merged state of an epoch taken on
 ``W`` ranks deliver, together, exactly the samples the ``W`` ranks had not delivered of it,
@@ -31,45 +31,20 @@ A state taken between epochs (on every rank) starts the next epoch on any world 
 from __future__ import annotations
 
 import copy
-import json
-import os
-import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..data._distributed import default_place
 from ..streams._resume import promises_equal_ranks, saved_world
-from ..streams._streams import Stream
+from ..streams._stream import Stream
+from ._checkpoint import STATE_FORMAT, STATE_VERSION, place_of
 from ._epochs import MapEpochs
 
 if TYPE_CHECKING:
-    from ._loader import DataLoader
+    from ._dataloader import DataLoader
 
-__all__ = ("RANKS_FORMAT", "STATE_FORMAT", "STATE_VERSION", "DistributedState",
-           "merge_rank_states", "place_of", "rank_part")
+__all__ = ("RANKS_FORMAT", "merge_rank_states", "rank_part")
 
-STATE_FORMAT = "aloader.DataLoader"
-STATE_VERSION = 1
 RANKS_FORMAT = "aloader.DataLoader.ranks"
-
-
-def place_of(loader: DataLoader[Any]) -> tuple[int, int]:
-    """``(rank, world_size)`` of the process ``loader`` runs in: torch.distributed's
-    initialized process group's, else ``RANK``/``WORLD_SIZE`` (torchrun's), else those its
-    data is split for (a ``DistributedSampler``'s, a sharded stream's), else ``(0, 1)``."""
-    dist = sys.modules.get("torch.distributed")
-    grouped = dist is not None and dist.is_available() and dist.is_initialized()
-    if grouped or "WORLD_SIZE" in os.environ:
-        return default_place(None, None)
-    kind = getattr(loader, "_kind", None)
-    sampler = kind._distributed() if isinstance(kind, MapEpochs) else None
-    if sampler is not None:
-        return sampler.rank, sampler.num_replicas
-    dataset = loader.dataset
-    worlds = dataset._worlds() if isinstance(dataset, Stream) else []
-    if worlds:
-        return worlds[0][0], worlds[0][1]
-    return 0, 1
 
 
 # --------------------------------------------------------------------------- merging
@@ -430,67 +405,3 @@ def _iterable_part(loader: DataLoader[Any], states: list[dict[str, Any]],
     sub.update(mode="workers", num_workers=lanes[0].count, turn=0, stream=counters,
                replicas=[lane.state for lane in mine], lanes=[lane.slot for lane in mine])
     return sub
-
-
-# --------------------------------------------------------------------------- DCP
-
-
-class DistributedState:
-    """A loader's state across the ranks of a job, as a ``torch.distributed.checkpoint``
-    ``Stateful``: saved with the model and optimizer by ``dcp.save``, loaded by ``dcp.load``
-    on any world size.
-
-    ::
-
-        import torch.distributed.checkpoint as dcp
-
-        state = {"model": model_state, "loader": aloader.DistributedState(loader)}
-        dcp.save(state, checkpoint_id=path)  # every rank, at the same step
-        ...
-        dcp.load(state, checkpoint_id=path)  # every rank of the new job, any world size
-
-    :meth:`state_dict` gathers every rank's ``loader.state_dict()`` (a collective over
-    ``group``, as ``dcp.save`` is: call it on every rank) into one entry per rank, stored as
-    JSON text: the same value on every rank, so DCP keeps it once, and every rank of a job of
-    another size finds all of them (a value per rank under a key per rank would be readable
-    only by a job of the same size; one key of different values would keep one rank's).
-    :meth:`load_state_dict` merges them (:func:`merge_rank_states`) and loads this rank's
-    part. Without an initialized process group it holds this process's state alone.
-
-    Args:
-        loader: the rank's loader.
-        group: the process group whose ranks share the data (default: the default group).
-    """
-
-    def __init__(self, loader: DataLoader[Any], group: Any = None) -> None:
-        self.loader = loader
-        self.group = group
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"world_size": W, "ranks": [JSON text of rank 0's state, ...]}``."""
-        own = json.dumps(self.loader.state_dict())
-        dist = sys.modules.get("torch.distributed")
-        ranks = [own]
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            ranks = [""] * dist.get_world_size(self.group)
-            dist.all_gather_object(ranks, own, group=self.group)
-        return {"world_size": len(ranks), "ranks": ranks}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load this rank's part of the ranks' states.
-
-        Raises:
-            ValueError: not a :meth:`state_dict`, or see :func:`merge_rank_states`.
-        """
-        ranks = state_dict.get("ranks") if isinstance(state_dict, Mapping) else None
-        if not (isinstance(ranks, list) and all(isinstance(r, str) for r in ranks)
-                and state_dict.get("world_size") == len(ranks)):
-            raise ValueError("cannot load this distributed state: it should be "
-                             "DistributedState.state_dict()'s {'world_size': W, 'ranks': "
-                             "[W JSON texts]}")
-        try:
-            states = [json.loads(text) for text in ranks]
-        except ValueError as exc:
-            raise ValueError(f"cannot load this distributed state: a rank's state is not "
-                             f"JSON ({exc})") from None
-        self.loader.load_state_dict(merge_rank_states(states))

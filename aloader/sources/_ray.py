@@ -31,7 +31,8 @@ import anyio
 import anyio.to_thread
 
 from .._workerinfo import get_worker_info
-from ..streams._streams import Stream, _Context
+from ..streams._context import _Context
+from ..streams._stream import Stream
 
 __all__ = ("BLOCK_ROWS", "RayRows", "from_ray")
 
@@ -68,7 +69,7 @@ class RayRows(Stream[dict[str, Any]]):
         try:
             while block := await anyio.to_thread.run_sync(pull):
                 yield block
-                del block  # not kept while the next is made (see aloader.streams._streams)
+                del block  # not kept while the next is made (see aloader.streams._positions)
         finally:
             close = getattr(rows, "close", None)
             if callable(close):  # Ray's iteration is a generator: stop its prefetching

@@ -23,7 +23,9 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from ..data._dataset import iterate
-from ._streams import Stream, _StreamIterator, check_field
+from ._positions import check_field
+from ._runtime import _StreamIterator
+from ._stream import Stream
 
 __all__ = ("adopt_world", "encode", "open_replica", "parse", "promises_equal_ranks", "resume",
            "saved_world", "snapshotter", "start_snapshot")
