@@ -507,6 +507,7 @@ class IterableEpochs:
     # The lanes of the epoch begun last, and the ranks ("world") of each; None: this rank's.
     _lanes: list[list[Any]] | None = None
     _lanes_count = 0  # the saved run's num_workers, which the lanes' worker ids are of
+    _lanes_epoch: int | None = None  # the stream's epoch they finish (for a rank with none)
     _lane_worlds: list[Any] | None = None
     _pending: dict[str, Any] | None = None  # a loaded sub-state, for the next epoch
 
@@ -517,6 +518,8 @@ class IterableEpochs:
         lanes = None if pending is None else pending["lanes"]
         self._lanes = lanes
         self._lanes_count = 0 if pending is None else pending["num_workers"]
+        counters = None if pending is None else pending["stream"]
+        self._lanes_epoch = counters.get("epoch") if isinstance(counters, dict) else None
         self._lane_worlds = None if lanes is None else [
             saved_world(state) for state in pending["replicas"]]  # type: ignore[index]
         self._pending = None
@@ -545,6 +548,8 @@ class IterableEpochs:
             if lanes is not None:
                 worlds = self._lane_worlds
                 assert worlds is not None
+                if counters is not None and not replicas:  # this rank was dealt none
+                    counters["epoch"] = self._lanes_epoch
                 return {"mode": "workers", "num_workers": self._lanes_count, "turn": turn,
                         "replicas": [encode(dataset, r, world=world)
                                      for r, world in zip(replicas, worlds, strict=True)],

@@ -385,12 +385,9 @@ def _iterable_part(loader: DataLoader[Any], states: list[dict[str, Any]],
             "resumes on another world size only for a Stream over sharded sources (JsonLines, "
             f"TarShards, ParquetRows, ...), and this dataset is {type(dataset).__name__}; "
             f"resume it on {saved} ranks, or from a state taken between epochs")
+    # A replica is not split: a rank dealt none has nothing left of the epoch (more ranks
+    # than replicas, or replicas already at their end).
     lanes = sorted(_lanes(states), key=lambda lane: lane.order(saved))
-    if len(lanes) < size:
-        raise ValueError(f"cannot split this state over {size} ranks: its epoch has "
-                         f"{len(lanes)} replicas ({saved} ranks' workers), and a replica is "
-                         f"not split; resume it on at most {len(lanes)} ranks (or save with "
-                         "more num_workers)")
     if saved % size and promises_equal_ranks(dataset):
         raise ValueError(f"cannot split this state of {saved} ranks over {size} evenly: its "
                          "source gives every rank the same records (records_per_rank), which "
@@ -399,9 +396,9 @@ def _iterable_part(loader: DataLoader[Any], states: list[dict[str, Any]],
     mine = [lane for lane in lanes if lane.order(saved) % size == rank]
     sub = dict(going["iterable"])
     counters = sub.get("stream")
-    if isinstance(counters, Mapping):  # the stream's epoch under way (a local state's has none)
+    if isinstance(counters, Mapping) and lanes:  # the stream's epoch (a local state has none)
         counters = dict(counters)
         counters["epoch"] = _get(lanes[0].state, "state", "epoch")
-    sub.update(mode="workers", num_workers=lanes[0].count, turn=0, stream=counters,
+    sub.update(mode="workers", num_workers=sub.get("num_workers"), turn=0, stream=counters,
                replicas=[lane.state for lane in mine], lanes=[lane.slot for lane in mine])
     return sub

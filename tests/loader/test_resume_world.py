@@ -191,6 +191,49 @@ def test_the_same_world_size_resumes_each_rank_as_saved(tmp_path: Path) -> None:
     anyio.run(run)
 
 
+def test_more_ranks_than_replicas_and_ranks_that_had_ended(tmp_path: Path) -> None:
+    root = str(tmp_path)
+
+    async def run() -> None:
+        # 4 ranks without workers (4 replicas) resumed on 6: two new ranks get nothing.
+        whole = [(await epochs(stream_loader(root, r, 4), 1))[0] for r in range(4)]
+        merged = merge_rank_states(await states_after(lambda r: stream_loader(root, r, 4), 4,
+                                                      [1] * 4))
+        got = []
+        for rank in range(6):
+            loader = stream_loader(root, rank, 6)
+            loader.load_state_dict(merged)
+            got.append([b async for b in loader])
+            assert [b async for b in loader] == (await epochs(stream_loader(root, rank, 6),
+                                                              2))[1]
+            await loader.aclose()
+        assert [len(g) > 0 for g in got] == [True] * 4 + [False] * 2
+        assert batches(got) == batches([w[1:] for w in whole])
+        # Rank 0 had ended its epoch (its state: the next one's start), rank 1 had not.
+        two = [(await epochs(stream_loader(root, r, 2), 1))[0] for r in range(2)]
+        short = min(range(2), key=lambda r: len(two[r]))
+        taken = [2, 2]
+        taken[short] = len(two[short])  # all of its batches: its replica at its end
+        states = await states_after(lambda r: stream_loader(root, r, 2), 2, taken)
+        ended = stream_loader(root, short, 2)
+        _ = [b async for b in ended]  # and past it: the state is the next epoch's start
+        exhausted = list(states)
+        exhausted[short] = roundtrip(ended.state_dict())
+        await ended.aclose()
+        assert exhausted[short]["epoch"] == 1 and states[short]["epoch"] == 0
+        for merged in (merge_rank_states(states), merge_rank_states(exhausted)):
+            for world in (1, 3):
+                got = []
+                for rank in range(world):
+                    loader = stream_loader(root, rank, world)
+                    loader.load_state_dict(merged)
+                    got.append([b async for b in loader])
+                    await loader.aclose()
+                assert batches(got) == batches([two[1 - short][2:]]), world
+
+    anyio.run(run)
+
+
 # --------------------------------------------------------------------------- map-style
 
 
@@ -262,6 +305,25 @@ def test_a_rank_missing_or_out_of_order_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.hostile
+def test_tampered_replicas_are_refused(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    states = stream_states(root)
+    twice = json.loads(json.dumps(states[0]))
+    twice["rank"] = [1, 4]  # rank 0's state passed off as rank 1's
+    with pytest.raises(ValueError, match="the position of rank 0's worker 0 is in the states "
+                                         "of rank 0 and rank 1"):
+        merge_rank_states([states[0], twice, states[2], states[3]])
+    merged = merge_rank_states(states)
+    merged["ranks"][2]["iterable"]["replicas"][0]["state"]["world"] = [[7, 4]]
+    with pytest.raises(ValueError, match="no position for 1 of the epoch's 4 replicas"):
+        stream_loader(root, 0, 2).load_state_dict(merged)
+    merged["ranks"][2]["iterable"]["replicas"][0]["state"]["world"] = [[2, 4, 0]]
+    with pytest.raises(ValueError, match="field 'world' is \\[\\[2, 4, 0\\]\\], which does "
+                                         "not fit"):
+        stream_loader(root, 0, 2).load_state_dict(merged)
+
+
+@pytest.mark.hostile
 def test_a_state_of_another_dataset_is_refused(tmp_path: Path) -> None:
     root = str(tmp_path)
     states = stream_states(root)
@@ -287,10 +349,6 @@ def test_a_state_of_another_dataset_is_refused(tmp_path: Path) -> None:
 def test_world_sizes_that_cannot_be_split_are_refused(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     root = str(tmp_path)
-    merged = merge_rank_states(stream_states(root))  # 4 ranks x 1 replica
-    with pytest.raises(ValueError, match="cannot split this state over 5 ranks: its epoch has "
-                                         "4 replicas"):
-        stream_loader(root, 0, 5).load_state_dict(merged)
     # A map-style loader without a DistributedSampler (its place from torchrun's variables).
     monkeypatch.setenv("WORLD_SIZE", "2")
     plain = []
