@@ -349,6 +349,11 @@ def test_a_state_of_another_dataset_is_refused(tmp_path: Path) -> None:
 def test_world_sizes_that_cannot_be_split_are_refused(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     root = str(tmp_path)
+    merged = merge_rank_states(stream_states(root, records_per_rank=12))
+    for world in (3, 8):  # records_per_rank's even ranks cannot be kept on these
+        with pytest.raises(ValueError, match=f"cannot split this state of 4 ranks over {world} "
+                                             "evenly"):
+            stream_loader(root, 0, world, records_per_rank=12).load_state_dict(merged)
     # A map-style loader without a DistributedSampler (its place from torchrun's variables).
     monkeypatch.setenv("WORLD_SIZE", "2")
     plain = []
