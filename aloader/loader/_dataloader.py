@@ -663,12 +663,16 @@ class DataLoader(Generic[T_co]):
         ``num_workers=0``), in the saved run's batch order, and the later epochs are split by
         the new count. A stream's state taken during an epoch resumes only on the same rank
         of the same world size (``ValueError`` naming ``'world'``); between epochs, on any.
+        The states of a job's ranks merged by :func:`aloader.merge_rank_states` load on
+        every rank of any world size, each taking its part of the interrupted epoch.
 
         Raises:
             ValueError: the state is of another format or version, another kind of dataset,
                 another dataset length, batch size or ``drop_last`` (the message names the
                 field and both values), or does not fit the samplers; its ``failures`` has
-                more indices than its count, or indices for an iterable dataset.
+                more indices than its count, or indices for an iterable dataset; merged
+                states that cannot be split over this world size (see
+                :func:`aloader.merge_rank_states`).
             TypeError: a field has the wrong type.
         """
         if isinstance(state, Mapping) and state.get("format") == RANKS_FORMAT:

@@ -23,7 +23,8 @@ none twice (map-style beyond ``DistributedSampler``'s padding), then ordinary ep
   have made, shuffle buffers included, on other ranks. Replica ``i`` of saved rank ``c``
   (``i``-th in that rank's state) is numbered ``g = i * W + c`` and goes to new rank ``g %
   W'``: with ``W'`` dividing ``W``, whole saved ranks move together, so ranks that were
-  even stay even (required where the source promises it, ``records_per_rank``).
+  even stay even (required where the source promises it, ``records_per_rank``). A replica
+  is never split: a new rank dealt none has nothing left of the epoch.
 
 A state taken between epochs (on every rank) starts the next epoch on any world size.
 """
