@@ -8,7 +8,7 @@ takes the rows as they come.
 
 Invariant: every epoch is one ``iter_rows()`` of the Ray object, pulled in a worker thread a
 block of :data:`BLOCK_ROWS` rows at a time (Ray's iteration blocks; the event loop never
-does), so the rows come in Ray's order and the stream holds at most one block beyond the
+does, and a cancel does not wait for Ray to answer), so the rows come in Ray's order and the stream holds at most one block beyond the
 stream's own read-ahead. Ray cannot seek into an iteration, so a state saved mid-epoch is
 the number of rows the consumer received, and resuming iterates anew and discards that
 many (the :class:`~aloader.Stream` base's resume by counting, torchdata's fast-forward):
@@ -24,6 +24,7 @@ so anything with Ray's ``DataIterator`` interface works (the tests' stand-in doe
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
@@ -62,19 +63,30 @@ class RayRows(Stream[dict[str, Any]]):
                 "Data reads and preprocesses in parallel itself; every loader worker would "
                 "read the whole dataset again)")
         rows: Iterator[dict[str, Any]] = iter(self.source.iter_rows())
+        busy = threading.Lock()  # held by the thread pulling from Ray
 
         def pull() -> list[dict[str, Any]]:
-            return list(itertools.islice(rows, BLOCK_ROWS))
+            with busy:
+                return list(itertools.islice(rows, BLOCK_ROWS))
+
+        def close() -> None:
+            # Ray's iteration is a generator: closing it stops its prefetching. A pull still
+            # running (abandoned by a cancel: Ray may wait on its cluster for long) keeps
+            # it; it is closed when dropped.
+            if busy.acquire(blocking=False):
+                try:
+                    getattr(rows, "close", lambda: None)()
+                finally:
+                    busy.release()
 
         try:
-            while block := await anyio.to_thread.run_sync(pull):
+            # A cancel (a closed loader, a timeout, Ctrl-C) does not wait for Ray's answer.
+            while block := await anyio.to_thread.run_sync(pull, abandon_on_cancel=True):
                 yield block
                 del block  # not kept while the next is made (see aloader.streams._positions)
         finally:
-            close = getattr(rows, "close", None)
-            if callable(close):  # Ray's iteration is a generator: stop its prefetching
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(close)
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(close)
 
 
 def from_ray(dataset_or_shard: Any) -> Stream[dict[str, Any]]:

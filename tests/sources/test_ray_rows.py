@@ -83,6 +83,37 @@ async def test_leaving_an_epoch_early_closes_rays_iteration(anyio_backend: str) 
     assert source.closed == 1
 
 
+class StuckDataIterator(FakeDataIterator):
+    """Its second block never comes until ``go`` is set (a cluster that stopped answering)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.go = threading.Event()
+
+    def _rows(self) -> Iterator[dict[str, Any]]:
+        for row in super()._rows():
+            if row["id"] == 300:
+                self.go.wait(20)
+                self.answered = True
+            yield row
+
+    answered = False
+
+
+async def test_a_stuck_ray_does_not_hold_a_cancel(anyio_backend: str) -> None:
+    source = StuckDataIterator(1000)
+    loader = DataLoader(from_ray(source), batch_size=100)
+    got = []
+    with anyio.fail_after(30):  # a hang guard: the cancel below must not wait for Ray
+        with anyio.move_on_after(1):
+            async for batch in loader:
+                got.append(batch)
+        await loader.aclose()
+    assert len(got) == 2  # the rows before the stuck block
+    assert not source.answered  # the loader was closed while Ray had not answered
+    source.go.set()
+
+
 async def test_resume_by_counting(anyio_backend: str) -> None:
     source = FakeDataIterator(700)
     full = [b async for b in DataLoader(from_ray(source), batch_size=50)]
