@@ -11,6 +11,7 @@ groups (torchrun's environment, gloo, DCP) are in tests/compat/test_process_grou
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -230,6 +231,56 @@ def test_more_ranks_than_replicas_and_ranks_that_had_ended(tmp_path: Path) -> No
                     got.append([b async for b in loader])
                     await loader.aclose()
                 assert batches(got) == batches([two[1 - short][2:]]), world
+
+    anyio.run(run)
+
+
+def mixed_loader(root: str, rank: int, *, world: int, workers: int = 0) -> DataLoader[Any]:
+    paths = shard_paths(root)
+    first = JsonLines(paths[:6], rank=rank, world_size=world, even_ranks=False,
+                      shuffle_shards=True, seed=1).map(record)
+    second = JsonLines(paths[6:], rank=rank, world_size=world, even_ranks=False, seed=2)
+    mixed = aloader.mix([first, second.map(record)], [0.5, 0.5], seed=4).shuffle(5, seed=3)
+    return DataLoader(mixed, batch_size=BATCH, num_workers=workers, collate_fn=as_list,
+                      generator=1)
+
+
+def parquet_loader(root: str, rank: int, *, world: int, workers: int = 0) -> DataLoader[Any]:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    paths = []
+    for f in range(6):  # row groups of 4 rows
+        path = Path(root) / f"rows-{f}.parquet"
+        if not path.exists():
+            pq.write_table(pa.table({"f": [f] * (10 + f), "i": list(range(10 + f))}), path,
+                           row_group_size=4)
+        paths.append(str(path))
+    rows = aloader.ParquetRows(paths, rank=rank, world_size=world, even_ranks=False,
+                               shuffle_shards=True, seed=5)
+    return DataLoader(rows.map(lambda r: (r["f"], r["i"])).shuffle(4, seed=1),
+                      batch_size=BATCH, num_workers=workers, collate_fn=as_list, generator=1)
+
+
+@pytest.mark.parametrize("make", [mixed_loader, parquet_loader])
+def test_other_sources_and_stages_resume_on_another_world_size(
+        tmp_path: Path, make: Callable[..., DataLoader[Any]]) -> None:
+    root = str(tmp_path)
+
+    async def run() -> None:
+        for saved, workers, now in ((4, 0, 3), (2, 2, 3)):
+            whole = [(await epochs(make(root, r, world=saved, workers=workers), 1))[0]
+                     for r in range(saved)]
+            merged = roundtrip(merge_rank_states(await states_after(
+                functools.partial(make, root, world=saved, workers=workers), saved,
+                [2] * saved)))
+            got = []
+            for rank in range(now):
+                loader = make(root, rank, world=now)
+                loader.load_state_dict(merged)
+                got.append([b async for b in loader])
+                await loader.aclose()
+            assert batches(got) == batches([w[2:] for w in whole]), (saved, workers, now)
 
     anyio.run(run)
 
