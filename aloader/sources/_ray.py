@@ -8,13 +8,13 @@ takes the rows as they come.
 
 Invariant: every epoch is one ``iter_rows()`` of the Ray object, pulled in a worker thread a
 block of :data:`BLOCK_ROWS` rows at a time (Ray's iteration blocks; the event loop never
-does, and a cancel does not wait for Ray to answer), so the rows come in Ray's order and the stream holds at most one block beyond the
-stream's own read-ahead. Ray cannot seek into an iteration, so a state saved mid-epoch is
-the number of rows the consumer received, and resuming iterates anew and discards that
-many (the :class:`~aloader.Stream` base's resume by counting, torchdata's fast-forward):
-exact wherever Ray's order repeats from one iteration to the next (a materialized dataset,
-``DataContext.execution_options.preserve_order = True``, one consumer of a split); it costs
-reading those rows again.
+does, and a cancel does not wait for Ray to answer), so the rows come in Ray's order and the
+stream holds at most one block beyond the stream's own read-ahead. Ray cannot seek into an
+iteration, so a state saved mid-epoch is the number of rows the consumer received, and
+resuming iterates anew and discards that many (the :class:`~aloader.Stream` base's resume by
+counting, torchdata's fast-forward): exact wherever Ray's order repeats from one iteration
+to the next (a materialized dataset, ``DataContext.execution_options.preserve_order =
+True``, one consumer of a split); it costs reading those rows again.
 
 ray is not imported here: the object given is only asked for ``iter_rows()`` (duck typing),
 so anything with Ray's ``DataIterator`` interface works (the tests' stand-in does), and
