@@ -64,9 +64,12 @@ from .data._sampler import (
 )
 from .io._http import HttpOptions
 from .loader._dataloader import AsyncDataLoaderIter, DataLoader, DataLoaderIter
+from .loader._dcp import DistributedState
+from .loader._ranks import merge_rank_states
 from .pipeline._sample_rng import sample_rng
 from .serve._batcher import Batcher, BatcherMetrics, BatchMethod, LatencySummary, batch
 from .sources._parquet import ParquetRows
+from .sources._ray import from_ray
 from .sources._sharded import ShardedSource, SourceOptions
 from .sources._sources import BinaryRecords, JsonLines, NpyRows, TextLines
 from .sources._tar import TarShards
@@ -81,10 +84,12 @@ __all__ = (
     "AsyncDataLoaderIter",
     "DataLoader",
     "DataLoaderIter",
+    "DistributedState",
     "LoaderStats",
     "StageStats",
     "WorkerInfo",
     "get_worker_info",
+    "merge_rank_states",
     "sample_rng",
     # datasets
     "ArrayDataset",
@@ -123,6 +128,7 @@ __all__ = (
     "TarShards",
     "TextLines",
     "as_stream",
+    "from_ray",
     "interleave",
     "mix",
     # inference batching

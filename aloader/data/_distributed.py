@@ -178,17 +178,28 @@ class DistributedSampler(_Stateful, Sampler[int]):
             return max(0, math.ceil((m - world) / world))
         return math.ceil(m / world)
 
-    def _elastic(self, order: IndexArray | None, n: int, remaining: dict[str, Any]
-                 ) -> Iterator[IndexArray]:
+    @staticmethod
+    def _rest_positions(remaining: dict[str, Any]) -> IndexArray:
+        """The global order's positions left of an elastic resume's epoch: ``[start,
+        stop)`` without the ``excluded`` ranges of the old ranks' shards (``[a, b]``: the
+        shard positions ``a`` to ``b - 1`` of every old rank; ``[a, b, r]``: of rank ``r``)."""
         world0 = int(remaining["num_replicas"])
         positions = np.arange(int(remaining["start"]), int(remaining["stop"]), dtype=np.int64)
         excluded = remaining["excluded"]
         if excluded:
             done = np.zeros(len(positions), dtype=bool)
             rank_pos = positions // world0
-            for a, b in excluded:
-                done |= (rank_pos >= a) & (rank_pos < b)
+            for a, b, *rank in excluded:
+                hit = (rank_pos >= a) & (rank_pos < b)
+                if rank:
+                    hit &= positions % world0 == rank[0]
+                done |= hit
             positions = positions[~done]
+        return positions
+
+    def _elastic(self, order: IndexArray | None, n: int, remaining: dict[str, Any]
+                 ) -> Iterator[IndexArray]:
+        positions = self._rest_positions(remaining)
         rest = positions if order is None else order[positions]
         m = len(rest)
         size = self._elastic_size(remaining)
@@ -230,26 +241,30 @@ class DistributedSampler(_Stateful, Sampler[int]):
             self.epoch = state["epoch"]
             self._remaining = None if remaining is None else dict(remaining)
 
-    def _resume_elastic(self, state: dict[str, Any], consumed: int,
+    def _resume_elastic(self, state: dict[str, Any], consumed: int | list[int | None],
                         excluded: list[list[int]]) -> None:
         """Make the next epoch the rest of the epoch a job on ``state["num_replicas"]`` ranks
-        was in, each of its ranks having consumed ``consumed`` indices and the ranges
-        ``excluded`` of its shard (see the class docstring)."""
+        was in, each of its ranks having consumed ``consumed`` indices (or rank ``r``
+        ``consumed[r]``, None: all of its shard) and the ranges ``excluded`` of its shard
+        (``[a, b]``, or ``[a, b, r]`` of rank ``r`` alone; see the class docstring)."""
         world0 = int(state["num_replicas"])
         n = len(self.dataset)
         if state["drop_last"] and n % world0 != 0:
             total0 = math.ceil((n - world0) / world0) * world0
         else:
             total0 = math.ceil(n / world0) * world0
+        excluded = [[int(v) for v in entry] for entry in excluded]
+        if isinstance(consumed, list):  # each rank's own progress (merged ranks' states)
+            counts = [total0 // world0 if c is None else c for c in consumed]
+            low = min(counts)
+            excluded += [[low, c, r] for r, c in enumerate(counts) if c > low]
+            consumed = low
         start = min(consumed * world0, n)
         stop = min(n, total0)
         start = min(start, stop)
-        size = stop - start
-        for a, b in excluded:
-            lo, hi = max(a * world0, start), min(b * world0, stop)
-            size -= max(0, hi - lo)
         self._remaining = {"num_replicas": world0, "start": start, "stop": stop,
-                           "excluded": [[int(a), int(b)] for a, b in excluded], "size": size}
+                           "excluded": excluded, "size": 0}
+        self._remaining["size"] = len(self._rest_positions(self._remaining))
 
     def _shard(self, order: IndexArray | None, n: int) -> Iterator[IndexArray]:
         for start, size in _blocks(self.num_samples):

@@ -55,6 +55,7 @@ from ._arguments import check_batching, check_loading, warn_worker_number
 from ._checkpoint import _EpochRecord, load_state, state_of
 from ._epochs import AlreadyDelivered, EpochKind, IterableEpochs, MapEpochs
 from ._pin_memory import _pin_memory_transform, _require_torch
+from ._ranks import RANKS_FORMAT, rank_part
 from ._workers import pool_epoch
 
 __all__ = ("AsyncDataLoaderIter", "DataLoader", "DataLoaderIter")
@@ -571,14 +572,20 @@ class DataLoader(Generic[T_co]):
         ``num_workers=0``), in the saved run's batch order, and the later epochs are split by
         the new count. A stream's state taken during an epoch resumes only on the same rank
         of the same world size (``ValueError`` naming ``'world'``); between epochs, on any.
+        The states of a job's ranks merged by :func:`aloader.merge_rank_states` load on
+        every rank of any world size, each taking its part of the interrupted epoch.
 
         Raises:
             ValueError: the state is of another format or version, another kind of dataset,
                 another dataset length, batch size or ``drop_last`` (the message names the
                 field and both values), or does not fit the samplers; its ``failures`` has
-                more indices than its count, or indices for an iterable dataset.
+                more indices than its count, or indices for an iterable dataset; merged
+                states that cannot be split over this world size (see
+                :func:`aloader.merge_rank_states`).
             TypeError: a field has the wrong type.
         """
+        if isinstance(state, Mapping) and state.get("format") == RANKS_FORMAT:
+            state = rank_part(self, state)  # the ranks' states merged: this rank's part
         load_state(self, state)
 
     def _started(self, epoch: Epoch) -> None:

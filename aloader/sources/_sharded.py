@@ -230,6 +230,7 @@ class ShardedSource(Stream[T_co]):
     world_size: int
     even_ranks: EvenRanks
     records_per_rank: int | None
+    _even_arg: bool | None
     concurrency: int
     chunk_size: int
     max_record_bytes: int
@@ -273,6 +274,7 @@ class ShardedSource(Stream[T_co]):
         self.shuffle_shards = bool(shuffle_shards)
         self.seed = seed
         self.rank, self.world_size = resolve_world(rank, world_size)
+        self._even_arg = even_ranks  # what even_ranks follows from on another world size
         self.even_ranks = even_mode(even_ranks, records_per_rank, self.world_size)
         self.records_per_rank = records_per_rank
         self.concurrency = check_int("concurrency", concurrency)
@@ -330,6 +332,17 @@ class ShardedSource(Stream[T_co]):
             return live._epoch, live._slot
         epoch = self._resume_epoch if self._resume_epoch is not None else self.epoch
         return epoch, worker_slot()
+
+    def _world(self) -> list[int]:
+        # records_per_rank is part of the split: each consumer's quota follows from it.
+        world = [self.rank, self.world_size]
+        return world if self.records_per_rank is None else [*world, self.records_per_rank]
+
+    def _set_world(self, world: list[int]) -> None:
+        rank, size, *quota = world
+        self.rank, self.world_size = resolve_world(rank, size)
+        self.records_per_rank = quota[0] if quota else None
+        self.even_ranks = even_mode(self._even_arg, self.records_per_rank, size)
 
     def _check_ranks(self) -> None:
         """Refuse, at construction, a rank that would read nothing (ranks evened out)."""
