@@ -33,7 +33,7 @@ from typing import Any, Generic, Literal, TypeAlias, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
-from .._util import close_iterator, is_async_callable
+from .._util import close_iterator, is_async_callable, taken
 from ._collate import ColumnBatch
 from ._fetch import fetch_many, fetch_many_sync, fetch_one, gather, getitems_of, index_list
 from ._random import GeneratorLike, as_generator, permutation
@@ -789,7 +789,7 @@ class ChainDataset(IterableDataset[T_co]):
             else:
                 sync_iterator: Any = iter(cast(Iterable[T_co], dataset))
                 try:
-                    for item in sync_iterator:
+                    for item in taken(sync_iterator):
                         yield item
                 finally:
                     await close_iterator(sync_iterator, blocking=False)

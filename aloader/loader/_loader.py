@@ -665,13 +665,18 @@ class DataLoader(Generic[T_co]):
             return self.dataset._claim_epoch()
         return count
 
+    def _workers_live(self) -> bool:
+        """Whether persistent workers from an earlier epoch are alive to serve the next."""
+        pool = self._pool
+        return pool is not None and not (pool.closed or pool.broken)
+
     def _base_seed(self) -> tuple[int, bool]:
         """This epoch's ``base_seed``, and whether it was drawn: drawn from the generator,
         except by an epoch that the live persistent workers will serve, which keep their first
         epoch's seeds; torch resets its one iterator then and draws nothing, so the sampler's
         draws stay torch's. A run resumed from persistent workers' epoch keeps their seed."""
         pool = self._pool
-        if pool is not None and not (pool.closed or pool.broken):
+        if pool is not None and self._workers_live():
             return int(pool.setup.base_seed), False
         if self._resume_seed is not None:
             return self._resume_seed, False
@@ -991,6 +996,8 @@ class AsyncDataLoaderIter(Generic[T_co]):
         kind = loader._kind
         if isinstance(kind, MapEpochs):
             kind.begin()  # what the epoch is drawn from, before it draws anything
+            if loader.num_workers > 0 and not loader._workers_live():
+                kind.new_workers()  # before the base seed's draw, as torch's __init__
         self.rng_state: Mapping[str, Any] = loader._rng.bit_generator.state
         start = rng_state(loader._rng)
         base_seed, drawn = loader._base_seed()

@@ -71,7 +71,7 @@ import numpy as np
 from .._backend import Detached, Waiter, current_backend, task_group, threadsafe_caller, waiters
 from .._exceptions import FailureBudgetExceeded, LoaderClosedError
 from .._stats import Collector
-from .._util import Signal, close_iterator, is_async_callable, is_awaitable, resolve
+from .._util import Signal, close_iterator, is_async_callable, is_awaitable, resolve, taken
 from ..data._collate import ColumnBatch, default_collate
 from ..data._dataset import aiter_of, fetch_mode
 from ._failures import KNOWN_FAILED, Failures, resumable
@@ -1672,7 +1672,9 @@ def _pull_sync(source: Any, size: int | None) -> tuple[Any, bool]:
     # islice pulls at C speed (a Python loop's append and len per sample were ~40% of an
     # in-memory iterable's batch); it stops after exactly ``size`` samples, so it never
     # draws one sample more than the batch, and an error of the source propagates as is.
-    samples = list(islice(source, size))
+    # It takes iter() of what it is given: of the epoch's iterator as taken (a dataset whose
+    # __iter__ resets and returns self would start over at every batch).
+    samples = list(islice(taken(source), size))
     return (samples if samples else _NOTHING), len(samples) < size
 
 

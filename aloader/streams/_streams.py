@@ -50,7 +50,16 @@ import numpy as np
 from .._backend import Detached
 from .._exceptions import FetchError, RecordError, SourceError
 from .._facade import PrivateLoop, SyncIterator, forbid_running_loop, run_here
-from .._util import Closing, Signal, check_int, close_iterator, is_async_callable, single_error
+from .._util import (
+    Closing,
+    Signal,
+    ataken,
+    check_int,
+    close_iterator,
+    is_async_callable,
+    single_error,
+    taken,
+)
 from .._workerinfo import get_worker_info, served_epoch, worker_slot
 from ..data._dataset import IterableDataset
 from ..data._random import GeneratorLike, as_generator, draw_seed, permutation
@@ -1737,16 +1746,17 @@ class _Iterated(Stream[Any]):
         if aiter_ is not None:
             iterator = source.__aiter__()
             try:
-                async for item in iterator:
+                async for item in ataken(iterator):
                     yield [item]
             finally:
                 await close_iterator(iterator)
             return
         sync_iterator = iter(source)
+        items = taken(sync_iterator)  # a `for` per block: never the source's __iter__ again
         try:
             while True:
                 block = []
-                for item in sync_iterator:
+                for item in items:
                     block.append(item)
                     if len(block) == _BLOCK:
                         break
