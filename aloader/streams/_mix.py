@@ -33,6 +33,7 @@ import anyio
 import numpy as np
 
 from .._util import Closing
+from ..data._dataset import is_stream_class
 from ..data._random import GeneratorLike, as_generator, draw_seed
 from ._streams import Stream, _Context, _Interleaved, as_stream
 
@@ -433,12 +434,12 @@ def interleave(
 
     Raises:
         ValueError: no stream, or bad weights.
-        TypeError: weights that are not numbers, or a list (or tuple) of streams given as one
-            argument (``interleave([a, b])``, the way :func:`mix` takes them), which would be
-            one input whose items are the streams themselves.
+        TypeError: weights that are not numbers, or a list (or tuple) of streams (or iterable
+            datasets) given as one argument (``interleave([a, b])``, the way :func:`mix` takes
+            them), which would be one input whose items are the streams themselves.
     """
     for given in streams:
-        if isinstance(given, (list, tuple)) and any(isinstance(s, Stream) for s in given):
+        if isinstance(given, (list, tuple)) and any(is_stream_class(s) for s in given):
             raise TypeError("interleave takes the streams as separate arguments, "
                             "interleave(a, b) or interleave(*streams), but got a "
                             f"{type(given).__name__} of streams as one of them")
