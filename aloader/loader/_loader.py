@@ -987,6 +987,10 @@ class AsyncDataLoaderIter(Generic[T_co]):
             samples, the last ``errors``), or None without ``max_failures``.
     """
 
+    # Until __init__ completes: an epoch whose making raised (a sampler's __len__) has
+    # nothing to stop, and its __del__ must not look for what was never set.
+    _closed = True
+
     def __init__(self, loader: DataLoader[T_co]) -> None:
         self._loader = loader
         # Explicit epoch state, so that a resume can restore it: the RNG state this epoch
