@@ -41,6 +41,7 @@ __all__ = (
     "resolve",
     "single_error",
     "taken",
+    "user_stacklevel",
 )
 
 T = TypeVar("T")
@@ -231,6 +232,21 @@ def ataken(iterator: AsyncIterator[T]) -> AsyncIterator[T]:
     if isinstance(getattr(type(iterator), "__aiter__", None), types.WrapperDescriptorType):
         return iterator
     return _ATaken(iterator)
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes :func:`warnings.warn`, called by this function's caller,
+    blame the user's line: the first frame outside aloader, however deep the call came
+    (``for`` goes through more of aloader's frames than ``async for``)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 class Closing:

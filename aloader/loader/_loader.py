@@ -30,7 +30,7 @@ from .._exceptions import FailureBudgetExceeded, LoaderTimeoutError
 from .._facade import LocalIterator, PrivateLoop, SyncIterator, forbid_running_loop, loop_of
 from .._log import SLOW_FIRST_BATCH, loader_log, worker_log
 from .._stats import Collector, LoaderStats
-from .._util import usable_cpus
+from .._util import usable_cpus, user_stacklevel
 from ..data._collate import default_collate, default_convert
 from ..data._dataset import is_iterable_dataset
 from ..data._random import as_generator, draw_seed, restore_rng, rng_state
@@ -476,7 +476,8 @@ class DataLoader(Generic[T_co]):
         self._stats_epochs = 0
         if num_workers > 0:
             prepare_context(self._context(), warm=True)
-        self._check_worker_number(stacklevel=3)  # torch warns here too, and at each epoch
+        self._warned_workers = 0  # the num_workers warned about (see _check_worker_number)
+        self._check_worker_number()
         self.__initialized = True
 
     # torch's guards --------------------------------------------------------------------------
@@ -559,13 +560,15 @@ class DataLoader(Generic[T_co]):
         forbid_running_loop("DataLoader", "batch in loader")
         return DataLoaderIter(self)
 
-    def _check_worker_number(self, stacklevel: int = 3) -> None:
-        """torch's warning when a loader is built, or an epoch is to start, with more workers
-        than there are CPUs (``stacklevel``: the caller's frame to blame, as for
-        :func:`warnings.warn`)."""
+    def _check_worker_number(self) -> None:
+        """torch's warning when a loader is built with more workers than there are CPUs, at
+        the user's line; once per loader (torch warns again at each epoch, at lines of its
+        own, which Python's filter then shows once each): again at an epoch only after
+        ``num_workers`` was changed."""
         workers = self.num_workers
-        if workers == 0 or (self.persistent_workers and self._pool is not None):
+        if workers == 0 or workers == self._warned_workers:
             return
+        self._warned_workers = workers
         cpus, cpuset = usable_cpus()
         if cpus is not None and workers <= cpus:
             return
@@ -581,8 +584,7 @@ class DataLoader(Generic[T_co]):
             "Please be aware that excessive worker creation might get DataLoader running slow "
             "or even freeze, lower the worker number to avoid potential slowness/freeze if "
             "necessary.",
-            # The `async for` (the synchronous facade's loop for `for`), or the construction.
-            stacklevel=stacklevel,
+            stacklevel=user_stacklevel(),  # the construction, or the `for` / `async for`
         )
 
     async def aclose(self) -> None:
