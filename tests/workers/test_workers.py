@@ -16,9 +16,9 @@ import signal
 import subprocess
 import sys
 import textwrap
-import warnings
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
