@@ -1251,23 +1251,26 @@ class AsyncDataLoaderIter(Generic[T_co]):
         if yielded == 1 and now - stats.started > SLOW_FIRST_BATCH * 1e9:
             loader_log.warning("the first batch took %.1f s (a cold start, or a stall: "
                                "see DataLoader.stats())", (now - stats.started) / 1e9)
-        if self._len_called is not None:  # only an iterable's epoch may outrun its length
-            self._warn_length()
+        if self._len_called is not None and not self._deferred:
+            self._warn_length(yielded)  # (the pump's batches: when DataLoaderIter hands them)
         batch: T_co = value  # typed by assignment: a cast() is a call per batch
         return batch
 
-    def _warn_length(self) -> None:
+    def _warn_length(self, handed: int) -> None:
+        """torch's warning, in the consumer's call that receives batch number ``handed`` (from
+        1) of an iterable's epoch, past the dataset's ``len()`` read before the epoch began
+        (only an iterable's epoch may outrun its length), at the consumer's line."""
         length = self._len_called
-        if length is not None and self.num_yielded > length:
+        if length is not None and handed > length:
             warnings.warn(
                 f"Length of IterableDataset {self._loader.dataset} was reported to be {length}"
-                f"(when accessing len(dataloader)), but {self.num_yielded} samples have been "
+                f"(when accessing len(dataloader)), but {handed} samples have been "
                 "fetched. " + (
                     "For multiprocessing data-loading, this could be caused by not properly "
                     "configuring the IterableDataset replica at each worker. Please see "
                     "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
                     "for examples." if self._loader.num_workers > 0 else ""),
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
 
     @property
@@ -1341,6 +1344,7 @@ class DataLoaderIter(Iterator[T_co]):
         # workers, here with them (see AsyncDataLoaderIter._draw).
         self._sync: LocalIterator[Any] | SyncIterator[Any] | None = None
         self._closed = False
+        self._handed = 0  # batches handed to the consumer (the pump runs ahead of them)
         if loader.num_workers > 0:
             self._open()
 
@@ -1383,7 +1387,11 @@ class DataLoaderIter(Iterator[T_co]):
         if isinstance(sync, LocalIterator):
             return cast(T_co, item)  # the source recorded it: nothing runs ahead here
         value, receipt = item  # only a batch, not an error, has a receipt
-        self._source._record.received(*receipt)
+        source = self._source
+        source._record.received(*receipt)
+        self._handed += 1
+        if source._len_called is not None:
+            source._warn_length(self._handed)
         return cast(T_co, value)
 
     def close(self) -> None:
