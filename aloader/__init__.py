@@ -1,7 +1,7 @@
 """aloader: an asyncio-native streaming data loader with torch.utils.data's semantics.
 
 This module owns the public namespace and nothing else: every public name is defined in a
-private module (``aloader.loader._loader``, ``aloader.data._dataset``,
+private module (``aloader.loader._dataloader``, ``aloader.data._dataset``,
 ``aloader.sources._sources``...) and
 re-exported here, listed in ``__all__``.
 
@@ -33,6 +33,7 @@ from ._exceptions import (
 )
 from ._stats import LoaderStats, SourceStats, StageStats
 from ._workerinfo import WorkerInfo, get_worker_info
+from .data._batchsampler import BatchSampler
 from .data._collate import (
     ColumnBatch,
     collate,
@@ -53,7 +54,6 @@ from .data._dataset import (
 )
 from .data._distributed import DistributedSampler
 from .data._sampler import (
-    BatchSampler,
     RandomSampler,
     Sampler,
     SequentialSampler,
@@ -61,21 +61,16 @@ from .data._sampler import (
     WeightedRandomSampler,
 )
 from .io._http import HttpOptions
-from .loader._loader import AsyncDataLoaderIter, DataLoader, DataLoaderIter
+from .loader._dataloader import AsyncDataLoaderIter, DataLoader, DataLoaderIter
 from .pipeline._sample_rng import sample_rng
 from .serve._batcher import Batcher, BatcherMetrics, BatchMethod, LatencySummary, batch
 from .sources._parquet import ParquetRows
-from .sources._sources import (
-    BinaryRecords,
-    JsonLines,
-    NpyRows,
-    ShardedSource,
-    SourceOptions,
-    TextLines,
-)
+from .sources._sharded import ShardedSource, SourceOptions
+from .sources._sources import BinaryRecords, JsonLines, NpyRows, TextLines
 from .sources._tar import TarShards
+from .streams._iterated import as_stream
 from .streams._mix import interleave, mix
-from .streams._streams import Stream, as_stream
+from .streams._stream import Stream
 
 __version__ = "0.1.0.dev0"
 

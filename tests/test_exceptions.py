@@ -12,9 +12,9 @@ import pytest
 
 import aloader
 from aloader import _exceptions
-from aloader.pipeline._pipeline import Results
+from aloader.pipeline._results import Results
 from aloader.serve import _batcher
-from aloader.streams import _streams
+from aloader.streams import _stream
 
 # The tree as _exceptions' docstring draws it: name -> (parent in the tree, builtin base or None).
 TREE: dict[str, tuple[str, type[BaseException] | None]] = {
@@ -68,7 +68,7 @@ def test_documented_bases_hold(name: str) -> None:
 
 def test_old_homes_still_export_the_same_classes() -> None:
     for name in ("SourceError", "RecordError", "FetchError"):
-        assert getattr(_streams, name) is getattr(aloader, name)
+        assert getattr(_stream, name) is getattr(aloader, name)
     for name in ("QueueFullError", "BatcherClosedError", "BatcherTimeoutError",
                  "BatchResultError"):
         assert getattr(_batcher, name) is getattr(aloader, name)

@@ -24,7 +24,9 @@ from typing import Any
 
 from .._util import ataken, taken
 from ..data._dataset import iterate
-from ._streams import Stream, _StreamIterator, check_field
+from ._positions import check_field
+from ._runtime import _StreamIterator
+from ._stream import Stream
 
 __all__ = ("encode", "open_replica", "parse", "resume", "snapshotter", "start_snapshot")
 
