@@ -171,15 +171,18 @@ def _ids(params: list[Any]) -> list[str]:
     return [getattr(p, "__name__", None) or "-".join(map(str, p)) for p in params]
 
 
+def _loader_kwargs(batching: tuple[Any, bool], workers: tuple[int, bool]) -> dict[str, Any]:
+    (batch_size, drop_last), (num_workers, persistent) = batching, workers
+    return {"batch_size": batch_size, "drop_last": drop_last, "num_workers": num_workers,
+            "persistent_workers": persistent}
+
+
 @pytest.mark.parametrize("workers", WORKERS, ids=_ids(WORKERS))
 @pytest.mark.parametrize("batching", BATCHING, ids=_ids(BATCHING))
 @pytest.mark.parametrize("shape", ITERABLES, ids=_ids(ITERABLES))
 def test_iterable_dataset_epochs_are_torchs(shape: Any, batching: tuple[Any, bool],
                                             workers: tuple[int, bool]) -> None:
-    batch_size, drop_last = batching
-    num_workers, persistent = workers
-    kwargs = {"batch_size": batch_size, "drop_last": drop_last, "num_workers": num_workers,
-              "persistent_workers": persistent}
+    kwargs = _loader_kwargs(batching, workers)
     theirs = _epochs(tud, shape, **kwargs)
     assert all(len(epoch) < _ENDLESS for epoch in theirs)
     assert _epochs(aloader, shape, **kwargs) == theirs
@@ -284,9 +287,7 @@ def _repeats_in_torch(sampler: Any, batch_size: int | None, drop_last: bool) -> 
 def test_sampler_epochs_are_torchs(shape: Any, batching: tuple[Any, bool],
                                    workers: tuple[int, bool]) -> None:
     batch_size, drop_last = batching
-    num_workers, persistent = workers
-    kwargs = {"batch_size": batch_size, "drop_last": drop_last, "num_workers": num_workers,
-              "persistent_workers": persistent}
+    kwargs = _loader_kwargs(batching, workers)
     theirs = _epochs(tud, lambda: ListData(), sampler=shape, **kwargs)
     ours = _epochs(aloader, lambda: ListData(), sampler=shape, **kwargs)
     if not _repeats_in_torch(shape, batch_size, drop_last):
