@@ -14,6 +14,7 @@ argument and what it should be. It imports nothing from aloader but :mod:`aloade
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import contextlib
 import functools
 import inspect
@@ -189,6 +190,7 @@ async def close_iterator(iterator: object, *, blocking: bool = True) -> None:
 # common pattern) starts over: batches cut with ``islice`` would repeat the first one forever.
 # Every such loop over a user's iterator goes through these two.
 _TAKEN_END: Any = object()
+_SELF_ITER = collections.abc.Iterator.__iter__
 
 
 def taken(iterator: Iterator[T]) -> Iterator[T]:
@@ -196,11 +198,13 @@ def taken(iterator: Iterator[T]) -> Iterator[T]:
     to loop over without calling the object's ``__iter__`` again.
 
     An iterator of a builtin type (generator, list or map iterator: ``__iter__`` is C's, which
-    returns itself) is returned as is; any other is pulled through ``next()`` by a builtin
-    iterator (its end is its ``StopIteration``; other errors pass through, and it may be pulled
-    on after them).
+    returns itself), or one whose ``__iter__`` is ``collections.abc.Iterator``'s (``return
+    self``), is returned as is; any other is pulled through ``next()`` by a builtin iterator
+    (its end is its ``StopIteration``; other errors pass through, and it may be pulled on
+    after them).
     """
-    if isinstance(getattr(type(iterator), "__iter__", None), types.WrapperDescriptorType):
+    method = getattr(type(iterator), "__iter__", None)
+    if isinstance(method, types.WrapperDescriptorType) or method is _SELF_ITER:
         return iterator
     return iter(functools.partial(next, iterator), _TAKEN_END)
 
