@@ -27,7 +27,7 @@ torch = pytest.importorskip("torch")
 tud = pytest.importorskip("torch.utils.data")
 
 N = 10
-EPOCHS = 3
+EPOCHS = 2  # (a second epoch shows what the first left behind: a one-shot iterator, a reset)
 # Far more batches than any finite epoch here has: an epoch reaching it repeats forever.
 _ENDLESS = 4 * N
 
