@@ -63,6 +63,12 @@ def _env_int(name: str, default: int) -> int:
         ) from None
 
 
+def _slice_index(value: Any) -> None:
+    """Raise what slicing a list with ``value`` raises when it is not an integer."""
+    if not hasattr(type(value), "__index__"):
+        raise TypeError("slice indices must be integers or None or have an __index__ method")
+
+
 class DistributedSampler(_Stateful, Sampler[int]):
     """Sampler that restricts data loading to one rank's share of the dataset.
 
@@ -152,6 +158,7 @@ class DistributedSampler(_Stateful, Sampler[int]):
     def _epoch_chunks(self) -> Iterator[IndexArray]:
         """This epoch's shard as consecutive int64 arrays; the order is drawn now."""
         n = len(self.dataset)
+        self._check_numbers(n)
         total = self.total_size
         # The length torch's truncated (or cyclically padded) list reaches; torch asserts that
         # it is total_size.
@@ -169,6 +176,31 @@ class DistributedSampler(_Stateful, Sampler[int]):
         if remaining is not None:
             return self._elastic(order, n, remaining)
         return self._shard(order, n)
+
+    def _check_numbers(self, n: int) -> None:
+        """Raise, at the epoch's start, the error torch's ``__iter__`` raises where
+        ``num_replicas`` or ``rank`` is not an integer (``2.5``, ``inf``, ``5e-324`` of an empty
+        dataset): torch accepts them until it pads and slices its list of indices with them.
+        Its steps are followed on lengths only, so that the first one that fails gives
+        torch's type and message, with a note naming the arguments."""
+        world, rank, total = self.num_replicas, self.rank, self.total_size
+        if all(hasattr(type(value), "__index__") for value in (world, rank, total)):
+            return
+        try:
+            if self.drop_last:
+                _slice_index(total)  # indices[:total_size]
+            else:
+                padding = total - n
+                # indices * ceil(padding / n) when padding > n, then [:padding]
+                if not padding <= n and n * math.ceil(padding / n) > sys.maxsize:
+                    raise OverflowError("cannot fit 'int' into an index-sized integer")
+                _slice_index(padding)
+            for value in (rank, total, world):  # indices[rank:total_size:num_replicas]
+                _slice_index(value)
+        except Exception as exc:
+            exc.add_note(f"DistributedSampler: num_replicas={world!r} and rank={rank!r} should "
+                         f"be integers")
+            raise
 
     def _elastic_size(self, remaining: dict[str, Any]) -> int:
         """This rank's share of an elastic resume's rest of the epoch."""

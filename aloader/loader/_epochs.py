@@ -42,12 +42,12 @@ from typing import Any, ClassVar, TypeAlias, cast
 import anyio
 
 from .._facade import run_here
-from .._util import close_iterator, is_async_callable
+from .._util import ataken, close_iterator, is_async_callable, taken
 from .._workerinfo import WorkerInfo, as_replica
 from ..data._batchsampler import BatchSampler, epoch_batches, torch_epoch
 from ..data._dataset import aiter_of
 from ..data._distributed import DistributedSampler
-from ..data._indices import epoch_indices
+from ..data._indices import _owner, epoch_indices
 from ..data._sampler import load_sampler_state, sampler_state
 from ..pipeline._epoch import _NO_LIMITER, Epoch, IterableEpoch, MapEpoch
 from ..pipeline._errors import _batch_error
@@ -189,6 +189,20 @@ class MapEpochs:
     def begin(self) -> None:
         """An epoch starts (before anything of it is drawn): record what it is drawn from."""
         self._start_state = sampler_state(self.index_sampler)
+
+    def new_workers(self) -> None:
+        """An epoch starts new workers: what torch's iterator does then before its epoch,
+        ``iter()`` of the index sampler once, dropped (its ``__init__`` takes one, its
+        ``_reset`` the epoch's). A user's sampler whose ``__iter__`` draws at once (a new
+        order from the global generator, a count of epochs) draws once more, as under torch,
+        so its orders are torch's. aloader's own samplers and the builtin sequences draw
+        nothing until iterated (as torch's, whose ``__iter__`` are generators): left alone."""
+        sampler = self.index_sampler
+        owner = _owner(type(sampler), "__iter__")
+        if owner is None or owner.__module__.split(".")[0] in ("aloader", "builtins"):
+            return
+        if aiter_of(sampler) is None:
+            iter(sampler)
 
     def epoch_length(self) -> int | None:
         """Batches in the next epoch, or None when the index sampler has no length."""
@@ -336,9 +350,10 @@ class MapEpochs:
         # Async samplers (and batch samplers over them) are walked with async iteration.
         aiter_ = getattr(sampler, "__aiter__", None)
         if aiter_ is not None:
-            keys = cast(AsyncIterator[Any], aiter_())
+            # Taken once: every loop over them (skips, failure filters) is over this.
+            keys = ataken(cast(AsyncIterator[Any], aiter_()))
             return keys if not skip else _askip(keys, AlreadyDelivered(skip))
-        return itertools.islice(cast(Iterator[Any], iter(sampler)), skip, None)
+        return itertools.islice(taken(cast(Iterator[Any], iter(sampler))), skip, None)
 
     def local(self, plan: FetchPlan, results: Results, keys: Iterator[Any] | AsyncIterator[Any]
               ) -> Epoch:

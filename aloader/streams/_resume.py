@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+from .._util import ataken, taken
 from ..data._dataset import iterate
 from ._positions import check_field
 from ._runtime import _StreamIterator
@@ -191,7 +192,7 @@ def _skip(source: Iterator[Any], count: int, ended: bool) -> Iterator[Any]:
     for _ in range(count):
         if next(source, _END) is _END:
             return
-    yield from source
+    yield from taken(source)
 
 
 async def _skip_async(source: AsyncIterator[Any], count: int, ended: bool
@@ -203,7 +204,7 @@ async def _skip_async(source: AsyncIterator[Any], count: int, ended: bool
             await source.__anext__()
         except StopAsyncIteration:
             return
-    async for item in source:
+    async for item in ataken(source):
         yield item
 
 

@@ -648,12 +648,22 @@ def replica_copy(dataset: Any) -> Any:
         raise
 
 
+def _adopt_environ(environ: dict[str, str]) -> None:
+    """Make ``os.environ`` (and the C environment under it) exactly ``environ``."""
+    for key in [key for key in os.environ if key not in environ]:
+        del os.environ[key]
+    for key, value in environ.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
 def worker_main(
     conn: Connection,
     worker_id: int,
     owner: str,
     setup: WorkerSetup | None,
     inherited_fds: list[int],
+    environ: dict[str, str] | None = None,
 ) -> None:
     """The worker process's target: set up, report, then serve tasks until told to stop.
 
@@ -665,7 +675,14 @@ def worker_main(
             first message (the default, spawn, forkserver).
         inherited_fds: the loader's ends of its workers' socket pairs, inherited by a forked
             worker; closed here so that the loader's death reads as EOF everywhere.
+        environ: the loader's ``os.environ`` when it started this worker (None: forked from
+            it, so already its own). A worker forked from a server started earlier (the
+            template, a fork server) would otherwise see the environment of that moment, not
+            credentials or endpoints set since, as torch's forked workers do. (The working
+            directory travels with multiprocessing's own preparation data.)
     """
+    if environ is not None:
+        _adopt_environ(environ)
     for fd in inherited_fds:
         with contextlib.suppress(OSError):
             os.close(fd)
