@@ -15,6 +15,7 @@ Quick start::
 from ._exceptions import (
     AccessDeniedError,
     AloaderError,
+    BatchCostError,
     BatcherClosedError,
     BatcherTimeoutError,
     BatchResultError,
@@ -63,7 +64,10 @@ from .data._sampler import (
 from .io._http import HttpOptions
 from .loader._loader import AsyncDataLoaderIter, DataLoader, DataLoaderIter
 from .pipeline._sample_rng import sample_rng
-from .serve._batcher import Batcher, BatcherMetrics, BatchMethod, LatencySummary, batch
+from .serve._batcher import Batcher
+from .serve._decorator import BatchMethod, batch
+from .serve._metrics import BatcherMetrics, LatencySummary
+from .serve._results import BatchStream
 from .sources._parquet import ParquetRows
 from .sources._sources import (
     BinaryRecords,
@@ -132,11 +136,13 @@ __all__ = (
     "Batcher",
     "BatcherMetrics",
     "BatchMethod",
+    "BatchStream",
     "LatencySummary",
     "batch",
     # errors
     "AccessDeniedError",
     "AloaderError",
+    "BatchCostError",
     "BatcherClosedError",
     "BatcherTimeoutError",
     "BatchResultError",

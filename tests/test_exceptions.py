@@ -34,6 +34,7 @@ TREE: dict[str, tuple[str, type[BaseException] | None]] = {
     "BatcherClosedError": ("AloaderError", None),
     "BatcherTimeoutError": ("AloaderError", TimeoutError),
     "BatchResultError": ("AloaderError", ValueError),
+    "BatchCostError": ("AloaderError", RuntimeError),
 }
 
 CLOSED = r"^DataLoader iterator was closed$"  # torch's message

@@ -19,8 +19,8 @@ import pytest
 import trio
 import trio.testing
 
-from aloader import Batcher, BatcherClosedError, BatchResultError
-from aloader.serve._batcher import BatcherTimeoutError, _Request
+from aloader import Batcher, BatcherClosedError, BatcherTimeoutError, BatchResultError
+from aloader.serve._request import _Request
 
 pytestmark = pytest.mark.hostile
 

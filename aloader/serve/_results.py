@@ -1,0 +1,191 @@
+"""What a batch function returns, checked, and the stream a streamed request reads.
+
+:func:`_unpack` turns one batch's results into one result per item, or a
+:class:`BatchResultError` saying what is wrong with them (a unary batch function's return
+value, or each list a streaming one yields). :class:`BatchStream` is what
+:meth:`Batcher.stream` returns: the results of one request, in the order they came.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
+
+from .._backend import Waiter
+from .._exceptions import BatchResultError
+from ._request import _DONE, _Request
+
+__all__ = ("BatchStream", "_count_error", "_ends_stream", "_traceback_of", "_unpack")
+
+R = TypeVar("R")
+
+
+class _Binding(Protocol):
+    new_waiter: Callable[[], Waiter]
+
+
+class _StreamSource(Protocol):
+    """The batcher's side of a stream (:class:`~aloader.serve._batcher.Batcher`)."""
+
+    @property
+    def _binding(self) -> _Binding: ...
+
+    def _finish_stream(self, request: _Request) -> None: ...
+
+    def _leave(self, request: _Request, exc: BaseException | None) -> None: ...
+
+# The C-level getter: a subclass may override __traceback__ with a property that raises.
+_traceback_of: Callable[[BaseException], Any] = vars(BaseException)["__traceback__"].__get__
+
+
+def _ends_stream(result: object) -> bool:
+    """Whether a streamed result ends its caller's stream: ``StopIteration`` or
+    ``StopAsyncIteration`` (the class, as Ray Serve's streaming batch functions yield it, or an
+    instance)."""
+    if result is StopIteration or result is StopAsyncIteration:
+        return True
+    return issubclass(type(result), (StopIteration, StopAsyncIteration))
+
+
+def _unpack(results: Any, n: int, name: str) -> Sequence[Any]:
+    """The ``n`` results of batch function ``name`` in a list (or the list or tuple itself),
+    or a BatchResultError saying what is wrong with them.
+
+    This is where the results object's own code (``__len__``, ``__getitem__``) runs.
+    """
+    if type(results) is list or type(results) is tuple:
+        if len(results) == n:
+            checked: Sequence[Any] = results
+            return checked
+        raise _count_error(len(results), n, name)
+    what = f"batch function {name!r} returned "
+    must = "; it must return a sequence (list, tuple or array) with one result per item"
+    if results is None:
+        raise BatchResultError(what + "None" + must)
+    kind = type(results).__name__
+    if isinstance(results, (str, bytes, bytearray)):
+        # Indexing would hand each caller one character: a silent wrong result.
+        raise BatchResultError(f"{what}a {kind}{must}")
+    if inspect.isawaitable(results):
+        if inspect.iscoroutine(results):
+            results.close()  # never awaited: no "never awaited" warning at collection
+        raise BatchResultError(f"{what}a {kind} once awaited (an `await` is missing?){must}")
+    if hasattr(type(results), "__anext__"):
+        raise BatchResultError(
+            f"{what}an async iterator ({kind}): a streaming batch function's callers read "
+            "their results with Batcher.stream(item), or call its @batch method directly"
+        )
+    if not hasattr(type(results), "__len__"):
+        raise BatchResultError(f"{what}a {kind}, which has no len(){must}")
+    try:
+        count = len(results)
+    except Exception as exc:
+        raise BatchResultError(
+            f"{what}a {kind} whose len() raised {type(exc).__name__}: {exc}{must}"
+        ) from exc
+    if count != n:
+        raise _count_error(count, n, name)
+    if not hasattr(type(results), "__getitem__"):
+        raise BatchResultError(
+            f"{what}a {kind} of length {count} that cannot be indexed; results[i] must "
+            "be the result for item i"
+        )
+    unpacked = []
+    index = 0
+    try:
+        for index in range(n):
+            unpacked.append(results[index])
+    except Exception as exc:
+        raise BatchResultError(
+            f"{what}a {kind} of length {count} whose results[{index}] raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    return unpacked
+
+
+def _count_error(count: int, n: int, name: str) -> BatchResultError:
+    return BatchResultError(
+        f"batch function {name!r} returned {count} results for a batch "
+        f"of {n} items; it must return exactly one result per item"
+    )
+
+
+class BatchStream(Generic[R]):
+    """The results of one request to a streaming batch function, as an async iterator.
+
+    :meth:`Batcher.stream` returns it, and so does calling an ``async def`` generator method
+    decorated with :func:`batch`. The request is queued when the stream is made (not at the
+    first ``__anext__``), so the streams of several callers made together share a batch.
+    Each list the batch function yields gives this stream its item's element; a
+    ``StopIteration`` or ``StopAsyncIteration`` element ends this stream alone (the others go
+    on); an exception instance in the element, or one raised by the batch function, is
+    raised here after the results that came before it, and ends the stream. Results that
+    arrive while nobody reads are kept in order for this stream, whatever the batch function
+    yields meanwhile for the others.
+
+    Leaving early (``break``, :meth:`aclose`, a cancelled ``__anext__``) takes the request out
+    of its queue or batch; once every caller of a streaming batch has left, the batch
+    function's iteration is cancelled and closed, and its execution slot goes to the next
+    batch.
+    """
+
+    __slots__ = ("_batcher", "_over", "_request")
+
+    _batcher: _StreamSource
+    _request: _Request
+    _over: bool
+
+    @classmethod
+    def _open(cls, batcher: _StreamSource, request: _Request) -> BatchStream[Any]:
+        """The stream of ``request`` (queued by ``batcher``); streams are made by
+        :meth:`Batcher.stream`, not by users."""
+        stream: BatchStream[Any] = cls.__new__(cls)
+        stream._batcher = batcher
+        stream._request = request
+        stream._over = False
+        return stream
+
+    def __aiter__(self) -> BatchStream[R]:
+        return self
+
+    async def __anext__(self) -> R:
+        """The next result for this request.
+
+        Raises:
+            StopAsyncIteration: After the last result.
+            BatcherTimeoutError: If the request's timeout (or queue_timeout) passed.
+            BaseException: What the batch function raised, or put in this item's element.
+        """
+        if self._over:
+            raise StopAsyncIteration
+        request = self._request
+        chunks = request.chunks
+        assert chunks is not None
+        while not chunks:
+            if request.state >= _DONE:
+                self._over = True
+                self._batcher._finish_stream(request)  # raises the error or timeout, if any
+                raise StopAsyncIteration
+            waiter = request.waiter = self._batcher._binding.new_waiter()
+            try:
+                await waiter
+            except BaseException as exc:
+                self._over = True
+                self._batcher._leave(request, exc)
+                raise
+        result: R = chunks.popleft()
+        return result
+
+    async def aclose(self) -> None:
+        """Stop reading: the request leaves its queue or batch (the others' go on)."""
+        if not self._over:
+            self._over = True
+            self._batcher._leave(self._request, None)
+            chunks = self._request.chunks
+            if chunks is not None:
+                chunks.clear()  # what came and was never read goes now
+
+    def __repr__(self) -> str:
+        state = "over" if self._over else ("answered" if self._request.state >= _DONE else "open")
+        return f"<BatchStream of {self._batcher!r} {state}>"
