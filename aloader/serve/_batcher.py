@@ -111,6 +111,7 @@ from ._checks import (
     check_wait,
     is_async_gen_callable,
 )
+from ._formation import _Formation
 from ._loop import _cancel_is_ours, _current_loop, _leaf, _LoopBinding, _TrioTimeouts
 from ._metrics import BatcherMetrics, _BatcherMetricsRecorder
 from ._request import (
@@ -124,7 +125,14 @@ from ._request import (
     _RequestQueue,
     _StreamBatch,
 )
-from ._results import BatchStream, _ends_stream, _traceback_of, _unpack
+from ._results import (
+    BatchStream,
+    _answer_error,
+    _deliver,
+    _deliver_step,
+    _fail_batch,
+    _unpack,
+)
 
 # The exceptions' old home (they live in aloader._exceptions): still importable from here.
 __all__ = (
@@ -345,12 +353,6 @@ class Batcher(Generic[T, R]):
                 raise ValueError(f"max_batch_cost must be > 0, got {max_batch_cost!r}")
         promote = check_optional_seconds("promote_after", promote_after, allow_zero=True)
         self._promote_after = math.inf if promote is None else promote
-        self._size_fn = batch_size_fn
-        self._cost_fn = cost
-        self._allow_oversized = bool(allow_oversized)
-        # Formation takes the queue's head (O(batch)) unless a budget needs the items' costs.
-        self._budgeted = batch_size_fn is not None or cost is not None
-
         self._fn = fn
         self._collate = collate_fn
         self._streaming = is_async_gen_callable(fn)
@@ -359,9 +361,15 @@ class Batcher(Generic[T, R]):
         self._name = name if name is not None else getattr(fn, "__name__", type(fn).__name__)
 
         self._queue = _RequestQueue()
+        self._binding = _LoopBinding()
+        self._formation = _Formation(
+            self._queue, self._binding, name=self._name, preferred=self._preferred,
+            size_fn=batch_size_fn, cost_fn=cost, max_cost=self._max_cost,
+            allow_oversized=bool(allow_oversized), promote_after=self._promote_after,
+            drop=self._drop, fail=self._fail_one,
+        )  # fmt: skip
         self._running = 0
         self._closing = False
-        self._binding = _LoopBinding()
         self._task_group: TaskGroup | None = None  # the `async with` block's
         # The dispatcher sleeps on _wake; callers set it once the queue holds _wake_at items
         # (or costs _wake_cost).
@@ -569,7 +577,8 @@ class Batcher(Generic[T, R]):
             queue_timeout = check_optional_seconds("queue_timeout", queue_timeout, allow_zero=False)
         if priority:
             priority = check_priority(priority)
-        cost = self._item_cost(item) if self._budgeted else 0
+        formation = self._formation
+        cost = formation.item_cost(item, self._max_batch_size) if formation.budgeted else 0
         request = _Request(item, binding.now(), binding.new_waiter(), priority, cost)
         if timeout is not None:
             request.timeout = timeout
@@ -590,30 +599,6 @@ class Batcher(Generic[T, R]):
         if len(queue) >= self._wake_at or queue.cost >= self._wake_cost:
             self._wake_dispatcher()
         return request
-
-    def _item_cost(self, item: Any) -> float:
-        """The item's ``cost`` (0 without one), after refusing an item that no batch could
-        take; runs the user's callbacks in the caller, so what they raise is the caller's."""
-        oversized = None
-        cost: float = 0
-        if self._cost_fn is not None:
-            cost = check_cost(self._cost_fn(item), "cost")
-            if cost > self._max_cost:
-                oversized = f"its cost {cost!r} alone exceeds max_batch_cost={self._max_cost!r}"
-        if self._size_fn is not None:
-            size = check_cost(self._size_fn([item]), "batch_size_fn")
-            if size > self._max_batch_size:
-                oversized = (
-                    f"size of item ({size!r}, by batch_size_fn) is greater than "
-                    f"max_batch_size={self._max_batch_size}"
-                )
-        if oversized is not None and not self._allow_oversized:
-            raise BatchCostError(
-                f"batcher {self._name!r} refused an item: {oversized}; increase the budget, "
-                "check the cost function, or pass allow_oversized=True to run such an item in "
-                "a batch of its own"
-            )
-        return cost
 
     def _leave(self, request: _Request, exc: BaseException | None) -> None:
         """The caller of ``request`` stopped waiting (``exc``: what interrupted it; None: it
@@ -838,6 +823,7 @@ class Batcher(Generic[T, R]):
 
     async def _dispatch(self, task_group: TaskGroup) -> None:
         queue = self._queue
+        formation = self._formation
         while True:
             if self._running >= self._max_concurrent:
                 await self._sleep(_NEVER)  # a finishing batch wakes us
@@ -853,12 +839,13 @@ class Batcher(Generic[T, R]):
                 self._plan_size = self._max_batch_size
                 self._plan_wait = self._max_wait
                 self._plan_fill = self._preferred[0] if self._preferred else self._plan_size
-            if self._plan_wait > 0 and not self._closing and not self._full():
+            if self._plan_wait > 0 and not self._closing:
+                now = self._binding.now()
                 deadline = queue.oldest().enqueued + self._plan_wait
-                if self._binding.now() < deadline:
+                if now < deadline and not formation.full(self._plan_size, self._plan_fill, now):
                     # With batch_size_fn every arrival may fill the batch: look at each.
-                    wake_at = self._plan_fill if self._size_fn is None else len(queue) + 1
-                    await self._sleep(wake_at, deadline, self._max_cost)
+                    wake_at = self._plan_fill if formation.size_fn is None else len(queue) + 1
+                    await self._sleep(wake_at, deadline, formation.max_cost)
                     continue  # re-evaluate: the queue may have grown, shrunk or emptied
             batch, items = self._take()
             if not batch:
@@ -870,120 +857,13 @@ class Batcher(Generic[T, R]):
             else:
                 task_group.start_soon(self._run_batch, batch, items)
 
-    def _full(self) -> bool:
-        """Whether the batch forming now is full: it would go out without more waiting."""
-        queue = self._queue
-        if len(queue) >= self._plan_fill or queue.cost >= self._max_cost:
-            return True
-        if self._size_fn is None:
-            return False
-        items = [request.item for request in queue.ordered(self._promoted_before())]
-        assert self._plan_size is not None
-        try:
-            return self._size_of(items) >= self._plan_size
-        except Exception:
-            return True  # formation finds the item that makes it raise
-
-    def _promoted_before(self) -> float:
-        """Requests enqueued at or before this loop time are promoted."""
-        return self._binding.now() - self._promote_after
-
-    def _size_of(self, items: list[Any]) -> float:
-        assert self._size_fn is not None
-        return check_cost(self._size_fn(items), "batch_size_fn")
-
     def _take(self) -> tuple[list[_Request], list[Any]]:
         """The next batch out of the queue, running: its requests and their items."""
         size = self._plan_size
         assert size is not None
         self._plan_size = None
-        queue = self._queue
-        if self._budgeted or queue.deadlines or not queue.single_level():
-            batch = self._form(size)
-        else:
-            # The order of service is the order of arrival and nothing else limits the batch.
-            n = min(len(queue), size)
-            if self._preferred and n >= self._preferred[0]:
-                n = max(p for p in self._preferred if p <= n)
-            pop = queue.pop_oldest
-            batch = [pop() for _ in range(n)]
-        items = []
-        for request in batch:
-            request.state = _RUNNING
-            items.append(request.item)
-        return batch, items
-
-    def _form(self, size: int) -> list[_Request]:
-        """The next batch, by the order of service and the budgets; takes it out of the queue.
-
-        Requests whose queue deadline has passed are dropped on the way; the batch closes
-        before the first request that does not fit (``size`` items, ``max_batch_cost``,
-        ``batch_size_fn``): a later, smaller one never jumps ahead of it, so no large item
-        starves. An item too large alone (``allow_oversized``) goes out alone.
-        """
-        queue = self._queue
-        now = self._binding.now()
-        limit = size if self._size_fn is None else _NEVER
-        budget = self._max_cost
-        batch: list[_Request] = []
-        late: list[_Request] = []
-        total: float = 0
-        for request in queue.ordered(now - self._promote_after):
-            if request.drop_at <= now:
-                late.append(request)
-                continue
-            if len(batch) >= limit:
-                break
-            cost = request.cost
-            if total + cost > budget:
-                if not batch:
-                    batch.append(request)  # oversized, allowed: a batch of its own
-                break
-            batch.append(request)
-            total += cost
-        for request in late:
-            self._drop(request)
-        if self._size_fn is not None and batch:
-            batch = self._fit_size(batch, size)
-        if self._preferred and len(batch) >= self._preferred[0]:
-            batch = batch[: max(p for p in self._preferred if p <= len(batch))]
-        for request in batch:
-            queue.remove(request)
-            if request.drop_timer is not None:
-                request.drop_timer.cancel()
-        return batch
-
-    def _fit_size(self, batch: list[_Request], size: int) -> list[_Request]:
-        """The longest head of ``batch`` that ``batch_size_fn`` measures at most ``size``
-        (its first request at least, which fit alone when submitted).
-
-        Sizes grow with the items (a sum, a padded length), so the cut is found by bisection:
-        O(log n) calls. A call that raises is retried item by item, and the item whose
-        addition raised fails its caller alone (Ray's queue hangs there instead).
-        """
-        items = [request.item for request in batch]
-        try:
-            if self._size_of(items) <= size:
-                return batch
-            fits, too_big = 1, len(items)
-            while too_big - fits > 1:
-                middle = (fits + too_big) // 2
-                if self._size_of(items[:middle]) <= size:
-                    fits = middle
-                else:
-                    too_big = middle
-            return batch[:fits]
-        except Exception:
-            pass
-        for n in range(1, len(items) + 1):
-            try:
-                self._size_of(items[:n])
-            except Exception as exc:
-                culprit = batch[n - 1]
-                self._queue.remove(culprit)
-                self._answer_error(culprit, exc)
-                return self._fit_size(batch[: n - 1], size) if n > 1 else []
-        return batch[:1]  # the sizes raise no more, and do not grow with the items
+        batch = self._formation.take(size)
+        return batch, [request.item for request in batch]
 
     async def _run_batch(self, batch: list[_Request], items: list[Any]) -> None:
         """Run one batch (``items``, one per request of ``batch``) and answer every caller
@@ -1016,16 +896,13 @@ class Batcher(Generic[T, R]):
                 if self._streaming and hasattr(type(result), "__anext__"):
                     await self._stream_batch(batch, result)
                 else:
-                    self._deliver(batch, _unpack(result, n, self._name))
+                    _deliver(batch, _unpack(result, n, self._name), self._metrics)
             except anyio.get_cancelled_exc_class() as exc:
                 if _cancel_is_ours():
-                    self._fail_batch(
-                        batch,
-                        BatcherClosedError(
-                            f"batcher {self._name!r} closed while the request's batch was running"
-                        ),
-                        None,
+                    closed = BatcherClosedError(
+                        f"batcher {self._name!r} closed while the request's batch was running"
                     )
+                    _fail_batch(batch, closed, None, self._metrics)
                     raise
                 # The batch function raised CancelledError without being cancelled. Handing
                 # CancelledError to the callers would make them look cancelled: wrap it.
@@ -1034,16 +911,16 @@ class Batcher(Generic[T, R]):
                     "without being cancelled"
                 )
                 error.__cause__ = exc
-                self._fail_batch(batch, error, None)
+                _fail_batch(batch, error, None, self._metrics)
             except Exception as exc:
-                self._fail_batch(batch, exc, exc.__traceback__)
+                _fail_batch(batch, exc, exc.__traceback__, self._metrics)
             except BaseException as exc:
                 # KeyboardInterrupt, SystemExit...: a request to stop, not a bad batch. Each
                 # caller re-raises it in its own task, which ends the program as it would had
                 # the caller raised it, and the dispatcher goes on serving meanwhile. Only when
                 # no caller is left to receive it does the dispatcher raise it, never
                 # swallowing it.
-                if not self._fail_batch(batch, exc, exc.__traceback__):
+                if not _fail_batch(batch, exc, exc.__traceback__, self._metrics):
                     raise
         finally:
             self._metrics.batch_ended(self._binding.now() - start)
@@ -1076,7 +953,7 @@ class Batcher(Generic[T, R]):
             with anyio.CancelScope() as scope:
                 shared.scope = scope
                 async for results in steps:
-                    self._deliver_step(batch, _unpack(results, n, self._name))
+                    _deliver_step(batch, _unpack(results, n, self._name), self._metrics)
                     if not shared.live:
                         break
         finally:
@@ -1092,74 +969,8 @@ class Batcher(Generic[T, R]):
                 completed += 1
         self._metrics.completed += completed
 
-    def _deliver_step(self, batch: list[_Request], results: Sequence[Any]) -> None:
-        """Give each stream still read its result of one step (no user code runs here)."""
-        for request, result in zip(batch, results, strict=True):
-            if request.state != _RUNNING:
-                continue  # ended, or its caller left
-            chunks = request.chunks
-            assert chunks is not None and request.batch is not None
-            if _ends_stream(result):
-                request.state = _DONE
-                request.batch.live -= 1
-                self._metrics.completed += 1
-            elif issubclass(type(result), Exception):
-                request.error = result
-                request.tb = _traceback_of(result)
-                request.state = _DONE
-                request.batch.live -= 1
-                self._metrics.failed += 1
-            else:
-                chunks.append(result)
-            request.wake()
-
-    def _deliver(self, batch: list[_Request], results: Sequence[Any]) -> None:
-        """Answer the waiting callers from checked results (no user code runs here)."""
-        completed = failed = 0
-        for request, result in zip(batch, results, strict=True):
-            if request.state != _RUNNING:
-                continue  # its caller gave up: never resolve it
-            # type(), not isinstance(): an object faking __class__ could not be raised.
-            if issubclass(type(result), Exception):
-                request.error = result
-                request.tb = _traceback_of(result)
-                failed += 1
-            elif request.chunks is not None:
-                request.chunks.append(result)  # a stream of one result
-                completed += 1
-            else:
-                request.result = result
-                completed += 1
-            request.state = _DONE
-            waiter = request.waiter
-            if not waiter.done():  # on asyncio, a cancelled caller's future is done
-                waiter.set_result(None)
-        metrics = self._metrics
-        metrics.completed += completed
-        metrics.failed += failed
-
-    def _answer_error(self, request: _Request, error: BaseException) -> None:
-        """Fail one request that no batch runs (queued, or just taken out of the queue)."""
-        request.error = error
-        request.tb = error.__traceback__
-        request.state = _DONE
-        request.wake()
-        self._metrics.failed += 1
-
-    def _fail_batch(
-        self, batch: list[_Request], error: BaseException, tb: TracebackType | None
-    ) -> int:
-        """Fail the callers of ``batch`` still waiting with ``error``; return how many."""
-        failed = 0
-        for request in batch:
-            if request.state == _RUNNING:
-                request.error = error
-                request.tb = tb
-                request.state = _DONE
-                request.wake()
-                failed += 1
-        self._metrics.failed += failed
-        return failed
+    def _fail_one(self, request: _Request, error: BaseException) -> None:
+        _answer_error(request, error, self._metrics)
 
     def _fail_queued(self, cause: BaseException | None = None) -> None:
         queue = self._queue

@@ -10,13 +10,24 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
+from types import TracebackType
 from typing import Any, Generic, Protocol, TypeVar
 
 from .._backend import Waiter
 from .._exceptions import BatchResultError
-from ._request import _DONE, _Request
+from ._metrics import _BatcherMetricsRecorder
+from ._request import _DONE, _RUNNING, _Request
 
-__all__ = ("BatchStream", "_count_error", "_ends_stream", "_traceback_of", "_unpack")
+__all__ = (
+    "BatchStream",
+    "_answer_error",
+    "_count_error",
+    "_deliver",
+    "_deliver_step",
+    "_ends_stream",
+    "_fail_batch",
+    "_unpack",
+)
 
 R = TypeVar("R")
 
@@ -109,6 +120,90 @@ def _count_error(count: int, n: int, name: str) -> BatchResultError:
         f"batch function {name!r} returned {count} results for a batch "
         f"of {n} items; it must return exactly one result per item"
     )
+
+
+# -- answering the callers of a batch (no user code runs here) ----------------------------------
+
+
+def _deliver_step(
+    batch: list[_Request], results: Sequence[Any], metrics: _BatcherMetricsRecorder
+) -> None:
+    """Give each stream still read its result of one step (no user code runs here)."""
+    for request, result in zip(batch, results, strict=True):
+        if request.state != _RUNNING:
+            continue  # ended, or its caller left
+        chunks = request.chunks
+        assert chunks is not None and request.batch is not None
+        if _ends_stream(result):
+            request.state = _DONE
+            request.batch.live -= 1
+            metrics.completed += 1
+        elif issubclass(type(result), Exception):
+            request.error = result
+            request.tb = _traceback_of(result)
+            request.state = _DONE
+            request.batch.live -= 1
+            metrics.failed += 1
+        else:
+            chunks.append(result)
+        request.wake()
+
+
+def _deliver(
+    batch: list[_Request], results: Sequence[Any], metrics: _BatcherMetricsRecorder
+) -> None:
+    """Answer the waiting callers from checked results (no user code runs here)."""
+    completed = failed = 0
+    for request, result in zip(batch, results, strict=True):
+        if request.state != _RUNNING:
+            continue  # its caller gave up: never resolve it
+        # type(), not isinstance(): an object faking __class__ could not be raised.
+        if issubclass(type(result), Exception):
+            request.error = result
+            request.tb = _traceback_of(result)
+            failed += 1
+        elif request.chunks is not None:
+            request.chunks.append(result)  # a stream of one result
+            completed += 1
+        else:
+            request.result = result
+            completed += 1
+        request.state = _DONE
+        waiter = request.waiter
+        if not waiter.done():  # on asyncio, a cancelled caller's future is done
+            waiter.set_result(None)
+    metrics.completed += completed
+    metrics.failed += failed
+
+
+def _answer_error(
+    request: _Request, error: BaseException, metrics: _BatcherMetricsRecorder
+) -> None:
+    """Fail one request that no batch runs (queued, or just taken out of the queue)."""
+    request.error = error
+    request.tb = error.__traceback__
+    request.state = _DONE
+    request.wake()
+    metrics.failed += 1
+
+
+def _fail_batch(
+    batch: list[_Request],
+    error: BaseException,
+    tb: TracebackType | None,
+    metrics: _BatcherMetricsRecorder,
+) -> int:
+    """Fail the callers of ``batch`` still waiting with ``error``; return how many."""
+    failed = 0
+    for request in batch:
+        if request.state == _RUNNING:
+            request.error = error
+            request.tb = tb
+            request.state = _DONE
+            request.wake()
+            failed += 1
+    metrics.failed += failed
+    return failed
 
 
 class BatchStream(Generic[R]):
