@@ -9,11 +9,8 @@ trio and synchronise on events, never on elapsed time.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -1043,28 +1040,3 @@ def test_every_item_is_answered_once_in_bounded_fifo_batches(
     if max_concurrent == 1:
         flat = [x for batch in recorder.batches for x in batch]
         assert flat == sorted(flat)
-
-
-# -- the example server --------------------------------------------------------------------------
-
-
-def _load_example() -> Any:
-    path = Path(__file__).resolve().parents[2] / "examples" / "inference_server.py"
-    spec = importlib.util.spec_from_file_location("aloader_example_inference_server", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[spec.name]
-        raise
-    return module
-
-
-def test_example_inference_server_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    example = _load_example()
-    assert example.main(["--requests", "60", "--concurrency", "6", "--max-batch-size", "4"]) == 0
-    out = capsys.readouterr().out
-    assert "requests/s" in out
-    assert "ok=60" in out
