@@ -560,8 +560,9 @@ class Batcher(Generic[T, R]):
         if loop is not binding.loop or not binding.alive:
             self._bind(loop)
         queue = self._queue
+        waiting = queue.fifo  # the queued requests, without _RequestQueue's Python-level len
         metrics = self._metrics
-        if len(queue) >= self._max_queue:
+        if len(waiting) >= self._max_queue:
             metrics.rejected += 1
             raise QueueFullError(
                 f"batcher {self._name!r} queue is full ({self._max_queue} requests waiting); "
@@ -575,28 +576,36 @@ class Batcher(Generic[T, R]):
             queue_timeout = self._queue_timeout
         elif queue_timeout is not None:
             queue_timeout = check_optional_seconds("queue_timeout", queue_timeout, allow_zero=False)
-        if priority:
-            priority = check_priority(priority)
         formation = self._formation
         cost = formation.item_cost(item, self._max_batch_size) if formation.budgeted else 0
-        request = _Request(item, binding.now(), binding.new_waiter(), priority, cost)
+        request = _Request(item, binding.now(), binding.new_waiter())
+        if priority:
+            request.priority = check_priority(priority)
+        elif priority.__class__ is not int:
+            check_priority(priority)  # 0.0, None, False: refused
+        if cost:
+            request.cost = cost
         if timeout is not None:
             request.timeout = timeout
             if binding.timers is not None:
-                # A loop timer answers the late request (no cancel scope, no cancellation).
-                request.timer = binding.timers.call_later(timeout, self._expire, request)
+                # A loop timer answers the late request (no cancel scope, no cancellation);
+                # its deadline counts from admission. The batcher's clock reads the loop's
+                # monotonic time (finer than uvloop's whole milliseconds, never earlier).
+                request.timer = binding.timers.call_at(
+                    request.enqueued + timeout, self._expire, request
+                )
             else:
                 # trio: the batcher's alarm task answers the late request.
                 self._trio_timeouts.add(request.enqueued + timeout, request, self._expire)
         if queue_timeout is not None:
             request.drop_at = request.enqueued + queue_timeout
             if binding.timers is not None:
-                request.drop_timer = binding.timers.call_later(queue_timeout, self._drop, request)
+                request.drop_timer = binding.timers.call_at(request.drop_at, self._drop, request)
             else:
                 self._trio_timeouts.add(request.drop_at, request, self._drop)
         queue.push(request)
         metrics.submitted += 1
-        if len(queue) >= self._wake_at or queue.cost >= self._wake_cost:
+        if len(waiting) >= self._wake_at or queue.cost >= self._wake_cost:
             self._wake_dispatcher()
         return request
 
@@ -823,31 +832,34 @@ class Batcher(Generic[T, R]):
 
     async def _dispatch(self, task_group: TaskGroup) -> None:
         queue = self._queue
+        waiting = queue.fifo  # the same dict for the batcher's life (cleared, never replaced)
         formation = self._formation
         while True:
             if self._running >= self._max_concurrent:
                 await self._sleep(_NEVER)  # a finishing batch wakes us
                 continue
-            if not queue:
+            if not waiting:
                 self._plan_size = None  # nothing forms: the next batch takes new settings
                 if self._closing:
                     return
                 await self._sleep(1)
                 continue
-            if self._plan_size is None:
+            size = self._plan_size
+            if size is None:
                 # A batch starts to form: its settings hold until it goes out (as Ray's).
-                self._plan_size = self._max_batch_size
+                size = self._plan_size = self._max_batch_size
                 self._plan_wait = self._max_wait
-                self._plan_fill = self._preferred[0] if self._preferred else self._plan_size
+                self._plan_fill = self._preferred[0] if self._preferred else size
             if self._plan_wait > 0 and not self._closing:
                 now = self._binding.now()
                 deadline = queue.oldest().enqueued + self._plan_wait
-                if now < deadline and not formation.full(self._plan_size, self._plan_fill, now):
+                if now < deadline and not formation.full(size, self._plan_fill, now):
                     # With batch_size_fn every arrival may fill the batch: look at each.
-                    wake_at = self._plan_fill if formation.size_fn is None else len(queue) + 1
+                    wake_at = self._plan_fill if formation.size_fn is None else len(waiting) + 1
                     await self._sleep(wake_at, deadline, formation.max_cost)
                     continue  # re-evaluate: the queue may have grown, shrunk or emptied
-            batch, items = self._take()
+            self._plan_size = None
+            batch, items = formation.take(size)
             if not batch:
                 continue  # every candidate was dropped or failed
             self._running += 1
@@ -856,14 +868,6 @@ class Batcher(Generic[T, R]):
                 await self._run_batch(batch, items)
             else:
                 task_group.start_soon(self._run_batch, batch, items)
-
-    def _take(self) -> tuple[list[_Request], list[Any]]:
-        """The next batch out of the queue, running: its requests and their items."""
-        size = self._plan_size
-        assert size is not None
-        self._plan_size = None
-        batch = self._formation.take(size)
-        return batch, [request.item for request in batch]
 
     async def _run_batch(self, batch: list[_Request], items: list[Any]) -> None:
         """Run one batch (``items``, one per request of ``batch``) and answer every caller

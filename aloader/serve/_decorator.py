@@ -36,6 +36,7 @@ import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, overload
 
+from .._util import is_async_callable
 from ._batcher import Batcher
 from ._checks import is_async_gen_callable
 
@@ -222,7 +223,7 @@ class BatchMethod(Batcher[Any, Any]):
         # What the wrapped function is decides how it runs, not the wrapper around it.
         self._streaming = is_async_gen_callable(fn)
         self._in_loop = (
-            self._streaming or inspect.iscoroutinefunction(fn) or not options.get("to_thread", True)
+            self._streaming or is_async_callable(fn) or not options.get("to_thread", True)
         )
 
     def __set_name__(self, owner: type[Any], name: str) -> None:
@@ -358,7 +359,7 @@ def batch(
                 f"@batch can only be used to decorate functions or methods, got {function!r}"
             )
         if not (
-            inspect.iscoroutinefunction(function)
+            is_async_callable(function)
             or is_async_gen_callable(function)
             or "to_thread" in options
         ):

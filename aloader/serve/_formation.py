@@ -134,21 +134,35 @@ class _Formation:
         except Exception:
             return True  # take() finds the item that makes it raise
 
-    def take(self, size: int) -> list[_Request]:
-        """The next batch (at most ``size``), out of the queue and running."""
+    def take(self, size: int) -> tuple[list[_Request], list[Any]]:
+        """The next batch (at most ``size``), out of the queue and running: its requests and
+        their items."""
         queue = self.queue
-        if self.budgeted or queue.deadlines or not queue.single_level():
+        batch: list[_Request]
+        if self.budgeted or queue.deadlines or not (queue.levels is None or len(queue.order) < 2):
             batch = self._form(size, self.clock.now())
         else:
             # The order of service is the order of arrival and nothing else limits the batch.
-            n = min(len(queue), size)
+            n = min(len(queue.fifo), size)
             if self.preferred and n >= self.preferred[0]:
                 n = max(p for p in self.preferred if p <= n)
+            if queue.levels is None:  # no level to keep in step, no cost: the dict alone
+                popitem = queue.fifo.popitem
+                batch = []
+                items = []
+                for _ in range(n):
+                    request = popitem(last=False)[0]
+                    request.state = _RUNNING
+                    batch.append(request)
+                    items.append(request.item)
+                return batch, items
             pop = queue.pop_oldest
             batch = [pop() for _ in range(n)]
+        items = []
         for request in batch:
             request.state = _RUNNING
-        return batch
+            items.append(request.item)
+        return batch, items
 
     def _form(self, size: int, now: float) -> list[_Request]:
         queue = self.queue

@@ -206,9 +206,10 @@ class _LoopBinding:
         new_waiter: that loop's :class:`Waiter` factory (:func:`waiters`: a plain future on
             asyncio, trio's low-level park and reschedule on trio).
         timers: the asyncio loop, whose timers time requests out there (None on trio, where
-            the batcher's :class:`_TrioTimeouts` does). Its timers take delays (``call_later``):
-            the batcher's clock may be finer than the loop's (uvloop's ``time()`` counts whole
-            milliseconds), so no deadline of one clock is handed to the other.
+            the batcher's :class:`_TrioTimeouts` does). Its timers take deadlines on the
+            batcher's clock: the same monotonic time as the loop's, read finer where the loop
+            rounds it (uvloop's ``time()`` counts whole milliseconds, so a timer fires at most
+            that much late, never early).
         alive: a dispatcher is running, or about to.
         managed: the dispatcher was started by ``async with`` (it stays so after the block).
         stopped: set when the latest dispatcher has ended (None before the first start).

@@ -60,16 +60,25 @@ class _Request:
     drops it then; ``timer`` is the asyncio timer of its caller's timeout, ``timeout`` that
     timeout (for the message). A streamed request collects its results in ``chunks`` and
     shares a :class:`_StreamBatch` with the other callers of its batch (``batch``).
+
+    Cost: the fields every request sets are slots; the others are class-level defaults that
+    a request overrides in its own ``__dict__`` only when it uses them (a lone request with
+    no option stores seven fields, not fifteen).
     """
 
-    __slots__ = (
-        "batch", "chunks", "cost", "drop_at", "drop_timer", "enqueued", "error", "item",
-        "priority", "result", "state", "tb", "timeout", "timer", "waiter",
-    )  # fmt: skip
+    __slots__ = ("__dict__", "enqueued", "error", "item", "result", "state", "tb", "waiter")
 
-    def __init__(
-        self, item: Any, enqueued: float, waiter: Waiter, priority: int = 0, cost: float = 0
-    ) -> None:
+    # Defaults of the fields most requests never set (see Cost).
+    priority: int = 0
+    cost: float = 0
+    drop_at: float = math.inf
+    drop_timer: Any = None  # asyncio.TimerHandle
+    timer: Any = None  # asyncio.TimerHandle
+    timeout: float | None = None
+    chunks: deque[Any] | None = None
+    batch: _StreamBatch | None = None
+
+    def __init__(self, item: Any, enqueued: float, waiter: Waiter) -> None:
         self.item: Any = item
         self.enqueued: float = enqueued
         self.state: int = _QUEUED
@@ -77,14 +86,6 @@ class _Request:
         self.error: BaseException | None = None
         self.tb: TracebackType | None = None
         self.waiter: Waiter = waiter
-        self.priority: int = priority
-        self.cost: float = cost
-        self.drop_at: float = math.inf
-        self.drop_timer: Any = None  # asyncio.TimerHandle
-        self.timer: Any = None  # asyncio.TimerHandle
-        self.timeout: float | None = None
-        self.chunks: deque[Any] | None = None
-        self.batch: _StreamBatch | None = None
 
     def wake(self) -> None:
         waiter = self.waiter
@@ -134,7 +135,8 @@ class _RequestQueue:
 
     def push(self, request: _Request) -> None:
         self.fifo[request] = None
-        self.cost += request.cost
+        if request.cost:
+            self.cost += request.cost
         if request.drop_at != math.inf:
             self.deadlines += 1
         if self.levels is not None or request.priority:
