@@ -123,16 +123,8 @@ from ._request import (
     _TIMED_OUT,
     _Request,
     _RequestQueue,
-    _StreamBatch,
 )
-from ._results import (
-    BatchStream,
-    _answer_error,
-    _deliver,
-    _deliver_step,
-    _fail_batch,
-    _unpack,
-)
+from ._results import BatchStream, _answer_error, _deliver, _fail_batch, _stream_steps, _unpack
 
 # The exceptions' old home (they live in aloader._exceptions): still importable from here.
 __all__ = (
@@ -503,19 +495,7 @@ class Batcher(Generic[T, R]):
         except BaseException as exc:
             self._leave(request, exc)
             raise
-        timer = request.timer
-        if timer is not None:
-            timer.cancel()
-        if request.drop_timer is not None:
-            request.drop_timer.cancel()
-        if request.state != _DONE:
-            self._raise_timeout(request)
-        # The answer leaves the request: on trio a timeout's heap may hold it a while longer.
-        error = request.error
-        if error is not None:
-            tb = request.tb
-            request.error = request.tb = None
-            raise error.with_traceback(tb)
+        self._finish(request)
         result: R = request.result
         request.result = None
         return result
@@ -630,11 +610,15 @@ class Batcher(Generic[T, R]):
             f"batcher {self._name!r}: request not served within {request.timeout} s"
         ) from None
 
-    def _finish_stream(self, request: _Request) -> None:
-        """The stream of ``request`` has given every result: raise how it ended, if not well."""
+    def _finish(self, request: _Request) -> None:
+        """``request`` is answered (or its stream has given every result): stop its timers
+        and raise how it ended, if not well. The answer leaves the request: on trio a
+        timeout's heap may hold it a while longer."""
         timer = request.timer
         if timer is not None:
             timer.cancel()
+        if request.drop_timer is not None:
+            request.drop_timer.cancel()
         if request.state != _DONE:
             self._raise_timeout(request)
         error = request.error
@@ -898,7 +882,7 @@ class Batcher(Generic[T, R]):
                 if type(result) is _Coroutine or is_awaitable(result):
                     result = await result
                 if self._streaming and hasattr(type(result), "__anext__"):
-                    await self._stream_batch(batch, result)
+                    await _stream_steps(batch, result, self._name, self._metrics)
                 else:
                     _deliver(batch, _unpack(result, n, self._name), self._metrics)
             except anyio.get_cancelled_exc_class() as exc:
@@ -939,39 +923,6 @@ class Batcher(Generic[T, R]):
         if collate is None:
             return await anyio.to_thread.run_sync(fn, items, abandon_on_cancel=True)
         return await anyio.to_thread.run_sync(lambda: fn(collate(items)), abandon_on_cancel=True)
-
-    async def _stream_batch(self, batch: list[_Request], steps: Any) -> None:
-        """Hand each step of a streaming batch function (one sequence of results per step)
-        to the streams of ``batch``, then end those still open.
-
-        Once no caller reads any more (each has ended or left) the iteration stops: at the
-        next step, or at once by cancelling it when the last one leaves while it waits.
-        The iterator is closed in every case.
-        """
-        # Those still running: a caller may have left while the batch function started.
-        shared = _StreamBatch(sum(request.state == _RUNNING for request in batch))
-        for request in batch:
-            request.batch = shared
-        n = len(batch)
-        try:
-            with anyio.CancelScope() as scope:
-                shared.scope = scope
-                async for results in steps:
-                    _deliver_step(batch, _unpack(results, n, self._name), self._metrics)
-                    if not shared.live:
-                        break
-        finally:
-            shared.scope = None
-            aclose = getattr(steps, "aclose", None)
-            if aclose is not None:
-                await aclose()
-        completed = 0
-        for request in batch:
-            if request.state == _RUNNING:
-                request.state = _DONE
-                request.wake()
-                completed += 1
-        self._metrics.completed += completed
 
     def _fail_one(self, request: _Request, error: BaseException) -> None:
         _answer_error(request, error, self._metrics)
@@ -1018,6 +969,8 @@ class Batcher(Generic[T, R]):
 
     def _drop(self, request: _Request) -> None:
         """``request``'s queue deadline passed: drop it unless its batch has started."""
+        if request.drop_timer is not None:
+            request.drop_timer.cancel()  # formation dropped it first: the timer holds it no more
         if request.state == _QUEUED:
             self._abandon(request, _DROPPED)
             self._metrics.dropped += 1

@@ -28,26 +28,23 @@ __all__ = (
 )
 
 
-def check_batch_size(name: str, value: object) -> int:
-    """``max_batch_size`` (or a budget in ``batch_size_fn``'s units) as an int from 1 to
-    ``sys.maxsize``; an integral float counts, as in Ray."""
-    if isinstance(value, float) and value.is_integer():
+def check_count(name: str, value: object, *, integral_float: bool = False) -> int:
+    """A count (``max_batch_size``, ``max_concurrent_batches``, ``max_queue``,
+    ``metrics_window``): an int from 1 to ``sys.maxsize`` (nothing is allocated in proportion
+    to it); with ``integral_float``, a float such as ``4.0`` too, as Ray takes a batch size."""
+    if integral_float and isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be integer >= 1, got {value!r}")
-    if value < 1 or value > sys.maxsize:
-        raise ValueError(f"{name} must be an integer >= 1 (and at most sys.maxsize), got {value!r}")
-    return value
-
-
-def check_count(name: str, value: object) -> int:
-    """A count (``max_concurrent_batches``, ``max_queue``, ``metrics_window``): an int from 1
-    to ``sys.maxsize`` (nothing is allocated in proportion to it)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an integer >= 1, got {value!r}")
     if value < 1 or value > sys.maxsize:
         raise ValueError(f"{name} must be an integer >= 1 (and at most sys.maxsize), got {value!r}")
     return value
+
+
+def check_batch_size(name: str, value: object) -> int:
+    """``max_batch_size`` (or a budget in ``batch_size_fn``'s units): a count, or an integral
+    float, as in Ray."""
+    return check_count(name, value, integral_float=True)
 
 
 def check_wait(name: str, value: object) -> float:

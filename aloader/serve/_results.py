@@ -1,8 +1,11 @@
-"""What a batch function returns, checked, and the stream a streamed request reads.
+"""What a batch function returns, checked; how a batch's callers are answered; the stream a
+streamed request reads.
 
 :func:`_unpack` turns one batch's results into one result per item, or a
 :class:`BatchResultError` saying what is wrong with them (a unary batch function's return
-value, or each list a streaming one yields). :class:`BatchStream` is what
+value, or each list a streaming one yields). :func:`_deliver`, :func:`_fail_batch` and
+:func:`_answer_error` answer callers (no user code runs there); :func:`_stream_steps` hands a
+streaming batch function's steps to its callers as they come. :class:`BatchStream` is what
 :meth:`Batcher.stream` returns: the results of one request, in the order they came.
 """
 
@@ -13,10 +16,12 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Generic, Protocol, TypeVar
 
+import anyio
+
 from .._backend import Waiter
 from .._exceptions import BatchResultError
 from ._metrics import _BatcherMetricsRecorder
-from ._request import _DONE, _RUNNING, _Request
+from ._request import _DONE, _RUNNING, _Request, _StreamBatch
 
 __all__ = (
     "BatchStream",
@@ -26,6 +31,7 @@ __all__ = (
     "_deliver_step",
     "_ends_stream",
     "_fail_batch",
+    "_stream_steps",
     "_unpack",
 )
 
@@ -42,7 +48,7 @@ class _StreamSource(Protocol):
     @property
     def _binding(self) -> _Binding: ...
 
-    def _finish_stream(self, request: _Request) -> None: ...
+    def _finish(self, request: _Request) -> None: ...
 
     def _leave(self, request: _Request, exc: BaseException | None) -> None: ...
 
@@ -147,6 +153,43 @@ def _deliver_step(
         else:
             chunks.append(result)
         request.wake()
+
+
+async def _stream_steps(
+    batch: list[_Request], steps: Any, name: str, metrics: _BatcherMetricsRecorder
+) -> None:
+    """Hand each step of a streaming batch function ``name`` (``steps``: an async iterator of
+    one sequence of results per step) to the streams of ``batch``, then end those still open.
+
+    Once no caller reads any more (each has ended or left) the iteration stops: at the next
+    step, or at once when the last one leaves while it waits (the batcher cancels
+    ``_StreamBatch.scope``). The iterator is closed in every case; what it raises reaches the
+    caller (the batcher fails the streams still open with it).
+    """
+    # Those still running: a caller may have left while the batch function started.
+    shared = _StreamBatch(sum(request.state == _RUNNING for request in batch))
+    for request in batch:
+        request.batch = shared
+    n = len(batch)
+    try:
+        with anyio.CancelScope() as scope:
+            shared.scope = scope
+            async for results in steps:
+                _deliver_step(batch, _unpack(results, n, name), metrics)
+                if not shared.live:
+                    break
+    finally:
+        shared.scope = None
+        aclose = getattr(steps, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    completed = 0
+    for request in batch:
+        if request.state == _RUNNING:
+            request.state = _DONE
+            request.wake()
+            completed += 1
+    metrics.completed += completed
 
 
 def _deliver(
@@ -260,7 +303,7 @@ class BatchStream(Generic[R]):
         while not chunks:
             if request.state >= _DONE:
                 self._over = True
-                self._batcher._finish_stream(request)  # raises the error or timeout, if any
+                self._batcher._finish(request)  # raises the error or timeout, if any
                 raise StopAsyncIteration
             waiter = request.waiter = self._batcher._binding.new_waiter()
             try:

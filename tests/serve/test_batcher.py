@@ -907,7 +907,7 @@ def test_batch_decorator_errors() -> None:
     ("kwargs", "error", "message"),
     [
         ({"max_batch_size": 0}, ValueError, "max_batch_size must be an integer >= 1"),
-        ({"max_batch_size": 2.5}, TypeError, "max_batch_size must be integer >= 1"),
+        ({"max_batch_size": 2.5}, TypeError, "max_batch_size must be an integer >= 1, got 2.5"),
         ({"max_batch_size": True}, TypeError, "max_batch_size"),
         ({"max_wait": -1}, ValueError, "max_wait must be a float >= 0"),
         ({"max_wait": float("nan")}, ValueError, "max_wait"),

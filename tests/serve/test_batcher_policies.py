@@ -167,46 +167,34 @@ async def test_a_long_wait_promotes_a_low_priority(anyio_backend: Any) -> None:
     assert recorder.batches == [["first"], ["low"], ["high1"], ["high2"]]
 
 
-@on_mock_clock()
-async def test_no_priority_starves_under_a_stream_of_higher_ones(anyio_backend: Any) -> None:
-    """Batches take 1 s; a high-priority request arrives every 0.5 s, more than the model
-    serves. The low one, queued at t=0, is served by the first batch formed after it has
-    waited promote_after=2.5 s: at t=3, and every high one is served in the end too."""
+async def high_priority_stream(promote_after: float | None) -> Recorder:
+    """Batches of one take 1 s; a low-priority request queues at t=0 behind "h0", and a
+    high-priority one arrives every 0.5 s, more than the model serves (on a MockClock)."""
     recorder = Recorder(duration=1.0)
-    served: dict[str, float] = {}
-
-    async def call(b: Batcher[str, str], item: str, priority: int) -> None:
-        await b(item, priority=priority)
-        served[item] = trio.current_time()
-
-    t0 = trio.current_time()
     async with (
-        Batcher(recorder, max_batch_size=1, promote_after=2.5, max_queue=100) as b,
+        Batcher(recorder, max_batch_size=1, promote_after=promote_after, max_queue=100) as b,
         anyio.create_task_group() as tg,
     ):
-        tg.start_soon(call, b, "h0", 5)
+        tg.start_soon(functools.partial(b, "h0", priority=5))
         await trio.testing.wait_all_tasks_blocked()
-        tg.start_soon(call, b, "low", 0)
+        tg.start_soon(functools.partial(b, "low", priority=0))
         for i in range(1, 12):
             await trio.sleep(0.5)
-            tg.start_soon(call, b, f"h{i}", 5)
+            tg.start_soon(functools.partial(b, f"h{i}", priority=5))
+    assert b.metrics()["completed"] == 13  # every request is served in the end
+    return recorder
+
+
+@on_mock_clock()
+async def test_no_priority_starves_under_a_stream_of_higher_ones(anyio_backend: Any) -> None:
+    """The low one is served by the first batch formed after it has waited promote_after=2.5
+    s: at t=3, after h0, h1 and h2. With strict priorities it is served last."""
+    t0 = trio.current_time()
+    recorder = await high_priority_stream(promote_after=2.5)
     starts = {batch[0]: t - t0 for batch, t in zip(recorder.batches, recorder.times, strict=True)}
     assert starts["low"] == 3.0
     assert [batch[0] for batch in recorder.batches[:4]] == ["h0", "h1", "h2", "low"]
-    assert set(served) == {"low", *(f"h{i}" for i in range(12))}
-
-    # Strict priorities (promote_after=None): the same load serves the low one last.
-    strict = Recorder(duration=1.0)
-    async with (
-        Batcher(strict, max_batch_size=1, promote_after=None, max_queue=100) as b,
-        anyio.create_task_group() as tg,
-    ):
-        tg.start_soon(call, b, "h0", 5)
-        await trio.testing.wait_all_tasks_blocked()
-        tg.start_soon(call, b, "low", 0)
-        for i in range(1, 12):
-            await trio.sleep(0.5)
-            tg.start_soon(call, b, f"h{i}", 5)
+    strict = await high_priority_stream(promote_after=None)
     assert strict.batches[-1] == ["low"]
 
 
