@@ -262,17 +262,19 @@ class BatchStream(Generic[R]):
     arrive while nobody reads are kept in order for this stream, whatever the batch function
     yields meanwhile for the others.
 
-    Leaving early (``break``, :meth:`aclose`, a cancelled ``__anext__``) takes the request out
-    of its queue or batch; once every caller of a streaming batch has left, the batch
-    function's iteration is cancelled and closed, and its execution slot goes to the next
-    batch.
+    Leaving early (:meth:`aclose`, a cancelled ``__anext__``) takes the request out of its
+    queue or batch; once every caller of a streaming batch has left, the batch function's
+    iteration is cancelled and closed, and its execution slot goes to the next batch. A
+    ``break`` out of ``async for`` closes nothing (as with any async iterator): read with
+    ``async with contextlib.aclosing(stream):`` to leave at the ``break``.
     """
 
-    __slots__ = ("_batcher", "_over", "_request")
+    __slots__ = ("_batcher", "_over", "_reading", "_request")
 
     _batcher: _StreamSource
     _request: _Request
     _over: bool
+    _reading: bool
 
     @classmethod
     def _open(cls, batcher: _StreamSource, request: _Request) -> BatchStream[Any]:
@@ -282,6 +284,7 @@ class BatchStream(Generic[R]):
         stream._batcher = batcher
         stream._request = request
         stream._over = False
+        stream._reading = False
         return stream
 
     def __aiter__(self) -> BatchStream[R]:
@@ -291,38 +294,50 @@ class BatchStream(Generic[R]):
         """The next result for this request.
 
         Raises:
-            StopAsyncIteration: After the last result.
+            StopAsyncIteration: After the last result, or once the stream was closed.
             BatcherTimeoutError: If the request's timeout (or queue_timeout) passed.
+            RuntimeError: If another task is reading this stream now (as an async
+                generator's ``anext()`` while it runs).
             BaseException: What the batch function raised, or put in this item's element.
         """
+        if self._reading:
+            raise RuntimeError("this BatchStream is already being read by another task")
         if self._over:
             raise StopAsyncIteration
         request = self._request
         chunks = request.chunks
         assert chunks is not None
-        while not chunks:
-            if request.state >= _DONE:
-                self._over = True
-                self._batcher._finish(request)  # raises the error or timeout, if any
-                raise StopAsyncIteration
-            waiter = request.waiter = self._batcher._binding.new_waiter()
-            try:
-                await waiter
-            except BaseException as exc:
-                self._over = True
-                self._batcher._leave(request, exc)
-                raise
+        self._reading = True
+        try:
+            while not chunks:
+                if request.state >= _DONE:
+                    self._over = True
+                    self._batcher._finish(request)  # raises the error or timeout, if any
+                    raise StopAsyncIteration
+                waiter = request.waiter = self._batcher._binding.new_waiter()
+                try:
+                    await waiter
+                except BaseException as exc:
+                    self._over = True
+                    self._batcher._leave(request, exc)
+                    raise
+                if self._over:  # closed by another task meanwhile
+                    raise StopAsyncIteration
+        finally:
+            self._reading = False
         result: R = chunks.popleft()
         return result
 
     async def aclose(self) -> None:
-        """Stop reading: the request leaves its queue or batch (the others' go on)."""
+        """Stop reading: the request leaves its queue or batch (the others' go on); a task
+        waiting in ``__anext__`` gets ``StopAsyncIteration``."""
         if not self._over:
             self._over = True
-            self._batcher._leave(self._request, None)
-            chunks = self._request.chunks
-            if chunks is not None:
-                chunks.clear()  # what came and was never read goes now
+            request = self._request
+            self._batcher._leave(request, None)
+            if request.chunks is not None:
+                request.chunks.clear()  # what came and was never read goes now
+            request.wake()
 
     def __repr__(self) -> str:
         state = "over" if self._over else ("answered" if self._request.state >= _DONE else "open")

@@ -10,6 +10,7 @@ same behaviours in aloader's suite. Time-dependent cases run on trio's ``MockClo
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import anyio
@@ -419,3 +420,38 @@ async def test_cancelled_waiting_callers_leave_the_batch(anyio_backend: str) -> 
     assert [sorted(items) for items in seen] == [[1, 3, 4]]  # trio starts tasks in any order
     assert f.metrics()["cancelled"] == 1
     await f.aclose()
+
+
+async def test_a_stream_closed_by_another_task_ends_its_readers_wait(anyio_backend: str) -> None:
+    release = anyio.Event()
+
+    @batch(max_batch_size=1)
+    async def steps(items: list[int]) -> Any:
+        yield items
+        await release.wait()
+        yield items
+
+    stream = steps(1)
+    assert await stream.__anext__() == 1
+    got: list[Any] = []
+
+    async def read() -> None:
+        try:
+            got.append(await stream.__anext__())
+        except StopAsyncIteration:
+            got.append("stopped")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(read)
+        await anyio.wait_all_tasks_blocked()
+        with pytest.raises(RuntimeError, match="already being read"):
+            await stream.__anext__()  # one reader at a time, as an async generator
+        await stream.aclose()  # from this task, while the other waits: it stops, no hang
+    assert got == ["stopped"]
+    release.set()
+    async with contextlib.aclosing(steps(2)) as other:
+        async for x in other:
+            assert x == 2
+            break  # aclosing leaves at the break
+    assert [x async for x in steps(3)] == [3, 3]
+    await steps.aclose()
