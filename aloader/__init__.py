@@ -17,6 +17,7 @@ from . import _public
 from ._exceptions import (
     AccessDeniedError,
     AloaderError,
+    BatchCostError,
     BatcherClosedError,
     BatcherTimeoutError,
     BatchResultError,
@@ -67,7 +68,10 @@ from .loader._dataloader import AsyncDataLoaderIter, DataLoader, DataLoaderIter
 from .loader._dcp import DistributedState
 from .loader._ranks import merge_rank_states
 from .pipeline._sample_rng import sample_rng
-from .serve._batcher import Batcher, BatcherMetrics, BatchMethod, LatencySummary, batch
+from .serve._batcher import Batcher
+from .serve._decorator import BatchMethod, batch
+from .serve._metrics import BatcherMetrics, LatencySummary
+from .serve._results import BatchStream
 from .sources._parquet import ParquetRows
 from .sources._ray import from_ray
 from .sources._sharded import ShardedSource, SourceOptions
@@ -135,11 +139,13 @@ __all__ = (
     "Batcher",
     "BatcherMetrics",
     "BatchMethod",
+    "BatchStream",
     "LatencySummary",
     "batch",
     # errors
     "AccessDeniedError",
     "AloaderError",
+    "BatchCostError",
     "BatcherClosedError",
     "BatcherTimeoutError",
     "BatchResultError",
