@@ -69,10 +69,10 @@ class Trace:
 
     def __init__(self, loader: Any, path: str | os.PathLike[str],
                  max_events: int = 1_000_000) -> None:
-        self.path = os.fspath(path)
-        self.max_events = max_events
-        self.dropped = 0
-        self.started = _now()
+        self.path: str = os.fspath(path)
+        self.max_events: int = max_events
+        self.dropped: int = 0
+        self.started: int = _now()  # perf_counter_ns: the file's times count from here
         # (track, start ns, duration ns, name) of every event kept.
         self._events: list[tuple[str, int, int, str]] = []
         self._epochs: list[Collector] = []

@@ -72,14 +72,13 @@ from .._stats import SourceStats
 from .._util import Closing
 from ._checksums import store_digests
 from ._codecs import CodingError, Decoder, MissingPackage, Truncated, decoded, decoder
-from ._resumable import Part, Reading, Retry, resumable_chunks, split_chunks, where
+from ._resumable import Part, Reading, Retry, resumable_chunks, where
 
 if TYPE_CHECKING:
     import httpx
 
 __all__ = ("HttpClient", "HttpOptions", "HttpTransport", "Via", "env_configures_http",
-           "http_chunks", "make_client", "shares_one_pool",
-           "split_chunks")  # the sources import it from here (it is _resumable's)
+           "http_chunks", "make_client", "shares_one_pool")
 
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 # A 416's Content-Range: the body's length.

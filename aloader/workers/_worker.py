@@ -6,9 +6,9 @@ chosen by the loader), and the messages it exchanges with the loader. What the w
 about itself (``WorkerInfo``, ``get_worker_info()``) lives in :mod:`aloader._workerinfo`, which
 this module sets, so that datasets and sources can read it without importing this module.
 
-A worker serves one loader's pool (see :mod:`aloader.workers._pool`) over a socket pair. Messages
-both
-ways go through :mod:`aloader.workers._shm`, so arrays in batches cross in shared memory.
+A worker serves one loader's pool (see :mod:`aloader.workers._processes`) over a socket pair.
+Messages both ways go through :mod:`aloader.workers._shm`, so arrays in batches cross in
+shared memory.
 
 The protocol (every message a :class:`Request` or a :class:`Reply`):
 
@@ -17,8 +17,8 @@ The protocol (every message a :class:`Request` or a :class:`Reply`):
   :attr:`Kind.NEXT` (iterable: the next batch of this worker's replica in epoch ``epoch``;
   ``key`` is None) or :attr:`Kind.ROLLBACK` (a persistent pool's epoch ended in a break: put
   back the global RNG states saved before task ``key``, answered with nothing; a TASK's or
-  NEXT's ``mark`` says which to save, see :class:`~aloader.workers._pool.MapPoolEpoch` and
-  :class:`~aloader.workers._pool.ReplicaPoolEpoch`); or
+  NEXT's ``mark`` says which to save, see :class:`~aloader.workers._pool_epoch.MapPoolEpoch` and
+  :class:`~aloader.workers._pool_epoch.ReplicaPoolEpoch`); or
   EOF: exit. ``epoch`` tells the pool's epochs apart; ``loader_epoch`` is
   the loader's epoch number, which a stream iterated in the worker uses (see
   :attr:`WorkerInfo.epoch`). ``released`` names the worker's segments the loader no longer
@@ -48,12 +48,12 @@ On the socket a message is a plain tuple with int codes (:meth:`Request.wire`,
 :meth:`Reply.wire`), rebuilt on receipt (:meth:`Request.of`, :meth:`Reply.of`): a NamedTuple
 or an enum member would pickle by reference and cost each message two to three times as much.
 
-The worker fetches with the same :class:`~aloader.pipeline._pipeline.FetchPlan` the loader would use
+The worker fetches with the same :class:`~aloader.pipeline._plan.FetchPlan` the loader would use
 without workers. Plain map-style datasets are served by a loop that loads one batch per task
-(the plan says whether it can: :attr:`~aloader.pipeline._pipeline.FetchPlan.needs_event_loop`);
+(the plan says whether it can: :attr:`~aloader.pipeline._plan.FetchPlan.needs_event_loop`);
 async
 datasets, ``max_concurrency`` and iterable datasets run the loader's own pipeline
-(:class:`~aloader.pipeline._pipeline.MapEpoch`, :class:`~aloader.pipeline._pipeline.IterableEpoch`)
+(:class:`~aloader.pipeline._epoch.MapEpoch`, :class:`~aloader.pipeline._epoch.IterableEpoch`)
 on an event
 loop inside the worker, so each worker keeps ``max_concurrency`` fetches in flight.
 """
@@ -85,8 +85,10 @@ import numpy as np
 
 from .. import _workerinfo
 from .._workerinfo import WorkerInfo, _set_worker_info, get_worker_info
-from ..pipeline._pipeline import SKIP, FetchPlan, IterableEpoch, MapEpoch, Results
-from ..streams._resume import open_replica, parse
+from ..pipeline._epoch import IterableEpoch, MapEpoch
+from ..pipeline._plan import FetchPlan
+from ..pipeline._results import NO_BATCH, Results
+from ..streams._resume import adopt_world, open_replica, parse
 from ..streams._sourcestats import StatsReporter, source_stats
 from . import _shm, _spawn
 
@@ -135,7 +137,7 @@ SETUP_JOB = -1
 _REPORT_EVERY = 16
 _now = time.perf_counter_ns
 # A message's length before it on the socket: multiprocessing's framing (Connection.send_bytes
-# and recv_bytes), which the loader's reader parses too (aloader.workers._pool).
+# and recv_bytes), which the loader's reader parses too (aloader.workers._processes).
 FRAME = struct.Struct("!i")
 _KINDS = tuple(Kind)
 _STATUSES = tuple(Status)
@@ -349,7 +351,7 @@ def set_rng_state(state: tuple[Any, Any, Any]) -> None:
 
 class _Snapshots:
     """A persistent worker's global RNG states, saved before each task of the epoch that
-    torch's loader had not sent yet (a request's ``mark``: see :class:`~aloader.workers._pool.
+    torch's loader had not sent yet (a request's ``mark``: see :class:`~aloader.workers._pool_epoch.
     MapPoolEpoch`), so that after a break (``ROLLBACK``) the worker has drawn exactly what
     torch's has. A task is known by its job's sequence number in the epoch."""
 
@@ -430,7 +432,7 @@ class _WorkerServer:
         return self.working() or bool(self._readable.poll(0))
 
     def send(self, job: int, status: Status, value: Any, meta: Any = None) -> None:
-        empty = value is SKIP  # every sample failed within the budget: no batch
+        empty = value is NO_BATCH  # every sample failed within the budget: no batch
         if empty:
             value = None
         self._unreported += 1
@@ -535,9 +537,10 @@ class _WorkerServer:
 
     # Iterable datasets: one replica iterator per epoch, batched by the loader's pipeline;
     # several (virtual replicas, each a lane) in an epoch resumed from another num_workers.
-    # A persistent pool's requests come marked (see aloader.workers._pool.ReplicaPoolEpoch): the
-    # replica draws each batch past torch's requests after a snapshot of the global RNGs (it
-    # draws one batch ahead of the requests), put back by a ROLLBACK after a break.
+    # A persistent pool's requests come marked (see
+    # aloader.workers._pool_epoch.ReplicaPoolEpoch): the replica draws each batch past torch's
+    # requests after a snapshot of the global RNGs (it draws one batch ahead of the requests),
+    # put back by a ROLLBACK after a break.
     async def serve_replica(self, serve: ServeReplica) -> None:
         current: int | None = None
         # This epoch's replicas by lane; None: one that failed to start (its requests END).
@@ -596,17 +599,17 @@ class _WorkerServer:
                 if epoch is not None:
                     epoch.stop()
 
-    def _lane(self, key: Any) -> tuple[int, Any, tuple[int, int] | None]:
+    def _lane(self, key: Any) -> tuple[int, Any, tuple[int, int, int | None] | None]:
         """A NEXT request's (lane, saved state or None, the saved worker slot of a virtual
-        replica: (id, num_workers), or (0, 0) for the loader's process; None for this
-        worker's own replica)."""
+        replica: (id, num_workers, base seed or None for this loader's), num_workers 0 for
+        the loader's process; None for this worker's own replica)."""
         if isinstance(key, tuple) and key and key[0] == "replica":
-            _, lane, saved, state = key
-            return lane, state, (lane, saved)
+            _, lane, slot, state = key
+            return lane, state, slot
         return self.id, key, None
 
     def _open_replica(self, serve: ServeReplica, lane: int, state: Any,
-                      slot: tuple[int, int] | None, loader_epoch: int,
+                      slot: tuple[int, int, int | None] | None, loader_epoch: int,
                       before_draw: Callable[[int], None] | None = None) -> IterableEpoch:
         """Start a replica's epoch: this worker's own, or a virtual replica (a copy of the
         dataset that sees worker ``slot`` of the saved run, see aloader._workerinfo)."""
@@ -620,9 +623,11 @@ class _WorkerServer:
             epoch.start()
             return epoch
         replica = replica_copy(dataset)
-        lane_id, saved = slot
+        adopt_world(replica, state)  # a replica of another rank: on that rank's shards
+        lane_id, saved, seed = slot
         info = None if saved == 0 else WorkerInfo(
-            id=lane_id, num_workers=saved, seed=setup.base_seed + lane_id, dataset=replica)
+            id=lane_id, num_workers=saved,
+            seed=setup.base_seed + lane_id if seed is None else seed, dataset=replica)
         with _workerinfo.as_replica(info, None if info is None else loader_epoch):
             parsed = parse(replica, state, (lane_id, saved) if saved else (0, 1))
             source, snapshot = open_replica(replica, parsed)
@@ -643,12 +648,22 @@ def replica_copy(dataset: Any) -> Any:
         raise
 
 
+def _adopt_environ(environ: dict[str, str]) -> None:
+    """Make ``os.environ`` (and the C environment under it) exactly ``environ``."""
+    for key in [key for key in os.environ if key not in environ]:
+        del os.environ[key]
+    for key, value in environ.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
 def worker_main(
     conn: Connection,
     worker_id: int,
     owner: str,
     setup: WorkerSetup | None,
     inherited_fds: list[int],
+    environ: dict[str, str] | None = None,
 ) -> None:
     """The worker process's target: set up, report, then serve tasks until told to stop.
 
@@ -660,7 +675,14 @@ def worker_main(
             first message (the default, spawn, forkserver).
         inherited_fds: the loader's ends of its workers' socket pairs, inherited by a forked
             worker; closed here so that the loader's death reads as EOF everywhere.
+        environ: the loader's ``os.environ`` when it started this worker (None: forked from
+            it, so already its own). A worker forked from a server started earlier (the
+            template, a fork server) would otherwise see the environment of that moment, not
+            credentials or endpoints set since, as torch's forked workers do. (The working
+            directory travels with multiprocessing's own preparation data.)
     """
+    if environ is not None:
+        _adopt_environ(environ)
     for fd in inherited_fds:
         with contextlib.suppress(OSError):
             os.close(fd)

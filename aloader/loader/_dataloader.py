@@ -1,56 +1,65 @@
-"""The DataLoader: torch's signature, checks and attributes, and its epochs' iterators.
+"""The DataLoader and its epochs' iterators: torch's signature, checks and attributes.
 
-This module owns the user-facing API: :class:`DataLoader` validates its arguments as torch
-does, builds the samplers, and picks once what kind of epochs it runs
-(:class:`~aloader.loader._epochs.MapEpochs` or :class:`~aloader.loader._epochs.IterableEpochs`).
-Each
-epoch's :class:`AsyncDataLoaderIter` (``async for``) or :class:`DataLoaderIter` (``for``, through
-:mod:`aloader._facade`) decides once whether workers fetch, asks
-:meth:`~aloader.pipeline._pipeline.FetchPlan.for_dataset` how, and consumes the pipeline
-(:mod:`aloader.pipeline._pipeline`), handing out batches with torch's timeout and errors.
+:class:`DataLoader` validates its arguments as torch does, builds the samplers, and picks once
+what kind of epochs it runs (:class:`~aloader.loader._epochs.MapEpochs` or
+:class:`~aloader.loader._epochs.IterableEpochs`). Each epoch's :class:`AsyncDataLoaderIter`
+(``async for``) or :class:`DataLoaderIter` (``for``, through :mod:`aloader._facade`) decides
+once whether workers fetch, asks :meth:`~aloader.pipeline._plan.FetchPlan.for_dataset` how,
+and consumes the pipeline (:mod:`aloader.pipeline._epoch`), handing out batches with torch's
+timeout and errors. torch's argument checks are :mod:`aloader.loader._arguments`'s,
+checkpoints :mod:`aloader.loader._checkpoint`'s, the worker processes
+:mod:`aloader.loader._workers`'s, ``pin_memory`` :mod:`aloader.loader._pin_memory`'s. (The
+loader and its iterators name each other in their public signatures, which resolve at runtime:
+they live in one module.)
+
+Invariant: the attributes torch freezes (``batch_size``, ``sampler``, ``dataset``...) cannot be
+set once the loader is built; what an epoch needs is decided when it starts, so
+``num_workers``, ``max_failures`` or ``generator`` may change between epochs; the background
+pipeline holds no reference to an iterator, so dropping one stops its epoch.
 """
 
 from __future__ import annotations
 
-import math
-import operator
 import os
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Generic, TypeGuard, TypeVar, cast, overload
+from typing import Any, Generic, TypeVar, cast, overload
 
 import anyio
 import numpy as np
 
 from .._backend import current_backend
+from .._epoch_setup import EpochSetup
 from .._exceptions import FailureBudgetExceeded, LoaderTimeoutError
 from .._facade import LocalIterator, PrivateLoop, SyncIterator, forbid_running_loop, loop_of
-from .._log import SLOW_FIRST_BATCH, loader_log, worker_log
+from .._log import SLOW_FIRST_BATCH, loader_log
 from .._stats import Collector, LoaderStats
 from .._trace import Trace
-from .._util import usable_cpus
+from .._util import user_stacklevel
+from ..data._batchsampler import BatchSampler
 from ..data._collate import default_collate, default_convert
 from ..data._dataset import is_iterable_dataset
-from ..data._random import as_generator, draw_seed, restore_rng, rng_state
-from ..data._sampler import BatchSampler, RandomSampler, SequentialSampler
-from ..pipeline._failures import Failures, KnownFailed, check_max_failures, json_index
-from ..pipeline._pipeline import Epoch, FetchPlan, MapEpoch, Results
+from ..data._random import as_generator, draw_seed, rng_state
+from ..data._sampler import RandomSampler, SequentialSampler
+from ..pipeline._epoch import Epoch, MapEpoch
+from ..pipeline._failures import Failures, KnownFailed
+from ..pipeline._plan import FetchPlan
+from ..pipeline._results import Results
 from ..pipeline._sample_rng import seed_of
 from ..streams._sourcestats import source_stats
-from ..streams._streams import Stream
-from ..workers._pool import (
-    PoolEpoch,
-    WorkerPool,
-    default_context,
-    prepare_context,
-    resolve_context,
-)
-from ..workers._worker import WorkerSetup
-from ._epochs import EpochKind, IterableEpochs, MapEpochs, Progress, Skip
+from ..streams._stream import Stream
+from ..workers._context import default_context, prepare_context, resolve_context
+from ..workers._pool_epoch import PoolEpoch
+from ..workers._processes import WorkerPool
+from ._arguments import check_batching, check_loading, warn_worker_number
+from ._checkpoint import _EpochRecord, load_state, state_of
+from ._epochs import AlreadyDelivered, EpochKind, IterableEpochs, MapEpochs
+from ._pin_memory import _pin_memory_transform, _require_torch
+from ._ranks import RANKS_FORMAT, rank_part
+from ._workers import pool_epoch
 
 __all__ = ("AsyncDataLoaderIter", "DataLoader", "DataLoaderIter")
 
@@ -58,89 +67,7 @@ _now = time.perf_counter_ns
 
 T_co = TypeVar("T_co", covariant=True)
 
-DEFAULT_PREFETCH_FACTOR = 2
-
 _FROZEN = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
-
-STATE_FORMAT = "aloader.DataLoader"
-STATE_VERSION = 1
-
-
-def _json_copy(value: Any) -> Any:
-    """A copy of a state made of JSON builtins (tuples become lists)."""
-    if isinstance(value, dict):
-        return {key: _json_copy(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        # A torch generator's state is 5056 ints: copied at C speed.
-        if value and type(value[0]) is int and type(value[-1]) is int:
-            return list(value)
-        return [_json_copy(item) for item in value]
-    return value
-
-
-def _is_int(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass(eq=False)
-class _EpochRecord:
-    """What a checkpoint says about the latest epoch: what it was drawn from and what the
-    consumer received of it. The loader keeps it (not the epoch's iterator, which must stay
-    droppable); the iterator updates it as it hands out batches.
-
-    Invariant: ``prefix`` is the number of batches from the epoch's start all received, and
-    ``beyond`` holds the numbers of those received after it; ``yielded`` is their total.
-    """
-
-    epoch: int
-    rng: dict[str, Any]  # the loader generator's state before this epoch drew anything
-    base_seed: int | None  # the epoch's base seed when not drawn (persistent workers' one)
-    length: int | None  # the epoch's batches (map-style), or None
-    skip: Skip  # what a resumed epoch leaves out
-    prefix: int = 0
-    beyond: set[int] = field(default_factory=set)
-    yielded: int = 0
-    meta: Any = None  # the metadata of the latest batch received (iterable datasets)
-    done: bool = False  # the iterator reached the end of the epoch
-    failures: Failures | None = None  # the epoch's failure budget (None without max_failures)
-
-    def __post_init__(self) -> None:
-        self.prefix = self.skip.prefix
-        self.beyond = set(self.skip.delivered)
-        self.yielded = self.prefix + len(self.beyond)
-
-    def received(self, number: int, meta: Any = None) -> None:
-        self.yielded += 1
-        self.meta = meta
-        if number != self.prefix:
-            self.beyond.add(number)
-            return
-        prefix = number + 1
-        beyond = self.beyond
-        while prefix in beyond:
-            beyond.discard(prefix)
-            prefix += 1
-        self.prefix = prefix
-
-    @property
-    def at_end(self) -> bool:
-        return self.done or (self.length is not None and self.prefix >= self.length)
-
-
-def _check_process_limit(num_workers: int) -> None:
-    """Refuse more workers than this user may run processes (``ulimit -u``): starting them
-    would fail only after creating as many as the system allows, one by one (torch only
-    warns, then does that)."""
-    try:
-        import resource
-    except ImportError:  # not on this platform
-        return
-    limit = resource.getrlimit(resource.RLIMIT_NPROC)[0]
-    if limit != resource.RLIM_INFINITY and num_workers > limit:
-        raise ValueError(
-            f"num_workers={num_workers} is more worker processes than this user may run "
-            f"(RLIMIT_NPROC, `ulimit -u`: {limit})"
-        )
 
 
 class DataLoader(Generic[T_co]):
@@ -352,35 +279,9 @@ class DataLoader(Generic[T_co]):
         max_concurrency: int | None = None,
         max_failures: int | float = 0,
     ) -> None:
-        if num_workers < 0:
-            raise ValueError(
-                "num_workers option should be non-negative; "
-                "use num_workers=0 to disable multiprocessing."
-            )
-        # torch raises these (its range() calls) at the first iteration; here, at once.
-        operator.index(num_workers)
-        _check_process_limit(num_workers)
-        if timeout < 0:
-            raise ValueError("timeout option should be non-negative")
-        # Unlike torch, prefetch_factor means something without workers (the loop prefetches).
-        if prefetch_factor is None:
-            prefetch_factor = DEFAULT_PREFETCH_FACTOR
-        elif prefetch_factor < 0:
-            raise ValueError("prefetch_factor option should be non-negative")
-        else:
-            operator.index(prefetch_factor)
-        if persistent_workers and num_workers == 0:
-            raise ValueError("persistent_workers option needs num_workers > 0")
-        if max_concurrency is not None and (
-            isinstance(max_concurrency, bool)
-            or not isinstance(max_concurrency, int)
-            or max_concurrency <= 0
-        ):
-            raise ValueError(
-                "max_concurrency should be a positive integer or None, "
-                f"but got max_concurrency={max_concurrency!r}"
-            )
-
+        prefetch_factor, max_failures = check_loading(
+            num_workers, timeout, prefetch_factor, persistent_workers, max_concurrency,
+            max_failures)
         self.dataset = dataset
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
@@ -390,45 +291,11 @@ class DataLoader(Generic[T_co]):
         self.worker_init_fn = worker_init_fn
         self.in_order = in_order
         self.max_concurrency = max_concurrency
-        self.max_failures: int | float = check_max_failures(max_failures)
+        self.max_failures: int | float = max_failures
 
         iterable = is_iterable_dataset(dataset)
-        if iterable:
-            if shuffle not in {False, None}:
-                raise ValueError(
-                    "DataLoader with IterableDataset: expected unspecified shuffle option, "
-                    f"but got shuffle={shuffle}"
-                )
-            if sampler is not None:
-                raise ValueError(
-                    "DataLoader with IterableDataset: expected unspecified sampler option, "
-                    f"but got sampler={sampler}"
-                )
-            if batch_sampler is not None:
-                raise ValueError(
-                    "DataLoader with IterableDataset: expected unspecified batch_sampler "
-                    f"option, but got batch_sampler={batch_sampler}"
-                )
-        else:
-            shuffle = bool(shuffle)
-
-        if sampler is not None and shuffle:
-            raise ValueError("sampler option is mutually exclusive with shuffle")
-
-        if batch_sampler is not None:
-            if batch_size != 1 or shuffle or sampler is not None or drop_last:
-                raise ValueError(
-                    "batch_sampler option is mutually exclusive "
-                    "with batch_size, shuffle, sampler, and "
-                    "drop_last"
-                )
-            batch_size = None
-            drop_last = False
-        elif batch_size is None and drop_last:
-            raise ValueError(
-                "batch_size=None option disables auto-batching "
-                "and is mutually exclusive with drop_last"
-            )
+        batch_size, shuffle, drop_last = check_batching(
+            iterable, batch_size, shuffle, sampler, batch_sampler, drop_last)
 
         # One Generator for the loader: it seeds the random sampler and every base_seed.
         self.generator = generator
@@ -471,7 +338,7 @@ class DataLoader(Generic[T_co]):
         # Checkpoints: the latest epoch's record, and a loaded state the next epoch resumes.
         self._record: _EpochRecord | None = None
         self._resume_state: dict[str, Any] | None = None
-        self._resume_skip: Skip | None = None
+        self._resume_skip: AlreadyDelivered | None = None
         self._resume_seed: int | None = None  # the persistent workers' seed of a resumed run
         self._resume_failures: tuple[int, list[Any]] | None = None  # its failures so far
         self._stats: Collector | None = None  # the statistics of the latest epoch
@@ -479,7 +346,8 @@ class DataLoader(Generic[T_co]):
         self._trace: Trace | None = None  # recording the epochs as they start (trace())
         if num_workers > 0:
             prepare_context(self._context(), warm=True)
-        self._check_worker_number(stacklevel=3)  # torch warns here too, and at each epoch
+        self._warned_workers = 0  # the num_workers warned about (see _check_worker_number)
+        self._check_worker_number()
         self.__initialized = True
 
     # torch's guards --------------------------------------------------------------------------
@@ -570,31 +438,16 @@ class DataLoader(Generic[T_co]):
         forbid_running_loop("DataLoader", "batch in loader")
         return DataLoaderIter(self)
 
-    def _check_worker_number(self, stacklevel: int = 3) -> None:
-        """torch's warning when a loader is built, or an epoch is to start, with more workers
-        than there are CPUs (``stacklevel``: the caller's frame to blame, as for
-        :func:`warnings.warn`)."""
+    def _check_worker_number(self) -> None:
+        """torch's warning when a loader is built with more workers than there are CPUs, at
+        the user's line; once per loader (torch warns again at each epoch, at lines of its
+        own, which Python's filter then shows once each): again at an epoch only after
+        ``num_workers`` was changed."""
         workers = self.num_workers
-        if workers == 0 or (self.persistent_workers and self._pool is not None):
+        if workers == 0 or workers == self._warned_workers:
             return
-        cpus, cpuset = usable_cpus()
-        if cpus is not None and workers <= cpus:
-            return
-        if cpus is None:
-            suggestion = ("DataLoader is not able to compute a suggested max number of worker "
-                          "in current system.")
-        else:
-            suggestion = (f"Our suggested max number of worker in current system is {cpus}"
-                          f"{'' if cpuset else ' (`cpuset` is not taken into account)'}, which "
-                          "is smaller than what this DataLoader is going to create.")
-        warnings.warn(
-            f"This DataLoader will create {workers} worker processes in total. {suggestion} "
-            "Please be aware that excessive worker creation might get DataLoader running slow "
-            "or even freeze, lower the worker number to avoid potential slowness/freeze if "
-            "necessary.",
-            # The `async for` (the synchronous facade's loop for `for`), or the construction.
-            stacklevel=stacklevel,
-        )
+        self._warned_workers = workers
+        warn_worker_number(workers)
 
     async def aclose(self) -> None:
         """Stop every epoch in progress and wait until their fetches have ended; stop workers.
@@ -647,9 +500,11 @@ class DataLoader(Generic[T_co]):
 
     # The epoch's plan ------------------------------------------------------------------------
     def _plan(self, transform: Callable[[Any], Any] | None, remote: PoolEpoch | None = None,
-              epoch: int = 0, here: bool = False) -> FetchPlan:
+              setup: EpochSetup | None = None, here: bool = False) -> FetchPlan:
         """The plan of an epoch in this process (or a worker's), or whose jobs go to ``remote``;
-        ``here``: one on the sync ``for``'s own thread (see :meth:`FetchPlan.for_dataset`)."""
+        ``setup``: the epoch it is for, which its statistics and failure budget are built from
+        too (None: a plan asked what it would decide, or the workers'); ``here``: one on the
+        sync ``for``'s own thread (see :meth:`FetchPlan.for_dataset`)."""
         return FetchPlan.for_dataset(
             self.dataset,
             iterable=isinstance(self._kind, IterableEpochs),
@@ -662,7 +517,7 @@ class DataLoader(Generic[T_co]):
             num_workers=self.num_workers,
             prefetch_factor=self.prefetch_factor,
             seed=None if isinstance(self._kind, IterableEpochs) else self.sample_seed,
-            epoch=epoch,
+            setup=setup,
             here=here,
         )
 
@@ -676,28 +531,24 @@ class DataLoader(Generic[T_co]):
             return self.dataset._claim_epoch()
         return count
 
+    def _workers_live(self) -> bool:
+        """Whether persistent workers from an earlier epoch are alive to serve the next."""
+        pool = self._pool
+        return pool is not None and not (pool.closed or pool.broken)
+
     def _base_seed(self) -> tuple[int, bool]:
         """This epoch's ``base_seed``, and whether it was drawn: drawn from the generator,
         except by an epoch that the live persistent workers will serve, which keep their first
         epoch's seeds; torch resets its one iterator then and draws nothing, so the sampler's
         draws stay torch's. A run resumed from persistent workers' epoch keeps their seed."""
         pool = self._pool
-        if pool is not None and not (pool.closed or pool.broken):
+        if pool is not None and self._workers_live():
             return int(pool.setup.base_seed), False
         if self._resume_seed is not None:
             return self._resume_seed, False
         return draw_seed(self._rng), True
 
-    # Checkpoints -----------------------------------------------------------------------------
-    def _kind_name(self) -> str:
-        return "map" if isinstance(self._kind, MapEpochs) else "iterable"
-
-    def _dataset_length(self) -> int | None:
-        try:
-            return len(self.dataset)
-        except TypeError:
-            return None
-
+    # Checkpoints (aloader.loader._checkpoint) ------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """A checkpoint of where the consumer is: JSON builtins (``json`` and ``pickle`` take
         it), without sample data, costing well under a millisecond whatever the dataset.
@@ -727,48 +578,7 @@ class DataLoader(Generic[T_co]):
         generator when torch is imported): the state records that generator's state, and
         :meth:`load_state_dict` sets it (torch's global generator included).
         """
-        pending = self._resume_state
-        if pending is not None:
-            return cast(dict[str, Any], _json_copy(pending))
-        record = self._record
-        if record is None or record.at_end:
-            pool = self._pool
-            seed = self._resume_seed
-            if pool is not None and pool.persistent and not (pool.closed or pool.broken):
-                seed = int(pool.setup.base_seed)
-            epoch = self._epochs_started if record is None else record.epoch + 1
-            progress = Progress(epoch, 0, frozenset(), None, True)
-            rng: dict[str, Any] = rng_state(self._rng)
-        else:
-            seed = record.base_seed
-            progress = Progress(record.epoch, record.yielded, frozenset(record.beyond),
-                                record.meta, False)
-            rng = cast(dict[str, Any], _json_copy(record.rng))
-        failures: dict[str, Any] = {"count": 0, "indices": []}
-        if record is not None and not record.at_end and record.failures is not None:
-            failures = record.failures.state(with_indices=isinstance(self._kind, MapEpochs))
-        kind = self._kind_name()
-        if isinstance(self._kind, MapEpochs):
-            sub = self._kind.state_dict(progress)
-        else:
-            sub = cast(Any, self._kind).state_dict(progress)
-        return {
-            "format": STATE_FORMAT,
-            "version": STATE_VERSION,
-            "kind": kind,
-            "epoch": progress.epoch,
-            "yielded": progress.yielded,
-            "loader": {
-                "rng": rng,
-                "base_seed": seed,
-                "sample_seed": self.sample_seed,
-                "batch_size": self.batch_size,
-                "drop_last": self.drop_last,
-                "dataset_length": self._dataset_length(),
-            },
-            kind: _json_copy(sub),
-            "failures": failures,
-        }
+        return state_of(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from a :meth:`state_dict`: the next epoch (``async for`` or ``for``) yields
@@ -781,162 +591,29 @@ class DataLoader(Generic[T_co]):
         ``num_workers=0``), in the saved run's batch order, and the later epochs are split by
         the new count. A stream's state taken during an epoch resumes only on the same rank
         of the same world size (``ValueError`` naming ``'world'``); between epochs, on any.
+        The states of a job's ranks merged by :func:`aloader.merge_rank_states` load on
+        every rank of any world size, each taking its part of the interrupted epoch.
 
         Raises:
             ValueError: the state is of another format or version, another kind of dataset,
                 another dataset length, batch size or ``drop_last`` (the message names the
                 field and both values), or does not fit the samplers; its ``failures`` has
-                more indices than its count, or indices for an iterable dataset.
+                more indices than its count, or indices for an iterable dataset; merged
+                states that cannot be split over this world size (see
+                :func:`aloader.merge_rank_states`).
             TypeError: a field has the wrong type.
         """
-        if not isinstance(state, Mapping):
-            raise TypeError(f"state should be a dict, but got {type(state).__name__}")
-        kind = self._kind_name()
-        expected = {"format": STATE_FORMAT, "version": STATE_VERSION, "kind": kind}
-        for name, value in expected.items():
-            if state.get(name) != value:
-                raise ValueError(f"state field {name!r} differs: the state has "
-                                 f"{state.get(name)!r}, this loader expects {value!r}")
-        for name in ("epoch", "yielded"):
-            value = state.get(name)
-            if not _is_int(value):
-                raise TypeError(f"state field {name!r} should be an int, but got {value!r}")
-            if value < 0:
-                raise ValueError(f"state field {name!r} should be non-negative, "
-                                 f"but got {value}")
-        loader = state.get("loader")
-        if not isinstance(loader, Mapping):
-            raise TypeError(f"state field 'loader' should be a dict, "
-                            f"but got {type(loader).__name__}")
-        mine = {"batch_size": self.batch_size, "drop_last": self.drop_last,
-                "dataset_length": self._dataset_length()}
-        for name, value in mine.items():
-            if name not in loader:
-                raise ValueError(f"state field 'loader.{name}' is missing")
-            if loader[name] != value or type(loader[name]) is not type(value):
-                raise ValueError(f"state field 'loader.{name}' differs: the state has "
-                                 f"{loader[name]!r}, this loader has {value!r}")
-        seed = loader.get("base_seed")
-        if seed is not None and not (_is_int(seed) and seed >= 0):
-            raise TypeError(f"state field 'loader.base_seed' should be None or a "
-                            f"non-negative int, but got {seed!r}")
-        sample_seed = loader.get("sample_seed")
-        if not (_is_int(sample_seed) and sample_seed >= 0):
-            raise TypeError(f"state field 'loader.sample_seed' should be a non-negative int, "
-                            f"but got {sample_seed!r}")
-        try:
-            restore_rng(self._rng, loader.get("rng"), apply=False)
-        except ValueError as exc:
-            raise ValueError(f"state field 'loader.rng': {exc}") from None
-        failed = self._check_failures(state.get("failures"))
-        if kind not in state:
-            raise ValueError(f"state field {kind!r} is missing")
-        sub = _json_copy(state[kind])
-        skip: Skip | None = None
-        if isinstance(self._kind, MapEpochs):
-            if isinstance(sub, dict):
-                delivered = sub.get("delivered")
-                prefix = sub.get("prefix")
-                if (_is_int(prefix) and isinstance(delivered, list)
-                        and prefix + len(delivered) != state["yielded"]):
-                    raise ValueError(
-                        f"state field 'yielded' ({state['yielded']}) differs from the map "
-                        f"part's prefix and delivered batches ({prefix} + {len(delivered)})"
-                    )
-            # Checks all of its part before applying any.
-            self._kind.load_state_dict(sub)
-            skip = self._kind.loaded_skip
-        else:
-            cast(Any, self._kind).load_state_dict(sub)
-        # Everything is checked: apply. Live persistent workers have the old seeds.
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
-        restore_rng(self._rng, loader["rng"])
-        self.sample_seed = sample_seed
-        self._resume_seed = seed
-        self._epochs_started = state["epoch"]
-        self._resume_skip = skip
-        self._resume_failures = failed
-        self._record = None
-        copy = cast(dict[str, Any], _json_copy(dict(state)))
-        self._resume_state = copy
+        if isinstance(state, Mapping) and state.get("format") == RANKS_FORMAT:
+            state = rank_part(self, state)  # the ranks' states merged: this rank's part
+        load_state(self, state)
 
-    def _check_failures(self, failures: Any) -> tuple[int, list[Any]] | None:
-        """A state's ``"failures"`` entry, checked: (count, indices), or None when there is
-        nothing to restore (none recorded, or this loader has no budget: its epochs raise the
-        first error, as torch's do). A state without the entry recorded none."""
-        if failures is None:
-            return None
-        if not isinstance(failures, Mapping):
-            raise TypeError(f"state field 'failures' should be a dict, "
-                            f"but got {type(failures).__name__}")
-        count, indices = failures.get("count"), failures.get("indices")
-        if not (_is_int(count) and count >= 0):
-            raise TypeError(f"state field 'failures.count' should be a non-negative int, "
-                            f"but got {count!r}")
-        if not isinstance(indices, list):
-            raise TypeError(f"state field 'failures.indices' should be a list, "
-                            f"but got {type(indices).__name__}")
-        for index in indices:
-            try:
-                if json_index(index) != index or isinstance(index, tuple):
-                    raise ValueError(f"{index!r} is not in its JSON form")
-            except ValueError as exc:
-                raise TypeError(f"state field 'failures.indices' should hold JSON builtins: "
-                                f"{exc}") from None
-        if len(indices) > count:
-            raise ValueError(f"state field 'failures.indices' has {len(indices)} indices, "
-                             f"more than 'failures.count' ({count})")
-        if indices and not isinstance(self._kind, MapEpochs):
-            raise ValueError("state field 'failures.indices' should be empty for an iterable "
-                             f"dataset (its failures are counted only), but has {len(indices)}")
-        if not self.max_failures or not count:
-            return None
-        return count, list(indices)
-
-    def _remote(self, base_seed: int, epoch: int) -> PoolEpoch:
-        """This epoch's use of the worker processes: the persistent pool when it is free."""
-        pool = self._pool
-        if pool is not None and (pool.closed or pool.broken):
-            if pool.broken:
-                worker_log.warning("restarting the persistent workers after an earlier error")
-            pool.shutdown()
-            pool = self._pool = None
-        # The workers' budget (none, or the unlimited one they report under) is fixed at their
-        # start: a budget turned on or off between epochs needs other workers (a free pool is
-        # restarted, keeping its seed; a busy one is left to its epoch).
-        stale = pool is not None and (pool.setup.plan.failures is None) == bool(
-            self.max_failures)
-        if pool is not None and stale and pool.holder is None:
-            worker_log.info("restarting the persistent workers: max_failures is now %r",
-                            self.max_failures)
-            pool.shutdown()
-            pool = self._pool = None
-        if pool is not None and not stale and (pool.holder is None or pool.holder.stopping):
-            return self._kind.pool_epoch(pool, epoch)
-        plan = self._plan(None)
-        plan.stats = Collector(plan.mode, auto_batch=plan.auto_batch)  # the workers' items
-        if self.max_failures:  # a worker reports its failures; the budget is counted here
-            plan.failures = Failures(math.inf)
-            plan.failures.sources_of = source_stats
-        setup = WorkerSetup(
-            plan=plan,
-            serve=self._kind.serve,
-            base_seed=base_seed,
-            num_workers=self.num_workers,
-            worker_init_fn=self.worker_init_fn,
-            prefetch=self.prefetch_factor,
-        )
-        context = self._context()
-        prepare_context(context, warm=False)
-        # A second epoch while the persistent pool serves a live one gets workers of its own.
-        persistent = self.persistent_workers and pool is None
-        pool = WorkerPool(setup, context, persistent=persistent)
-        if persistent:
-            self._pool = pool
-            weakref.finalize(self, pool.shutdown)
-        return self._kind.pool_epoch(pool, epoch)
+    def _started(self, epoch: Epoch) -> None:
+        """``epoch`` has started: its statistics are the loader's latest, and closing the
+        loader stops it."""
+        self._stats_epochs += 1
+        self._stats = epoch.plan.stats
+        self._epochs = {e for e in self._epochs if not e.done.is_set()}
+        self._epochs.add(epoch)
 
     def __repr__(self) -> str:
         return (
@@ -945,43 +622,10 @@ class DataLoader(Generic[T_co]):
         )
 
 
-def _require_torch(what: str) -> Any:
-    try:
-        import torch
-    except ImportError:
-        raise RuntimeError(
-            f"{what} needs torch, which is not installed; install it with "
-            "`pip install 'aloader[torch]'`, or leave pin_memory=False"
-        ) from None
-    return torch
-
-
-def _pin_memory_transform(loader: DataLoader[Any]) -> Callable[[Any], Any] | None:
-    if not loader.pin_memory:
-        return None
-    torch = _require_torch("pin_memory=True")
-    if loader.pin_memory_device:
-        warnings.warn(
-            "pin_memory_device is deprecated, the current accelerator will be used as the "
-            f"device,ignore pin_memory_device='{loader.pin_memory_device}'.",
-            stacklevel=3,
-        )
-    if not torch.accelerator.is_available():
-        warnings.warn(
-            "'pin_memory' argument is set as true but no accelerator is found, "
-            "then device pinned memory won't be used.",
-            stacklevel=3,
-        )
-        return None
-    from torch.utils.data._utils.pin_memory import pin_memory
-
-    return cast(Callable[[Any], Any], pin_memory)
-
-
 class AsyncDataLoaderIter(Generic[T_co]):
     """One epoch of a :class:`DataLoader`, consumed with ``async for`` (``loader.__aiter__()``).
 
-    The background pipeline (``aloader.pipeline._pipeline``) holds no reference to this object, so
+    The background pipeline (``aloader.pipeline._epoch``) holds no reference to this object, so
     dropping it (``break``, an exception in the loop body) lets ``__del__`` cancel every fetch
     at once; ``aclose()`` does the same and waits until they have ended.
 
@@ -993,6 +637,10 @@ class AsyncDataLoaderIter(Generic[T_co]):
             samples, the last ``errors``), or None without ``max_failures``.
     """
 
+    # Until __init__ completes: an epoch whose making raised (a sampler's __len__) has
+    # nothing to stop, and its __del__ must not look for what was never set.
+    _closed = True
+
     def __init__(self, loader: DataLoader[T_co]) -> None:
         self._loader = loader
         # Explicit epoch state, so that a resume can restore it: the RNG state this epoch
@@ -1002,11 +650,13 @@ class AsyncDataLoaderIter(Generic[T_co]):
         kind = loader._kind
         if isinstance(kind, MapEpochs):
             kind.begin()  # what the epoch is drawn from, before it draws anything
+            if loader.num_workers > 0 and not loader._workers_live():
+                kind.new_workers()  # before the base seed's draw, as torch's __init__
         self.rng_state: Mapping[str, Any] = loader._rng.bit_generator.state
         start = rng_state(loader._rng)
         base_seed, drawn = loader._base_seed()
         self.base_seed: int = base_seed
-        self._skip = loader._resume_skip or Skip(0)
+        self._skip = loader._resume_skip or AlreadyDelivered(0)
         self._resumed_failures = loader._resume_failures
         loader._resume_skip = loader._resume_failures = None
         loader._resume_state = None
@@ -1047,7 +697,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
     def _start_here(self) -> bool:
         """Start the epoch now, on this thread, when it needs no event loop at all, and say
         whether it did: an inline epoch (an in-memory dataset without workers, see
-        :attr:`~aloader.pipeline._pipeline.MapEpoch.loopless`) with plain keys and collate and no
+        :attr:`~aloader.pipeline._epoch.MapEpoch.loopless`) with plain keys and collate and no
         ``timeout`` never awaits a real event, so the sync facade drives :meth:`__anext__`
         on the consumer's thread. An inline epoch starts no task, so one started here whose
         keys turn out to be async still runs on an event loop (the caller's choice). So does
@@ -1091,7 +741,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
 
     def _lead(self, plan: FetchPlan | None) -> int | None:
         """How far ahead of torch's count a user's sampler is drawn (see
-        :class:`aloader.pipeline._pipeline.PacedKeys`), or None to draw it as the pipeline reads it.
+        :class:`aloader.pipeline._keys.PacedKeys`), or None to draw it as the pipeline reads it.
 
         With workers 0: torch's schedule exactly. Without, an epoch in this process reads
         its keys on the consumer's call when it is inline (torch's schedule, nothing ahead);
@@ -1105,7 +755,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         if loader.num_workers > 0:
             return 0
         if plan is None:
-            plan = loader._plan(None, epoch=self.epoch)
+            plan = loader._plan(None)
         if plan.mode == "inline":
             return 0
         return 2 * plan.window + max(1, loader.prefetch_factor)
@@ -1126,60 +776,57 @@ class AsyncDataLoaderIter(Generic[T_co]):
         if self._asked is not None:
             self._asked(self._calls + self._ahead())
 
+    def _setup(self) -> EpochSetup:
+        """What this epoch is built from, decided as it starts (see
+        :class:`~aloader._epoch_setup.EpochSetup`)."""
+        loader = self._loader
+        resumed = self._resumed_failures  # the budget goes on where the checkpoint left it
+        return EpochSetup(
+            epoch=self.epoch,
+            base_seed=self.base_seed,
+            kind="iterable" if isinstance(loader._kind, IterableEpochs) else "map",
+            num_workers=loader.num_workers,
+            prefetch_factor=loader.prefetch_factor,
+            stats_epoch=loader._stats_epochs,
+            max_failures=loader.max_failures,
+            samples=loader._epoch_samples() if loader.max_failures else None,
+            resumed_failures=None if resumed is None else (resumed[0], tuple(resumed[1])),
+            sources=tuple(source_stats(loader.dataset)),
+            sources_of=source_stats,
+            in_order=loader.in_order,
+        )
+
     def _start(self, here: bool = False) -> Epoch:
         """Start the epoch (with ``here``, an iterable one on the consumer's call: see
-        :meth:`_start_here`)."""
+        :meth:`_start_here`): its plan, and through it its statistics and failure budget, are
+        built from one :meth:`_setup`."""
         loader = self._loader
         kind = loader._kind
         results = Results(loader.prefetch_factor, loader.in_order)
         transform = _pin_memory_transform(loader)
+        setup = self._setup()
         # Workers or not: decided here, once per epoch (num_workers may change between epochs).
-        resumed = self._resumed_failures
-        if isinstance(kind, IterableEpochs):
-            kind.base_seed = self.base_seed  # the seeds a resumed epoch's replicas see
         epoch: Epoch
         if loader.num_workers > 0:
-            remote = loader._remote(self.base_seed, loader._claim_epoch(self.epoch))
             # The batches the consumer took (the sync facade's pump runs ahead of it).
             record, before = self._record, self._record.yielded
-            remote.taken = lambda: record.yielded - before
-            plan = loader._plan(transform, remote, self.epoch)
+            remote = pool_epoch(loader, self.base_seed, loader._claim_epoch(self.epoch),
+                                lambda: record.yielded - before)
+            plan = loader._plan(transform, remote, setup)
             epoch = (kind.on_workers(plan, results, remote, self._draw())
                      if isinstance(kind, MapEpochs) else kind.on_workers(plan, results, remote))
         else:
-            remote = None
-            plan = loader._plan(transform, epoch=self.epoch, here=here)
+            plan = loader._plan(transform, setup=setup, here=here)
             epoch = (kind.local(plan, results, self._draw(plan)) if isinstance(kind, MapEpochs)
-                     else kind.local(plan, results, here=here))
-        plan = epoch.plan
-        if loader.max_failures:
-            self.failures = plan.failures = Failures(loader.max_failures,
-                                                     loader._epoch_samples())
-            self.failures.sources_of = source_stats
-            if resumed is not None:  # the budget goes on where the checkpoint left it
-                self.failures.restore(*resumed)
-            self._record.failures = self.failures
-            if remote is not None:
-                remote.failures = self.failures
-        stats = self._stats = plan.stats = Collector(
-            plan.mode, plan.concurrency if plan.granularity == "item" else plan.window,
-            max(1, loader.prefetch_factor), loader._stats_epochs, loader.num_workers,
-            "iterable" if isinstance(kind, IterableEpochs) else "map", plan.auto_batch,
-            loader.in_order,
-        )
-        stats.sources = source_stats(loader.dataset)
+                     else kind.local(plan, results, here=here, base_seed=self.base_seed))
+        # The iterator's own view of its epoch; the record (what a checkpoint says of the
+        # epoch, which the iterator keeps up to date) holds the budget for state_dict().
+        self.failures = self._record.failures = epoch.plan.failures
+        self._stats = epoch.plan.stats
         if loader._trace is not None:
-            loader._trace._attach(stats)
-        if self.failures is not None:
-            self.failures.stats = stats
-            stats.failed = self.failures.count  # a resumed epoch's, from the checkpoint
-        loader._stats_epochs += 1
-        loader._stats = stats
-        if remote is not None:
-            remote.stats = stats
+            loader._trace._attach(self._stats)
         epoch.start()
-        loader._epochs = {e for e in loader._epochs if not e.done.is_set()}
-        loader._epochs.add(epoch)
+        loader._started(epoch)
         return epoch
 
     async def __anext__(self) -> T_co:
@@ -1252,23 +899,26 @@ class AsyncDataLoaderIter(Generic[T_co]):
         if yielded == 1 and now - stats.started > SLOW_FIRST_BATCH * 1e9:
             loader_log.warning("the first batch took %.1f s (a cold start, or a stall: "
                                "see DataLoader.stats())", (now - stats.started) / 1e9)
-        if self._len_called is not None:  # only an iterable's epoch may outrun its length
-            self._warn_length()
+        if self._len_called is not None and not self._deferred:
+            self._warn_length(yielded)  # (the pump's batches: when DataLoaderIter hands them)
         batch: T_co = value  # typed by assignment: a cast() is a call per batch
         return batch
 
-    def _warn_length(self) -> None:
+    def _warn_length(self, handed: int) -> None:
+        """torch's warning, in the consumer's call that receives batch number ``handed`` (from
+        1) of an iterable's epoch, past the dataset's ``len()`` read before the epoch began
+        (only an iterable's epoch may outrun its length), at the consumer's line."""
         length = self._len_called
-        if length is not None and self.num_yielded > length:
+        if length is not None and handed > length:
             warnings.warn(
                 f"Length of IterableDataset {self._loader.dataset} was reported to be {length}"
-                f"(when accessing len(dataloader)), but {self.num_yielded} samples have been "
+                f"(when accessing len(dataloader)), but {handed} samples have been "
                 "fetched. " + (
                     "For multiprocessing data-loading, this could be caused by not properly "
                     "configuring the IterableDataset replica at each worker. Please see "
                     "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
                     "for examples." if self._loader.num_workers > 0 else ""),
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
 
     @property
@@ -1342,6 +992,7 @@ class DataLoaderIter(Iterator[T_co]):
         # workers, here with them (see AsyncDataLoaderIter._draw).
         self._sync: LocalIterator[Any] | SyncIterator[Any] | None = None
         self._closed = False
+        self._handed = 0  # batches handed to the consumer (the pump runs ahead of them)
         if loader.num_workers > 0:
             self._open()
 
@@ -1384,7 +1035,11 @@ class DataLoaderIter(Iterator[T_co]):
         if isinstance(sync, LocalIterator):
             return cast(T_co, item)  # the source recorded it: nothing runs ahead here
         value, receipt = item  # only a batch, not an error, has a receipt
-        self._source._record.received(*receipt)
+        source = self._source
+        source._record.received(*receipt)
+        self._handed += 1
+        if source._len_called is not None:
+            source._warn_length(self._handed)
         return cast(T_co, value)
 
     def close(self) -> None:
