@@ -75,7 +75,6 @@ from __future__ import annotations
 import errno
 import functools
 import hashlib
-import io
 import json
 import os
 import stat
@@ -99,7 +98,7 @@ from ._cachedir import (
     write_failed,
 )
 from ._checksums import BLOCK, StoreChecks
-from ._files import file_chunks
+from ._files import RandomAccessFile, file_chunks
 from ._resumable import FirstAnswer, split_chunks
 
 if TYPE_CHECKING:
@@ -572,7 +571,7 @@ class ShardCache:
             return None
 
 
-class CopyFile(io.RawIOBase):
+class CopyFile(RandomAccessFile):
     """A committed copy as a blocking random-access file (for pyarrow): each read covers whole
     64 KiB blocks, each checked before any of its bytes is returned. A damaged copy is
     dropped (counted, logged once) and this read and every later one go to ``fallback()``,
@@ -592,7 +591,6 @@ class CopyFile(io.RawIOBase):
         self._stats = stats
         self._fallback = fallback
         self._remote: Any = None
-        self._pos = 0
         reader = CopyReader(directory, url, name, size, 0)
         self._fd: int | None = None
         try:
@@ -612,37 +610,8 @@ class CopyFile(io.RawIOBase):
             self._fd = None
         self._remote = self._fallback()
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        if base + pos < 0:
-            raise ValueError(f"negative seek position {base + pos}")
-        self._pos = base + pos
-        return self._pos
-
     def size(self) -> int:
         return self._size
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(memoryview(buffer).cast("B")))
-        memoryview(buffer).cast("B")[: len(data)] = data
-        return len(data)
-
-    def read(self, size: int | None = -1) -> bytes:
-        end = self._size if size is None or size < 0 else min(self._size, self._pos + size)
-        if end <= self._pos:
-            return b""
-        data = self._read(self._pos, end)
-        self._pos += len(data)
-        return data
 
     def _read(self, start: int, end: int) -> bytes:
         if self._remote is None:

@@ -46,7 +46,6 @@ import contextlib
 import functools
 import gc
 import importlib
-import io
 import itertools
 import os
 import queue
@@ -72,6 +71,7 @@ from .._exceptions import FetchError, RecordError, SourceError
 from .._util import Closing, check_int
 from .._workerinfo import worker_slot
 from ..io._cache import Version
+from ..io._files import RandomAccessFile
 from ..io._http import http_chunks, make_client
 from ..io._objstore import is_object_url
 from ..streams._context import _Context
@@ -273,7 +273,7 @@ def _on_loop(fn: Callable[[bool], Coroutine[Any, Any, T]]) -> T:
     return anyio.from_thread.run(fn, True)
 
 
-class _RangeFile(io.RawIOBase):
+class _RangeFile(RandomAccessFile):
     """A remote Parquet file as a blocking random-access file: each read one bounded ranged
     GET (see the module's description); its size is asked for once, with a one-byte read.
 
@@ -291,46 +291,15 @@ class _RangeFile(io.RawIOBase):
         self._source = source
         self._reuse = reuse
         self._client: Any = None
-        self._pos = 0
         self._size: int | None = None
         self._etag: str | None = None
         self.requested: list[tuple[int, int]] = []
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos}.get(whence)
-        target = (self.size() if base is None else base) + pos
-        if target < 0:
-            raise ValueError(f"{self.url}: negative seek position {target}")
-        self._pos = target
-        return target
 
     def size(self) -> int:
         if self._size is None:
             self._read(0, 1)
         assert self._size is not None
         return self._size
-
-    def read(self, size: int | None = -1) -> bytes:
-        end = self.size() if size is None or size < 0 else min(self.size(), self._pos + size)
-        if end <= self._pos:
-            return b""
-        data = self._read(self._pos, end)
-        self._pos += len(data)
-        return data
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        memoryview(buffer).cast("B")[: len(data)] = data
-        return len(data)
 
     def _set_size(self, size: int) -> None:
         if self._size is not None and size != self._size:
