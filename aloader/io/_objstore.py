@@ -113,7 +113,9 @@ _NO_LIMIT = timedelta(days=365)
 
 _STATUS = re.compile(r"status code: (\d{3})")
 _CODE = re.compile(r"<Code>([^<]+)</Code>")
-_TARGET = re.compile(r"Error performing \w+ (\S+)")
+# The URL of the request that failed ("Error performing list request: Error performing GET
+# http://...": the first "performing" names no URL).
+_TARGET = re.compile(r"Error performing \w+ (\w+://\S+)")
 _CONNECT = re.compile(r"error sending request|kind: Connect|onnection refused|dns error",
                       re.IGNORECASE)
 _BUCKET_MISSING = ("NoSuchBucket", "ContainerNotFound", "NoSuchContainer",
