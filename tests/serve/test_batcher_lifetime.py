@@ -1,0 +1,115 @@
+"""How long a batcher lives: one that nobody holds any more is garbage collected, and so is
+the instance of a batched method with the instance's batcher; the dispatcher a first call
+started ends with it (no task left behind), on asyncio and trio, timeouts and streams
+included."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import weakref
+from typing import Any
+
+import anyio
+import pytest
+
+import aloader
+from aloader import Batcher
+
+pytestmark = [pytest.mark.anyio, pytest.mark.hostile]
+
+
+def live_tasks() -> int:
+    """The running loop's tasks (on trio: every task of the run, system tasks included)."""
+    try:
+        return len(asyncio.all_tasks())
+    except RuntimeError:
+        pass
+    import trio
+
+    def count(task: Any) -> int:
+        return 1 + sum(count(child) for nursery in task.child_nurseries
+                       for child in nursery.child_tasks)
+
+    return count(trio.lowlevel.current_root_task())
+
+
+async def settle() -> None:
+    """Collect cycles, then let what the collection woke run."""
+    for _ in range(3):
+        gc.collect()
+        await anyio.wait_all_tasks_blocked()
+
+
+class Model:
+    def __init__(self) -> None:
+        self.weights = [1.0] * 1000
+
+    @aloader.batch(max_batch_size=4)
+    async def predict(self, xs: list[int]) -> list[int]:
+        return [2 * x for x in xs]
+
+    @aloader.batch(max_batch_size=4)
+    async def generate(self, prompts: list[int]) -> Any:
+        for step in range(2):
+            yield [p + step for p in prompts]
+
+
+@pytest.mark.parametrize("kind", ["call", "timeout", "stream", "queue_timeout"])
+async def test_an_instance_is_collected_with_its_batcher(anyio_backend: str, kind: str) -> None:
+    before = live_tasks()
+    model = Model()
+    if kind == "stream":
+        assert [x async for x in model.generate(1)] == [1, 2]
+    elif kind == "timeout":
+        assert await model.predict(1, timeout=30) == 2
+    elif kind == "queue_timeout":
+        assert await model.predict(1, queue_timeout=30) == 2
+    else:
+        assert await model.predict(1) == 2
+    assert live_tasks() > before  # the first call started the instance's dispatcher
+    instance = weakref.ref(model)
+    del model
+    with anyio.fail_after(10):
+        await settle()
+    assert instance() is None, "the instance outlives its last reference"
+    assert live_tasks() == before, "its dispatcher is left running"
+
+
+async def test_a_dropped_batcher_is_collected_and_its_dispatcher_ends(anyio_backend: str) -> None:
+    before = live_tasks()
+
+    async def double(xs: list[int]) -> list[int]:
+        return [2 * x for x in xs]
+
+    b = Batcher(double, max_wait=0.001)
+    assert await b(1, timeout=30) == 2
+    batcher = weakref.ref(b)
+    del b
+    with anyio.fail_after(10):
+        await settle()
+    assert batcher() is None
+    assert live_tasks() == before
+
+
+async def test_a_batcher_with_waiting_callers_is_never_collected(anyio_backend: str) -> None:
+    """Only the caller holds the batcher (a temporary instance): it lives until answered."""
+    gate = anyio.Event()
+
+    class Slow:
+        @aloader.batch(max_batch_size=4)
+        async def predict(self, xs: list[int]) -> list[int]:
+            await gate.wait()
+            return [2 * x for x in xs]
+
+    got: list[int] = []
+
+    async def caller() -> None:
+        got.append(await Slow().predict(3))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(caller)
+            await settle()
+            gate.set()
+    assert got == [6]
