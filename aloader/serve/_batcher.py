@@ -761,8 +761,14 @@ class Batcher(Generic[T, R]):
             # A cancellation (maybe inside a task-group wrapper), or a BaseException that no
             # caller of its batch received.
             cause = _leaf(exc)
-            self._stop(None if isinstance(cause, anyio.get_cancelled_exc_class()) else cause)
-            raise
+            cancelled = isinstance(cause, anyio.get_cancelled_exc_class())
+            self._stop(None if cancelled else cause)
+            if cancelled or cause is None or binding.managed:
+                raise  # `async with`'s exit unwraps it
+            # Lazily started: out of the event loop as itself, as from Ray's batch task
+            # (asyncio stops there for KeyboardInterrupt and SystemExit; in an exception
+            # group it would only be logged once the task is collected).
+            raise cause from cause.__cause__
         else:
             self._stop()
         finally:
@@ -851,7 +857,26 @@ class Batcher(Generic[T, R]):
                 # No other batch can start meanwhile: run inline, saving a task per batch.
                 await self._run_batch(batch, items)
             else:
-                task_group.start_soon(self._run_batch, batch, items)
+                task_group.start_soon(self._run_batch_task, batch, items)
+
+    async def _run_batch_task(self, batch: list[_Request], items: list[Any]) -> None:
+        """Run a batch in a task of its own, which starts a scheduler step after the batch was
+        formed: a caller that left in that step is not run (as Ray drops the cancelled requests
+        of a batch before calling the function), and a batch that all of them left never runs
+        (a streaming one would hold its slot until its first step)."""
+        if any(request.state != _RUNNING for request in batch):
+            kept = [i for i, request in enumerate(batch) if request.state == _RUNNING]
+            if not kept:
+                self._slot_freed()
+                return
+            batch = [batch[i] for i in kept]
+            items = [items[i] for i in kept]
+        await self._run_batch(batch, items)
+
+    def _slot_freed(self) -> None:
+        self._running -= 1
+        if self._wake is not None and self._wake_at == _NEVER:
+            self._wake_dispatcher()  # it waits for a free slot
 
     async def _run_batch(self, batch: list[_Request], items: list[Any]) -> None:
         """Run one batch (``items``, one per request of ``batch``) and answer every caller
@@ -912,9 +937,7 @@ class Batcher(Generic[T, R]):
                     raise
         finally:
             self._metrics.batch_ended(self._binding.now() - start)
-            self._running -= 1
-            if self._wake is not None and self._wake_at == _NEVER:
-                self._wake_dispatcher()  # it waits for a free slot
+            self._slot_freed()
 
     async def _in_thread(self, items: list[Any]) -> Any:
         """The batch function (and its collate) called in a worker thread."""

@@ -513,7 +513,7 @@ async def test_a_caller_that_leaves_before_its_batch_starts_is_not_run(
         assert closed == [[0]]
 
 
-# -- numbers out of a float's range ----------------------------------------------------------------
+# -- numbers out of a float's range --------------------------------------------------------------
 
 
 @pytest.mark.anyio
@@ -533,7 +533,7 @@ async def test_a_cost_too_large_for_a_float_is_a_clear_error(
         Batcher(lambda xs: xs, cost=len, max_batch_cost=10**400)
 
 
-# -- a budget lowered while items wait --------------------------------------------------------------
+# -- a budget lowered while items wait ---------------------------------------------------------
 
 
 @pytest.mark.anyio
