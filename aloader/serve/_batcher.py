@@ -38,7 +38,9 @@ The design answers the problems users report with Ray Serve's ``@serve.batch``:
   queued requests fail with :class:`BatcherClosedError` chained to it.
 * **Shutdown.** ``async with`` / :meth:`Batcher.aclose` stop admitting, drain running and queued
   requests within a timeout and fail what remains with :class:`BatcherClosedError`. No task is
-  left behind; an exception raised in the ``async with`` body leaves it as itself.
+  left behind; an exception raised in the ``async with`` body leaves it as itself. A batcher
+  that nobody holds any more (a batched method's, with its instance) is garbage collected, and
+  the dispatcher its first call started ends: an idle dispatcher holds its batcher weakly.
 * **Streaming.** An ``async def`` generator batch function yields one list of results per
   step; :meth:`Batcher.stream` gives each caller its own elements as an async iterator
   (:class:`~aloader.serve._results.BatchStream`).
@@ -81,10 +83,12 @@ batch function returns and the stream a caller reads; :mod:`._checks` the argume
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import sys
+import weakref
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from types import CoroutineType as _Coroutine
 from types import TracebackType
 from typing import Any, Generic, Protocol, TypeVar, overload
@@ -374,7 +378,7 @@ class Batcher(Generic[T, R]):
         self._plan_fill = _NEVER
 
         self._metrics = _BatcherMetricsRecorder(window)
-        self._trio_timeouts = _TrioTimeouts()
+        self._trio_timeouts = _TrioTimeouts(weakref.ref(self))
 
     # -- settings ------------------------------------------------------------------------------
 
@@ -576,13 +580,13 @@ class Batcher(Generic[T, R]):
                 )
             else:
                 # trio: the batcher's alarm task answers the late request.
-                self._trio_timeouts.add(request.enqueued + timeout, request, self._expire)
+                self._trio_timeouts.add(request.enqueued + timeout, request, Batcher._expire)
         if queue_timeout is not None:
             request.drop_at = request.enqueued + queue_timeout
             if binding.timers is not None:
                 request.drop_timer = binding.timers.call_at(request.drop_at, self._drop, request)
             else:
-                self._trio_timeouts.add(request.drop_at, request, self._drop)
+                self._trio_timeouts.add(request.drop_at, request, Batcher._drop)
         queue.push(request)
         metrics.submitted += 1
         if len(waiting) >= self._wake_at or queue.cost >= self._wake_cost:
@@ -673,7 +677,7 @@ class Batcher(Generic[T, R]):
         task_group = anyio.create_task_group()
         await task_group.__aenter__()
         self._task_group = task_group
-        self._binding.start(_current_loop(), self._serve, task_group,
+        self._binding.start(_current_loop(), self._dispatcher(), task_group,
                             name=f"aloader.Batcher({self._name}) dispatcher")
         return self
 
@@ -736,10 +740,24 @@ class Batcher(Generic[T, R]):
         self._wake_at = _NEVER
         self._wake_cost = math.inf
         self._plan_size = None
-        binding.start(loop, self._serve)
+        binding.start(loop, self._dispatcher())
 
-    async def _serve(self) -> None:
-        binding = self._binding
+    def _dispatcher(self) -> Callable[[], Coroutine[Any, Any, None]]:
+        """The dispatcher task's function. It holds the batcher weakly: while no request is
+        queued nothing of the dispatcher's keeps the batcher (and a batched method's instance)
+        alive, so one that nobody holds any more is collected, and its dispatcher ends."""
+        ref = weakref.ref(self, self._binding.batcher_gone)
+        return functools.partial(Batcher._serve, ref)
+
+    @staticmethod
+    async def _serve(ref: weakref.ref[Batcher[Any, Any]]) -> None:
+        batcher = ref()
+        if batcher is None:
+            return  # collected before its dispatcher started
+        binding = batcher._binding
+        timeouts = batcher._trio_timeouts
+        name = batcher._name
+        del batcher
         stopped = binding.stopped
         assert stopped is not None
         try:
@@ -748,21 +766,20 @@ class Batcher(Generic[T, R]):
                 if binding.timers is None:
                     async with anyio.create_task_group() as alarm_group:
                         alarm_group.start_soon(
-                            self._trio_timeouts.run,
-                            name=f"aloader.Batcher({self._name}) timeouts",
+                            timeouts.run, name=f"aloader.Batcher({name}) timeouts"
                         )
                         async with anyio.create_task_group() as task_group:
-                            await self._dispatch(task_group)
+                            await Batcher._serve_batches(ref, task_group)
                         alarm_group.cancel_scope.cancel()  # every batch has ended
                 else:
                     async with anyio.create_task_group() as task_group:
-                        await self._dispatch(task_group)
+                        await Batcher._serve_batches(ref, task_group)
         except BaseException as exc:
             # A cancellation (maybe inside a task-group wrapper), or a BaseException that no
             # caller of its batch received.
             cause = _leaf(exc)
             cancelled = isinstance(cause, anyio.get_cancelled_exc_class())
-            self._stop(None if cancelled else cause)
+            Batcher._stopped(ref, binding, None if cancelled else cause)
             if cancelled or cause is None or binding.managed:
                 raise  # `async with`'s exit unwraps it
             # Lazily started: out of the event loop as itself, as from Ray's batch task
@@ -770,9 +787,38 @@ class Batcher(Generic[T, R]):
             # group it would only be logged once the task is collected).
             raise cause from cause.__cause__
         else:
-            self._stop()
+            Batcher._stopped(ref, binding)
         finally:
             stopped.set()
+
+    @staticmethod
+    async def _serve_batches(ref: weakref.ref[Batcher[Any, Any]], task_group: TaskGroup) -> None:
+        """Dispatch while there is work; in between, sleep on the idle waiter holding no strong
+        reference to the batcher (see :meth:`_dispatcher`)."""
+        binding: _LoopBinding | None = None
+        while True:
+            batcher = ref()
+            if batcher is None:
+                return  # collected while idle: no caller, nothing queued
+            binding = batcher._binding
+            idle = await batcher._dispatch(task_group)
+            del batcher
+            if idle is None:
+                return  # closing
+            binding.idle = idle
+            await idle
+            binding.idle = None
+
+    @staticmethod
+    def _stopped(
+        ref: weakref.ref[Batcher[Any, Any]], binding: _LoopBinding,
+        cause: BaseException | None = None,
+    ) -> None:
+        batcher = ref()
+        if batcher is None:
+            binding.stop()  # collected: nothing was queued
+        else:
+            batcher._stop(cause)
 
     def _stop(self, cause: BaseException | None = None) -> None:
         self._binding.stop()
@@ -800,13 +846,19 @@ class Batcher(Generic[T, R]):
         (a cancelled future on asyncio, a task-less waiter on trio) until the next start
         replaces it.
         """
+        waiter = self._arm(wake_at, wake_cost)
+        if deadline == math.inf:
+            return waiter
+        return self._sleep_until(waiter, deadline)
+
+    def _arm(self, wake_at: int, wake_cost: float = math.inf) -> Waiter:
+        """The waiter that :meth:`_wake_dispatcher` sets once ``wake_at`` requests are queued
+        (or ``wake_cost`` of them)."""
         waiter = self._binding.new_waiter()
         self._wake = waiter
         self._wake_at = wake_at
         self._wake_cost = wake_cost
-        if deadline == math.inf:
-            return waiter
-        return self._sleep_until(waiter, deadline)
+        return waiter
 
     async def _sleep_until(self, waiter: Waiter, deadline: float) -> None:
         try:
@@ -820,7 +872,9 @@ class Batcher(Generic[T, R]):
                 self._wake_at = _NEVER
                 self._wake_cost = math.inf
 
-    async def _dispatch(self, task_group: TaskGroup) -> None:
+    async def _dispatch(self, task_group: TaskGroup) -> Waiter | None:
+        """Form and start batches until none is queued; return the waiter to sleep on until
+        one is (None: the batcher is closing)."""
         queue = self._queue
         waiting = queue.fifo  # the same dict for the batcher's life (cleared, never replaced)
         formation = self._formation
@@ -831,9 +885,8 @@ class Batcher(Generic[T, R]):
             if not waiting:
                 self._plan_size = None  # nothing forms: the next batch takes new settings
                 if self._closing:
-                    return
-                await self._sleep(1)
-                continue
+                    return None
+                return self._arm(1)
             size = self._plan_size
             if size is None:
                 # A batch starts to form: its settings hold until it goes out (as Ray's).

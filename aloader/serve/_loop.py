@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from .._backend import Waiter, spawn_background, waiters
+from .._backend import Waiter, spawn_background, threadsafe_caller, waiters
 from ._request import _DONE, _Request
 
 __all__ = (
@@ -46,25 +46,32 @@ class _TrioTimeouts:
     was last compacted (so it holds at most ``2 * waiting + 64`` entries: memory bound by the
     waiting requests, not by the traffic; a caller takes its answer out of its request, so an
     answered entry holds no result). The alarm task sleeps until ``alarm_at``, never later
-    than the earliest deadline of a waiting request, and then calls ``action(request)`` for
+    than the earliest deadline of a waiting request, and then calls ``action(owner, request)`` for
     each waiting request whose deadline has passed (a timeout, or a queue deadline that drops
     it: the action checks which still applies): it is answered, never cancelled, as on asyncio.
+    ``owner`` is the batcher, held weakly (the entries hold their actions unbound).
 
     Thread-safety: none needed; the bound trio run's tasks use it, one at a time.
     """
 
-    __slots__ = ("alarm_at", "compact_at", "heap", "now", "scope", "seq")
+    __slots__ = ("alarm_at", "compact_at", "heap", "now", "owner", "scope", "seq")
 
-    def __init__(self) -> None:
+    def __init__(self, owner: Callable[[], Any]) -> None:
+        # The batcher, weakly: an entry holds its action unbound (``action(owner, request)``),
+        # so a deadline left in the heap never keeps a batcher that nobody holds alive.
+        self.owner = owner
         self.now: Callable[[], float] = anyio.current_time  # trio's clock, from run()
-        self.heap: list[tuple[float, int, _Request, Callable[[_Request], None]]] = []
+        self.heap: list[tuple[float, int, _Request, Callable[[Any, _Request], None]]] = []
         self.alarm_at = math.inf
         self.compact_at = 64
         self.scope: Any = None  # the alarm task's trio.CancelScope while it sleeps
         self.seq = itertools.count()  # orders equal deadlines, never compares requests
 
-    def add(self, deadline: float, request: _Request, action: Callable[[_Request], None]) -> None:
-        """Call ``action(request)`` at ``deadline`` unless the request is answered first."""
+    def add(
+        self, deadline: float, request: _Request, action: Callable[[Any, _Request], None]
+    ) -> None:
+        """Call ``action(owner, request)`` at ``deadline`` unless the request is answered
+        first."""
         heap = self.heap
         # Answered requests on top go at once: under one timeout deadlines come in order, so
         # at low load the heap holds the one request in flight, and no compaction (a pause of
@@ -87,6 +94,9 @@ class _TrioTimeouts:
         top; return the next deadline to wake at (inf: none)."""
         heap = self.heap
         now = self.now()
+        owner = self.owner()
+        if owner is None:  # collected: nobody waits any more
+            heap.clear()
         while heap:
             deadline, _, request, action = heap[0]
             waiting = request.state < _DONE
@@ -94,7 +104,7 @@ class _TrioTimeouts:
                 return deadline
             heapq.heappop(heap)
             if waiting:
-                action(request)
+                action(owner, request)
         return math.inf
 
     async def run(self) -> None:
@@ -214,10 +224,16 @@ class _LoopBinding:
         managed: the dispatcher was started by ``async with`` (it stays so after the block).
         stopped: set when the latest dispatcher has ended (None before the first start).
         scope: the running dispatcher's cancel scope (a drain that times out cancels it).
+        idle: the waiter the dispatcher sleeps on while no request is queued (None while it
+            works). Then it holds its batcher weakly: :meth:`batcher_gone` (the callback of
+            that weak reference) wakes it, from whatever thread collected the batcher, and it
+            ends.
+        call_soon: runs a callback on the bound loop from any thread (:func:`threadsafe_caller`).
     """
 
     __slots__ = (
-        "alive", "loop", "managed", "new_waiter", "now", "scope", "stopped", "timers",
+        "alive", "call_soon", "idle", "loop", "managed", "new_waiter", "now", "scope",
+        "stopped", "timers",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -229,6 +245,8 @@ class _LoopBinding:
         self.managed = False
         self.stopped: anyio.Event | None = None
         self.scope: anyio.CancelScope | None = None
+        self.idle: Waiter | None = None
+        self.call_soon: Callable[[Callable[[], None]], None] | None = None
 
     def check_move(self, loop: object, name: str) -> None:
         """Raise unless a call from ``loop`` (not served now) may move the dispatcher there."""
@@ -257,14 +275,29 @@ class _LoopBinding:
         self.timers = loop if isinstance(loop, asyncio.AbstractEventLoop) else None
         self.alive = True
         self.stopped = anyio.Event()
+        self.idle = None
         if task_group is None:
-            spawn_background(serve)
+            self.call_soon = spawn_background(serve)
         else:
             self.managed = True
+            self.call_soon = threadsafe_caller()
             task_group.start_soon(serve, name=name)
 
     def stop(self) -> None:
         """The dispatcher ended: nothing is bound until the next start."""
         self.scope = None
         self.alive = False
+        self.idle = None
+
+    def batcher_gone(self, _ref: object = None) -> None:
+        """The batcher was collected (a weak reference's callback, on any thread): wake its
+        idle dispatcher, which then ends."""
+        call_soon = self.call_soon
+        if call_soon is not None:
+            call_soon(self._wake_idle)
+
+    def _wake_idle(self) -> None:
+        idle = self.idle
+        if idle is not None and not idle.done():
+            idle.set_result(None)
 
