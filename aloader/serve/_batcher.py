@@ -601,8 +601,7 @@ class Batcher(Generic[T, R]):
                 timer.cancel()
         if request.state < _DONE:
             self._abandon(request)
-            if exc is not None and isinstance(exc, anyio.get_cancelled_exc_class()):
-                self._metrics.cancelled += 1
+            self._metrics.cancelled += 1  # cancelled, interrupted, or its stream closed
 
     def _raise_timeout(self, request: _Request) -> None:
         if request.state == _DROPPED:
