@@ -113,3 +113,54 @@ async def test_a_batcher_with_waiting_callers_is_never_collected(anyio_backend: 
             await settle()
             gate.set()
     assert got == [6]
+
+
+class Scaled:
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    @aloader.batch(max_batch_size=4)
+    async def predict(self, xs: list[int]) -> list[int]:
+        return [x * self.k for x in xs]
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+async def test_a_copy_of_an_instance_gets_a_batcher_of_its_own(
+    anyio_backend: str, how: str
+) -> None:
+    """A copy made after the original's batcher started batches for the copy (its own
+    ``self``), never into the original's batcher: a shallow copy shares the original's
+    attributes, and would otherwise run the copy's calls with the original's state."""
+    import copy
+    import pickle
+
+    original = Scaled(2)
+    assert await original.predict(1) == 2
+    if how == "copy":
+        twin = copy.copy(original)
+    elif how == "deepcopy":
+        twin = copy.deepcopy(original)
+    else:
+        twin = pickle.loads(pickle.dumps(original))
+    twin.k = 10
+    assert await twin.predict(1) == 10
+    assert twin.predict is not original.predict
+    assert await original.predict(1) == 2
+    assert original.predict.metrics()["completed"] == 2
+    assert twin.predict.metrics()["completed"] == 1
+    await original.predict.aclose()
+    await twin.predict.aclose()
+
+
+async def test_a_batched_method_can_still_be_replaced_on_an_instance(anyio_backend: str) -> None:
+    model = Scaled(2)
+    assert await model.predict(1) == 2
+
+    async def fake(x: int) -> int:
+        return -x
+
+    model.predict = fake  # type: ignore[method-assign,assignment]
+    assert await model.predict(5) == -5
+    del model.predict
+    assert await model.predict(5) == 10  # a batcher again
+    await model.predict.aclose()
