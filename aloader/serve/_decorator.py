@@ -236,7 +236,7 @@ class BatchMethod(Batcher[Any, Any]):
     @overload
     def __get__(self, instance: object, owner: type[Any] | None = None) -> BatchMethod: ...
 
-    def __get__(self, instance: object | None, owner: type[Any] | None = None) -> BatchMethod:
+    def __get__(self, instance: object | None, owner: type[Any] | None = None) -> Any:
         if instance is None:
             return self
         try:
@@ -246,13 +246,39 @@ class BatchMethod(Batcher[Any, Any]):
                 f"@batch needs instances with a __dict__ to keep one Batcher per instance; "
                 f"{type(instance).__name__} has __slots__ without __dict__"
             ) from None
-        batcher = namespace.get(self._attr)
-        if not isinstance(batcher, BatchMethod):
-            batcher = BatchMethod(self._method_fn, self._options, bound=instance)
-            # Stored under the method's name: later lookups find it before this (non-data)
-            # descriptor, so the hot path costs one dict lookup.
-            namespace[self._attr] = batcher
+        batcher = namespace.get(self._attr, _DETACHED)
+        if isinstance(batcher, BatchMethod):
+            if batcher._bound is instance:
+                return batcher
+        elif batcher is not _DETACHED:
+            return batcher  # the instance's own replacement (a test's fake)
+        # The first access, or a copy of an instance (copy.copy shares the original's
+        # attributes; a deep copy or an unpickled one holds _DETACHED): a batcher of its own,
+        # kept in the instance under the method's name. This is a data descriptor, so that
+        # every access checks which instance the batcher serves.
+        batcher = BatchMethod(self._method_fn, self._options, bound=instance)
+        namespace[self._attr] = batcher
         return batcher
+
+    def __set__(self, instance: object, value: Any) -> None:
+        """Replace the method on one instance (``model.predict = fake``)."""
+        vars(instance)[self._attr] = value
+
+    def __delete__(self, instance: object) -> None:
+        """Undo a replacement (the next access makes a batcher again)."""
+        try:
+            del vars(instance)[self._attr]
+        except KeyError:
+            raise AttributeError(self._attr) from None
+
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        """A decorated function pickles by reference, as a function does; an instance's
+        batcher (its queue, its dispatcher) belongs to this process and loop, so a pickled or
+        deep-copied instance gets a batcher of its own when its method is first used."""
+        if self._bound is _UNBOUND:
+            qualname: str = getattr(self, "__qualname__", self._attr)  # update_wrapper's
+            return qualname
+        return (_detached, ())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Submit one call: the awaitable result, or the stream of an async generator's."""
@@ -272,6 +298,22 @@ class BatchMethod(Batcher[Any, Any]):
         if self._streaming:
             return self.stream(item, **options)
         return Batcher.__call__(self, item, **options)
+
+
+class _Detached:
+    """What a pickled or deep-copied instance holds in place of its batcher."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<batcher of a copied instance, made again on first use>"
+
+
+_DETACHED = _Detached()
+
+
+def _detached() -> _Detached:
+    return _DETACHED
 
 
 def _on_first(fn: Callable[[Any], Any], signature: _Signature) -> Callable[[_Call], Any]:
