@@ -605,3 +605,52 @@ def test_a_base_exception_nobody_receives_stops_asyncio_run(exc_type: type[BaseE
 
     with pytest.raises(exc_type, match="nobody waits"):
         asyncio.run(main())
+
+
+# -- closing from inside a batch -----------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize("streaming", [False, True])
+async def test_a_batch_function_may_close_its_own_batcher(
+    anyio_backend: str, slots: int, streaming: bool
+) -> None:
+    """A model that gives up (a fatal device error) closes its batcher from inside its batch:
+    the close cannot wait for the batch it is called from, so it starts the shutdown and
+    returns; the batch and the requests queued before it are still answered, later ones are
+    refused."""
+    gate = anyio.Event()
+    holder: list[Batcher[int, int]] = []
+
+    async def unary(items: list[int]) -> list[int]:
+        await gate.wait()
+        if 0 in items:
+            await holder[0].aclose()
+        return [x + 100 for x in items]
+
+    async def steps(items: list[int]) -> Any:
+        yield await unary(items)
+
+    b = Batcher(steps if streaming else unary, max_batch_size=1,
+                max_concurrent_batches=slots, close_timeout=60)
+    holder.append(b)
+    got: dict[int, Any] = {}
+
+    async def call(i: int) -> None:
+        if streaming:
+            got[i] = [x async for x in b.stream(i)]
+        else:
+            got[i] = await b(i)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(call, i)
+                await anyio.wait_all_tasks_blocked()
+            gate.set()
+        with pytest.raises(BatcherClosedError):
+            await b(5)
+        await b.aclose()
+    expected: dict[int, Any] = {i: i + 100 for i in range(3)}
+    assert got == ({i: [v] for i, v in expected.items()} if streaming else expected)
