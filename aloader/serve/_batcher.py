@@ -89,6 +89,7 @@ import sys
 import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from contextvars import ContextVar
 from types import CoroutineType as _Coroutine
 from types import TracebackType
 from typing import Any, Generic, Protocol, TypeVar, overload
@@ -147,6 +148,10 @@ C = TypeVar("C")
 
 _UNSET: Any = object()
 _NEVER = sys.maxsize
+
+# The batcher whose batch function runs in this context (its task, the tasks it starts, its
+# worker thread): a close from there cannot wait for the batch it is called from.
+_RUNNING_BATCH_OF: ContextVar[object] = ContextVar("aloader_running_batch_of", default=None)
 
 
 class _Results(Protocol[R_co]):
@@ -640,6 +645,10 @@ class Batcher(Generic[T, R]):
         :class:`BatcherClosedError` (a batch function still running in a worker thread is
         abandoned). Calling it again waits for the first call to finish.
 
+        Called from inside the batch function (a model that gives up), it cannot wait for
+        the batch it is called from: it starts the shutdown and returns at once (that batch
+        and the queued requests are still served).
+
         Args:
             timeout: Seconds to wait for the drain; default: the batcher's ``close_timeout``.
                 ``0`` fails everything pending at once; ``None`` waits as long as it takes.
@@ -654,6 +663,8 @@ class Batcher(Generic[T, R]):
         stopped = binding.stopped
         if stopped is None or not binding.alive:
             self._fail_queued()
+            return
+        if _RUNNING_BATCH_OF.get() is self:
             return
         try:
             with anyio.move_on_after(math.inf if timeout is None else timeout):
@@ -946,6 +957,7 @@ class Batcher(Generic[T, R]):
         start = self._binding.now()
         self._metrics.batch_started(start, batch)
         n = len(batch)
+        running = _RUNNING_BATCH_OF.set(self)
         try:
             try:
                 if self._in_loop:
@@ -988,6 +1000,7 @@ class Batcher(Generic[T, R]):
                 if not _fail_batch(batch, exc, exc.__traceback__, self._metrics):
                     raise
         finally:
+            _RUNNING_BATCH_OF.reset(running)
             self._metrics.batch_ended(self._binding.now() - start)
             self._slot_freed()
 

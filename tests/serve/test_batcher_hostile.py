@@ -650,7 +650,7 @@ async def test_a_batch_function_may_close_its_own_batcher(
                 await anyio.wait_all_tasks_blocked()
             gate.set()
         with pytest.raises(BatcherClosedError):
-            await b(5)
+            b.stream(5) if streaming else await b(5)
         await b.aclose()
     expected: dict[int, Any] = {i: i + 100 for i in range(3)}
     assert got == ({i: [v] for i, v in expected.items()} if streaming else expected)
