@@ -164,3 +164,47 @@ async def test_a_batched_method_can_still_be_replaced_on_an_instance(anyio_backe
     del model.predict
     assert await model.predict(5) == 10  # a batcher again
     await model.predict.aclose()
+
+
+@pytest.mark.parametrize("how", ["break", "cancelled between two results"])
+async def test_a_stream_dropped_unfinished_leaves_its_batch(anyio_backend: str, how: str) -> None:
+    """A reader that stops reading without closing its stream (a ``break`` out of
+    ``async for``, a task cancelled between two results) and drops it leaves its batch when
+    the stream is collected, as an async generator is closed then: a batch that nobody reads
+    any more stops generating (its slot goes to the next batch)."""
+    steps_made: list[int] = []
+    closed: list[bool] = []
+
+    async def generate(prompts: list[int]) -> Any:
+        try:
+            for step in range(1_000_000):
+                steps_made.append(step)
+                await anyio.sleep(0.001)
+                yield [(p, step) for p in prompts]
+        finally:
+            closed.append(True)
+
+    async def reader(b: Batcher[int, Any]) -> None:
+        async for token in b.stream(7):
+            assert token[0] == 7
+            if how == "break" and token[1] == 2:
+                break
+            if how != "break" and token[1] == 2:
+                await anyio.sleep_forever()  # cancelled here, between two results
+
+    with anyio.fail_after(10):
+        async with Batcher(generate, close_timeout=0) as b:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(reader, b)
+                while len(steps_made) < 3:
+                    await anyio.sleep(0.001)
+                if how != "break":
+                    await anyio.wait_all_tasks_blocked()
+                    tg.cancel_scope.cancel()
+            gc.collect()
+            with anyio.move_on_after(5):
+                while not closed:
+                    await anyio.sleep(0.005)
+            assert closed, "the batch kept generating for a stream nobody holds"
+            assert b.metrics()["running_batches"] == 0
+    assert b.metrics()["cancelled"] == 1
