@@ -608,6 +608,18 @@ class Batcher(Generic[T, R]):
             self._abandon(request)
             self._metrics.cancelled += 1  # cancelled, interrupted, or its stream closed
 
+    def _stream_dropped(self, request: _Request) -> None:
+        """The stream of ``request`` was collected before its end, on any thread: it leaves
+        on the loop (not within whatever the collection interrupted there)."""
+        call_soon = self._binding.call_soon
+        if call_soon is not None:
+            call_soon(functools.partial(self._leave_dropped, request))
+
+    def _leave_dropped(self, request: _Request) -> None:
+        if request.state == _QUEUED and request not in self._queue.fifo:
+            return  # left behind by an event loop that ended
+        self._leave(request, None)
+
     def _raise_timeout(self, request: _Request) -> None:
         if request.state == _DROPPED:
             raise BatcherTimeoutError(

@@ -187,7 +187,7 @@ class Storm:
                 b.set_max_wait(rng.choice([0, 0.05, 0.5]))
 
 
-@settings(max_examples=60, deadline=None,
+@settings(max_examples=30, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(
     seed=st.integers(0, 2**32 - 1),
