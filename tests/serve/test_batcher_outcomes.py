@@ -127,7 +127,7 @@ class Storm:
             "queue_timeout": rng.choice([None, None, None, 0.3, 5.0, 5e-324]),
         }
         cancel_after = rng.choice([None, None, None, 0, 0.005, 0.4, 3.0])
-        plan = rng.choice(["all", "all", "first", "aclose-early", "slow"])
+        plan = rng.choice(["all", "all", "first", "aclose-early", "slow", "drop"])
         outcome = "unfinished"
         with trio.CancelScope() as scope:
             if cancel_after is not None:
@@ -164,11 +164,14 @@ class Storm:
                     plan: str) -> str:
         stream = b.stream(i, **options)
         got = 0
-        async with contextlib.aclosing(stream):
+        # "drop": a break without closing, the stream left to the collector (as "slow" leaves
+        # it when cancelled between two results).
+        closing: Any = contextlib.nullcontext() if plan == "drop" else contextlib.aclosing(stream)
+        async with closing:
             async for result in stream:
                 assert result == ("r", i, got), f"caller {i} read {result!r} at {got}"
                 got += 1
-                if plan == "first" or (plan == "aclose-early" and got == 2):
+                if plan in ("first", "drop") or (plan == "aclose-early" and got == 2):
                     return f"left after {got}"
                 if plan == "slow":
                     await trio.sleep(self.rng.choice([0, 0.05, 1.0]))  # cancelled in between
