@@ -208,3 +208,19 @@ async def test_a_stream_dropped_unfinished_leaves_its_batch(anyio_backend: str, 
             assert closed, "the batch kept generating for a stream nobody holds"
             assert b.metrics()["running_batches"] == 0
     assert b.metrics()["cancelled"] == 1
+
+
+async def test_an_override_that_calls_the_batched_method_stays_in_force(
+    anyio_backend: str,
+) -> None:
+    """A subclass wraps the batched method and calls it through ``super()``: every call goes
+    through the override (the instance's batcher must not shadow it after the first call)."""
+    class Wrapped(Scaled):
+        async def predict(self, x: int) -> Any:  # type: ignore[override]
+            return ("wrapped", await super().predict(x))
+
+    model = Wrapped(3)
+    assert await model.predict(1) == ("wrapped", 3)
+    assert await model.predict(2) == ("wrapped", 6)
+    assert await model.predict(3) == ("wrapped", 9)
+    await Scaled.predict.__get__(model).aclose()
