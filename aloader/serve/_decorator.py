@@ -194,6 +194,7 @@ class BatchMethod(Batcher[Any, Any]):
         self._method_fn = fn
         self._options = options
         self._attr = getattr(fn, "__name__", "batched")
+        self._key = f"__aloader_batcher_{self._attr}"  # an instance's batcher, in the instance
         self._owner: type[Any] | None = None
         self._bound = bound
         method = bound is not _UNBOUND
@@ -228,6 +229,7 @@ class BatchMethod(Batcher[Any, Any]):
 
     def __set_name__(self, owner: type[Any], name: str) -> None:
         self._attr = name
+        self._key = f"__aloader_batcher_{name}"
         self._owner = owner
 
     @overload
@@ -246,28 +248,29 @@ class BatchMethod(Batcher[Any, Any]):
                 f"@batch needs instances with a __dict__ to keep one Batcher per instance; "
                 f"{type(instance).__name__} has __slots__ without __dict__"
             ) from None
-        batcher = namespace.get(self._attr, _DETACHED)
-        if isinstance(batcher, BatchMethod):
+        batcher = namespace.get(self._key)
+        if batcher.__class__ is BatchMethod:
             if batcher._bound is instance:
                 return batcher
-        elif batcher is not _DETACHED:
+        elif batcher is not None and batcher is not _DETACHED:
             return batcher  # the instance's own replacement (a test's fake)
         # The first access, or a copy of an instance (copy.copy shares the original's
-        # attributes; a deep copy or an unpickled one holds _DETACHED): a batcher of its own,
-        # kept in the instance under the method's name. This is a data descriptor, so that
-        # every access checks which instance the batcher serves.
+        # attributes; a deep copy or an unpickled one holds _DETACHED): a batcher of its own.
+        # It is kept under a key of its own, not the method's name, which would shadow a
+        # subclass's override of the method; so this is a data descriptor, consulted at every
+        # access, which also checks which instance the batcher serves.
         batcher = BatchMethod(self._method_fn, self._options, bound=instance)
-        namespace[self._attr] = batcher
+        namespace[self._key] = batcher
         return batcher
 
     def __set__(self, instance: object, value: Any) -> None:
         """Replace the method on one instance (``model.predict = fake``)."""
-        vars(instance)[self._attr] = value
+        vars(instance)[self._key] = value
 
     def __delete__(self, instance: object) -> None:
         """Undo a replacement (the next access makes a batcher again)."""
         try:
-            del vars(instance)[self._attr]
+            del vars(instance)[self._key]
         except KeyError:
             raise AttributeError(self._attr) from None
 
