@@ -74,8 +74,8 @@ with them formation walks the queue in order of service (:class:`_RequestQueue`)
 
 The wing's modules: this one is the batching policy (admission, batch formation, running a
 batch, answering its callers, shutdown); :mod:`._request` the requests and the queue's order;
-:mod:`._loop` which event loop the dispatcher lives on and the timeouts on trio;
-:mod:`._metrics` what :meth:`Batcher.metrics` reports; :mod:`._results` the checks of what a
+:mod:`._loop` which event loop the dispatcher lives on, its task's life and the timeouts on
+trio; :mod:`._metrics` what :meth:`Batcher.metrics` reports; :mod:`._results` the checks of what a
 batch function returns and the stream a caller reads; :mod:`._checks` the arguments;
 :mod:`._decorator` :func:`batch`, Ray Serve's decorator.
 """
@@ -88,7 +88,7 @@ import math
 import sys
 import weakref
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from types import CoroutineType as _Coroutine
 from types import TracebackType
@@ -117,7 +117,14 @@ from ._checks import (
     is_async_gen_callable,
 )
 from ._formation import _Formation
-from ._loop import _cancel_is_ours, _current_loop, _leaf, _LoopBinding, _TrioTimeouts
+from ._loop import (
+    _cancel_is_ours,
+    _current_loop,
+    _leaf,
+    _LoopBinding,
+    _TrioTimeouts,
+    dispatcher_of,
+)
 from ._metrics import BatcherMetrics, _BatcherMetricsRecorder
 from ._request import (
     _ABANDONED,
@@ -699,7 +706,7 @@ class Batcher(Generic[T, R]):
         task_group = anyio.create_task_group()
         await task_group.__aenter__()
         self._task_group = task_group
-        self._binding.start(_current_loop(), self._dispatcher(), task_group,
+        self._binding.start(_current_loop(), dispatcher_of(self), task_group,
                             name=f"aloader.Batcher({self._name}) dispatcher")
         return self
 
@@ -762,85 +769,7 @@ class Batcher(Generic[T, R]):
         self._wake_at = _NEVER
         self._wake_cost = math.inf
         self._plan_size = None
-        binding.start(loop, self._dispatcher())
-
-    def _dispatcher(self) -> Callable[[], Coroutine[Any, Any, None]]:
-        """The dispatcher task's function. It holds the batcher weakly: while no request is
-        queued nothing of the dispatcher's keeps the batcher (and a batched method's instance)
-        alive, so one that nobody holds any more is collected, and its dispatcher ends."""
-        ref = weakref.ref(self, self._binding.batcher_gone)
-        return functools.partial(Batcher._serve, ref)
-
-    @staticmethod
-    async def _serve(ref: weakref.ref[Batcher[Any, Any]]) -> None:
-        batcher = ref()
-        if batcher is None:
-            return  # collected before its dispatcher started
-        binding = batcher._binding
-        timeouts = batcher._trio_timeouts
-        name = batcher._name
-        del batcher
-        stopped = binding.stopped
-        assert stopped is not None
-        try:
-            with anyio.CancelScope() as scope:
-                binding.scope = scope
-                if binding.timers is None:
-                    async with anyio.create_task_group() as alarm_group:
-                        alarm_group.start_soon(
-                            timeouts.run, name=f"aloader.Batcher({name}) timeouts"
-                        )
-                        async with anyio.create_task_group() as task_group:
-                            await Batcher._serve_batches(ref, task_group)
-                        alarm_group.cancel_scope.cancel()  # every batch has ended
-                else:
-                    async with anyio.create_task_group() as task_group:
-                        await Batcher._serve_batches(ref, task_group)
-        except BaseException as exc:
-            # A cancellation (maybe inside a task-group wrapper), or a BaseException that no
-            # caller of its batch received.
-            cause = _leaf(exc)
-            cancelled = isinstance(cause, anyio.get_cancelled_exc_class())
-            Batcher._stopped(ref, binding, None if cancelled else cause)
-            if cancelled or cause is None or binding.managed:
-                raise  # `async with`'s exit unwraps it
-            # Lazily started: out of the event loop as itself, as from Ray's batch task
-            # (asyncio stops there for KeyboardInterrupt and SystemExit; in an exception
-            # group it would only be logged once the task is collected).
-            raise cause from cause.__cause__
-        else:
-            Batcher._stopped(ref, binding)
-        finally:
-            stopped.set()
-
-    @staticmethod
-    async def _serve_batches(ref: weakref.ref[Batcher[Any, Any]], task_group: TaskGroup) -> None:
-        """Dispatch while there is work; in between, sleep on the idle waiter holding no strong
-        reference to the batcher (see :meth:`_dispatcher`)."""
-        binding: _LoopBinding | None = None
-        while True:
-            batcher = ref()
-            if batcher is None:
-                return  # collected while idle: no caller, nothing queued
-            binding = batcher._binding
-            idle = await batcher._dispatch(task_group)
-            del batcher
-            if idle is None:
-                return  # closing
-            binding.idle = idle
-            await idle
-            binding.idle = None
-
-    @staticmethod
-    def _stopped(
-        ref: weakref.ref[Batcher[Any, Any]], binding: _LoopBinding,
-        cause: BaseException | None = None,
-    ) -> None:
-        batcher = ref()
-        if batcher is None:
-            binding.stop()  # collected: nothing was queued
-        else:
-            batcher._stop(cause)
+        binding.start(loop, dispatcher_of(self))
 
     def _stop(self, cause: BaseException | None = None) -> None:
         self._binding.stop()

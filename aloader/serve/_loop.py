@@ -1,21 +1,24 @@
-"""Where a batcher runs: the event loop its dispatcher is bound to, that loop's clock, and the
-per-request timeouts on trio.
+"""Where a batcher runs: the event loop its dispatcher is bound to, that loop's clock, the
+per-request timeouts on trio, and the dispatcher task's life.
 
 :class:`_LoopBinding` says which event loop the dispatcher task lives on and how a call from
 another loop is routed; :class:`_TrioTimeouts` times requests out on trio (one alarm task per
-batcher). The functions beside them identify the running loop and pick its clock.
+batcher); :func:`dispatcher_of` makes the dispatcher task's function, which holds its batcher
+weakly while idle. The functions beside them identify the running loop and pick its clock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import itertools
 import math
 import sys
 import time
+import weakref
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup
@@ -31,6 +34,7 @@ __all__ = (
     "_current_loop",
     "_leaf",
     "_loop_is_alive",
+    "dispatcher_of",
 )
 
 
@@ -301,3 +305,94 @@ class _LoopBinding:
         if idle is not None and not idle.done():
             idle.set_result(None)
 
+
+
+# -- the dispatcher task --------------------------------------------------------------------------
+
+
+class _Dispatched(Protocol):
+    """The batcher's side of its dispatcher task (:class:`~aloader.serve._batcher.Batcher`)."""
+
+    _binding: _LoopBinding
+    _trio_timeouts: _TrioTimeouts
+    _name: str
+
+    async def _dispatch(self, task_group: TaskGroup) -> Waiter | None: ...
+
+    def _stop(self, cause: BaseException | None = None) -> None: ...
+
+
+def dispatcher_of(batcher: _Dispatched) -> Callable[[], Coroutine[Any, Any, None]]:
+    """The dispatcher task's function for ``batcher``. It holds the batcher weakly: while no
+    request is queued nothing of the dispatcher's keeps the batcher (and a batched method's
+    instance) alive, so one that nobody holds any more is collected, and its dispatcher ends
+    (the weak reference's callback wakes it)."""
+    ref = weakref.ref(batcher, batcher._binding.batcher_gone)
+    return functools.partial(_serve, ref)
+
+
+async def _serve(ref: weakref.ref[_Dispatched]) -> None:
+    batcher = ref()
+    if batcher is None:
+        return  # collected before its dispatcher started
+    binding = batcher._binding
+    timeouts = batcher._trio_timeouts
+    name = batcher._name
+    del batcher
+    stopped = binding.stopped
+    assert stopped is not None
+    try:
+        with anyio.CancelScope() as scope:
+            binding.scope = scope
+            if binding.timers is None:
+                async with anyio.create_task_group() as alarm_group:
+                    alarm_group.start_soon(timeouts.run, name=f"aloader.Batcher({name}) timeouts")
+                    async with anyio.create_task_group() as task_group:
+                        await _serve_batches(ref, task_group)
+                    alarm_group.cancel_scope.cancel()  # every batch has ended
+            else:
+                async with anyio.create_task_group() as task_group:
+                    await _serve_batches(ref, task_group)
+    except BaseException as exc:
+        # A cancellation (maybe inside a task-group wrapper), or a BaseException that no
+        # caller of its batch received.
+        cause = _leaf(exc)
+        cancelled = isinstance(cause, anyio.get_cancelled_exc_class())
+        _stopped(ref, binding, None if cancelled else cause)
+        if cancelled or cause is None or binding.managed:
+            raise  # `async with`'s exit unwraps it
+        # Lazily started: out of the event loop as itself, as from Ray's batch task (asyncio
+        # stops there for KeyboardInterrupt and SystemExit; in an exception group it would
+        # only be logged once the task is collected).
+        raise cause from cause.__cause__
+    else:
+        _stopped(ref, binding)
+    finally:
+        stopped.set()
+
+
+async def _serve_batches(ref: weakref.ref[_Dispatched], task_group: TaskGroup) -> None:
+    """Dispatch while there is work; in between, sleep on the idle waiter holding no strong
+    reference to the batcher (see :func:`dispatcher_of`)."""
+    while True:
+        batcher = ref()
+        if batcher is None:
+            return  # collected while idle: no caller, nothing queued
+        binding = batcher._binding
+        idle = await batcher._dispatch(task_group)
+        del batcher
+        if idle is None:
+            return  # closing
+        binding.idle = idle
+        await idle
+        binding.idle = None
+
+
+def _stopped(
+    ref: weakref.ref[_Dispatched], binding: _LoopBinding, cause: BaseException | None = None
+) -> None:
+    batcher = ref()
+    if batcher is None:
+        binding.stop()  # collected: nothing was queued
+    else:
+        batcher._stop(cause)
