@@ -45,6 +45,7 @@ import concurrent.futures
 import contextlib
 import functools
 import gc
+import hashlib
 import importlib
 import io
 import itertools
@@ -74,6 +75,7 @@ from .._workerinfo import worker_slot
 from ..io._http import http_chunks, make_client
 from ..io._objstore import is_object_url
 from ..streams._context import _Context
+from ..streams._positions import check_same
 from ..streams._stream import Stream
 from ._formats import BadRecords
 from ._quota import _up_to
@@ -510,8 +512,20 @@ class ParquetRows(ShardedSource[Any]):
     # Resumed by counting, Stream's default (replay the epoch, drop what was delivered), not
     # by the shard offsets of the byte-stream sources: a row group is read whole anyway.
     _blocks_at = Stream._blocks_at
-    _state = Stream._state
-    _check = Stream._check
+
+    # A count means nothing over another list of files (one landed in the directory since,
+    # another split): the position names the list, as the byte-stream sources' name their
+    # shard, so that such a resume is refused instead of skipping the wrong rows.
+    def _files(self) -> str:
+        digest = hashlib.sha256("\n".join(self.shards).encode()).hexdigest()[:16]
+        return f"{len(self.shards)} files, sha256 {digest}"
+
+    def _state(self, token: Any, skip: int) -> dict[str, Any]:
+        return {**Stream._state(self, token, skip), "files": self._files()}
+
+    def _check(self, at: dict[str, Any], slot: tuple[int, int, int]) -> None:
+        Stream._check(self, at, slot)
+        check_same(at, "files", self._files(), type(self).__name__)
 
     def __repr__(self) -> str:
         return (f"ParquetRows({len(self.shards)} files, rank {self.rank} of {self.world_size}, "
