@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import math
 import random
 import threading
 from typing import Any
@@ -378,6 +379,68 @@ async def test_a_flood_of_distinct_priorities_is_served_highest_first(anyio_back
         gate.set()
     assert served == [-1, *range(499, -1, -1)]
     assert not b._queue.order and not b._queue.levels
+
+
+class Counted(int):
+    """A priority that counts what the queue does with it (comparisons, negations)."""
+
+    ops = 0
+
+    def _count(self) -> None:
+        Counted.ops += 1
+
+    def __lt__(self, other: object) -> bool:
+        self._count()
+        return int(self) < other  # type: ignore[operator]
+
+    def __gt__(self, other: object) -> bool:
+        self._count()
+        return int(self) > other  # type: ignore[operator]
+
+    def __le__(self, other: object) -> bool:
+        self._count()
+        return int(self) <= other  # type: ignore[operator]
+
+    def __ge__(self, other: object) -> bool:
+        self._count()
+        return int(self) >= other  # type: ignore[operator]
+
+    def __eq__(self, other: object) -> bool:
+        self._count()
+        return int(self) == other
+
+    __hash__ = int.__hash__
+
+    def __neg__(self) -> int:
+        self._count()
+        return -int(self)
+
+
+def test_distinct_priorities_cost_the_queue_log_time_each() -> None:
+    """Priorities as deadlines (every request a level of its own, as an earliest-deadline-
+    first server makes them): adding and emptying a level costs O(log levels) work on the
+    priorities, not O(levels), so a full queue of 5,000 stays cheap (it was quadratic: 30,000
+    such requests took seconds of event loop)."""
+    from aloader.serve._request import _RequestQueue
+
+    queue = _RequestQueue()
+    n = 5_000
+    priorities = list(range(n))
+    random.Random(0).shuffle(priorities)
+    requests = []
+    Counted.ops = 0
+    for i, p in enumerate(priorities):
+        request = _Request(i, float(i), None)  # type: ignore[arg-type]
+        request.priority = Counted(p)
+        queue.push(request)
+        requests.append(request)
+    served = [r.priority for r in queue.ordered(-math.inf)]
+    assert served == sorted(priorities, reverse=True)
+    random.Random(1).shuffle(requests)
+    for request in requests:
+        queue.remove(request)
+    assert not queue.order and not queue.levels
+    assert Counted.ops < 60 * n, f"{Counted.ops} operations for {n} levels"
 
 
 @pytest.mark.anyio
