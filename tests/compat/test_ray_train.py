@@ -18,26 +18,24 @@ where Ray Train or torch is not.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import ray_session  # beside this file; imports no Ray
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
-PROGRAM = Path(__file__).with_name("ray_session.py")
+PROGRAM = Path(ray_session.__file__)  # run as a program; imported only for its constants
 # Hang guards (seconds), never timing assertions: the session takes about half a minute on
 # two busy cores, most of it Ray Train's.
 SESSION_LIMIT = 220
@@ -69,28 +67,11 @@ def namespace() -> tuple[str, ...]:
     return prefix if probe.returncode == 0 else ()
 
 
-def kill_tree(root: int) -> None:
-    """Kill ``root``, its process group and every process descended from it: Ray's workers
-    make process groups of their own. (In a namespace, killing its PID 1 kills them all.)"""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):  # Linux; elsewhere the group only
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(stat.parent.name))
-    tree, todo = [], [root]
-    while todo:
-        tree.append(pid := todo.pop())
-        todo.extend(children.get(pid, ()))
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(root, signal.SIGKILL)
-    for pid in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
 def run_session(cases: list[str]) -> dict[str, Any]:
-    """Run ray_session.py with ``cases``; its JSON lines by case, with ``"stderr"``'s tail and
-    ``"timed_out"``. Whatever happens, nothing it started outlives this call."""
+    """Run ray_session.py with ``cases``; its JSON lines by case, with ``"stderr"``'s tail,
+    ``"timed_out"`` and ``"returncode"``. A session that ends shuts Ray down; one that hangs,
+    or whose test is stopped, is killed with all it started; one whose test process dies
+    kills itself (see ray_session.exit_with_parent)."""
     work = Path(tempfile.mkdtemp(prefix="aloader-ray-"))  # short: Ray's socket paths go in it
     try:
         (work / "session").mkdir()
@@ -112,16 +93,20 @@ def run_session(cases: list[str]) -> dict[str, Any]:
         with open(work / "stdout", "wb") as out, open(work / "stderr", "wb") as err:
             process = subprocess.Popen(
                 [*prefix, sys.executable, str(PROGRAM), str(work / "session"), *cases],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
-                start_new_session=True)
+                stdin=subprocess.PIPE, stdout=out, stderr=err, env=env,
+                start_new_session=True)  # its stdin closes when this process ends
             timed_out = False
             try:
                 process.wait(SESSION_LIMIT)
             except subprocess.TimeoutExpired:
                 timed_out = True
             finally:
-                kill_tree(process.pid)  # Ray's daemons and workers, if the session hung
-                process.wait()
+                if process.returncode is None:  # hung, or this test was stopped (not reaped
+                    # yet, so its pid is still its own): it, and Ray's daemons and workers.
+                    ray_session.kill_tree(process.pid)
+                    process.wait()
+                assert process.stdin is not None
+                process.stdin.close()
         lines = (work / "stdout").read_text().splitlines()
         stderr = (work / "stderr").read_text(errors="replace")
         if timed_out or process.returncode:
@@ -141,11 +126,11 @@ def run_session(cases: list[str]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def session() -> Iterator[dict[str, Any]]:
+def session() -> dict[str, Any]:
     report = run_session(["dataset", "split", "train"])  # the trainer last: the heaviest
     if "skip" in report.get("session", {}):
         pytest.skip(f"Ray cannot run here: {report['session']['skip']}")
-    yield report
+    return report
 
 
 def case(report: dict[str, Any], name: str) -> Any:
@@ -167,7 +152,7 @@ def case(report: dict[str, Any], name: str) -> Any:
 
 
 def test_the_session_runs_apart_and_ends_cleanly(session: dict[str, Any]) -> None:
-    assert session["returncode"] == 0, session["stderr"]
+    assert session["returncode"] == 0 and "session" in session, session["stderr"]
     if namespace():  # only loopback: Ray's daemons cannot be reached from elsewhere
         assert session["session"] == {"case": "session", "isolated": True,
                                       "interfaces": ["lo"]}
@@ -201,8 +186,8 @@ def test_ray_train_torch_trainer_example(session: dict[str, Any]) -> None:
     records = result["records"]
     for epoch in range(2):
         parts = [records[f"{epoch}-{rank}"] for rank in (0, 1)]
-        assert len(parts[0]) == len(parts[1]) == 128  # Ray Train's equal split
-        assert sorted(parts[0] + parts[1]) == list(range(256))
+        assert len(parts[0]) == len(parts[1]) == ray_session.ROWS // 2  # Ray Train's equal split
+        assert sorted(parts[0] + parts[1]) == list(range(ray_session.ROWS))
     for rank in (0, 1):  # each worker's loader state, between epochs: it resumes anywhere
         state = result["loader_states"][f"loader-{rank}"]
         assert state["iterable"]["mode"] == "between"
