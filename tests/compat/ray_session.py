@@ -2,10 +2,11 @@
 tests/compat/test_ray_train.py, which starts it (``sys.executable``) and checks what it prints.
 
 Ray changes the process that calls ``ray.init`` for good: it starts daemons (a GCS server, a
-raylet, workers) that bind gRPC ports, moves the driver into a process group of its own, and
-Ray Train's ``fit()`` replaces the process's SIGINT handler with one that calls a controller
-actor (after the run, a Ctrl-C raises Ray's "Can't find actor" error, or starts a new local
-Ray instance, in place of KeyboardInterrupt). None of that may reach the test process.
+raylet, workers) that bind gRPC ports, moves the driver into a process group of its own where
+the kernel cannot tie the daemons' fate to it (macOS), and Ray Train's ``fit()`` replaces the
+process's SIGINT handler with one that calls a controller actor (after the run, a Ctrl-C
+raises Ray's "Can't find actor" error, or starts a new local Ray instance, in place of
+KeyboardInterrupt). None of that may reach the test process.
 
 Usage: ``python ray_session.py WORK CASE...`` where WORK is an empty folder (Ray's session
 files, Ray Train's storage, the workers' records) and each CASE one of :data:`CASES`. Each

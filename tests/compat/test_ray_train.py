@@ -4,7 +4,7 @@ examples/ray_train.py, whose workers load their shard through aloader.
 
 Ray runs in a process of its own (ray_session.py beside this file, one Ray session for the
 module: starting Ray costs seconds), never in the test process: Ray's daemons, threads and
-actors, its process group and Ray Train's SIGINT handler (which turns a later Ctrl-C into a
+actors, and Ray Train's SIGINT handler (which turns a later Ctrl-C into a
 call to a dead actor) end with that process. A hard time limit kills it and everything it
 started. Where unprivileged namespaces are allowed (``unshare -rn``), it runs in a network
 namespace with only a loopback interface, so that the ports Ray's daemons bind on all
