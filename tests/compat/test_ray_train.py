@@ -4,12 +4,12 @@ examples/ray_train.py, whose workers load their shard through aloader.
 
 Ray runs in a process of its own (ray_session.py beside this file, one Ray session for the
 module: starting Ray costs seconds), never in the test process: Ray's daemons, threads and
-actors, and Ray Train's SIGINT handler (which turns a later Ctrl-C into a
-call to a dead actor) end with that process. A hard time limit kills it and everything it
-started. Where unprivileged namespaces are allowed (``unshare -rn``), it runs in a network
-namespace with only a loopback interface, so that the ports Ray's daemons bind on all
-interfaces cannot be reached from elsewhere; where they are not, it runs as a plain process,
-and the tests run all the same. Ray is given a random token (its token authentication) and a
+actors, and Ray Train's SIGINT handler (which turns a later Ctrl-C into a call to a dead
+actor) end with that process. A hard time limit kills it and everything it started. Where
+unprivileged namespaces are allowed (``unshare -rn``), it runs in a network namespace with
+only a loopback interface, so that the ports Ray's daemons bind on all interfaces cannot be
+reached from elsewhere; where they are not, it runs as a plain process, and the tests run
+all the same. Ray is given a random token (its token authentication) and a
 session folder of its own, removed afterwards: nothing is left in ``~/.ray`` or ``/tmp/ray``.
 
 Skipped where Ray is not installed (``pip install "aloader[ray]"``), and the Ray Train case
