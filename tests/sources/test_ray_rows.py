@@ -9,6 +9,8 @@ object without ``iter_rows``).
 
 from __future__ import annotations
 
+import _thread
+import gc
 import json
 import threading
 from collections.abc import Iterator
@@ -89,10 +91,12 @@ class StuckDataIterator(FakeDataIterator):
     def __init__(self, n: int) -> None:
         super().__init__(n)
         self.go = threading.Event()
+        self.stuck = threading.Event()  # set once a pull waits for the cluster
 
     def _rows(self) -> Iterator[dict[str, Any]]:
         for row in super()._rows():
             if row["id"] == 300:
+                self.stuck.set()
                 self.go.wait(20)
                 self.answered = True
             yield row
@@ -144,3 +148,50 @@ def test_loader_workers_are_refused() -> None:
 def test_objects_without_rays_interface_are_refused(obj: Any) -> None:
     with pytest.raises(TypeError, match="from_ray needs a Ray Dataset or DataIterator"):
         from_ray(obj)
+
+
+@pytest.mark.parametrize("leaving", ["timeout", "ctrl-c", "dropped"])
+def test_a_for_left_while_ray_is_stuck_leaves_no_thread(leaving: str) -> None:
+    """However a sync ``for`` is left while a pull waits on Ray (a timeout then close(), a
+    Ctrl-C, a loader dropped mid-epoch), the loader's loop thread ends at once, without
+    waiting for Ray; the abandoned pull's thread ends when Ray answers."""
+    if leaving == "ctrl-c" and threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    before = set(threading.enumerate())
+    source = StuckDataIterator(1000)
+    loader = DataLoader(from_ray(source), batch_size=100,
+                        timeout=0.2 if leaving == "timeout" else 0)
+    got = []
+    batch = None
+    if leaving == "timeout":
+        with pytest.raises(aloader.LoaderTimeoutError):
+            for batch in loader:
+                got.append(batch)
+        loader.close()
+    elif leaving == "ctrl-c":
+        armed = threading.Event()
+
+        def interrupt() -> None:
+            if source.stuck.wait(20) and armed.wait(20):
+                _thread.interrupt_main()
+
+        threading.Thread(target=interrupt, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            armed.set()
+            for batch in loader:
+                got.append(batch)
+    else:
+        for batch in loader:
+            got.append(batch)
+            if len(got) == 2:  # the rows of Ray's first block: the next pull is stuck
+                assert source.stuck.wait(20)
+                break
+    del loader, batch
+    gc.collect()  # a KeyboardInterrupt's traceback holds the loop in a cycle
+    assert [t.name for t in threading.enumerate() if t.name == "aloader-loop"] == []
+    assert not source.answered  # nothing waited for Ray
+    assert len(got) == 2 or leaving == "ctrl-c"  # a Ctrl-C may come before the first batch
+    source.go.set()
+    for thread in set(threading.enumerate()) - before:
+        thread.join(20)
+    assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
