@@ -29,6 +29,7 @@ from ._exceptions import (
     RecordError,
     SampleRngError,
     SourceError,
+    Throttled,
     WorkerError,
 )
 from ._stats import LoaderStats, SourceStats, StageStats
@@ -146,5 +147,6 @@ __all__ = (
     "RecordError",
     "SampleRngError",
     "SourceError",
+    "Throttled",
     "WorkerError",
 )

@@ -1,0 +1,475 @@
+"""Fetching that tunes itself: the controller behind ``"auto"`` concurrency, the waits of
+throttled fetches, and when to hedge a late read.
+
+Pure logic: no I/O and no clock of its own (every call is given ``now``, in
+``time.perf_counter_ns()`` nanoseconds), so that the loader's map epochs, ``Stream.map`` and
+the sources' reads share one mechanism, and its decisions are tested by feeding it synthetic
+completions on a fake clock.
+
+:class:`Controller` sets the limit of fetches in flight from what completes: each completion
+brings its latency; every *round* (``max(16, limit)`` completions, about one latency when the
+limit is reached) gives a delivery rate ``X`` (completions per second), a mean latency ``L``
+and, by Little's law, the fetches that were in flight on average (``X * L``).
+
+Design: a model of the store, as TCP's BBR keeps of a network path, rather than a bare AIMD
+or latency-gradient loop.
+
+* The store's useful concurrency is its delivery rate times its unloaded latency
+  (``max X * min L`` over recent rounds: the "knee", past which fetches only queue). The limit
+  is kept at 1.1 times that, so the store always has work and the queue stays short; a round
+  at 1.25 times (probing for more capacity) and one at 0.8 times (letting a queue drain, so
+  that the unloaded latency is measured again) come every 8 rounds.
+* Startup: the limit doubles every round while the rate grows by 25% or more; it stops when the
+  rate does not grow for two rounds, when latency doubled without more throughput (a queue
+  formed: the knee is passed), or at the first throttling answer. So a knee of 200 is found
+  from 16 in about five rounds, not the ~200 rounds of an additive increase.
+* Throttling (429, 503 SlowDown, :class:`~aloader.Throttled`) is a hard signal: the limit is
+  cut at once (x0.8, once per episode), and the rate the store delivered while it throttled
+  becomes a ceiling (95% of it) that the limit keeps to for 30 s, then raised by 5% at a time;
+  a ceiling raised into throttling again waits twice as long before the next raise. A rate
+  limit gives no latency signal before it refuses, and each refusal costs a ``Retry-After``
+  wait, so the controller learns the rate once and stays under it rather than probing it
+  every few rounds.
+* Rounds where fewer than half the limit were in flight (the consumer, or the pipeline's
+  memory bound, held fetches back) do not raise the rate estimate nor double the limit: a
+  limit that nothing reaches measures nothing.
+
+Why not the alternatives: AIMD halving on congestion averages ~75% of the knee (its
+sawtooth), and an additive increase needs a round per unit of concurrency; a latency gradient
+(Netflix's Gradient2, Vegas) reads throttling and queueing only through latency, which a rate
+limit does not raise, and drifts with its long-term latency average when the store is loaded
+for long. Both knobs a user sees stay bounded: the limit is within ``[minimum, maximum]``
+(``max_concurrency_limit``), and what the pipeline holds follows the limit as it does a fixed
+``max_concurrency``.
+
+:class:`Hedger` decides when a read whose first byte is late gets a second request: after the
+95th percentile of recent first-byte latencies (or a fixed delay), within a budget of 5% extra
+requests. :func:`throttle_delay` is the wait before a throttled fetch is made again.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = (
+    "DEFAULT_MAX_LIMIT",
+    "MAX_THROTTLED",
+    "Controller",
+    "Hedger",
+    "check_concurrency",
+    "check_hedge",
+    "throttle_delay",
+)
+
+#: The default ``max_concurrency_limit``: the most fetches "auto" lets run at once.
+DEFAULT_MAX_LIMIT = 1024
+#: A fetch throttled this many times in a row fails (with the last throttling as its
+#: error): throttling is not failure, but a store that never answers must not hang a job.
+MAX_THROTTLED = 64
+
+_INITIAL = 16  # the limit "auto" starts from
+_MIN_ROUND = 16  # completions per round at least (a rate from fewer is noise)
+_GROWTH = 1.25  # startup goes on while a round's rate grows by this much
+_STALLS = 2  # rounds without growth that end the startup
+_QUEUED = 2.0  # a round's latency over the unloaded one that means a queue formed
+_RATES = 10  # rounds whose rates the store's rate is the best of
+_LATENCIES = 32  # rounds whose latencies the unloaded latency is the least of
+_CYCLE = (1.25, 0.8, 1.1, 1.1, 1.1, 1.1, 1.1, 1.1)  # gains over the knee, one per round
+_BUSY = 0.5  # in flight over the limit below which a round was held back (app-limited)
+_CUT = 0.8  # the cut when the store refuses before any fetch completed
+_CUT_MAX = 0.9  # the least cut at the end of a throttling episode
+_SHARE = 0.97  # the ceiling: this share of the rate delivered while throttled
+_RAISE = 1.05  # the ceiling's raise once its hold has passed
+_HOLD_NS = 30_000_000_000  # how long a ceiling holds before its first raise
+_MAX_HOLD_NS = 600_000_000_000
+_CALM_NS = 100_000_000  # the calm after a cut made with no latency known
+_HISTORY = 64  # changes kept in the history
+_NOTABLE = 1.25  # a change this large (either way) enters the history
+
+
+def check_concurrency(name: str, value: object, *, allow_none: bool = False) -> int | str | None:
+    """``value`` as a concurrency: a positive int or ``"auto"`` (or None where allowed).
+
+    Raises:
+        ValueError: naming ``name``: anything else ("fast", 0, a negative number, a bool).
+    """
+    if value is None and allow_none:
+        return None
+    if value == "auto" and isinstance(value, str):
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        none = ", None" if allow_none else ""
+        raise ValueError(f"{name} should be a positive integer or 'auto'{none}, but got "
+                         f"{name}={value!r}")
+    return value
+
+
+def check_hedge(name: str, value: object, *, auto: bool) -> float | str | None:
+    """``value`` as a hedging option: None (off), a positive number of seconds, or (where
+    ``auto``) ``"auto"``.
+
+    Raises:
+        ValueError: naming ``name``: anything else.
+    """
+    if value is None:
+        return None
+    if auto and value == "auto" and isinstance(value, str):
+        return "auto"
+    if (not isinstance(value, bool) and isinstance(value, (int, float))
+            and math.isfinite(value) and value > 0):
+        return float(value)
+    what = "'auto', a positive number of seconds or None" if auto else (
+        "a positive number of seconds or None")
+    raise ValueError(f"{name} should be {what}, but got {name}={value!r}")
+
+
+def throttle_delay(retry_after: float | None, in_a_row: int, *, backoff: float = 0.1,
+                   max_backoff: float = 10.0, jitter: Callable[[], float] = random.random
+                   ) -> float:
+    """Seconds to wait before a throttled fetch is made again.
+
+    The store's ``retry_after`` when it gave one (at most ``max_backoff``, and up to 10% more,
+    so that the fetches it sent back together do not return together); else an exponential
+    backoff from ``backoff`` for ``in_a_row`` throttlings in a row (1 for the first), at most
+    ``max_backoff``, with jitter.
+    """
+    if retry_after is not None and retry_after >= 0:
+        return min(retry_after, max_backoff) * (1.0 + 0.1 * jitter())
+    delay = min(max_backoff, backoff * 2.0 ** min(max(in_a_row, 1) - 1, 64))
+    return delay * (0.5 + 0.5 * jitter())
+
+
+class Controller:
+    """The in-flight limit of ``"auto"`` concurrency (see the module's description).
+
+    The pipeline reads :attr:`limit`, reports each completion with :meth:`done` and each
+    throttling answer with :meth:`throttled`; ``on_change`` (if set) is called with the new
+    limit whenever it changes. Not thread-safe: a caller from several threads holds a lock.
+
+    Invariant: a round counts only completions of fetches the current limit let start: after
+    a cut, the fetches in flight beyond the new limit (which queued at the store) come back
+    first and are left out (a *draining* round of that many completions), so that the latency
+    a round measures is the one its limit causes.
+
+    Args:
+        maximum: the highest limit (``max_concurrency_limit``).
+        initial: the limit to start from (default 16, at most ``maximum``).
+        minimum: the lowest limit.
+    """
+
+    __slots__ = ("_best", "_busy", "_calm_until", "_ceiling", "_ceiling_until", "_count",
+                 "_cycle", "_draining", "_hold", "_latencies", "_latency", "_measuring",
+                 "_origin", "_raised", "_rates", "_recorded", "_round", "_stalls", "_start",
+                 "history", "limit", "maximum", "minimum", "on_change", "phase", "throttles")
+
+    def __init__(self, maximum: int = DEFAULT_MAX_LIMIT, *, initial: int | None = None,
+                 minimum: int = 1) -> None:
+        self.maximum = max(1, maximum)
+        self.minimum = max(1, min(minimum, self.maximum))
+        start = _INITIAL if initial is None else initial
+        self.limit = max(self.minimum, min(self.maximum, start))
+        self.phase = "startup"
+        self.throttles = 0  #: throttling answers reported
+        #: Called with the new limit when it changes (on the thread that reported).
+        self.on_change: Callable[[int], None] | None = None
+        #: The notable changes: (seconds since the first report, limit, why).
+        self.history: deque[tuple[float, int, str]] = deque(maxlen=_HISTORY)
+        self._origin: int | None = None  # the clock of the first report
+        self._recorded = self.limit
+        self._count = 0  # completions in this round
+        self._busy = 0  # their latencies' sum (ns)
+        self._start: int | None = None  # this round's start
+        self._round = max(_MIN_ROUND, self.limit)  # completions that end this round
+        self._draining = False  # this round only lets a cut's excess come back
+        self._measuring = False  # this round measures the rate the store lets through
+        self._rates: deque[float] = deque(maxlen=_RATES)  # per ns
+        self._latencies: deque[float] = deque(maxlen=_LATENCIES)  # ns
+        self._latency = 0.0  # the last round's mean latency (ns)
+        self._best = 0.0  # startup's best rate
+        self._stalls = 0
+        self._cycle = 0
+        self._ceiling: float | None = None  # per ns
+        self._ceiling_until = 0
+        self._raised: int | None = None  # when the ceiling was last raised
+        self._hold = _HOLD_NS
+        self._calm_until = 0  # throttles before it belong to the episode being handled
+
+    # The hot path ---------------------------------------------------------------------------
+    def done(self, latency: int, now: int) -> None:
+        """A fetch completed at ``now`` after ``latency`` ns (its last attempt's)."""
+        self._busy += latency
+        self._count += 1
+        if self._count >= self._round:
+            self._end_round(now)
+
+    # Rounds ---------------------------------------------------------------------------------
+    def _restart(self, now: int, size: int | None = None, draining: bool = False) -> None:
+        """Start a round at ``now`` of ``size`` completions (default: the limit's)."""
+        self._count = self._busy = 0
+        self._start = now
+        self._round = max(_MIN_ROUND, self.limit) if size is None else max(1, size)
+        self._draining = draining
+
+    def _end_round(self, now: int) -> None:
+        start = self._start
+        if start is None:  # the first round: from the first fetch's start, near enough
+            start = now - self._busy // max(1, self._count)
+            if self._origin is None:
+                self._origin = start
+        span = max(1, now - start)
+        count, busy = self._count, self._busy
+        if self._draining:
+            self._restart(now)
+            return
+        self._restart(now)
+        rate = count / span
+        latency = busy / count
+        held_back = busy / span < _BUSY * self.limit
+        self._latency = latency
+        self._latencies.append(latency)
+        rates = self._rates
+        if not held_back or not rates or rate > max(rates):
+            rates.append(rate)
+        if self._measuring:  # a round at the limit the store throttled: its rate is the cap
+            self._measuring = False
+            self._calm_until = now + 2 * int(latency)
+            ceiling = _SHARE * rate
+            if self._ceiling is not None and ceiling >= self._ceiling:
+                ceiling = _SHARE * self._ceiling  # throttled at the ceiling itself: lower it
+            self._ceiling = ceiling
+            self._ceiling_until = now + self._hold
+            self._set(min(self.limit * _CUT_MAX, ceiling * latency), now, "ceiling")
+            return
+        least = min(self._latencies)
+        knee = max(rates) * least if rates else float(self.limit)
+        if self.phase == "startup":
+            if held_back:
+                return
+            if rate >= _GROWTH * self._best:
+                self._best = rate
+                self._stalls = 0
+                self._set(self.limit * 2, now, "startup")
+                return
+            self._stalls += 1
+            if self._stalls < _STALLS and latency < _QUEUED * least:
+                return  # a round more at this limit before deciding
+            self.phase = "steady"
+            self._set(_CYCLE[-1] * knee, now, "knee")
+            return
+        gain = _CYCLE[self._cycle % len(_CYCLE)]
+        self._cycle += 1
+        ceiling = self._ceiling
+        if ceiling is None:
+            self._set(gain * knee, now, "steady")
+            return
+        if now >= self._ceiling_until:
+            ceiling = self._ceiling = ceiling * _RAISE
+            self._ceiling_until = now + self._hold
+            self._raised = now
+            self._note(now, self.limit, "ceiling raised")
+        # Under a ceiling the limit stays below the knee (the store's rate limit comes first),
+        # so no drain round is needed to see the unloaded latency again.
+        self._set(min(max(gain, _CYCLE[-1]) * knee, ceiling * latency), now, "steady")
+
+    def _set(self, limit: float, now: int, why: str) -> None:
+        new = max(self.minimum, min(self.maximum, int(limit + 0.5)))
+        old = self.limit
+        if new == old:
+            return
+        self.limit = new
+        if new < old:
+            self._restart(now, old - new, draining=True)
+        else:
+            self._round = max(_MIN_ROUND, new)
+        recorded = self._recorded
+        if why != "steady" or new >= _NOTABLE * recorded or new * _NOTABLE <= recorded:
+            self._note(now, new, why)
+        if self.on_change is not None:
+            self.on_change(new)
+
+    def _note(self, now: int, limit: int, why: str) -> None:
+        if self._origin is None:
+            self._origin = now
+        self._recorded = limit
+        self.history.append((round((now - self._origin) / 1e9, 3), limit, why))
+
+    # Throttling -----------------------------------------------------------------------------
+    def throttled(self, now: int) -> None:
+        """The store refused a fetch at ``now`` (429, 503 SlowDown, :class:`Throttled`).
+
+        The first of an episode starts a round that measures the rate the store lets through
+        at this limit (the refused fetches wait meanwhile, so the episode costs one wait);
+        its end sets the ceiling and cuts the limit under it. Throttling before any fetch
+        completes (nothing to measure) cuts the limit at once.
+        """
+        self.throttles += 1
+        if now < self._calm_until or self._measuring:
+            return  # the same episode
+        raised = self._raised
+        if raised is not None and now - raised < self._hold:
+            self._hold = min(_MAX_HOLD_NS, 2 * self._hold)  # the raise was too much
+        self._raised = None
+        self.phase = "steady"
+        self._rates.clear()  # the rates before the store pushed back overstate it
+        self._note(now, self.limit, "throttled")
+        if self._start is None and not self._latencies:
+            # Refused before anything completed: no rate to measure, cut and wait a while.
+            self._calm_until = now + _CALM_NS
+            self._set(self.limit * _CUT, now, "throttled")
+            return
+        # The fetches in flight now were let in before the store ran out: their completions
+        # would overstate its rate, so they drain first, then a round measures it.
+        self._measuring = True
+        self._restart(now, self.limit, draining=True)
+
+    # Checkpoints and statistics -------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The controller's state as JSON builtins: a resumed job starts where it was."""
+        rate = max(self._rates) if self._rates else None
+        least = min(self._latencies) if self._latencies else None
+        return {
+            "limit": self.limit,
+            "phase": self.phase,
+            "rate": None if rate is None else rate * 1e9,  # per second
+            "latency": None if least is None else least / 1e9,  # seconds
+            "ceiling": None if self._ceiling is None else self._ceiling * 1e9,
+            "throttles": self.throttles,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s ``state`` (the limit within this controller's
+        bounds); the measurements start again, the estimates as saved.
+
+        Raises:
+            ValueError: a field is missing or of the wrong kind (naming it).
+        """
+        if not isinstance(state, Mapping):
+            raise ValueError(f"the concurrency state should be a dict, but got {state!r}")
+        limit = state.get("limit")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"the concurrency state's 'limit' should be a positive integer, "
+                             f"but got {limit!r}")
+        phase = state.get("phase")
+        if phase not in ("startup", "steady"):
+            raise ValueError(f"the concurrency state's 'phase' should be 'startup' or "
+                             f"'steady', but got {phase!r}")
+        numbers = {}
+        for field in ("rate", "latency", "ceiling"):
+            value = state.get(field)
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"the concurrency state's {field!r} should be a positive "
+                                 f"number or None, but got {value!r}")
+            numbers[field] = value
+        throttles = state.get("throttles", 0)
+        if isinstance(throttles, bool) or not isinstance(throttles, int) or throttles < 0:
+            raise ValueError(f"the concurrency state's 'throttles' should be a non-negative "
+                             f"integer, but got {throttles!r}")
+        self.limit = max(self.minimum, min(self.maximum, limit))
+        self._recorded = self.limit
+        self._round = max(_MIN_ROUND, self.limit)
+        self.phase = phase
+        self.throttles = throttles
+        self._rates.clear()
+        self._latencies.clear()
+        if numbers["rate"] is not None:
+            self._rates.append(numbers["rate"] / 1e9)
+            self._best = numbers["rate"] / 1e9
+        if numbers["latency"] is not None:
+            self._latencies.append(numbers["latency"] * 1e9)
+        self._ceiling = None if numbers["ceiling"] is None else numbers["ceiling"] / 1e9
+        self._ceiling_until = 0
+        self._start = None
+        self._count = self._busy = 0
+        self._draining = self._measuring = False
+        if self.on_change is not None:
+            self.on_change(self.limit)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What ``stats()`` shows: the limit, its bounds, the phase, the estimates and the
+        history of notable changes."""
+        state = self.state_dict()
+        return {
+            "limit": self.limit,
+            "maximum": self.maximum,
+            "phase": self.phase,
+            "rate": state["rate"],
+            "latency": state["latency"],
+            "ceiling": state["ceiling"],
+            "history": [list(entry) for entry in self.history],
+        }
+
+    @property
+    def held(self) -> str | None:
+        """What holds the limit below its maximum: ``"ceiling"`` (the store throttled),
+        ``"knee"`` (more in flight only queued), or None (startup, or at the maximum)."""
+        if self.limit >= self.maximum or self.phase == "startup":
+            return None
+        return "ceiling" if self._ceiling is not None else "knee"
+
+
+class Hedger:
+    """When a read whose first byte is late gets a second request (see the module).
+
+    :meth:`record` each first byte's latency; :meth:`delay` says after how long a read would
+    be hedged (None: not now, during the first ``warmup`` reads of an ``"auto"`` hedger);
+    :meth:`spend` takes one hedge from the budget, which every read adds ``share`` of a hedge
+    to (starting from none), so hedges never exceed ``share`` of the reads.
+
+    Args:
+        after: a fixed delay in seconds, or None for the ``percentile`` of recent first-byte
+            latencies (``"auto"``).
+        share: the most extra requests, as a share of the reads.
+        percentile: which of the recent first-byte latencies a read is late beyond.
+        warmup: reads before an ``"auto"`` hedger hedges.
+    """
+
+    __slots__ = ("_after", "_budget", "_fresh", "_percentile", "_ring", "_threshold",
+                 "_warmup", "hedged", "reads", "share", "won")
+
+    def __init__(self, after: float | None = None, *, share: float = 0.05,
+                 percentile: float = 0.95, warmup: int = 20) -> None:
+        self._after = after
+        self.share = share
+        self._percentile = percentile
+        self._warmup = warmup
+        self._ring: deque[int] = deque(maxlen=256)
+        self._threshold: float | None = after
+        self._fresh = 0  # latencies recorded since the threshold was computed
+        self._budget = 0.0
+        self.reads = 0  #: reads started
+        self.hedged = 0  #: second requests started
+        self.won = 0  #: second requests that answered first
+
+    def record(self, latency: int) -> None:
+        """A first byte arrived ``latency`` ns after its request was sent."""
+        self._ring.append(latency)
+        self._fresh += 1
+
+    def delay(self) -> float | None:
+        """A read starts now: seconds after which it would be hedged, or None (not hedged)."""
+        self.reads += 1
+        self._budget = min(self._budget + self.share, 1.0 + self.share * 20)
+        if self._after is not None:
+            return self._after
+        if len(self._ring) < self._warmup:
+            return None
+        if self._threshold is None or self._fresh >= 16:
+            ordered = sorted(self._ring)
+            self._threshold = ordered[min(len(ordered) - 1,
+                                          int(self._percentile * len(ordered)))] / 1e9
+            self._fresh = 0
+        return self._threshold
+
+    def spend(self) -> bool:
+        """Whether the budget allows a hedge now (taking it if so)."""
+        if self._budget < 1.0:
+            return False
+        self._budget -= 1.0
+        self.hedged += 1
+        return True
