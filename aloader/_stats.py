@@ -195,6 +195,16 @@ class LoaderStats:
             cumulative over the loader's epochs, each epoch's content counted once (an epoch
             interrupted and continued, or resumed by this loader from its own state, counts
             what the uninterrupted one does; see :class:`~aloader.SourceStats`).
+        throttled: fetches the dataset (or a source) was throttled on (:class:`~aloader.Throttled`,
+            HTTP 429 or 503): waited for and made again, not failures.
+        hedged: second fetches started for fetches that were late (``hedge_after``).
+        concurrency: with ``max_concurrency="auto"``, the controller: ``limit`` (fetches
+            allowed in flight now), ``maximum`` (``max_concurrency_limit``), ``phase``
+            (``"startup"`` or ``"steady"``), ``rate`` (items/s) and ``latency`` (seconds) it
+            estimated the store's from, the ``ceiling`` (items/s) a throttling store set, and
+            ``history``, its notable changes as ``[seconds, limit, why]``; with worker
+            processes, ``workers`` holds each worker's own and ``limit`` is their sum. None
+            with a fixed ``max_concurrency``.
         bottleneck: the limiting stage, in one sentence with the change that would help.
     """
 
@@ -216,6 +226,9 @@ class LoaderStats:
     first_wait: float = 0.0
     workers: list[dict[str, float]] = field(default_factory=list)
     sources: list[dict[str, int]] = field(default_factory=list)
+    throttled: int = 0
+    hedged: int = 0
+    concurrency: dict[str, Any] | None = None
     bottleneck: str = ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -231,10 +244,13 @@ class LoaderStats:
                 lines.append(f"{stage.name:<10} {stage.count:>8} {stage.busy:>8.3f} "
                              f"{stage.p50 * 1e3:>8.2f} {stage.p90 * 1e3:>8.2f} "
                              f"{stage.p99 * 1e3:>8.2f}")
+        auto = "" if self.concurrency is None else " (auto)"
         lines.append(f"{self.items} items, {self.batches} batches, {self.failures} failed, "
                      f"{self.items_per_second:,.0f} items/s in {self.elapsed:.2f} s; "
-                     f"in flight {self.in_flight:.1f} of {self.in_flight_limit}, ready "
+                     f"in flight {self.in_flight:.1f} of {self.in_flight_limit}{auto}, ready "
                      f"{self.ready:.1f} of {self.ready_limit}")
+        if self.throttled or self.hedged:
+            lines.append(f"throttled {self.throttled}, hedged {self.hedged}")
         lines.append(f"bottleneck: {self.bottleneck}")
         return "\n".join(lines)
 
@@ -290,6 +306,11 @@ class Collector:
         # this does not hold: its errors' tracebacks would tie the loader to their frames).
         self.failed = 0
         self.sources: list[Any] = []  # the streams' SourceStats, read at each snapshot
+        self.throttled = 0  # fetches throttled (waited for and made again)
+        self.hedged = 0  # second fetches started for late ones
+        self.tuner: Any = None  # the Controller of "auto" concurrency, or None
+        self.worker_tuning: dict[int, dict[str, Any]] = {}  # each worker's, as reported
+        self._last_tuning: dict[str, Any] | None = None
         # A worker's: what was reported already (see report()).
         self._reported: dict[str, tuple[int, int]] = {}
 
@@ -366,8 +387,13 @@ class Collector:
         return self.items + sum(size for _, size in list(self._collated))
 
     # Worker processes -------------------------------------------------------------------------
-    def report(self) -> tuple[Any, ...]:
-        """A worker's stages since its last report (a worker sends one every few answers)."""
+    def last_worker_tuning(self) -> dict[str, Any] | None:
+        """The ``"auto"`` controller a worker process reported last (its snapshot), or None."""
+        return self._last_tuning
+
+    def report(self, tuner: Any = None) -> tuple[Any, ...]:
+        """A worker's stages since its last report (a worker sends one every few answers),
+        with its throttled and hedged fetches and its controller's snapshot (``tuner``)."""
         with self.lock:
             self._fold()
         out = []
@@ -381,15 +407,22 @@ class Collector:
             self._reported[name] = (stage.count, stage.busy)
         items = self.items - self._reported.get("items", (0, 0))[0]
         self._reported["items"] = (self.items, 0)
-        return (out[0], out[1], items)
+        throttled, hedged = self._reported.get("tuning", (0, 0))
+        self._reported["tuning"] = (self.throttled, self.hedged)
+        tuning = None if tuner is None else tuner.snapshot()
+        return (out[0], out[1], items, self.throttled - throttled, self.hedged - hedged, tuning)
 
     def merge(self, worker_id: int, report: tuple[Any, ...]) -> None:
         """Add a worker's :meth:`report` (the loader's side)."""
-        fetch, collate, items = report
+        fetch, collate, items, throttled, hedged, tuning = report
         with self.lock:
             self.fetch.merge(*fetch)
             self.collate.merge(*collate)
             self.items += items
+            self.throttled += throttled
+            self.hedged += hedged
+            if tuning is not None:
+                self.worker_tuning[worker_id] = self._last_tuning = tuning
         if worker_id < len(self.workers):
             slot = self.workers[worker_id]
             slot[0] += collate[0]  # an answer without a batch (a replica's end) has none
@@ -411,8 +444,18 @@ class Collector:
         if self.mode == "process":
             in_flight = self.in_flight.mean(last)
         else:  # Little's law: the mean number in flight is their busy time over the time
-            in_flight = min(self.fetch.busy / 1e9 / elapsed, float(self.in_flight_limit))
+            cap = self.in_flight_limit if self.tuner is None else self.tuner.maximum
+            in_flight = min(self.fetch.busy / 1e9 / elapsed, float(cap))
         sources = [_source_counts(source) for source in self.sources]
+        limit = self.in_flight_limit
+        concurrency = None
+        if self.tuner is not None:
+            concurrency = self.tuner.snapshot()
+            limit = concurrency["limit"]
+        elif self.worker_tuning:  # auto in each worker process
+            workers = [self.worker_tuning[key] for key in sorted(self.worker_tuning)]
+            concurrency = {"limit": sum(w["limit"] for w in workers),
+                           "maximum": sum(w["maximum"] for w in workers), "workers": workers}
         stats = LoaderStats(
             epoch=self.epoch,
             running=self.ended is None,
@@ -425,13 +468,16 @@ class Collector:
             kind=self.kind,
             stages=stages,
             in_flight=in_flight,
-            in_flight_limit=self.in_flight_limit,
+            in_flight_limit=limit,
             ready=self.ready_sum / self.batches if self.batches else 0.0,
             ready_limit=self.ready_limit,
             fetch_cpu=self.fetch_cpu / 1e9,
             first_wait=self.first_wait / 1e9,
             workers=[{"batches": b, "busy": busy / 1e9} for b, busy in self.workers],
             sources=sources,
+            throttled=self.throttled,
+            hedged=self.hedged,
+            concurrency=concurrency,
         )
         return _with_verdict(stats)
 
@@ -447,7 +493,8 @@ def verdict(stats: LoaderStats) -> str:
 
     Derived from the measurements, in this order: a consumer that never waits is the
     bottleneck; else (the consumer waits for the loader) one worker much slower than the
-    others; a map-style dataset's fetches filling their limit; ``collate_fn`` busy most of the
+    others; with ``max_concurrency="auto"``, the store's rate limit (throttling) or its knee;
+    a map-style dataset's fetches filling their limit; ``collate_fn`` busy most of the
     time; a synchronous dataset busy on the CPU (the GIL); an iterable dataset's iterator busy
     most of the time (one pull at a time: no limit to raise); a map-style dataset blocking one
     call at a time; the transfer from the workers; the workers all busy; else the busiest
@@ -483,6 +530,9 @@ def verdict(stats: LoaderStats) -> str:
     busiest = max(("fetch", "collate", "transfer", "sampling"),
                   key=lambda name: stages[name].busy)
     iterable = stats.kind == "iterable" and stats.mode != "process"
+    auto = _auto_verdict(stats, waited)
+    if auto is not None:
+        return auto
     if stats.mode == "async" and not iterable and limit and stats.in_flight >= 0.75 * limit:
         return (f"fetch latency: {stats.in_flight:.0f} of {limit} fetches in flight, raise "
                 "max_concurrency")
@@ -526,6 +576,28 @@ def verdict(stats: LoaderStats) -> str:
     share = stages[busiest].busy / elapsed
     return (f"{busiest}: the busiest stage ({share:.0%} of the epoch's time); the consumer "
             f"waited {waited:.0%} of the time")
+
+
+def _auto_verdict(stats: LoaderStats, waited: float) -> str | None:
+    """What holds ``"auto"`` concurrency where fetching is the bottleneck: the store's rate
+    limit, the most ``max_concurrency_limit`` allows, or the store's knee; None otherwise."""
+    auto = stats.concurrency
+    if auto is None or stats.kind == "iterable" or stats.stages["fetch"].busy <= 0:
+        return None
+    limit, maximum = auto["limit"], auto["maximum"]
+    if stats.throttled and auto.get("ceiling"):
+        return (f"the store's rate limit: {stats.throttled} fetches were throttled; "
+                f"max_concurrency='auto' keeps {limit} in flight, under the "
+                f"{auto['ceiling']:,.0f} items/s the store lets through (ask for a higher "
+                "limit, or spread the reads over more stores or prefixes)")
+    if stats.in_flight < 0.75 * limit:
+        return None
+    if limit >= maximum:
+        return (f"fetch latency: {stats.in_flight:.0f} of {limit} fetches in flight, the most "
+                "max_concurrency='auto' may run: raise max_concurrency_limit")
+    return (f"the store: max_concurrency='auto' keeps {limit} fetches in flight, its knee "
+            "(beyond it latency rose without more throughput); a faster store, more stores, "
+            f"or smaller fetches would help (the consumer waited {waited:.0%} of the time)")
 
 
 def _source_counts(source: Any) -> dict[str, int]:

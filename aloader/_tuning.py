@@ -198,6 +198,21 @@ class Controller:
         self._hold = _HOLD_NS
         self._calm_until = 0  # throttles before it belong to the episode being handled
 
+    def __getstate__(self) -> dict[str, Any]:  # travels with a plan to worker processes
+        state = {name: getattr(self, name) for name in self.__slots__}
+        state["on_change"] = None  # the epoch's, which does not travel
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+
+    def resume(self, now: int) -> None:
+        """Fetching starts again at ``now`` after a pause (a new epoch): the round under way
+        is dropped, as its span would count the pause."""
+        if self._start is not None:
+            self._restart(now)
+
     # The hot path ---------------------------------------------------------------------------
     def done(self, latency: int, now: int) -> None:
         """A fetch completed at ``now`` after ``latency`` ns (its last attempt's)."""
@@ -237,12 +252,12 @@ class Controller:
         if self._measuring:  # a round at the limit the store throttled: its rate is the cap
             self._measuring = False
             self._calm_until = now + 2 * int(latency)
-            ceiling = _SHARE * rate
-            if self._ceiling is not None and ceiling >= self._ceiling:
-                ceiling = _SHARE * self._ceiling  # throttled at the ceiling itself: lower it
-            self._ceiling = ceiling
+            cap = _SHARE * rate
+            if self._ceiling is not None and cap >= self._ceiling:
+                cap = _SHARE * self._ceiling  # throttled at the ceiling itself: lower it
+            self._ceiling = cap
             self._ceiling_until = now + self._hold
-            self._set(min(self.limit * _CUT_MAX, ceiling * latency), now, "ceiling")
+            self._set(min(self.limit * _CUT_MAX, cap * latency), now, "ceiling")
             return
         least = min(self._latencies)
         knee = max(rates) * least if rates else float(self.limit)

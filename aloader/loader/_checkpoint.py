@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
+from .._tuning import Controller
 from ..data._random import restore_rng, rng_state
 from ..pipeline._failures import Failures, json_index
 from ._epochs import MapEpochs, Progress, Skip
@@ -141,6 +142,7 @@ def state_of(dataloader: DataLoader[Any]) -> dict[str, Any]:
         },
         kind: _json_copy(sub),
         "failures": failures,
+        "concurrency": dataloader._tuning_state(),
     }
 
 
@@ -187,6 +189,12 @@ def load_state(dataloader: DataLoader[Any], state: Mapping[str, Any]) -> None:
     except ValueError as exc:
         raise ValueError(f"state field 'loader.rng': {exc}") from None
     failed = _check_failures(dataloader, state.get("failures"))
+    tuning = state.get("concurrency")
+    if tuning is not None:
+        try:
+            Controller().load_state_dict(tuning)
+        except ValueError as exc:
+            raise ValueError(f"state field 'concurrency': {exc}") from None
     if kind not in state:
         raise ValueError(f"state field {kind!r} is missing")
     sub = _json_copy(state[kind])
@@ -217,6 +225,7 @@ def load_state(dataloader: DataLoader[Any], state: Mapping[str, Any]) -> None:
     dataloader._resume_skip = skip
     dataloader._resume_failures = failed
     dataloader._record = None
+    dataloader._load_tuning(None if tuning is None else _json_copy(dict(tuning)))
     copy = cast(dict[str, Any], _json_copy(dict(state)))
     dataloader._resume_state = copy
 

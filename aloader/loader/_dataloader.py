@@ -25,7 +25,7 @@ import time
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
-from typing import Any, Generic, TypeVar, cast, overload
+from typing import Any, Generic, Literal, TypeVar, cast, overload
 
 import anyio
 import numpy as np
@@ -35,10 +35,11 @@ from .._exceptions import FailureBudgetExceeded, LoaderTimeoutError
 from .._facade import LocalIterator, PrivateLoop, SyncIterator, forbid_running_loop, loop_of
 from .._log import SLOW_FIRST_BATCH, loader_log, worker_log
 from .._stats import Collector, LoaderStats
-from .._util import usable_cpus
+from .._tuning import DEFAULT_MAX_LIMIT, Controller, check_concurrency, check_hedge
+from .._util import check_int, usable_cpus
 from ..data._batchsampler import BatchSampler
 from ..data._collate import default_collate, default_convert
-from ..data._dataset import is_iterable_dataset
+from ..data._dataset import fetch_mode, is_iterable_dataset
 from ..data._random import as_generator, draw_seed, rng_state
 from ..data._sampler import RandomSampler, SequentialSampler
 from ..pipeline._epoch import Epoch, MapEpoch
@@ -81,6 +82,21 @@ def _check_process_limit(num_workers: int) -> None:
             f"num_workers={num_workers} is more worker processes than this user may run "
             f"(RLIMIT_NPROC, `ulimit -u`: {limit})"
         )
+
+
+def _check_hedgeable(dataset: Any, batched: bool) -> None:
+    """Refuse ``hedge_after`` where nothing would be hedged: it hedges the item fetches of a
+    map-style dataset's ``async def __getitem__`` (a fetch may not be idempotent, so it is
+    never hedged unless asked for)."""
+    if is_iterable_dataset(dataset):
+        raise ValueError("hedge_after hedges the item fetches of a map-style dataset; an "
+                         "iterable dataset's samples come in one stream")
+    if fetch_mode(dataset) != "async":
+        raise ValueError("hedge_after hedges the fetches of an async dataset (async def "
+                         "__getitem__); this dataset's __getitem__ is synchronous")
+    if batched and getattr(dataset, "__getitems__", None):
+        raise ValueError("hedge_after hedges item fetches (async def __getitem__); this "
+                         "dataset's batches come from one __getitems__ call each")
 
 
 class DataLoader(Generic[T_co]):
@@ -218,8 +234,10 @@ class DataLoader(Generic[T_co]):
         persistent_workers: bool = ...,
         pin_memory_device: str = ...,
         in_order: bool = ...,
-        max_concurrency: int | None = ...,
+        max_concurrency: int | Literal["auto"] | None = ...,
         max_failures: int | float = ...,
+        max_concurrency_limit: int | None = ...,
+        hedge_after: float | None = ...,
     ) -> None: ...
     @overload
     def __init__(
@@ -242,8 +260,10 @@ class DataLoader(Generic[T_co]):
         persistent_workers: bool = ...,
         pin_memory_device: str = ...,
         in_order: bool = ...,
-        max_concurrency: int | None = ...,
+        max_concurrency: int | Literal["auto"] | None = ...,
         max_failures: int | float = ...,
+        max_concurrency_limit: int | None = ...,
+        hedge_after: float | None = ...,
     ) -> None: ...
     @overload
     def __init__(
@@ -266,8 +286,10 @@ class DataLoader(Generic[T_co]):
         persistent_workers: bool = ...,
         pin_memory_device: str = ...,
         in_order: bool = ...,
-        max_concurrency: int | None = ...,
+        max_concurrency: int | Literal["auto"] | None = ...,
         max_failures: int | float = ...,
+        max_concurrency_limit: int | None = ...,
+        hedge_after: float | None = ...,
     ) -> None: ...
     def __init__(
         self,
@@ -289,8 +311,10 @@ class DataLoader(Generic[T_co]):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
-        max_concurrency: int | None = None,
+        max_concurrency: int | Literal["auto"] | None = None,
         max_failures: int | float = 0,
+        max_concurrency_limit: int | None = None,
+        hedge_after: float | None = None,
     ) -> None:
         if num_workers < 0:
             raise ValueError(
@@ -311,15 +335,17 @@ class DataLoader(Generic[T_co]):
             operator.index(prefetch_factor)
         if persistent_workers and num_workers == 0:
             raise ValueError("persistent_workers option needs num_workers > 0")
-        if max_concurrency is not None and (
-            isinstance(max_concurrency, bool)
-            or not isinstance(max_concurrency, int)
-            or max_concurrency <= 0
-        ):
-            raise ValueError(
-                "max_concurrency should be a positive integer or None, "
-                f"but got max_concurrency={max_concurrency!r}"
-            )
+        max_concurrency = cast(Any, check_concurrency("max_concurrency", max_concurrency,
+                                                      allow_none=True))
+        if max_concurrency_limit is not None:
+            check_int("max_concurrency_limit", max_concurrency_limit)
+            if max_concurrency != "auto":
+                raise ValueError(
+                    "max_concurrency_limit bounds max_concurrency='auto', but got "
+                    f"max_concurrency={max_concurrency!r}")
+        hedge_after = cast(Any, check_hedge("hedge_after", hedge_after, auto=False))
+        if hedge_after is not None:
+            _check_hedgeable(dataset, batch_size is not None or batch_sampler is not None)
 
         self.dataset = dataset
         self.num_workers = num_workers
@@ -330,7 +356,13 @@ class DataLoader(Generic[T_co]):
         self.worker_init_fn = worker_init_fn
         self.in_order = in_order
         self.max_concurrency = max_concurrency
+        self.max_concurrency_limit = max_concurrency_limit
+        self.hedge_after = hedge_after
         self.max_failures: int | float = check_max_failures(max_failures)
+        # "auto" concurrency: the controller, kept from epoch to epoch (made by the first
+        # epoch's plan), and a loaded state waiting for it.
+        self._tuner: Controller | None = None
+        self._tuner_state: dict[str, Any] | None = None
 
         iterable = is_iterable_dataset(dataset)
         if iterable:
@@ -581,7 +613,7 @@ class DataLoader(Generic[T_co]):
               epoch: int = 0, here: bool = False) -> FetchPlan:
         """The plan of an epoch in this process (or a worker's), or whose jobs go to ``remote``;
         ``here``: one on the sync ``for``'s own thread (see :meth:`FetchPlan.for_dataset`)."""
-        return FetchPlan.for_dataset(
+        plan = FetchPlan.for_dataset(
             self.dataset,
             iterable=isinstance(self._kind, IterableEpochs),
             auto_batch=self._auto_collation,
@@ -595,7 +627,41 @@ class DataLoader(Generic[T_co]):
             seed=None if isinstance(self._kind, IterableEpochs) else self.sample_seed,
             epoch=epoch,
             here=here,
+            max_concurrency_limit=self.max_concurrency_limit or DEFAULT_MAX_LIMIT,
+            tuner=self._tuner,
+            hedge_after=self.hedge_after,
         )
+        if plan.tuner is not None and plan.tuner is not self._tuner:
+            self._tuner = plan.tuner  # the first epoch's: later ones go on with it
+            if self._tuner_state is not None:
+                plan.tuner.load_state_dict(self._tuner_state)
+                self._tuner_state = None
+                plan.window = plan.tuned_window()
+        return plan
+
+    # "auto" concurrency ----------------------------------------------------------------------
+    def _tuning_state(self) -> dict[str, Any] | None:
+        """The controller's state for a checkpoint (None without ``"auto"``): this process's,
+        or with worker processes the one a worker reported last."""
+        if self._tuner_state is not None:
+            return dict(self._tuner_state)
+        tuner = self._tuner
+        if tuner is None:
+            return None
+        stats = self._stats
+        reported = None if stats is None else stats.last_worker_tuning()
+        if reported is not None:
+            tuner.load_state_dict(reported)
+        return tuner.state_dict()
+
+    def _load_tuning(self, state: dict[str, Any] | None) -> None:
+        """A checkpoint's controller state (checked): the next epoch starts from it."""
+        if state is None or self.max_concurrency != "auto":
+            return
+        if self._tuner is not None:
+            self._tuner.load_state_dict(state)
+        else:
+            self._tuner_state = state
 
     def _claim_epoch(self, count: int) -> int:
         """Epoch ``count``'s number, as the workers see it (:attr:`WorkerInfo.epoch`).
@@ -911,6 +977,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
             "iterable" if isinstance(kind, IterableEpochs) else "map", plan.auto_batch,
         )
         stats.sources = source_stats(loader.dataset)
+        stats.tuner = plan.tuner
         if self.failures is not None:
             self.failures.stats = stats
             stats.failed = self.failures.count  # a resumed epoch's, from the checkpoint

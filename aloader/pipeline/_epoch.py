@@ -67,13 +67,14 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from .._backend import Detached, current_backend, task_group, waiters
-from .._exceptions import LoaderClosedError
+from .._backend import Detached, current_backend, task_group, threadsafe_caller, waiters
+from .._exceptions import LoaderClosedError, Throttled
+from .._tuning import Controller
 from .._util import close_iterator, resolve
 from ._errors import _batch_error, _describe, _note
 from ._failures import _FAILED, KNOWN_FAILED
 from ._keys import PacedKeys, _Keys
-from ._plan import FetchPlan, Remote
+from ._plan import FetchPlan, Remote, window_for
 from ._pull import _NOTHING, _pull, _pull_sync, _pull_sync_tolerant, _pull_tolerant
 from ._results import SKIP, Results
 from ._sample_rng import IDLE, FrameScope, fetch_var, scope_var
@@ -264,7 +265,7 @@ class MapEpoch(Epoch):
             cpu = time.thread_time_ns() if self.plan.on_consumer else 0
             try:
                 try:
-                    samples = self.plan.fetch_sync(key)
+                    samples = await self._fetch_inline(key)
                 finally:
                     collating = _now()
                     if cpu:
@@ -288,13 +289,32 @@ class MapEpoch(Epoch):
                 await anyio.lowlevel.checkpoint()
         return batch, None
 
+    async def _fetch_inline(self, key: Any) -> Any:
+        """An inline epoch's fetch of ``key``, made again while the dataset throttles (waiting
+        on the loop, or on the consumer's thread where there is none)."""
+        plan = self.plan
+        in_a_row = 0
+        while True:
+            try:
+                return plan.fetch_sync(key)
+            except Throttled as exc:
+                in_a_row += 1
+                delay = plan.throttled(exc, in_a_row)
+            if current_backend() is None:
+                time.sleep(delay)
+            else:
+                await anyio.sleep(delay)
+
     async def _run(self) -> None:
         plan = self.plan
+        tuner = plan.tuner
         limiter = anyio.CapacityLimiter(plan.concurrency)
+        # With "auto" concurrency the fetches in flight follow the controller's limit; the
+        # plan's concurrency is its maximum.
+        limit = plan.concurrency if tuner is None else tuner.limit
         threads = None
         if plan.granularity == "item" and plan.mode == "thread":
-            threads = _FetchThreads(plan.get_item, plan.concurrency, plan.abandon, plan.absorb,
-                                    plan.stats)
+            threads = _FetchThreads(plan, limit)
         # Items fetched one by one on the loop: in a turn of a busy loop hundreds of fetches
         # finish before the consumer takes their batches, so a second window of jobs may hold
         # data, and another waits as indices, each worker finding its next fetch at once. On
@@ -303,7 +323,7 @@ class MapEpoch(Epoch):
         # between two of its takes, so a third may hold data (without it, workers idled
         # for room in ~1 fetch of 7, and parking them cost more than the fetches).
         ahead = plan.granularity == "item" and threads is None
-        workers = plan.concurrency if ahead else plan.window
+        workers = limit if ahead else plan.window
         new_waiter = waiters()  # the backend, looked up once for the epoch
         # Jobs started and not yet taken by the consumer: the windows, and the batches that
         # may wait for the consumer (collated, or fetched and waiting for their slot).
@@ -321,13 +341,50 @@ class MapEpoch(Epoch):
                     tg.start_soon(self._worker, queue, limiter, admission, getitem)
 
                 queue.spawn = spawn
+                if tuner is not None:
+                    self._follow(tuner, queue, admission, threads, holding, ahead)
                 try:
                     await self._guard(admission.produce)
                 finally:
                     queue.close()
         finally:
+            if tuner is not None:
+                tuner.on_change = None
             if threads is not None:
                 await threads.close()
+
+    def _follow(self, tuner: Controller, queue: _WorkQueue, admission: _Admission,
+                threads: _FetchThreads | None, holding: int, ahead: bool) -> None:
+        """Have the epoch follow the controller's limit: the fetch workers (or threads), the
+        window and the room change with it as they would for that fixed ``max_concurrency``,
+        so what the pipeline holds stays bounded as it does there."""
+        plan = self.plan
+        window = plan.window
+        tuner.resume(_now())  # a round begun in an earlier epoch does not count
+
+        def resize(limit: int) -> None:
+            nonlocal window
+            if tuner.on_change is None:  # the epoch ended meanwhile
+                return
+            new = window_for(limit, plan.per_job) if plan.granularity == "item" else limit
+            delta, window = new - window, new
+            if threads is not None:
+                threads.resize(limit)
+            queue.resize(limit if ahead else new, holding * delta)
+            admission.grow((holding + 1) * delta if ahead else delta)
+
+        loop_thread = threading.get_ident()
+        call_soon = threadsafe_caller()
+
+        def on_change(limit: int) -> None:  # fetch threads report from their own thread
+            if threading.get_ident() == loop_thread:
+                resize(limit)
+            else:
+                call_soon(functools.partial(resize, limit))
+
+        tuner.on_change = on_change
+        if window != plan.tuned_window():
+            resize(tuner.limit)  # changed since the plan was made (a state loaded)
 
     async def _worker(
         self, queue: _WorkQueue, limiter: anyio.CapacityLimiter, window: _Admission,
@@ -352,6 +409,9 @@ class MapEpoch(Epoch):
             scope_var.set(scope)
             fetch_var.set(0)  # not the number of a fetch this worker runs in (nested loaders)
         take, get = queue.take, queue.get
+        tuner = plan.tuner
+        if plan.hedge is not None:
+            fetch = functools.partial(self._hedged, fetch)
         # The clock at the end of this worker's last fetch while nothing but bookkeeping has
         # run since (no await, no collate): the next fetch starts then, a clock read less.
         ended: int | None = None
@@ -373,17 +433,37 @@ class MapEpoch(Epoch):
                     fetch_no += 1
                     fetch_var.set(fetch_no)
                 started = _now() if ended is None else ended
+                report = tuner
                 try:
                     job.samples[position] = await fetch(fetching)
                 except Exception as exc:
-                    self._fetch_failed(job, position, fetching, exc)
+                    if isinstance(exc, Throttled):
+                        report = None  # the attempt that answered is reported on its own
+                        await self._refetch(fetch, job, position, fetching, exc)
+                    else:
+                        self._fetch_failed(job, position, fetching, exc)
                 fetching = IDLE
                 ended = _now()
                 add(ended - started)
+                if report is not None:
+                    report.done(ended - started, ended)
                 job.remaining -= 1
                 if job.remaining == 0:
                     ended = None
                     await self._complete(job, limiter, window)
+
+    async def _refetch(self, fetch: Callable[[Any], Awaitable[Any]], job: _Job, position: int,
+                       index: Any, error: Throttled) -> None:
+        """Fetch ``job``'s item at ``position`` again as long as the dataset throttles (see
+        :meth:`FetchPlan.refetch`), or record its failure."""
+        try:
+            job.samples[position] = await self.plan.refetch(fetch, index, error)
+        except Exception as exc:
+            self._fetch_failed(job, position, index, exc)
+
+    async def _hedged(self, fetch: Callable[[Any], Awaitable[Any]], index: Any) -> Any:
+        """``fetch(index)`` hedged (``hedge_after``, see :meth:`FetchPlan.hedged`)."""
+        return await self.plan.hedged(fetch, index, self.plan.epoch)
 
     async def _other_piece(self, job: _Job, limiter: anyio.CapacityLimiter,
                            window: _Admission) -> None:

@@ -70,11 +70,13 @@ class _WorkQueue:
     the loop where hundreds finish at once.
 
     Workers start on demand: work that no idle worker is woken for starts a new one, up to
-    ``limit``, so workers never outnumber the work the window let in.
+    ``limit``, so workers never outnumber the work the window let in. The limit may change
+    (``"auto"`` concurrency, :meth:`resize`): above it, workers leave as they come back for
+    work (``leaving``), idle ones first.
     """
 
-    __slots__ = ("_closed", "_idle", "_limit", "_new_waiter", "_spawned", "items", "room",
-                 "spawn")
+    __slots__ = ("_closed", "_idle", "_limit", "_new_waiter", "_spawned", "items", "leaving",
+                 "room", "spawn")
 
     def __init__(self, limit: int, new_waiter: Callable[[], Waiter], room: int,
                  spawn: Callable[[], None] = lambda: None) -> None:
@@ -86,6 +88,7 @@ class _WorkQueue:
         self._spawned = 0
         self._new_waiter = new_waiter
         self.spawn = spawn  # starts one more worker
+        self.leaving = 0  # workers above the limit, to leave as they come back for work
 
     def take(self) -> _Job | None:
         """The job of the next piece of work if it may start now, else None (never waits).
@@ -93,7 +96,7 @@ class _WorkQueue:
         The piece is the job's position ``next - 1``: read it before the next await.
         """
         items = self.items
-        if items:
+        if items and not self.leaving:
             job = items[0]
             position = job.next
             if position == 0:  # a job's first piece starts it
@@ -122,18 +125,43 @@ class _WorkQueue:
         if not self._idle:
             return
         # Wake a worker for each piece at the head that may start now.
-        startable, room, idle = 0, self.room, len(self._idle)
+        idle = len(self._idle)
+        self._wake(self._startable(idle))
+        if self._closed and not self.items:
+            self._wake(len(self._idle))  # nothing left: the idle workers leave
+
+    def _startable(self, most: int) -> int:
+        """The pieces at the head that may start now (the room allowing), up to ``most``."""
+        startable, room = 0, self.room
         for job in self.items:
             if job.next == 0:
                 if room <= 0:
                     break
                 room -= 1
             startable += job.count - job.next
-            if startable >= idle:
-                break
-        self._wake(min(startable, idle))
-        if self._closed and not self.items:
-            self._wake(len(self._idle))  # nothing left: the idle workers leave
+            if startable >= most:
+                return most
+        return startable
+
+    def resize(self, limit: int, room: int) -> None:
+        """At most ``limit`` workers from now on, and ``room`` more jobs may start (fewer
+        when negative): workers start for the pieces that may start now, or the surplus
+        leaves, the idle first and the others when they come back for work."""
+        self._limit = limit
+        self.room += room
+        surplus = self._spawned - limit
+        if surplus > 0:
+            self.leaving = surplus
+            self._wake(min(surplus, len(self._idle)))
+            return
+        self.leaving = 0
+        idle = len(self._idle)
+        waiting = self._startable(idle + limit - self._spawned)
+        more = min(waiting - self._wake(min(waiting, idle)), limit - self._spawned)
+        if more > 0:
+            self._spawned += more
+            for _ in range(more):
+                self.spawn()
 
     def _wake(self, count: int) -> int:
         """Wake up to ``count`` idle workers; returns how many."""
@@ -155,8 +183,14 @@ class _WorkQueue:
 
     async def get(self) -> _Job | None:
         """The job of the next piece of work (as :meth:`take`), or None once the queue is
-        closed and drained."""
+        closed and drained, or when this worker is one above the limit (it leaves)."""
         while True:
+            if self.leaving:
+                self.leaving -= 1
+                self._spawned -= 1
+                if self.items and self._idle and not self.leaving:
+                    self._wake(self._startable(1))  # a wake-up this worker took, passed on
+                return None
             job = self.take()
             if job is not None:
                 return job
@@ -233,6 +267,22 @@ class _Admission:
             return
         if self._keys is not None and self._end is None:
             self._admit_next()
+            if self._end is None:
+                return
+        self._waiting = None
+        if not waiting.done():
+            waiting.set_result(None)
+
+    def grow(self, delta: int) -> None:
+        """The window holds ``delta`` more jobs (fewer when negative: jobs leave it before
+        others enter until it is within its size again)."""
+        self._free += delta
+        waiting = self._waiting
+        if delta <= 0 or self._free <= 0 or waiting is None:
+            return
+        if self._keys is not None and self._end is None:
+            while self._free > 0 and self._end is None:
+                self._admit_next()
             if self._end is None:
                 return
         self._waiting = None
