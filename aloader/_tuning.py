@@ -14,11 +14,17 @@ and, by Little's law, the fetches that were in flight on average (``X * L``).
 Design: a model of the store, as TCP's BBR keeps of a network path, rather than a bare AIMD
 or latency-gradient loop.
 
-* The store's useful concurrency is its delivery rate times its unloaded latency
-  (``max X * min L`` over recent rounds: the "knee", past which fetches only queue). The limit
-  is kept at 1.1 times that, so the store always has work and the queue stays short; a round
-  at 1.25 times (probing for more capacity) and one at 0.8 times (letting a queue drain, so
-  that the unloaded latency is measured again) come every 8 rounds.
+* The store's useful concurrency (its "knee", past which fetches only queue) is the last
+  round's rate times the latency with no queue (measured in a *drain* round): below the knee
+  that is the fetches the round had in flight, past it the store's own. The limit is kept at
+  1.1 times the knee, so the store always has work and the queue stays short (below the knee,
+  the limit so grows by 10% a round); a round at 1.25 times (probing for more) and one at 0.8
+  times (letting a queue drain, so that the unloaded latency is measured again) come every 8
+  rounds. Where a drain round still queues (the estimate was high, or the client is bound by
+  its own CPU, where latency has no plateau), its latency makes the next estimate that
+  round's own in-flight: the limit shrinks by 0.8 a cycle until a drain round is below the
+  knee, and grows back to it, so it settles there from either side. (BBR's windowed maximum
+  rate times minimum latency drifts: the two windows' biases do not cancel.)
 * Startup: the limit doubles every round while the rate grows by 25% or more; it stops when the
   rate does not grow for two rounds, when latency doubled without more throughput (a queue
   formed: the knee is passed), or at the first throttling answer. So a knee of 200 is found
@@ -76,9 +82,13 @@ _MIN_ROUND = 16  # completions per round at least (a rate from fewer is noise)
 _GROWTH = 1.25  # startup goes on while a round's rate grows by this much
 _STALLS = 2  # rounds without growth that end the startup
 _QUEUED = 2.0  # a round's latency over the unloaded one that means a queue formed
-_RATES = 10  # rounds whose rates the store's rate is the best of
-_LATENCIES = 32  # rounds whose latencies the unloaded latency is the least of
-_CYCLE = (1.25, 0.8, 1.1, 1.1, 1.1, 1.1, 1.1, 1.1)  # gains over the knee, one per round
+_LATENCIES = 64  # rounds whose least latency is the one with no queue
+_HEADROOM = 1.1  # the limit over the knee found at the end of the startup
+_FEW = 0.1  # queued fetches (as a share of the limit) below which the limit grows
+_MANY = 0.25  # ... and above which it shrinks
+_STEP = 1.1  # a round's growth (or shrinking) factor
+_PROBE_EVERY = 16  # rounds between two probes below the limit
+_PROBE = 0.75  # a probe round's limit, as a share of the limit
 _BUSY = 0.5  # in flight over the limit below which a round was held back (app-limited)
 _CUT = 0.8  # the cut when the store refuses before any fetch completed
 _CUT_MAX = 0.9  # the least cut at the end of a throttling episode
@@ -151,9 +161,9 @@ class Controller:
     limit whenever it changes. Not thread-safe: a caller from several threads holds a lock.
 
     Invariant: a round counts only completions of fetches the current limit let start: after
-    a cut, the fetches in flight beyond the new limit (which queued at the store) come back
-    first and are left out (a *draining* round of that many completions), so that the latency
-    a round measures is the one its limit causes.
+    a cut, the fetches in flight then (some queued at the store) come back first and are left
+    out (a *draining* round of as many completions), so that the latency a round measures is
+    the one its limit causes.
 
     Args:
         maximum: the highest limit (``max_concurrency_limit``).
@@ -162,9 +172,10 @@ class Controller:
     """
 
     __slots__ = ("_best", "_busy", "_calm_until", "_ceiling", "_ceiling_until", "_count",
-                 "_cycle", "_draining", "_hold", "_latencies", "_latency", "_measuring",
-                 "_origin", "_raised", "_rates", "_recorded", "_round", "_stalls", "_start",
-                 "history", "limit", "maximum", "minimum", "on_change", "phase", "throttles")
+                 "_cycle", "_draining", "_hold", "_latency", "_measuring", "_origin",
+                 "_probing", "_raised", "_rate", "_recorded", "_resume_limit", "_round",
+                 "_stalls", "_start", "_unloaded", "history", "limit", "maximum", "minimum",
+                 "on_change", "phase", "throttles")
 
     def __init__(self, maximum: int = DEFAULT_MAX_LIMIT, *, initial: int | None = None,
                  minimum: int = 1) -> None:
@@ -186,9 +197,12 @@ class Controller:
         self._round = max(_MIN_ROUND, self.limit)  # completions that end this round
         self._draining = False  # this round only lets a cut's excess come back
         self._measuring = False  # this round measures the rate the store lets through
-        self._rates: deque[float] = deque(maxlen=_RATES)  # per ns
-        self._latencies: deque[float] = deque(maxlen=_LATENCIES)  # ns
+        self._rate = 0.0  # the last round's rate, per ns (0: none yet)
         self._latency = 0.0  # the last round's mean latency (ns)
+        # The latencies of the last rounds (ns): the least is the latency with no queue.
+        self._unloaded: deque[float] = deque(maxlen=_LATENCIES)
+        self._probing = False  # the round under way is a probe below the limit
+        self._resume_limit = self.limit  # the limit after the probe
         self._best = 0.0  # startup's best rate
         self._stalls = 0
         self._cycle = 0
@@ -245,10 +259,8 @@ class Controller:
         latency = busy / count
         held_back = busy / span < _BUSY * self.limit
         self._latency = latency
-        self._latencies.append(latency)
-        rates = self._rates
-        if not held_back or not rates or rate > max(rates):
-            rates.append(rate)
+        self._rate = rate
+        self._cycle += 1
         if self._measuring:  # a round at the limit the store throttled: its rate is the cap
             self._measuring = False
             self._calm_until = now + 2 * int(latency)
@@ -259,12 +271,17 @@ class Controller:
             self._ceiling_until = now + self._hold
             self._set(min(self.limit * _CUT_MAX, cap * latency), now, "ceiling")
             return
-        least = min(self._latencies)
-        knee = max(rates) * least if rates else float(self.limit)
+        unloaded = self._unloaded
+        unloaded.append(latency)
+        least = min(unloaded)
+        if self._probing:  # a round below the limit: only its latency, with no queue, counts
+            self._probing = False
+            self._set(self._resume_limit, now, "steady")
+            return
         if self.phase == "startup":
             if held_back:
                 return
-            if rate >= _GROWTH * self._best:
+            if rate >= _GROWTH * self._best and latency < _QUEUED * least:
                 self._best = rate
                 self._stalls = 0
                 self._set(self.limit * 2, now, "startup")
@@ -273,22 +290,34 @@ class Controller:
             if self._stalls < _STALLS and latency < _QUEUED * least:
                 return  # a round more at this limit before deciding
             self.phase = "steady"
-            self._set(_CYCLE[-1] * knee, now, "knee")
+            # The knee: the fetches the best rate needs with no queue (and a little more).
+            self._set(_HEADROOM * self._best * least, now, "knee")
             return
-        gain = _CYCLE[self._cycle % len(_CYCLE)]
-        self._cycle += 1
+        # Fetches that waited in a queue this round (Vegas's estimate): the limit grows while
+        # there are hardly any, and backs off when latency rose without throughput.
+        queued = self.limit * (1.0 - least / latency)
+        if queued < _FEW * self.limit and not held_back:
+            target = self.limit * _STEP
+        elif queued > _MANY * self.limit:
+            target = self.limit / _STEP
+        else:
+            target = self.limit
         ceiling = self._ceiling
-        if ceiling is None:
-            self._set(gain * knee, now, "steady")
+        if ceiling is not None:
+            if now >= self._ceiling_until:
+                ceiling = self._ceiling = ceiling * _RAISE
+                self._ceiling_until = now + self._hold
+                self._raised = now
+                self._note(now, self.limit, "ceiling raised")
+            target = min(target, ceiling * latency)
+        if self._cycle % _PROBE_EVERY == 0 and ceiling is None:
+            # Now and then a round below the limit lets any queue drain, so that the latency
+            # with no queue is measured again (else it would creep up with the queue).
+            self._resume_limit = max(self.minimum, min(self.maximum, int(target + 0.5)))
+            self._probing = True
+            self._set(target * _PROBE, now, "steady")
             return
-        if now >= self._ceiling_until:
-            ceiling = self._ceiling = ceiling * _RAISE
-            self._ceiling_until = now + self._hold
-            self._raised = now
-            self._note(now, self.limit, "ceiling raised")
-        # Under a ceiling the limit stays below the knee (the store's rate limit comes first),
-        # so no drain round is needed to see the unloaded latency again.
-        self._set(min(max(gain, _CYCLE[-1]) * knee, ceiling * latency), now, "steady")
+        self._set(target, now, "steady")
 
     def _set(self, limit: float, now: int, why: str) -> None:
         new = max(self.minimum, min(self.maximum, int(limit + 0.5)))
@@ -297,7 +326,9 @@ class Controller:
             return
         self.limit = new
         if new < old:
-            self._restart(now, old - new, draining=True)
+            # Every fetch in flight now started under the old limit (some queued at the
+            # store): they all come back before a round measures the new one.
+            self._restart(now, old, draining=True)
         else:
             self._round = max(_MIN_ROUND, new)
         recorded = self._recorded
@@ -329,9 +360,9 @@ class Controller:
             self._hold = min(_MAX_HOLD_NS, 2 * self._hold)  # the raise was too much
         self._raised = None
         self.phase = "steady"
-        self._rates.clear()  # the rates before the store pushed back overstate it
+        self._probing = False
         self._note(now, self.limit, "throttled")
-        if self._start is None and not self._latencies:
+        if self._start is None and not self._latency:
             # Refused before anything completed: no rate to measure, cut and wait a while.
             self._calm_until = now + _CALM_NS
             self._set(self.limit * _CUT, now, "throttled")
@@ -344,13 +375,11 @@ class Controller:
     # Checkpoints and statistics -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The controller's state as JSON builtins: a resumed job starts where it was."""
-        rate = max(self._rates) if self._rates else None
-        least = min(self._latencies) if self._latencies else None
         return {
             "limit": self.limit,
             "phase": self.phase,
-            "rate": None if rate is None else rate * 1e9,  # per second
-            "latency": None if least is None else least / 1e9,  # seconds
+            "rate": self._rate * 1e9 or None,  # per second
+            "latency": min(self._unloaded) / 1e9 if self._unloaded else None,  # no queue
             "ceiling": None if self._ceiling is None else self._ceiling * 1e9,
             "throttles": self.throttles,
         }
@@ -372,7 +401,7 @@ class Controller:
         if phase not in ("startup", "steady"):
             raise ValueError(f"the concurrency state's 'phase' should be 'startup' or "
                              f"'steady', but got {phase!r}")
-        numbers = {}
+        numbers: dict[str, float] = {}
         for field in ("rate", "latency", "ceiling"):
             value = state.get(field)
             if value is not None and (isinstance(value, bool)
@@ -380,44 +409,33 @@ class Controller:
                                       or not math.isfinite(value) or value <= 0):
                 raise ValueError(f"the concurrency state's {field!r} should be a positive "
                                  f"number or None, but got {value!r}")
-            numbers[field] = value
+            numbers[field] = 0.0 if value is None else float(value)
         throttles = state.get("throttles", 0)
         if isinstance(throttles, bool) or not isinstance(throttles, int) or throttles < 0:
             raise ValueError(f"the concurrency state's 'throttles' should be a non-negative "
                              f"integer, but got {throttles!r}")
         self.limit = max(self.minimum, min(self.maximum, limit))
         self._recorded = self.limit
-        self._round = max(_MIN_ROUND, self.limit)
         self.phase = phase
         self.throttles = throttles
-        self._rates.clear()
-        self._latencies.clear()
-        if numbers["rate"] is not None:
-            self._rates.append(numbers["rate"] / 1e9)
-            self._best = numbers["rate"] / 1e9
-        if numbers["latency"] is not None:
-            self._latencies.append(numbers["latency"] * 1e9)
-        self._ceiling = None if numbers["ceiling"] is None else numbers["ceiling"] / 1e9
+        self._rate = self._best = numbers["rate"] / 1e9
+        self._unloaded.clear()
+        if numbers["latency"]:
+            self._unloaded.append(numbers["latency"] * 1e9)
+        self._ceiling = numbers["ceiling"] / 1e9 or None
         self._ceiling_until = 0
         self._start = None
         self._count = self._busy = 0
-        self._draining = self._measuring = False
+        self._round = max(_MIN_ROUND, self.limit)
+        self._draining = self._measuring = self._probing = False
         if self.on_change is not None:
             self.on_change(self.limit)
 
     def snapshot(self) -> dict[str, Any]:
         """What ``stats()`` shows: the limit, its bounds, the phase, the estimates and the
         history of notable changes."""
-        state = self.state_dict()
-        return {
-            "limit": self.limit,
-            "maximum": self.maximum,
-            "phase": self.phase,
-            "rate": state["rate"],
-            "latency": state["latency"],
-            "ceiling": state["ceiling"],
-            "history": [list(entry) for entry in self.history],
-        }
+        return {**self.state_dict(), "maximum": self.maximum,
+                "history": [list(entry) for entry in self.history]}
 
     @property
     def held(self) -> str | None:
