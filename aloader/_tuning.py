@@ -207,7 +207,7 @@ class Controller:
         self._stalls = 0
         self._cycle = 0
         self._ceiling: float | None = None  # per ns
-        self._ceiling_until = 0
+        self._ceiling_until: int | None = None  # when the ceiling rises (None: not set)
         self._raised: int | None = None  # when the ceiling was last raised
         self._hold = _HOLD_NS
         self._calm_until = 0  # throttles before it belong to the episode being handled
@@ -304,7 +304,9 @@ class Controller:
             target = self.limit
         ceiling = self._ceiling
         if ceiling is not None:
-            if now >= self._ceiling_until:
+            if self._ceiling_until is None:
+                self._ceiling_until = now + self._hold
+            elif now >= self._ceiling_until:
                 ceiling = self._ceiling = ceiling * _RAISE
                 self._ceiling_until = now + self._hold
                 self._raised = now
@@ -362,7 +364,7 @@ class Controller:
         self.phase = "steady"
         self._probing = False
         self._note(now, self.limit, "throttled")
-        if self._start is None and not self._latency:
+        if not self._latency and not self._count:
             # Refused before anything completed: no rate to measure, cut and wait a while.
             self._calm_until = now + _CALM_NS
             self._set(self.limit * _CUT, now, "throttled")
@@ -423,7 +425,7 @@ class Controller:
         if numbers["latency"]:
             self._unloaded.append(numbers["latency"] * 1e9)
         self._ceiling = numbers["ceiling"] / 1e9 or None
-        self._ceiling_until = 0
+        self._ceiling_until = None  # its hold starts with the first round
         self._start = None
         self._count = self._busy = 0
         self._round = max(_MIN_ROUND, self.limit)

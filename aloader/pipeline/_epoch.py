@@ -81,9 +81,11 @@ from ._sample_rng import IDLE, FrameScope, fetch_var, scope_var
 from ._schedule import (
     _AWAIT_THREADS,
     _FAILED_ITEMS,
+    _RETRY,
     _WHOLE_JOB,
     _Admission,
     _Job,
+    _Retry,
     _WorkQueue,
 )
 from ._threads import _FetchThreads
@@ -215,6 +217,7 @@ class MapEpoch(Epoch):
         self, plan: FetchPlan, results: Results, keys: Iterator[Any] | AsyncIterator[Any]
     ) -> None:
         super().__init__(plan, results)
+        self._group: Any = None  # the fetch workers' task group, while it runs
         if isinstance(keys, PacedKeys) and plan.mode == "inline":
             # Read on the consumer's call, one per batch: torch's schedule without pacing.
             keys = keys.unpaced()
@@ -337,6 +340,8 @@ class MapEpoch(Epoch):
         getitem = plan.async_getitem()
         try:
             async with task_group() as tg:
+                self._group = tg  # the waits of throttled items run in it
+
                 def spawn() -> None:
                     tg.start_soon(self._worker, queue, limiter, admission, getitem)
 
@@ -424,42 +429,58 @@ class MapEpoch(Epoch):
                     if job is None:
                         return
                 position = job.next - 1  # the piece taken, read before any await
+                throttles = 0
                 if job.kind:  # not an item to fetch: one test on the items' path
                     ended = None
-                    await self._other_piece(job, limiter, window)
-                    continue
+                    if job.kind != _RETRY:
+                        await self._other_piece(job, limiter, window)
+                        continue
+                    retry: Any = job  # a throttled item, due again
+                    job, position, throttles = retry.job, retry.position, retry.throttles
                 fetching = job.indices[position]
                 if scope.asked:
                     fetch_no += 1
                     fetch_var.set(fetch_no)
                 started = _now() if ended is None else ended
-                report = tuner
                 try:
                     job.samples[position] = await fetch(fetching)
                 except Exception as exc:
-                    if isinstance(exc, Throttled):
-                        report = None  # the attempt that answered is reported on its own
-                        await self._refetch(fetch, job, position, fetching, exc)
-                    else:
-                        self._fetch_failed(job, position, fetching, exc)
+                    if isinstance(exc, Throttled) and self._throttled(queue, job, position, exc,
+                                                                      throttles + 1):
+                        fetching = IDLE
+                        ended = None
+                        continue  # due again later: not done
+                    self._fetch_failed(job, position, fetching, exc)
                 fetching = IDLE
                 ended = _now()
                 add(ended - started)
-                if report is not None:
-                    report.done(ended - started, ended)
+                if tuner is not None:
+                    tuner.done(ended - started, ended)
                 job.remaining -= 1
                 if job.remaining == 0:
                     ended = None
                     await self._complete(job, limiter, window)
 
-    async def _refetch(self, fetch: Callable[[Any], Awaitable[Any]], job: _Job, position: int,
-                       index: Any, error: Throttled) -> None:
-        """Fetch ``job``'s item at ``position`` again as long as the dataset throttles (see
-        :meth:`FetchPlan.refetch`), or record its failure."""
+    def _throttled(self, queue: _WorkQueue, job: _Job, position: int, error: Throttled,
+                   throttles: int) -> bool:
+        """The dataset throttled ``job``'s item at ``position`` (``throttles`` times in a
+        row): it is due again after the wait (:meth:`FetchPlan.throttled`), first in line,
+        and its worker goes on meanwhile, so that the wait holds no slot of the limit. False
+        once it was throttled too often (then it fails with ``error``)."""
         try:
-            job.samples[position] = await self.plan.refetch(fetch, index, error)
-        except Exception as exc:
-            self._fetch_failed(job, position, index, exc)
+            delay = self.plan.throttled(error, throttles)
+        except Throttled:
+            return False
+        queue.pending += 1
+        piece = _Retry(job, position, throttles)
+
+        async def due() -> None:
+            await anyio.sleep(delay)
+            queue.retry(piece)
+
+        assert self._group is not None
+        self._group.start_soon(due)
+        return True
 
     async def _hedged(self, fetch: Callable[[Any], Awaitable[Any]], index: Any) -> Any:
         """``fetch(index)`` hedged (``hedge_after``, see :meth:`FetchPlan.hedged`)."""

@@ -32,7 +32,7 @@ from ._errors import _note
 from ._failures import KNOWN_FAILED, Failures
 from ._pull import _NOTHING, _pull_sync, _pull_sync_tolerant
 from ._results import SKIP
-from ._sample_rng import BATCH, FrameScope, Scope, scope_var
+from ._sample_rng import BATCH, Scope, scope_var
 from ._threads import _Abandon
 
 __all__ = ("DEFAULT_MAX_CONCURRENCY", "FetchPlan", "Remote", "window_for")
@@ -533,14 +533,12 @@ class FetchPlan:
                       report: bool = True) -> Any:
         """``fetch(key)`` again after the wait ``error`` asks for, as long as it is throttled
         (see :meth:`throttled`); with ``report``, the controller hears of the attempt that
-        answers (its own latency, not the waits'). An attempt starts a fresh
-        :func:`~aloader.sample_rng` stream, as the fetch's first did."""
+        answers (its own latency, not the waits'). The wait holds this fetch's slot: for
+        whole jobs and fetches in threads (an item fetched on the loop gives its slot back
+        while it waits: see :meth:`MapEpoch._throttled`)."""
         in_a_row = 1
         while True:
             await anyio.sleep(self.throttled(error, in_a_row))
-            scope = scope_var.get()
-            if isinstance(scope, FrameScope):
-                scope.restart()
             started = _now()
             try:
                 value = await fetch(key)

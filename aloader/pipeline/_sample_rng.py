@@ -175,11 +175,6 @@ class FrameScope:
         self._made: tuple[int, Scope] | None = None
         self.asked = False  # whether sample_rng was called: the worker numbers its fetches
 
-    def restart(self) -> None:
-        """The fetch running now starts again (after a throttling wait): its next
-        :func:`sample_rng` call starts the sample's stream afresh, as its first attempt did."""
-        self._made = None
-
     def current(self) -> Scope | None:
         """The scope of the fetch running now (one per fetch) where the caller runs in its
         context, else None (between fetches, or a task or thread of an earlier fetch)."""

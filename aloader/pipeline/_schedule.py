@@ -39,6 +39,7 @@ _WHOLE_JOB = -1
 _AWAIT_THREADS = -2
 _NO_ITEMS = -3
 _FAILED_ITEMS = -4  # items of a job whose error is known: passed over, not fetched
+_RETRY = -5  # an item the dataset throttled, due again (a _Retry, not a job)
 
 
 _now = time.perf_counter_ns
@@ -76,7 +77,7 @@ class _WorkQueue:
     """
 
     __slots__ = ("_closed", "_idle", "_limit", "_new_waiter", "_spawned", "items", "leaving",
-                 "room", "spawn")
+                 "pending", "retries", "room", "spawn")
 
     def __init__(self, limit: int, new_waiter: Callable[[], Waiter], room: int,
                  spawn: Callable[[], None] = lambda: None) -> None:
@@ -89,6 +90,10 @@ class _WorkQueue:
         self._new_waiter = new_waiter
         self.spawn = spawn  # starts one more worker
         self.leaving = 0  # workers above the limit, to leave as they come back for work
+        # Throttled items: those due again, taken before any other work (they hold up their
+        # job), and how many are still waiting to be due.
+        self.retries: deque[_Retry] = deque()
+        self.pending = 0
 
     def take(self) -> _Job | None:
         """The job of the next piece of work if it may start now, else None (never waits).
@@ -96,6 +101,8 @@ class _WorkQueue:
         The piece is the job's position ``next - 1``: read it before the next await.
         """
         items = self.items
+        if self.retries and not self.leaving:
+            return self.retries.popleft()  # type: ignore[return-value]  # a piece of kind _RETRY
         if items and not self.leaving:
             job = items[0]
             position = job.next
@@ -127,8 +134,20 @@ class _WorkQueue:
         # Wake a worker for each piece at the head that may start now.
         idle = len(self._idle)
         self._wake(self._startable(idle))
-        if self._closed and not self.items:
+        if self._drained():
             self._wake(len(self._idle))  # nothing left: the idle workers leave
+
+    def _drained(self) -> bool:
+        """Whether no work is left nor will come."""
+        return self._closed and not self.items and not self.retries and not self.pending
+
+    def retry(self, piece: _Retry) -> None:
+        """A throttled item is due again: first in line, for an idle worker or a new one."""
+        self.pending -= 1
+        self.retries.append(piece)
+        if not self._wake(1) and self._spawned < self._limit:
+            self._spawned += 1
+            self.spawn()
 
     def _startable(self, most: int) -> int:
         """The pieces at the head that may start now (the room allowing), up to ``most``."""
@@ -178,7 +197,7 @@ class _WorkQueue:
         """No more work will come: idle workers leave once the queue is empty (every piece
         taken leads to a :meth:`free`, which checks)."""
         self._closed = True
-        if not self.items:
+        if self._drained():
             self._wake(len(self._idle))
 
     async def get(self) -> _Job | None:
@@ -194,7 +213,7 @@ class _WorkQueue:
             job = self.take()
             if job is not None:
                 return job
-            if self._closed and not self.items:
+            if self._drained():
                 return None
             wakeup = self._new_waiter()
             self._idle.append(wakeup)
@@ -221,6 +240,20 @@ class _Job:
         self.count = 1  # pieces of work: an item each (kind _ITEMS), else one
         self.next = 0  # the position of the piece the queue hands out next
 
+
+
+class _Retry:
+    """An item of ``job`` (at ``position``) the dataset throttled ``throttles`` times in a
+    row, due again: a piece of work of kind :data:`_RETRY` in the :class:`_WorkQueue`."""
+
+    __slots__ = ("job", "position", "throttles")
+
+    kind = _RETRY
+
+    def __init__(self, job: _Job, position: int, throttles: int) -> None:
+        self.job = job
+        self.position = position
+        self.throttles = throttles
 
 
 class _Admission:
