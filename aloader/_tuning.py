@@ -98,6 +98,7 @@ _HOLD_NS = 30_000_000_000  # how long a ceiling holds before its first raise
 _MAX_HOLD_NS = 600_000_000_000
 _CALM_NS = 100_000_000  # the calm after a cut made with no latency known
 _HISTORY = 64  # changes kept in the history
+_HEDGE_BURST = 10.0  # hedges the budget may save up for stragglers that come together
 _NOTABLE = 1.25  # a change this large (either way) enters the history
 
 
@@ -489,7 +490,7 @@ class Hedger:
     def delay(self) -> float | None:
         """A read starts now: seconds after which it would be hedged, or None (not hedged)."""
         self.reads += 1
-        self._budget = min(self._budget + self.share, 1.0 + self.share * 20)
+        self._budget = min(self._budget + self.share, _HEDGE_BURST)
         if self._after is not None:
             return self._after
         if len(self._ring) < self._warmup:

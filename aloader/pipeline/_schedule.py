@@ -249,6 +249,7 @@ class _Retry:
     __slots__ = ("job", "position", "throttles")
 
     kind = _RETRY
+    next = 0  # read as a job's cursor is, and not used
 
     def __init__(self, job: _Job, position: int, throttles: int) -> None:
         self.job = job
