@@ -61,6 +61,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ._exceptions import Throttled
+
 __all__ = (
     "DEFAULT_MAX_LIMIT",
     "MAX_THROTTLED",
@@ -68,6 +70,7 @@ __all__ = (
     "Hedger",
     "check_concurrency",
     "check_hedge",
+    "on_throttled",
     "throttle_delay",
 )
 
@@ -152,6 +155,22 @@ def throttle_delay(retry_after: float | None, in_a_row: int, *, backoff: float =
         return min(retry_after, max_backoff) * (1.0 + 0.1 * jitter())
     delay = min(max_backoff, backoff * 2.0 ** min(max(in_a_row, 1) - 1, 64))
     return delay * (0.5 + 0.5 * jitter())
+
+
+def on_throttled(error: Throttled, in_a_row: int, tuner: Controller | None, now: int) -> float:
+    """A fetch was throttled for the ``in_a_row``-th time in a row at ``now``: tell the
+    controller (if any) and return the seconds to wait before fetching again.
+
+    Raises:
+        Throttled: ``error`` (with a note saying so), once a fetch was throttled more than
+            :data:`MAX_THROTTLED` times in a row.
+    """
+    if in_a_row > MAX_THROTTLED:
+        error.add_note(f"throttled {in_a_row} times in a row: given up")
+        raise error
+    if tuner is not None:
+        tuner.throttled(now)
+    return throttle_delay(error.retry_after, in_a_row)
 
 
 class Controller:

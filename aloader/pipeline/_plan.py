@@ -24,7 +24,7 @@ import numpy as np
 
 from .._exceptions import FailureBudgetExceeded, Throttled
 from .._stats import Collector
-from .._tuning import MAX_THROTTLED, Controller, Hedger, throttle_delay
+from .._tuning import Controller, Hedger, on_throttled
 from .._util import is_async_callable, is_awaitable, resolve
 from ..data._collate import ColumnBatch, default_collate
 from ..data._dataset import aiter_of, fetch_mode
@@ -35,7 +35,8 @@ from ._results import SKIP
 from ._sample_rng import BATCH, Scope, scope_var
 from ._threads import _Abandon
 
-__all__ = ("DEFAULT_MAX_CONCURRENCY", "FetchPlan", "Remote", "window_for")
+__all__ = ("DEFAULT_MAX_CONCURRENCY", "FetchPlan", "Remote", "again_when_throttled",
+           "window_for")
 
 # Fetches in flight for async datasets when max_concurrency is not given.
 DEFAULT_MAX_CONCURRENCY = 64
@@ -478,8 +479,8 @@ class FetchPlan:
         try:
             return await self._fetch_once(key, limiter)
         except Throttled as exc:
-            return await self.refetch(functools.partial(self._fetch_once, limiter=limiter), key,
-                                      exc, report=False)
+            return await again_when_throttled(
+                functools.partial(self._fetch_once, limiter=limiter), key, exc, self.throttled)
 
     async def _fetch_once(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
         started = _now()
@@ -512,43 +513,18 @@ class FetchPlan:
     # Throttling and hedging (aloader._tuning) --------------------------------------------------
     def throttled(self, error: Throttled, in_a_row: int, lock: Any = None) -> float:
         """A fetch was throttled for the ``in_a_row``-th time in a row: count it, tell the
-        controller, and return the seconds to wait before fetching again. ``lock`` guards the
-        counts where fetch threads report too.
+        controller, and return the seconds to wait before fetching again
+        (:func:`~aloader._tuning.on_throttled`). ``lock`` guards the counts where fetch
+        threads report too.
 
         Raises:
             Throttled: ``error``, once a fetch was throttled more than
                 :data:`~aloader._tuning.MAX_THROTTLED` times in a row.
         """
-        if in_a_row > MAX_THROTTLED:
-            error.add_note(f"throttled {in_a_row} times in a row: given up")
-            raise error
-        now = _now()
         with lock if lock is not None else contextlib.nullcontext():
+            delay = on_throttled(error, in_a_row, self.tuner, _now())
             self.stats.throttled += 1
-            if self.tuner is not None:
-                self.tuner.throttled(now)
-        return throttle_delay(error.retry_after, in_a_row)
-
-    async def refetch(self, fetch: Callable[[Any], Awaitable[Any]], key: Any, error: Throttled,
-                      report: bool = True) -> Any:
-        """``fetch(key)`` again after the wait ``error`` asks for, as long as it is throttled
-        (see :meth:`throttled`); with ``report``, the controller hears of the attempt that
-        answers (its own latency, not the waits'). The wait holds this fetch's slot: for
-        whole jobs and fetches in threads (an item fetched on the loop gives its slot back
-        while it waits: see :meth:`MapEpoch._throttled`)."""
-        in_a_row = 1
-        while True:
-            await anyio.sleep(self.throttled(error, in_a_row))
-            started = _now()
-            try:
-                value = await fetch(key)
-            except Throttled as exc:
-                error, in_a_row = exc, in_a_row + 1
-                continue
-            if report and self.tuner is not None:
-                now = _now()
-                self.tuner.done(now - started, now)
-            return value
+        return delay
 
     async def hedged(self, fetch: Callable[[Any], Awaitable[Any]], index: Any,
                      epoch: int) -> Any:
@@ -627,7 +603,7 @@ class FetchPlan:
         try:
             batch = await call(key)
         except Throttled as exc:
-            batch = await self.refetch(call, key, exc, report=False)
+            batch = await again_when_throttled(call, key, exc, self.throttled)
         return await resolve(batch)
 
     def throttled_sync(self, fn: Callable[[Any], Any], key: Any) -> Any:
@@ -684,6 +660,23 @@ class FetchPlan:
         self.stats.collated(samples, _now() - started)
         return batch if self.transform is None else self.transform(batch)
 
+
+
+async def again_when_throttled(fetch: Callable[[Any], Awaitable[Any]], key: Any,
+                               error: Throttled,
+                               throttled: Callable[[Throttled, int], float]) -> Any:
+    """``fetch(key)`` again after the wait ``throttled(error, in_a_row)`` returns, as long
+    as it raises :class:`~aloader.Throttled` (``throttled`` raises once it is too often). The
+    wait holds the caller's slot: whole jobs, fetches in threads, ``Stream.map`` calls (an
+    item fetched on the loop gives its slot back while it waits: see
+    :meth:`MapEpoch._throttled`)."""
+    in_a_row = 1
+    while True:
+        await anyio.sleep(throttled(error, in_a_row))
+        try:
+            return await fetch(key)
+        except Throttled as exc:
+            error, in_a_row = exc, in_a_row + 1
 
 
 def window_for(concurrency: int, batch_size: int | None) -> int:
