@@ -3,7 +3,8 @@
 This module owns the public namespace and nothing else: every public name is defined in a
 private module (``aloader.loader._dataloader``, ``aloader.data._dataset``,
 ``aloader.sources._sources``...) and
-re-exported here, listed in ``__all__``.
+re-exported here, listed in ``__all__``, and says it lives here (``__module__ = "aloader"``,
+see :mod:`aloader._public`), so reprs, ``help()``, docs and pickles name ``aloader.DataLoader``.
 
 Quick start::
 
@@ -12,6 +13,7 @@ Quick start::
         ...
 """
 
+from . import _public
 from ._exceptions import (
     AccessDeniedError,
     AloaderError,
@@ -150,3 +152,5 @@ __all__ = (
     "Throttled",
     "WorkerError",
 )
+
+_public.present_as(__name__, [globals()[name] for name in __all__])

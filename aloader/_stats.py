@@ -35,11 +35,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from operator import sub
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._exceptions import RecordError
+
+if TYPE_CHECKING:
+    from ._epoch_setup import EpochSetup
 
 __all__ = (
     "Collector",
@@ -266,11 +270,12 @@ class Collector:
         ready_limit: the most batches waiting for the consumer.
         epoch: the loader's epoch number.
         num_workers: worker processes (0: none).
+        sources: the counters of the dataset's streams, read at each snapshot.
     """
 
     def __init__(self, mode: str = "inline", in_flight_limit: int = 1, ready_limit: int = 1,
                  epoch: int = 0, num_workers: int = 0, kind: str = "map",
-                 auto_batch: bool = True) -> None:
+                 auto_batch: bool = True, sources: Iterable[Any] = ()) -> None:
         self.mode = mode
         self.kind = kind
         self.auto_batch = auto_batch
@@ -305,7 +310,7 @@ class Collector:
         # Samples failed within the failure budget, counted by the epoch's Failures (which
         # this does not hold: its errors' tracebacks would tie the loader to their frames).
         self.failed = 0
-        self.sources: list[Any] = []  # the streams' SourceStats, read at each snapshot
+        self.sources: list[Any] = list(sources)  # the streams' SourceStats
         self.throttled = 0  # fetches throttled (waited for and made again)
         self.hedged = 0  # second fetches started for late ones
         self.tuner: Any = None  # the Controller of "auto" concurrency, or None
@@ -313,6 +318,17 @@ class Collector:
         self._last_tuning: dict[str, Any] | None = None
         # A worker's: what was reported already (see report()).
         self._reported: dict[str, tuple[int, int]] = {}
+
+    @classmethod
+    def for_epoch(cls, setup: EpochSetup, mode: str, in_flight_limit: int,
+                  auto_batch: bool, tuner: Any = None) -> Collector:
+        """The statistics of the epoch ``setup`` describes, whose plan fetches in ``mode``
+        with at most ``in_flight_limit`` fetches in flight (with ``tuner``, ``"auto"``
+        concurrency's controller, as many as it allows)."""
+        stats = cls(mode, in_flight_limit, max(1, setup.prefetch_factor), setup.stats_epoch,
+                    setup.num_workers, setup.kind, auto_batch, setup.sources)
+        stats.tuner = tuner
+        return stats
 
     def __reduce__(self) -> tuple[Any, ...]:  # a plan's travels to the workers: a fresh one
         return (Collector, (self.mode, self.in_flight_limit, self.ready_limit, 0, 0, self.kind,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard, cast
 from .._tuning import Controller
 from ..data._random import restore_rng, rng_state
 from ..pipeline._failures import Failures, json_index
-from ._epochs import MapEpochs, Progress, Skip
+from ._epochs import AlreadyDelivered, MapEpochs, Progress
 
 if TYPE_CHECKING:
     from ._dataloader import DataLoader
@@ -57,7 +57,7 @@ class _EpochRecord:
     rng: dict[str, Any]  # the loader generator's state before this epoch drew anything
     base_seed: int | None  # the epoch's base seed when not drawn (persistent workers' one)
     length: int | None  # the epoch's batches (map-style), or None
-    skip: Skip  # what a resumed epoch leaves out
+    skip: AlreadyDelivered  # what a resumed epoch leaves out
     prefix: int = 0
     beyond: set[int] = field(default_factory=set)
     yielded: int = 0
@@ -198,7 +198,7 @@ def load_state(dataloader: DataLoader[Any], state: Mapping[str, Any]) -> None:
     if kind not in state:
         raise ValueError(f"state field {kind!r} is missing")
     sub = _json_copy(state[kind])
-    skip: Skip | None = None
+    skip: AlreadyDelivered | None = None
     if isinstance(dataloader._kind, MapEpochs):
         if isinstance(sub, dict):
             delivered = sub.get("delivered")

@@ -6,9 +6,11 @@ what kind of epochs it runs (:class:`~aloader.loader._epochs.MapEpochs` or
 (``async for``) or :class:`DataLoaderIter` (``for``, through :mod:`aloader._facade`) decides
 once whether workers fetch, asks :meth:`~aloader.pipeline._plan.FetchPlan.for_dataset` how,
 and consumes the pipeline (:mod:`aloader.pipeline._epoch`), handing out batches with torch's
-timeout and errors. Checkpoints are :mod:`aloader.loader._checkpoint`'s, ``pin_memory``
-:mod:`aloader.loader._pin_memory`'s. (The loader and its iterators name each other in their
-public signatures, which resolve at runtime: they live in one module.)
+timeout and errors. torch's argument checks are :mod:`aloader.loader._arguments`'s,
+checkpoints :mod:`aloader.loader._checkpoint`'s, the worker processes
+:mod:`aloader.loader._workers`'s, ``pin_memory`` :mod:`aloader.loader._pin_memory`'s. (The
+loader and its iterators name each other in their public signatures, which resolve at runtime:
+they live in one module.)
 
 Invariant: the attributes torch freezes (``batch_size``, ``sampler``, ``dataset``...) cannot be
 set once the loader is built; what an epoch needs is decided when it starts, so
@@ -18,8 +20,6 @@ pipeline holds no reference to an iterator, so dropping one stops its epoch.
 
 from __future__ import annotations
 
-import math
-import operator
 import threading
 import time
 import warnings
@@ -31,19 +31,19 @@ import anyio
 import numpy as np
 
 from .._backend import current_backend
+from .._epoch_setup import EpochSetup
 from .._exceptions import FailureBudgetExceeded, LoaderTimeoutError
 from .._facade import LocalIterator, PrivateLoop, SyncIterator, forbid_running_loop, loop_of
-from .._log import SLOW_FIRST_BATCH, loader_log, worker_log
+from .._log import SLOW_FIRST_BATCH, loader_log
 from .._stats import Collector, LoaderStats
-from .._tuning import DEFAULT_MAX_LIMIT, Controller, check_concurrency, check_hedge
-from .._util import check_int, usable_cpus
+from .._tuning import DEFAULT_MAX_LIMIT, Controller
 from ..data._batchsampler import BatchSampler
 from ..data._collate import default_collate, default_convert
-from ..data._dataset import fetch_mode, is_iterable_dataset
+from ..data._dataset import is_iterable_dataset
 from ..data._random import as_generator, draw_seed, rng_state
 from ..data._sampler import RandomSampler, SequentialSampler
 from ..pipeline._epoch import Epoch, MapEpoch
-from ..pipeline._failures import Failures, KnownFailed, check_max_failures
+from ..pipeline._failures import Failures, KnownFailed
 from ..pipeline._plan import FetchPlan
 from ..pipeline._results import Results
 from ..pipeline._sample_rng import seed_of
@@ -52,10 +52,11 @@ from ..streams._stream import Stream
 from ..workers._context import default_context, prepare_context, resolve_context
 from ..workers._pool_epoch import PoolEpoch
 from ..workers._processes import WorkerPool
-from ..workers._worker import WorkerSetup
+from ._arguments import check_batching, check_hedge_after, check_loading, warn_worker_number
 from ._checkpoint import _EpochRecord, load_state, state_of
-from ._epochs import EpochKind, IterableEpochs, MapEpochs, Skip
+from ._epochs import AlreadyDelivered, EpochKind, IterableEpochs, MapEpochs
 from ._pin_memory import _pin_memory_transform, _require_torch
+from ._workers import pool_epoch
 
 __all__ = ("AsyncDataLoaderIter", "DataLoader", "DataLoaderIter")
 
@@ -63,40 +64,7 @@ _now = time.perf_counter_ns
 
 T_co = TypeVar("T_co", covariant=True)
 
-DEFAULT_PREFETCH_FACTOR = 2
-
 _FROZEN = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
-
-
-def _check_process_limit(num_workers: int) -> None:
-    """Refuse more workers than this user may run processes (``ulimit -u``): starting them
-    would fail only after creating as many as the system allows, one by one (torch only
-    warns, then does that)."""
-    try:
-        import resource
-    except ImportError:  # not on this platform
-        return
-    limit = resource.getrlimit(resource.RLIMIT_NPROC)[0]
-    if limit != resource.RLIM_INFINITY and num_workers > limit:
-        raise ValueError(
-            f"num_workers={num_workers} is more worker processes than this user may run "
-            f"(RLIMIT_NPROC, `ulimit -u`: {limit})"
-        )
-
-
-def _check_hedgeable(dataset: Any, batched: bool) -> None:
-    """Refuse ``hedge_after`` where nothing would be hedged: it hedges the item fetches of a
-    map-style dataset's ``async def __getitem__`` (a fetch may not be idempotent, so it is
-    never hedged unless asked for)."""
-    if is_iterable_dataset(dataset):
-        raise ValueError("hedge_after hedges the item fetches of a map-style dataset; an "
-                         "iterable dataset's samples come in one stream")
-    if fetch_mode(dataset) != "async":
-        raise ValueError("hedge_after hedges the fetches of an async dataset (async def "
-                         "__getitem__); this dataset's __getitem__ is synchronous")
-    if batched and getattr(dataset, "__getitems__", None):
-        raise ValueError("hedge_after hedges item fetches (async def __getitem__); this "
-                         "dataset's batches come from one __getitems__ call each")
 
 
 class DataLoader(Generic[T_co]):
@@ -316,37 +284,11 @@ class DataLoader(Generic[T_co]):
         max_concurrency_limit: int | None = None,
         hedge_after: float | None = None,
     ) -> None:
-        if num_workers < 0:
-            raise ValueError(
-                "num_workers option should be non-negative; "
-                "use num_workers=0 to disable multiprocessing."
-            )
-        # torch raises these (its range() calls) at the first iteration; here, at once.
-        operator.index(num_workers)
-        _check_process_limit(num_workers)
-        if timeout < 0:
-            raise ValueError("timeout option should be non-negative")
-        # Unlike torch, prefetch_factor means something without workers (the loop prefetches).
-        if prefetch_factor is None:
-            prefetch_factor = DEFAULT_PREFETCH_FACTOR
-        elif prefetch_factor < 0:
-            raise ValueError("prefetch_factor option should be non-negative")
-        else:
-            operator.index(prefetch_factor)
-        if persistent_workers and num_workers == 0:
-            raise ValueError("persistent_workers option needs num_workers > 0")
-        max_concurrency = cast(Any, check_concurrency("max_concurrency", max_concurrency,
-                                                      allow_none=True))
-        if max_concurrency_limit is not None:
-            check_int("max_concurrency_limit", max_concurrency_limit)
-            if max_concurrency != "auto":
-                raise ValueError(
-                    "max_concurrency_limit bounds max_concurrency='auto', but got "
-                    f"max_concurrency={max_concurrency!r}")
-        hedge_after = cast(Any, check_hedge("hedge_after", hedge_after, auto=False))
-        if hedge_after is not None:
-            _check_hedgeable(dataset, batch_size is not None or batch_sampler is not None)
-
+        prefetch_factor, max_failures = check_loading(
+            num_workers, timeout, prefetch_factor, persistent_workers, max_concurrency,
+            max_failures, max_concurrency_limit)
+        hedge_after = check_hedge_after(hedge_after, dataset,
+                                        batch_size is not None or batch_sampler is not None)
         self.dataset = dataset
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
@@ -358,49 +300,15 @@ class DataLoader(Generic[T_co]):
         self.max_concurrency = max_concurrency
         self.max_concurrency_limit = max_concurrency_limit
         self.hedge_after = hedge_after
-        self.max_failures: int | float = check_max_failures(max_failures)
+        self.max_failures: int | float = max_failures
         # "auto" concurrency: the controller, kept from epoch to epoch (made by the first
         # epoch's plan), and a loaded state waiting for it.
         self._tuner: Controller | None = None
         self._tuner_state: dict[str, Any] | None = None
 
         iterable = is_iterable_dataset(dataset)
-        if iterable:
-            if shuffle not in {False, None}:
-                raise ValueError(
-                    "DataLoader with IterableDataset: expected unspecified shuffle option, "
-                    f"but got shuffle={shuffle}"
-                )
-            if sampler is not None:
-                raise ValueError(
-                    "DataLoader with IterableDataset: expected unspecified sampler option, "
-                    f"but got sampler={sampler}"
-                )
-            if batch_sampler is not None:
-                raise ValueError(
-                    "DataLoader with IterableDataset: expected unspecified batch_sampler "
-                    f"option, but got batch_sampler={batch_sampler}"
-                )
-        else:
-            shuffle = bool(shuffle)
-
-        if sampler is not None and shuffle:
-            raise ValueError("sampler option is mutually exclusive with shuffle")
-
-        if batch_sampler is not None:
-            if batch_size != 1 or shuffle or sampler is not None or drop_last:
-                raise ValueError(
-                    "batch_sampler option is mutually exclusive "
-                    "with batch_size, shuffle, sampler, and "
-                    "drop_last"
-                )
-            batch_size = None
-            drop_last = False
-        elif batch_size is None and drop_last:
-            raise ValueError(
-                "batch_size=None option disables auto-batching "
-                "and is mutually exclusive with drop_last"
-            )
+        batch_size, shuffle, drop_last = check_batching(
+            iterable, batch_size, shuffle, sampler, batch_sampler, drop_last)
 
         # One Generator for the loader: it seeds the random sampler and every base_seed.
         self.generator = generator
@@ -443,7 +351,7 @@ class DataLoader(Generic[T_co]):
         # Checkpoints: the latest epoch's record, and a loaded state the next epoch resumes.
         self._record: _EpochRecord | None = None
         self._resume_state: dict[str, Any] | None = None
-        self._resume_skip: Skip | None = None
+        self._resume_skip: AlreadyDelivered | None = None
         self._resume_seed: int | None = None  # the persistent workers' seed of a resumed run
         self._resume_failures: tuple[int, list[Any]] | None = None  # its failures so far
         self._stats: Collector | None = None  # the statistics of the latest epoch
@@ -540,24 +448,8 @@ class DataLoader(Generic[T_co]):
         workers = self.num_workers
         if workers == 0 or (self.persistent_workers and self._pool is not None):
             return
-        cpus, cpuset = usable_cpus()
-        if cpus is not None and workers <= cpus:
-            return
-        if cpus is None:
-            suggestion = ("DataLoader is not able to compute a suggested max number of worker "
-                          "in current system.")
-        else:
-            suggestion = (f"Our suggested max number of worker in current system is {cpus}"
-                          f"{'' if cpuset else ' (`cpuset` is not taken into account)'}, which "
-                          "is smaller than what this DataLoader is going to create.")
-        warnings.warn(
-            f"This DataLoader will create {workers} worker processes in total. {suggestion} "
-            "Please be aware that excessive worker creation might get DataLoader running slow "
-            "or even freeze, lower the worker number to avoid potential slowness/freeze if "
-            "necessary.",
-            # The `async for` (the synchronous facade's loop for `for`), or the construction.
-            stacklevel=stacklevel,
-        )
+        # One frame more to the caller's: this one.
+        warn_worker_number(workers, stacklevel + 1)
 
     async def aclose(self) -> None:
         """Stop every epoch in progress and wait until their fetches have ended; stop workers.
@@ -610,9 +502,11 @@ class DataLoader(Generic[T_co]):
 
     # The epoch's plan ------------------------------------------------------------------------
     def _plan(self, transform: Callable[[Any], Any] | None, remote: PoolEpoch | None = None,
-              epoch: int = 0, here: bool = False) -> FetchPlan:
+              setup: EpochSetup | None = None, here: bool = False) -> FetchPlan:
         """The plan of an epoch in this process (or a worker's), or whose jobs go to ``remote``;
-        ``here``: one on the sync ``for``'s own thread (see :meth:`FetchPlan.for_dataset`)."""
+        ``setup``: the epoch it is for, which its statistics and failure budget are built from
+        too (None: a plan asked what it would decide, or the workers'); ``here``: one on the
+        sync ``for``'s own thread (see :meth:`FetchPlan.for_dataset`)."""
         plan = FetchPlan.for_dataset(
             self.dataset,
             iterable=isinstance(self._kind, IterableEpochs),
@@ -625,7 +519,7 @@ class DataLoader(Generic[T_co]):
             num_workers=self.num_workers,
             prefetch_factor=self.prefetch_factor,
             seed=None if isinstance(self._kind, IterableEpochs) else self.sample_seed,
-            epoch=epoch,
+            setup=setup,
             here=here,
             max_concurrency_limit=self.max_concurrency_limit or DEFAULT_MAX_LIMIT,
             tuner=self._tuner,
@@ -738,48 +632,13 @@ class DataLoader(Generic[T_co]):
         """
         load_state(self, state)
 
-    def _remote(self, base_seed: int, epoch: int) -> PoolEpoch:
-        """This epoch's use of the worker processes: the persistent pool when it is free."""
-        pool = self._pool
-        if pool is not None and (pool.closed or pool.broken):
-            if pool.broken:
-                worker_log.warning("restarting the persistent workers after an earlier error")
-            pool.shutdown()
-            pool = self._pool = None
-        # The workers' budget (none, or the unlimited one they report under) is fixed at their
-        # start: a budget turned on or off between epochs needs other workers (a free pool is
-        # restarted, keeping its seed; a busy one is left to its epoch).
-        stale = pool is not None and (pool.setup.plan.failures is None) == bool(
-            self.max_failures)
-        if pool is not None and stale and pool.holder is None:
-            worker_log.info("restarting the persistent workers: max_failures is now %r",
-                            self.max_failures)
-            pool.shutdown()
-            pool = self._pool = None
-        if pool is not None and not stale and (pool.holder is None or pool.holder.stopping):
-            return self._kind.pool_epoch(pool, epoch)
-        plan = self._plan(None)
-        plan.stats = Collector(plan.mode, auto_batch=plan.auto_batch)  # the workers' items
-        if self.max_failures:  # a worker reports its failures; the budget is counted here
-            plan.failures = Failures(math.inf)
-            plan.failures.sources_of = source_stats
-        setup = WorkerSetup(
-            plan=plan,
-            serve=self._kind.serve,
-            base_seed=base_seed,
-            num_workers=self.num_workers,
-            worker_init_fn=self.worker_init_fn,
-            prefetch=self.prefetch_factor,
-        )
-        context = self._context()
-        prepare_context(context, warm=False)
-        # A second epoch while the persistent pool serves a live one gets workers of its own.
-        persistent = self.persistent_workers and pool is None
-        pool = WorkerPool(setup, context, persistent=persistent)
-        if persistent:
-            self._pool = pool
-            weakref.finalize(self, pool.shutdown)
-        return self._kind.pool_epoch(pool, epoch)
+    def _started(self, epoch: Epoch) -> None:
+        """``epoch`` has started: its statistics are the loader's latest, and closing the
+        loader stops it."""
+        self._stats_epochs += 1
+        self._stats = epoch.plan.stats
+        self._epochs = {e for e in self._epochs if not e.done.is_set()}
+        self._epochs.add(epoch)
 
     def __repr__(self) -> str:
         return (
@@ -816,7 +675,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         start = rng_state(loader._rng)
         base_seed, drawn = loader._base_seed()
         self.base_seed: int = base_seed
-        self._skip = loader._resume_skip or Skip(0)
+        self._skip = loader._resume_skip or AlreadyDelivered(0)
         self._resumed_failures = loader._resume_failures
         loader._resume_skip = loader._resume_failures = None
         loader._resume_state = None
@@ -915,7 +774,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         if loader.num_workers > 0:
             return 0
         if plan is None:
-            plan = loader._plan(None, epoch=self.epoch)
+            plan = loader._plan(None)
         if plan.mode == "inline":
             return 0
         return 2 * plan.window + max(1, loader.prefetch_factor)
@@ -936,58 +795,54 @@ class AsyncDataLoaderIter(Generic[T_co]):
         if self._asked is not None:
             self._asked(self._calls + self._ahead())
 
+    def _setup(self) -> EpochSetup:
+        """What this epoch is built from, decided as it starts (see
+        :class:`~aloader._epoch_setup.EpochSetup`)."""
+        loader = self._loader
+        resumed = self._resumed_failures  # the budget goes on where the checkpoint left it
+        return EpochSetup(
+            epoch=self.epoch,
+            base_seed=self.base_seed,
+            kind="iterable" if isinstance(loader._kind, IterableEpochs) else "map",
+            num_workers=loader.num_workers,
+            prefetch_factor=loader.prefetch_factor,
+            stats_epoch=loader._stats_epochs,
+            max_failures=loader.max_failures,
+            samples=loader._epoch_samples() if loader.max_failures else None,
+            resumed_failures=None if resumed is None else (resumed[0], tuple(resumed[1])),
+            sources=tuple(source_stats(loader.dataset)),
+            sources_of=source_stats,
+        )
+
     def _start(self, here: bool = False) -> Epoch:
         """Start the epoch (with ``here``, an iterable one on the consumer's call: see
-        :meth:`_start_here`)."""
+        :meth:`_start_here`): its plan, and through it its statistics and failure budget, are
+        built from one :meth:`_setup`."""
         loader = self._loader
         kind = loader._kind
         results = Results(loader.prefetch_factor, loader.in_order)
         transform = _pin_memory_transform(loader)
+        setup = self._setup()
         # Workers or not: decided here, once per epoch (num_workers may change between epochs).
-        resumed = self._resumed_failures
-        if isinstance(kind, IterableEpochs):
-            kind.base_seed = self.base_seed  # the seeds a resumed epoch's replicas see
         epoch: Epoch
         if loader.num_workers > 0:
-            remote = loader._remote(self.base_seed, loader._claim_epoch(self.epoch))
             # The batches the consumer took (the sync facade's pump runs ahead of it).
             record, before = self._record, self._record.yielded
-            remote.taken = lambda: record.yielded - before
-            plan = loader._plan(transform, remote, self.epoch)
+            remote = pool_epoch(loader, self.base_seed, loader._claim_epoch(self.epoch),
+                                lambda: record.yielded - before)
+            plan = loader._plan(transform, remote, setup)
             epoch = (kind.on_workers(plan, results, remote, self._draw())
                      if isinstance(kind, MapEpochs) else kind.on_workers(plan, results, remote))
         else:
-            remote = None
-            plan = loader._plan(transform, epoch=self.epoch, here=here)
+            plan = loader._plan(transform, setup=setup, here=here)
             epoch = (kind.local(plan, results, self._draw(plan)) if isinstance(kind, MapEpochs)
-                     else kind.local(plan, results, here=here))
-        plan = epoch.plan
-        if loader.max_failures:
-            self.failures = plan.failures = Failures(loader.max_failures,
-                                                     loader._epoch_samples())
-            self.failures.sources_of = source_stats
-            if resumed is not None:  # the budget goes on where the checkpoint left it
-                self.failures.restore(*resumed)
-            self._record.failures = self.failures
-            if remote is not None:
-                remote.failures = self.failures
-        stats = self._stats = plan.stats = Collector(
-            plan.mode, plan.concurrency if plan.granularity == "item" else plan.window,
-            max(1, loader.prefetch_factor), loader._stats_epochs, loader.num_workers,
-            "iterable" if isinstance(kind, IterableEpochs) else "map", plan.auto_batch,
-        )
-        stats.sources = source_stats(loader.dataset)
-        stats.tuner = plan.tuner
-        if self.failures is not None:
-            self.failures.stats = stats
-            stats.failed = self.failures.count  # a resumed epoch's, from the checkpoint
-        loader._stats_epochs += 1
-        loader._stats = stats
-        if remote is not None:
-            remote.stats = stats
+                     else kind.local(plan, results, here=here, base_seed=self.base_seed))
+        # The iterator's own view of its epoch; the record (what a checkpoint says of the
+        # epoch, which the iterator keeps up to date) holds the budget for state_dict().
+        self.failures = self._record.failures = epoch.plan.failures
+        self._stats = epoch.plan.stats
         epoch.start()
-        loader._epochs = {e for e in loader._epochs if not e.done.is_set()}
-        loader._epochs.add(epoch)
+        loader._started(epoch)
         return epoch
 
     async def __anext__(self) -> T_co:

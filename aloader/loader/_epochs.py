@@ -63,8 +63,8 @@ from ..streams._stream import Stream
 from ..workers._pool_epoch import MapPoolEpoch, PoolEpoch, ReplicaPoolEpoch
 from ..workers._worker import ServeReplica, ServeTasks, replica_copy
 
-__all__ = ("EpochKind", "InlineIterableEpoch", "IterableEpochs", "MapEpochs", "Progress", "Skip",
-           "VirtualReplicas")
+__all__ = ("AlreadyDelivered", "EpochKind", "InlineIterableEpoch", "IterableEpochs", "MapEpochs",
+           "Progress", "VirtualReplicas")
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class Progress:
 
 
 @dataclass(frozen=True)
-class Skip:
+class AlreadyDelivered:
     """The batches a resumed map-style epoch leaves out: its first ``prefix`` ones and those
     numbered in ``delivered``."""
 
@@ -110,13 +110,13 @@ class Skip:
         return number
 
 
-def _without(keys: Iterator[Any], skip: Skip) -> Iterator[Any]:
+def _without(keys: Iterator[Any], skip: AlreadyDelivered) -> Iterator[Any]:
     for number, key in enumerate(keys, skip.prefix):
         if number not in skip.delivered:
             yield key
 
 
-async def _askip(keys: AsyncIterator[Any], skip: Skip) -> AsyncIterator[Any]:
+async def _askip(keys: AsyncIterator[Any], skip: AlreadyDelivered) -> AsyncIterator[Any]:
     number = 0
     async for key in keys:
         if number >= skip.prefix and number not in skip.delivered:
@@ -141,10 +141,10 @@ class MapEpochs:
         self.serve = ServeTasks()
         # What the latest epoch was drawn from (taken by begin()), and the next epoch's skip.
         self._start_state: Any = None
-        self.resume: Skip | None = None
+        self.resume: AlreadyDelivered | None = None
         # A resumed epoch's failed samples, left out of its keys (see aloader.pipeline._failures).
         self.known_failed: KnownFailed | None = None
-        self.loaded_skip: Skip | None = None
+        self.loaded_skip: AlreadyDelivered | None = None
         # Set by keys(): where the consumer tells an epoch drawn as torch's sampler draws it
         # (aloader.data._sampler.TorchDraws), or drawn on its calls
         # (aloader.pipeline._keys.PacedKeys),
@@ -203,7 +203,7 @@ class MapEpochs:
                             f"after the prefix ({prefix}), but got {delivered!r}")
         state = sub.get("sampler")
         load_sampler_state(self.index_sampler, state, apply=False)
-        skip = Skip(prefix, frozenset(delivered))
+        skip = AlreadyDelivered(prefix, frozenset(delivered))
         distributed = self._distributed()
         inner = state.get("sampler") if self.auto_collation and isinstance(state, dict) else (
             state
@@ -219,7 +219,7 @@ class MapEpochs:
             distributed._resume_elastic(
                 inner, prefix * size, [[d * size, (d + 1) * size] for d in sorted(delivered)]
             )
-            skip = Skip(0)
+            skip = AlreadyDelivered(0)
         self.loaded_skip = skip
 
     def length(self) -> int:
@@ -270,7 +270,8 @@ class MapEpochs:
         if not skip.delivered:
             return keys
         if isinstance(keys, AsyncIterator):
-            return _askip(keys, Skip(0, frozenset(d - skip.prefix for d in skip.delivered)))
+            return _askip(keys, AlreadyDelivered(
+                0, frozenset(d - skip.prefix for d in skip.delivered)))
         return _without(keys, skip)
 
     def _keys(self, skip: int) -> Iterator[Any] | AsyncIterator[Any]:
@@ -296,7 +297,7 @@ class MapEpochs:
         aiter_ = getattr(sampler, "__aiter__", None)
         if aiter_ is not None:
             keys = cast(AsyncIterator[Any], aiter_())
-            return keys if not skip else _askip(keys, Skip(skip))
+            return keys if not skip else _askip(keys, AlreadyDelivered(skip))
         return itertools.islice(cast(Iterator[Any], iter(sampler)), skip, None)
 
     def local(self, plan: FetchPlan, results: Results, keys: Iterator[Any] | AsyncIterator[Any]
@@ -341,9 +342,6 @@ class IterableEpochs:
         self.auto_collation = batch_size is not None
         self.serve = ServeReplica(batch_size, drop_last)
         self._len_called: int | None = None
-        #: This epoch's ``base_seed`` (set by the loader as each epoch starts): the virtual
-        #: replicas of an epoch resumed here see the seeds of the workers they stand for.
-        self.base_seed = 0
 
     def length(self) -> int:
         """torch's length of an iterable loader: the dataset's length in batches.
@@ -375,14 +373,16 @@ class IterableEpochs:
         return (plain and (pending is None or pending["num_workers"] == 0)
                 and not is_async_callable(collate_fn))
 
-    def local(self, plan: FetchPlan, results: Results, *, here: bool = False) -> Epoch:
+    def local(self, plan: FetchPlan, results: Results, *, here: bool = False,
+              base_seed: int = 0) -> Epoch:
         """An epoch iterating the dataset in this process (from a loaded state, if any; one
-        saved with workers runs its replicas here, see :class:`VirtualReplicas`); with
-        ``here`` (only where :meth:`loopless` says so), one made on the consumer's call with
-        no event loop (:class:`InlineIterableEpoch`)."""
+        saved with workers runs its replicas here, see :class:`VirtualReplicas`, which see
+        the seeds of the workers they stand for: ``base_seed + id``); with ``here`` (only
+        where :meth:`loopless` says so), one made on the consumer's call with no event loop
+        (:class:`InlineIterableEpoch`)."""
         pending = self._pending
         if pending is not None and pending["num_workers"] > 0:
-            return self._virtual_local(plan, results, pending)
+            return self._virtual_local(plan, results, pending, base_seed)
         parsed = None if pending is None else parse(self.dataset, pending["replicas"][0], (0, 1))
         source, snapshot = open_replica(self.dataset, parsed)
         self._began(snapshot(0, False), plan.epoch)
@@ -391,8 +391,8 @@ class IterableEpochs:
                                        self.batch_size, self.drop_last, snapshot)
         return IterableEpoch(plan, results, source, self.batch_size, self.drop_last, snapshot)
 
-    def _virtual_local(self, plan: FetchPlan, results: Results, pending: dict[str, Any]
-                       ) -> Epoch:
+    def _virtual_local(self, plan: FetchPlan, results: Results, pending: dict[str, Any],
+                       base_seed: int) -> Epoch:
         count, turn, states = pending["num_workers"], pending["turn"], pending["replicas"]
         dataset = self.dataset
         # The epoch the saved workers served: a stream's own copy claims it (as when its
@@ -402,7 +402,7 @@ class IterableEpochs:
         lanes = []
         for w, state in enumerate(states):
             replica = replica_copy(dataset)
-            info = WorkerInfo(id=w, num_workers=count, seed=self.base_seed + w,
+            info = WorkerInfo(id=w, num_workers=count, seed=base_seed + w,
                               dataset=replica)
             lanes.append(_Lane(replica, parse(replica, state, (w, count)), info, epoch))
         self._began(("workers", tuple(begin), turn), plan.epoch)

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 
 import anyio
 import numpy as np
@@ -28,12 +28,16 @@ from .._tuning import Controller, Hedger, on_throttled
 from .._util import is_async_callable, is_awaitable, resolve
 from ..data._collate import ColumnBatch, default_collate
 from ..data._dataset import aiter_of, fetch_mode
+from ..data._fetch import DatasetFetchMode
 from ._errors import _note
 from ._failures import KNOWN_FAILED, Failures
 from ._pull import _NOTHING, _pull_sync, _pull_sync_tolerant
-from ._results import SKIP
+from ._results import NO_BATCH
 from ._sample_rng import BATCH, Scope, scope_var
 from ._threads import _Abandon
+
+if TYPE_CHECKING:
+    from .._epoch_setup import EpochSetup
 
 __all__ = ("DEFAULT_MAX_CONCURRENCY", "FetchPlan", "Remote", "again_when_throttled",
            "window_for")
@@ -41,7 +45,9 @@ __all__ = ("DEFAULT_MAX_CONCURRENCY", "FetchPlan", "Remote", "again_when_throttl
 # Fetches in flight for async datasets when max_concurrency is not given.
 DEFAULT_MAX_CONCURRENCY = 64
 
-FetchMode = Literal["async", "inline", "thread", "process"]
+# How a plan fetches: as its dataset's own fetches run (an "inline" plan may also be a
+# "thread" dataset's on the consumer's thread), or in worker processes ("process").
+FetchMode: TypeAlias = DatasetFetchMode | Literal["process"]
 # How a job's data is fetched: one call per job, or one call per item with items overlapping.
 Granularity = Literal["job", "item"]
 
@@ -57,10 +63,12 @@ class Remote(Protocol):
     from it ends the epoch with that error. ``stop`` is called (from any thread) when the epoch
     is asked to stop, and ``close`` once the epoch has ended. ``fetch`` gets the job's
     sequence number in the epoch with its key, so that where and when the job runs may depend
-    on its place in the epoch rather than on the order its task wakes up in.
+    on its place in the epoch rather than on the order its task wakes up in, and the plan's
+    statistics and failure budget, into which it records what the workers counted.
     """
 
-    async def fetch(self, key: Any, seq: int) -> Any: ...
+    async def fetch(self, key: Any, seq: int, stats: Collector,
+                    failures: Failures | None) -> Any: ...
 
     async def serve(self) -> None: ...
 
@@ -136,7 +144,7 @@ class FetchPlan:
         num_workers: int = 0,
         prefetch_factor: int = 2,
         seed: int | None = None,
-        epoch: int = 0,
+        setup: EpochSetup | None = None,
         here: bool = False,
         max_concurrency_limit: int = 1024,
         tuner: Controller | None = None,
@@ -166,6 +174,10 @@ class FetchPlan:
         up to ``max_concurrency_limit`` fetches (items, or batch calls of ``__getitems__``);
         for a plan that fetches one call at a time (inline, iterable, remote) it does nothing.
 
+        An epoch's plan is built from its ``setup``, as are its statistics and its failure
+        budget (which the plan holds); without one (a plan asked only what it would decide,
+        or the workers' plan), the statistics count nothing for anyone and there is no budget.
+
         Args:
             dataset: the dataset.
             iterable: whether it is an iterable dataset (see
@@ -179,18 +191,20 @@ class FetchPlan:
             num_workers: how many worker processes ``remote`` has.
             prefetch_factor: the loader's ``prefetch_factor``.
             seed: the loader's sample seed (see :mod:`aloader.pipeline._sample_rng`), or None.
-            epoch: the loader's epoch number.
+            setup: the epoch the plan is for (see :mod:`aloader._epoch_setup`), or None.
             here: the plan of a sync ``for`` on its consumer's thread.
             max_concurrency_limit: the most fetches ``"auto"`` lets run.
             tuner: the controller of earlier epochs (``"auto"``), or None for a new one.
             hedge_after: seconds after which a late item fetch on the loop gets a second one.
         """
+        epoch = 0 if setup is None else setup.epoch
         auto = max_concurrency == "auto"
         if auto:
             max_concurrency = max_concurrency_limit
         assert not isinstance(max_concurrency, str)
         if remote is not None:
             window = max(1, prefetch_factor) * num_workers
+            stats, failures = _recorders(setup, "process", window, auto_batch)
             return cls(
                 dataset=dataset,
                 mode="process",
@@ -203,6 +217,8 @@ class FetchPlan:
                 remote=remote,
                 seed=seed,
                 epoch=epoch,
+                failures=failures,
+                stats=stats,
             )
         on_consumer = False
         if iterable:
@@ -244,6 +260,8 @@ class FetchPlan:
             if tuner is None:
                 tuner = Controller(concurrency, initial=None if item_level else window_for(
                     16, per_job))
+        stats, failures = _recorders(setup, mode, concurrency if item_level else window,
+                                     auto_batch, tuner)
         plan = cls(
             dataset=dataset,
             mode=mode,
@@ -256,6 +274,8 @@ class FetchPlan:
             transform=transform,
             seed=seed,
             epoch=epoch,
+            failures=failures,
+            stats=stats,
             on_consumer=on_consumer,
             tuner=tuner,
             per_job=per_job or 1,
@@ -361,9 +381,9 @@ class FetchPlan:
     # Synchronous halves, run inline on the loop or in a worker thread.
     def fetch_sync(self, key: Any) -> Any:
         """The samples of ``key``; with a failure budget, those that did not fail (a failing
-        batch call retried item by item), or :data:`SKIP` when none is left."""
+        batch call retried item by item), or :data:`NO_BATCH` when none is left."""
         if key is KNOWN_FAILED:
-            return SKIP
+            return NO_BATCH
         if self.failures is None:
             return self._fetch_sync(key)
         try:
@@ -381,14 +401,14 @@ class FetchPlan:
                 raise
             except Exception as exc:
                 self._absorbed(index, exc)
-        return samples if samples else SKIP
+        return samples if samples else NO_BATCH
 
     def _absorbed(self, index: Any, error: Exception) -> Any:
-        """:data:`SKIP` when the budget absorbs ``error``; else raise the job's error."""
+        """:data:`NO_BATCH` when the budget absorbs ``error``; else raise the job's error."""
         final = self.absorb(index, _note(error, f"raised while fetching index {index!r}"))
         if final is not None:
             raise final
-        return SKIP
+        return NO_BATCH
 
     def _fetch_sync(self, key: Any) -> Any:
         scope = self._scope()
@@ -410,8 +430,8 @@ class FetchPlan:
             scope_var.reset(token)
 
     def collate_sync(self, samples: Any) -> Any:
-        if samples is SKIP:  # every sample failed within the budget
-            return SKIP
+        if samples is NO_BATCH:  # every sample failed within the budget
+            return NO_BATCH
         started = _now()
         batch = self._call_collate(samples)
         batch = batch if self.transform is None else self.transform(batch)
@@ -454,11 +474,11 @@ class FetchPlan:
             in_flight = self.stats.in_flight
             in_flight.change(1, _now())
             try:
-                return await self.remote.fetch(key, seq)
+                return await self.remote.fetch(key, seq, self.stats, self.failures)
             finally:
                 in_flight.change(-1, _now())
         if key is KNOWN_FAILED:
-            return SKIP
+            return NO_BATCH
         if self.failures is None:
             return await self._fetch(key, limiter)
         try:
@@ -472,7 +492,7 @@ class FetchPlan:
                 samples.append((await self._fetch([index], limiter))[0])
             except Exception as exc:
                 self._absorbed(index, exc)
-        return samples if samples else SKIP
+        return samples if samples else NO_BATCH
 
     async def _fetch(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
         """:meth:`_fetch_once`, made again as long as the dataset raises :class:`Throttled`."""
@@ -624,10 +644,10 @@ class FetchPlan:
         return self._collate_plain is True
 
     def collate_now(self, samples: Any) -> Any:
-        """:meth:`collate` without an await: for SKIP, a remote's batch, or where the plan
+        """:meth:`collate` without an await: for NO_BATCH, a remote's batch, or where the plan
         :attr:`collates_on_loop`."""
-        if samples is SKIP:  # every sample failed within the budget, or none came
-            return SKIP
+        if samples is NO_BATCH:  # every sample failed within the budget, or none came
+            return NO_BATCH
         if self.remote is not None:  # collated by the worker
             batch = samples
         else:
@@ -647,7 +667,7 @@ class FetchPlan:
         stage before, when the caller has one)."""
         if self.collate_in_thread:
             return await self.in_thread(self.collate_sync, samples, limiter=limiter)
-        if samples is SKIP or self.remote is not None:
+        if samples is NO_BATCH or self.remote is not None:
             return self.collate_now(samples)
         if started is None:
             started = _now()
@@ -677,6 +697,18 @@ async def again_when_throttled(fetch: Callable[[Any], Awaitable[Any]], key: Any,
             return await fetch(key)
         except Throttled as exc:
             error, in_a_row = exc, in_a_row + 1
+
+
+def _recorders(setup: EpochSetup | None, mode: FetchMode, in_flight_limit: int,
+               auto_batch: bool, tuner: Controller | None = None
+               ) -> tuple[Collector, Failures | None]:
+    """The statistics and the failure budget of the epoch ``setup`` describes, for a plan
+    that fetches in ``mode`` with at most ``in_flight_limit`` fetches in flight (or as many
+    as ``tuner``, ``"auto"`` concurrency's controller, allows)."""
+    if setup is None:
+        return Collector(), None
+    stats = Collector.for_epoch(setup, mode, in_flight_limit, auto_batch, tuner)
+    return stats, Failures.for_epoch(setup, stats) if setup.max_failures else None
 
 
 def window_for(concurrency: int, batch_size: int | None) -> int:

@@ -87,7 +87,7 @@ from .. import _workerinfo
 from .._workerinfo import WorkerInfo, _set_worker_info, get_worker_info
 from ..pipeline._epoch import IterableEpoch, MapEpoch
 from ..pipeline._plan import FetchPlan
-from ..pipeline._results import SKIP, Results
+from ..pipeline._results import NO_BATCH, Results
 from ..streams._resume import open_replica, parse
 from ..streams._sourcestats import StatsReporter, source_stats
 from . import _shm, _spawn
@@ -432,7 +432,7 @@ class _WorkerServer:
         return self.working() or bool(self._readable.poll(0))
 
     def send(self, job: int, status: Status, value: Any, meta: Any = None) -> None:
-        empty = value is SKIP  # every sample failed within the budget: no batch
+        empty = value is NO_BATCH  # every sample failed within the budget: no batch
         if empty:
             value = None
         self._unreported += 1
