@@ -620,6 +620,10 @@ def _source_counts(source: Any) -> dict[str, int]:
     """A source's counters in a snapshot; its cache's only once it used a cache."""
     counts = {"shards": source.shards, "records": source.records, "bytes": source.bytes,
               "skipped": source.skipped, "retries": source.retries}
+    if source.throttled or source.hedged:
+        counts.update(throttled=source.throttled, hedged=source.hedged)
+    if source.tuner is not None:
+        counts["concurrency"] = source.tuner.limit
     if source.cache_hits or source.cache_misses:
         counts.update(cache_hits=source.cache_hits, cache_misses=source.cache_misses,
                       cache_bytes=source.cache_bytes, cache_evicted=source.cache_evicted)
@@ -658,7 +662,12 @@ class SourceStats:
         bytes: the shards' content decoded, in bytes: after decompression (of a compressed
             shard or a coded HTTP body), counted as each chunk is fed to the decoder.
         skipped: malformed records skipped because ``skip_errors=True``.
-        retries: HTTP requests retried (connection errors, timeouts, 5xx).
+        retries: HTTP requests retried (connection errors, timeouts, 5xx): not those a
+            store throttled.
+        throttled: requests the store throttled (HTTP 429 and 503, S3's SlowDown), each
+            waited for (its ``Retry-After``, or a backoff) and made again: not failures, and
+            not counted against ``retries``.
+        hedged: second requests made for reads whose first byte was late (``hedge``).
         shards_dropped: shards this rank left unread in an epoch to read as many shards as
             every other rank (``even_ranks``; one per epoch at most, counted by its worker 0
             when the epoch starts).
@@ -684,16 +693,29 @@ class SourceStats:
     cache_misses: int = 0
     cache_bytes: int = 0
     cache_evicted: int = 0
+    throttled: int = 0
+    hedged: int = 0
     skipped_errors: deque[RecordError] = field(
         default_factory=lambda: deque(maxlen=_KEEP_ERRORS)
     )
+    #: The source's ``"auto"`` concurrency controller (None: a fixed concurrency).
+    tuner: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def concurrency(self) -> dict[str, Any] | None:
+        """With ``concurrency="auto"``: the source's controller now, its limit of shards read
+        at once, its estimates and history (as :attr:`LoaderStats.concurrency`); else None.
+        With loader workers, each worker's source tunes its own reads (this one's is the
+        state it started from)."""
+        return None if self.tuner is None else self.tuner.snapshot()
 
     def counts(self) -> tuple[int, ...]:
         """The counters (shards, records, bytes, skipped, retries, shards_dropped, repeated,
-        cache_hits, cache_misses, cache_bytes, cache_evicted), to diff against later."""
+        cache_hits, cache_misses, cache_bytes, cache_evicted, throttled, hedged), to diff
+        against later."""
         return (self.shards, self.records, self.bytes, self.skipped, self.retries,
                 self.shards_dropped, self.repeated, self.cache_hits, self.cache_misses,
-                self.cache_bytes, self.cache_evicted)
+                self.cache_bytes, self.cache_evicted, self.throttled, self.hedged)
 
     def since(self, before: tuple[int, ...]) -> tuple[Any, ...] | None:
         """What was counted since ``counts()`` returned ``before``, or None if nothing.
@@ -713,7 +735,7 @@ class SourceStats:
     def add(self, delta: tuple[Any, ...]) -> None:
         """Count what :meth:`since` returned (a worker's counts, in the loader's process)."""
         (shards, records, size, skipped, retries, dropped, repeated, hits, misses, cached,
-         evicted, errors) = delta
+         evicted, throttled, hedged, errors) = delta
         self.shards += shards
         self.records += records
         self.bytes += size
@@ -725,4 +747,6 @@ class SourceStats:
         self.cache_misses += misses
         self.cache_bytes += cached
         self.cache_evicted += evicted
+        self.throttled += throttled
+        self.hedged += hedged
         self.skipped_errors.extend(errors)

@@ -59,6 +59,7 @@ import math
 import random
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ._exceptions import Throttled
@@ -68,6 +69,7 @@ __all__ = (
     "MAX_THROTTLED",
     "Controller",
     "Hedger",
+    "ReadTuning",
     "check_concurrency",
     "check_hedge",
     "on_throttled",
@@ -466,6 +468,17 @@ class Controller:
         if self.limit >= self.maximum or self.phase == "startup":
             return None
         return "ceiling" if self._ceiling is not None else "knee"
+
+
+@dataclass
+class ReadTuning:
+    """What one source's remote reads share to tune themselves: the controller of its shards
+    read at once (``concurrency="auto"``) and the hedger of its late first bytes
+    (``hedge``); either may be None. Throttling answers and hedges are counted in the
+    source's statistics."""
+
+    tuner: Controller | None = None
+    hedger: Hedger | None = None
 
 
 class Hedger:
