@@ -296,59 +296,80 @@ async def _answer(transport: Transport, reading: Reading, hedger: Hedger,
     other request cancelled. Each answer's latency (its headers: the first byte of the
     exchange) feeds the hedger's percentile.
 
-    The attempts race in tasks that end before this yields (no task outlives the race); the
-    winner's context is then left here, in the reading task, as each transport allows (their
-    answers are plain objects, with no cancel scope across the yield).
+    The first request is made in the reading task itself, so that an answer in time is read
+    as an unhedged one is, at once (aiohttp raises a cut connection's error before the bytes
+    it buffered: a late reader would lose them); a watcher task sleeps through the delay and
+    makes the second request, and the first answer cancels the other. Both tasks end before
+    this yields; the winner's context is then left here, in the reading task, as each
+    transport allows (their answers are plain objects, with no cancel scope across a yield).
     """
     delay = hedger.delay()
+    opening = transport.open(reading)
+    started = time.perf_counter_ns()
+    if delay is None:  # not hedged (yet): its latency still counts
+        async with opening as part:
+            hedger.record(time.perf_counter_ns() - started)
+            yield part
+        return
     won: list[tuple[AbstractAsyncContextManager[Part | None], Part | None]] = []
     errors: list[BaseException] = []
-    running = 1
+    hedging = False  # the second request was made
+    second_done = anyio.Event()  # it answered, or failed
+    own = anyio.CancelScope()
 
-    async def attempt(scope: anyio.CancelScope, second: bool) -> None:
-        nonlocal running
-        opening = transport.open(reading)
-        started = time.perf_counter_ns()
-        try:
-            part = await opening.__aenter__()
-        except Exception as exc:
-            errors.append(exc)
-            running -= 1
-            if running == 0:
-                scope.cancel()
-            return
-        hedger.record(time.perf_counter_ns() - started)
-        if won:  # the other answered first: this one is dropped
-            with anyio.CancelScope(shield=True):
-                await opening.__aexit__(None, None, None)
-            return
-        won.append((opening, part))
-        hedger.won += second
-        scope.cancel()
-
-    async def later(scope: anyio.CancelScope) -> None:
-        nonlocal running
-        await anyio.sleep(delay or 0.0)
-        if not hedger.spend():
+    async def watch() -> None:
+        nonlocal hedging
+        await anyio.sleep(delay)
+        if won or not hedger.spend():
             return
         stats.hedged += 1
-        running += 1
-        await attempt(scope, True)
+        hedging = True
+        second = transport.open(reading)
+        began = time.perf_counter_ns()
+        try:
+            part = await second.__aenter__()
+        except Exception as exc:
+            errors.append(exc)
+            second_done.set()
+            return
+        hedger.record(time.perf_counter_ns() - began)
+        if won:  # the first answered meanwhile
+            with anyio.CancelScope(shield=True):
+                await second.__aexit__(None, None, None)
+            return
+        won.append((second, part))
+        hedger.won += 1
+        second_done.set()
+        own.cancel()
 
+    first_error: BaseException | None = None
     async with anyio.create_task_group() as group:
-        group.start_soon(attempt, group.cancel_scope, False)
-        if delay is not None:
-            group.start_soon(later, group.cancel_scope)
+        group.start_soon(watch)
+        with own:
+            try:
+                part = await opening.__aenter__()
+            except Exception as exc:
+                first_error = exc
+            else:
+                hedger.record(time.perf_counter_ns() - started)
+                if won:  # the second answered first
+                    with anyio.CancelScope(shield=True):
+                        await opening.__aexit__(None, None, None)
+                else:
+                    won.append((opening, part))
+        if first_error is not None and hedging:
+            await second_done.wait()  # the first failed with the second out: it may still do
+        group.cancel_scope.cancel()
     if not won:
-        raise errors[0]
-    opening, part = won[0]
+        raise first_error if first_error is not None else errors[0]
+    answer, part = won[0]
     try:
         yield part
     except BaseException as exc:
-        if not await opening.__aexit__(type(exc), exc, exc.__traceback__):
+        if not await answer.__aexit__(type(exc), exc, exc.__traceback__):
             raise
     else:
-        await opening.__aexit__(None, None, None)
+        await answer.__aexit__(None, None, None)
 
 
 def _check_version(transport: Transport, reading: Reading, part: Part) -> None:

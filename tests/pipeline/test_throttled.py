@@ -148,7 +148,7 @@ async def test_a_store_answering_429_through_the_dataset(serve: Any) -> None:
     files = {str(i): b"x" * i for i in range(20)}
     server = serve(files)
     for i in range(0, 20, 3):
-        server.fail(str(i), 429, times=2)
+        server.fail(str(i), 429, times=2, retry_after="0")
 
     class Remote:
         client: httpx.AsyncClient | None = None

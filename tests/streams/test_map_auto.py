@@ -83,7 +83,7 @@ async def test_a_throttled_call_waits_and_is_made_again_in_place(serve: Any) -> 
 
         for concurrency in (1, 5, "auto"):
             for i in range(0, 30, 4):
-                server.fail(str(i), 429, times=1)
+                server.fail(str(i), 429, times=1, retry_after="0")
             mapped = as_stream(range(30)).map(fetch, concurrency=concurrency)
             assert await collect(mapped) == list(range(30))
             assert mapped.throttled == 8  # type: ignore[attr-defined]
