@@ -468,7 +468,8 @@ class ShardedSource(Stream[T_co]):
         if not ctx.blocking and any(_remote(name) for name in names[first:]):
             # A connection per read-ahead slot (shard i reuses the keep-alive connection of
             # shard i - concurrency); a client_factory's one client is shared by all.
-            clients = _Clients(self.http, 1 if self.http.client_factory is not None else slots)
+            clients = _Clients(self.http, 1 if self.http.client_factory is not None else slots,
+                               hedging=self._tuning.hedger is not None)
         readers = [
             functools.partial(self._read, index, names[index],
                               None if clients is None else clients.slot(i),
