@@ -193,11 +193,10 @@ class Controller:
         minimum: the lowest limit.
     """
 
-    __slots__ = ("_best", "_busy", "_calm_until", "_ceiling", "_ceiling_until", "_count",
-                 "_cycle", "_draining", "_hold", "_latency", "_measuring", "_origin",
+    __slots__ = ("_best", "_calm_until", "_ceiling", "_ceiling_until", "_cycle", "_draining", "_hold", "_latencies", "_latency", "_measuring", "_origin",
                  "_probing", "_raised", "_rate", "_recorded", "_resume_limit", "_round",
                  "_stalls", "_start", "_unloaded", "history", "limit", "maximum", "minimum",
-                 "on_change", "phase", "throttles")
+                 "on_change", "phase", "record", "throttles")
 
     def __init__(self, maximum: int = DEFAULT_MAX_LIMIT, *, initial: int | None = None,
                  minimum: int = 1) -> None:
@@ -213,8 +212,11 @@ class Controller:
         self.history: deque[tuple[float, int, str]] = deque(maxlen=_HISTORY)
         self._origin: int | None = None  # the clock of the first report
         self._recorded = self.limit
-        self._count = 0  # completions in this round
-        self._busy = 0  # their latencies' sum (ns)
+        # The latencies (ns) of this round's completions so far. ``record`` appends one:
+        # a bare list append, for the loader's hot path, which then calls :meth:`tick` once
+        # per batch; :meth:`done` does both.
+        self._latencies: list[int] = []
+        self.record: Callable[[int], None] = self._latencies.append
         self._start: int | None = None  # this round's start
         self._round = max(_MIN_ROUND, self.limit)  # completions that end this round
         self._draining = False  # this round only lets a cut's excess come back
@@ -242,6 +244,7 @@ class Controller:
     def __setstate__(self, state: dict[str, Any]) -> None:
         for name, value in state.items():
             setattr(self, name, value)
+        self.record = self._latencies.append  # the copy's own list
 
     def resume(self, now: int) -> None:
         """Fetching starts again at ``now`` after a pause (a new epoch): the round under way
@@ -252,27 +255,32 @@ class Controller:
     # The hot path ---------------------------------------------------------------------------
     def done(self, latency: int, now: int) -> None:
         """A fetch completed at ``now`` after ``latency`` ns (its last attempt's)."""
-        self._busy += latency
-        self._count += 1
-        if self._count >= self._round:
+        self._latencies.append(latency)
+        if len(self._latencies) >= self._round:
+            self._end_round(now)
+
+    def tick(self, now: int) -> None:
+        """The completions :attr:`record` ed so far are in at ``now`` (a batch's end)."""
+        if len(self._latencies) >= self._round:
             self._end_round(now)
 
     # Rounds ---------------------------------------------------------------------------------
     def _restart(self, now: int, size: int | None = None, draining: bool = False) -> None:
         """Start a round at ``now`` of ``size`` completions (default: the limit's)."""
-        self._count = self._busy = 0
+        self._latencies.clear()
         self._start = now
         self._round = max(_MIN_ROUND, self.limit) if size is None else max(1, size)
         self._draining = draining
 
     def _end_round(self, now: int) -> None:
         start = self._start
+        latencies = self._latencies
+        count, busy = len(latencies), sum(latencies)
         if start is None:  # the first round: from the first fetch's start, near enough
-            start = now - self._busy // max(1, self._count)
+            start = now - busy // max(1, count)
             if self._origin is None:
                 self._origin = start
         span = max(1, now - start)
-        count, busy = self._count, self._busy
         if self._draining:
             self._restart(now)
             return
@@ -386,7 +394,7 @@ class Controller:
         self.phase = "steady"
         self._probing = False
         self._note(now, self.limit, "throttled")
-        if not self._latency and not self._count:
+        if not self._latency and not self._latencies:
             # Refused before anything completed: no rate to measure, cut and wait a while.
             self._calm_until = now + _CALM_NS
             self._set(self.limit * _CUT, now, "throttled")
@@ -449,7 +457,7 @@ class Controller:
         self._ceiling = numbers["ceiling"] / 1e9 or None
         self._ceiling_until = None  # its hold starts with the first round
         self._start = None
-        self._count = self._busy = 0
+        self._latencies.clear()
         self._round = max(_MIN_ROUND, self.limit)
         self._draining = self._measuring = self._probing = False
         if self.on_change is not None:

@@ -155,7 +155,14 @@ class DataLoader(Generic[T_co]):
         in_order: deliver batches in sampler order (True) or as soon as they are ready.
         max_concurrency: fetch calls in flight. Async datasets default to 64; synchronous
             datasets default to one batch call at a time in a worker thread, and with a value
-            fetch that many items at once in threads (for blocking I/O).
+            fetch that many items at once in threads (for blocking I/O). ``"auto"``: as many
+            as the store serves well, set by a controller from the fetches' measured
+            throughput and latency (it grows while throughput grows, backs off when latency
+            rises without it or when the dataset raises :class:`Throttled`; see
+            :mod:`aloader._tuning`), up to ``max_concurrency_limit``; it goes on from epoch
+            to epoch, its value and history are in :meth:`stats` (``concurrency``), its state
+            in :meth:`state_dict`. What the pipeline holds follows the limit as it would a
+            fixed ``max_concurrency``. With workers, each worker tunes its own fetches.
         max_failures: the failure budget of each epoch: an int is a count of samples, a
             float in (0, 1) a fraction of the epoch's samples. With a budget, a sample whose
             fetch raises is left out of its batch (a batch left with no sample is skipped),
@@ -164,6 +171,18 @@ class DataLoader(Generic[T_co]):
             error with its own type, as torch does. See :mod:`aloader.pipeline._failures` for
             ``__getitems__``, iterable datasets, streams and workers. It may change between
             epochs; with ``persistent_workers``, turning it on or off restarts the workers.
+        max_concurrency_limit: the most fetches ``max_concurrency="auto"`` lets run at once
+            (default 1024); only with ``"auto"``.
+        hedge_after: seconds after which an item fetch of an async ``__getitem__`` that has
+            not answered gets a second one (the first to answer is kept, the other
+            cancelled; at most 5% extra fetches, counted in ``stats().hedged``). Opt-in:
+            only for fetches that may be made twice (idempotent reads); each attempt draws
+            the sample's :func:`sample_rng` stream from its start.
+
+    A dataset whose store asks it to slow down raises :class:`Throttled` from
+    ``__getitem__`` (or ``__getitems__``): the loader waits (``retry_after``, or a backoff)
+    and fetches that index again, in order and exactly once, counted in ``stats().throttled``
+    and not as a failure; ``"auto"`` concurrency backs off.
     """
 
     dataset: Any

@@ -414,7 +414,9 @@ class MapEpoch(Epoch):
             scope_var.set(scope)
             fetch_var.set(0)  # not the number of a fetch this worker runs in (nested loaders)
         take, get = queue.take, queue.get
-        tuner = plan.tuner
+        # "auto": each item's latency, a bare list append; the controller looks at them once
+        # per batch (in _complete).
+        record = None if plan.tuner is None else plan.tuner.record
         if plan.hedge is not None:
             fetch = functools.partial(self._hedged, fetch)
         # The clock at the end of this worker's last fetch while nothing but bookkeeping has
@@ -454,8 +456,8 @@ class MapEpoch(Epoch):
                 fetching = IDLE
                 ended = _now()
                 add(ended - started)
-                if tuner is not None:
-                    tuner.done(ended - started, ended)
+                if record is not None:
+                    record(ended - started)
                 job.remaining -= 1
                 if job.remaining == 0:
                     ended = None
@@ -547,6 +549,9 @@ class MapEpoch(Epoch):
         the job does not wait for its output slot: it is deferred to the slot's freeing
         (:meth:`Results.defer`), and the worker goes on to other work."""
         results = self.results
+        tuner = self.plan.tuner
+        if tuner is not None and self.plan.mode != "thread":  # (threads report on their own)
+            tuner.tick(_now())
         if job.error is not None or self.plan.collates_on_loop:
             results.defer(job.seq, functools.partial(self._finish, job, window))
             return
