@@ -102,6 +102,7 @@ _RAISE = 1.05  # the ceiling's raise once its hold has passed
 _HOLD_NS = 30_000_000_000  # how long a ceiling holds before its first raise
 _MAX_HOLD_NS = 600_000_000_000
 _CALM_NS = 100_000_000  # the calm after a cut made with no latency known
+_EPISODE_NS = 200_000_000  # a throttling episode's refusals count for 4 latencies at least
 _HISTORY = 64  # changes kept in the history
 _HEDGE_BURST = 10.0  # hedges the budget may save up for stragglers that come together
 _NOTABLE = 1.25  # a change this large (either way) enters the history
@@ -193,10 +194,11 @@ class Controller:
         minimum: the lowest limit.
     """
 
-    __slots__ = ("_best", "_calm_until", "_ceiling", "_ceiling_until", "_cycle", "_draining", "_hold", "_latencies", "_latency", "_measuring", "_origin",
-                 "_probing", "_raised", "_rate", "_recorded", "_resume_limit", "_round",
-                 "_stalls", "_start", "_unloaded", "history", "limit", "maximum", "minimum",
-                 "on_change", "phase", "record", "throttles")
+    __slots__ = ("_best", "_calm_until", "_ceiling", "_ceiling_until", "_cycle", "_draining",
+                 "_hold", "_latencies", "_latency", "_origin", "_probing",
+                 "_raised", "_rate", "_recorded", "_resume_limit", "_round", "_episode",
+                 "_stalls", "_start", "_unloaded", "_window", "history", "limit", "maximum", "minimum",
+                 "on_change", "phase", "measuring", "record", "throttles")
 
     def __init__(self, maximum: int = DEFAULT_MAX_LIMIT, *, initial: int | None = None,
                  minimum: int = 1) -> None:
@@ -220,7 +222,11 @@ class Controller:
         self._start: int | None = None  # this round's start
         self._round = max(_MIN_ROUND, self.limit)  # completions that end this round
         self._draining = False  # this round only lets a cut's excess come back
-        self._measuring = False  # this round measures the rate the store lets through
+        self.measuring = False  # this round measures the rate the store lets through
+        # A throttling episode: the clock of its first and last refusals, the latency, the
+        # last clock a refusal extends it to; and the clocks of its completions.
+        self._window = (0, 0, 0, 0)
+        self._episode: list[int] = []
         self._rate = 0.0  # the last round's rate, per ns (0: none yet)
         self._latency = 0.0  # the last round's mean latency (ns)
         # The latencies of the last rounds (ns): the least is the latency with no queue.
@@ -247,9 +253,11 @@ class Controller:
         self.record = self._latencies.append  # the copy's own list
 
     def resume(self, now: int) -> None:
-        """Fetching starts again at ``now`` after a pause (a new epoch): the round under way
-        is dropped, as its span would count the pause."""
-        if self._start is not None:
+        """Fetching starts (again, after a pause: a new epoch) at ``now``: a round starts, and
+        one under way is dropped, as its span would count the pause."""
+        if self._origin is None:
+            self._origin = now
+        if not self.measuring:
             self._restart(now)
 
     # The hot path ---------------------------------------------------------------------------
@@ -281,6 +289,9 @@ class Controller:
             if self._origin is None:
                 self._origin = start
         span = max(1, now - start)
+        if self.measuring:
+            self._measure(now)
+            return
         if self._draining:
             self._restart(now)
             return
@@ -291,16 +302,6 @@ class Controller:
         self._latency = latency
         self._rate = rate
         self._cycle += 1
-        if self._measuring:  # a round at the limit the store throttled: its rate is the cap
-            self._measuring = False
-            self._calm_until = now + 2 * int(latency)
-            cap = _SHARE * rate
-            if self._ceiling is not None and cap >= self._ceiling:
-                cap = _SHARE * self._ceiling  # throttled at the ceiling itself: lower it
-            self._ceiling = cap
-            self._ceiling_until = now + self._hold
-            self._set(min(self.limit * _CUT_MAX, cap * latency), now, "ceiling")
-            return
         unloaded = self._unloaded
         unloaded.append(latency)
         least = min(unloaded)
@@ -351,6 +352,35 @@ class Controller:
             return
         self._set(target, now, "steady")
 
+    def _measure(self, now: int) -> None:
+        """A completion at ``now`` during a throttling episode (see :meth:`throttled`): the
+        episode ends once no refusal came for a latency and a half; then the successes of the
+        requests the store took while it refused others are its rate."""
+        self._episode.append(now)
+        first, last, latency, end = self._window
+        self._restart(now, 1, draining=True)  # one completion at a time, while it lasts
+        last = min(last, end)
+        if now < last + 1.5 * latency:
+            return
+        self.measuring = False
+        self._calm_until = now + 2 * int(latency)
+        # Requests the store took between its first and last refusals complete a latency
+        # later: those completions, over that span, are the rate it lets through.
+        low, high = first + latency, last + latency
+        taken = sum(1 for done in self._episode if low <= done <= high)
+        self._episode = []
+        self._restart(now)
+        if last - first < latency / 2 or taken < _MIN_ROUND:
+            # Too short to measure (a burst refused, not a rate): cut, set no ceiling.
+            self._set(self.limit * _CUT, now, "throttled")
+            return
+        cap = _SHARE * taken / (last - first)
+        if self._ceiling is not None and cap >= self._ceiling:
+            cap = _SHARE * self._ceiling  # throttled at the ceiling itself: lower it
+        self._ceiling = cap
+        self._ceiling_until = now + self._hold
+        self._set(min(self.limit * _CUT_MAX, cap * latency), now, "ceiling")
+
     def _set(self, limit: float, now: int, why: str) -> None:
         new = max(self.minimum, min(self.maximum, int(limit + 0.5)))
         old = self.limit
@@ -385,8 +415,12 @@ class Controller:
         completes (nothing to measure) cuts the limit at once.
         """
         self.throttles += 1
-        if now < self._calm_until or self._measuring:
-            return  # the same episode
+        if self.measuring:  # the same episode: its refusals so far
+            first, last, latency, end = self._window
+            self._window = (first, max(last, now), latency, end)
+            return
+        if now < self._calm_until:
+            return  # refusals of requests sent before the cut
         raised = self._raised
         if raised is not None and now - raised < self._hold:
             self._hold = min(_MAX_HOLD_NS, 2 * self._hold)  # the raise was too much
@@ -399,10 +433,14 @@ class Controller:
             self._calm_until = now + _CALM_NS
             self._set(self.limit * _CUT, now, "throttled")
             return
-        # The fetches in flight now were let in before the store ran out: their completions
-        # would overstate its rate, so they drain first, then a round measures it.
-        self._measuring = True
-        self._restart(now, self.limit, draining=True)
+        # The episode: the limit is kept while the store refuses (the refused fetches wait
+        # meanwhile, all at once, so the episode costs one wait), and each completion's time
+        # is noted, to count the requests it took while it refused others.
+        latency = int(self._latency)
+        self.measuring = True
+        self._window = (now, now, latency, now + max(4 * latency, _EPISODE_NS))
+        self._episode = []
+        self._restart(now, 1, draining=True)
 
     # Checkpoints and statistics -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -459,7 +497,8 @@ class Controller:
         self._start = None
         self._latencies.clear()
         self._round = max(_MIN_ROUND, self.limit)
-        self._draining = self._measuring = self._probing = False
+        self._draining = self.measuring = self._probing = False
+        self._episode = []
         if self.on_change is not None:
             self.on_change(self.limit)
 

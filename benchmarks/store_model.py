@@ -76,6 +76,15 @@ class _Store:
             return True
         return False
 
+    def _hand_over(self) -> None:
+        """A request is served: its slot goes to the first one waiting (not cancelled)."""
+        while self.queue:
+            waiter = self.queue.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.busy -= 1
+
     async def serve(self, name: int, first: int, last: int | None) -> tuple[int, list[bytes],
                                                                                   bytes]:
         if not self.take_token():
@@ -94,10 +103,7 @@ class _Store:
                 self.slow += 1
             await asyncio.sleep(service)
         finally:
-            if self.queue:
-                self.queue.popleft().set_result(None)
-            else:
-                self.busy -= 1
+            self._hand_over()
         body = self.bodies[name % len(self.bodies)]
         self.served += 1
         size = len(body)

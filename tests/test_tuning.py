@@ -194,49 +194,80 @@ def test_under_a_rate_limit_it_settles_just_below_it(rate: float, burst: float) 
     assert controller.held == "ceiling"
 
 
-def test_throttling_cuts_the_limit_after_measuring_the_rate() -> None:
+def test_a_throttling_episode_measures_the_rate_the_store_lets_through() -> None:
     controller = Controller(1024)
     controller.load_state_dict({"limit": 100, "phase": "steady", "latency": 0.1})
     now = 0
-    for _ in range(50):  # half a round at 100 in flight
+    for _ in range(120):  # a round at 100 in flight: its latency is 100 ms
         now += MS
         controller.done(100 * MS, now)
+    first, kept = now, controller.limit
     controller.throttled(now)
-    assert controller.throttles == 1 and controller.limit == 100  # measured first
-    for _ in range(5):  # the same episode: counted, nothing more
-        controller.throttled(now)
-    assert controller.throttles == 6
-    for _ in range(200):  # the fetches out at the throttle, then a round at 500/s
+    assert controller.throttles == 1 and controller.measuring
+    assert controller.limit == kept  # kept while the store refuses (one wait for all)
+    # For 300 ms the store refuses some requests and takes 500 a second: those it takes
+    # complete 100 ms later, one every 2 ms.
+    while now < first + 400 * MS:
+        now += 2 * MS
+        if now <= first + 300 * MS:
+            controller.throttled(now)
+        controller.done(100 * MS, now)
+    assert controller.measuring  # until no refusal came for a latency and a half
+    while controller.measuring:
         now += 2 * MS
         controller.done(100 * MS, now)
-    assert controller.state_dict()["ceiling"] == pytest.approx(0.97 * 500, rel=0.02)
-    assert controller.limit == int(min(90, 0.97 * 500 * 0.1) + 0.5)
+    assert controller.state_dict()["ceiling"] == pytest.approx(0.97 * 500, rel=0.03)
+    assert controller.limit == pytest.approx(0.97 * 500 * 0.1, abs=2)
+    assert [why for _, _, why in controller.history][-2:] == ["throttled", "ceiling"]
+
+
+def test_a_refused_burst_is_cut_without_a_ceiling() -> None:
+    controller = Controller(1024)
+    controller.load_state_dict({"limit": 100, "phase": "steady", "latency": 0.1})
+    now = 0
+    for _ in range(120):
+        now += MS
+        controller.done(100 * MS, now)
+    kept = controller.limit
+    controller.throttled(now)  # one refusal: no span to measure a rate over
+    while controller.measuring:
+        now += 2 * MS
+        controller.done(100 * MS, now)
+    assert controller.state_dict()["ceiling"] is None
+    assert controller.limit == int(kept * 0.8 + 0.5)
+
+
+def _ceiling_at(controller: Controller, start: int, rate: float, seconds: float) -> int:
+    """Drive ``controller`` at ``rate`` completions a second of 100 ms each from ``start``
+    for ``seconds``; returns the clock."""
+    now = start
+    step = int(SECOND / rate)
+    end = now + int(seconds * SECOND)
+    while now < end:
+        now += step
+        controller.done(100 * MS, now)
+    return now
 
 
 def test_the_ceiling_holds_then_rises_and_holds_longer_after_a_raise_that_was_too_much() -> None:
     controller = Controller(1024)
     controller.load_state_dict({"limit": 50, "phase": "steady", "latency": 0.1,
                                 "ceiling": 400.0})
-    now = 0
-
-    def rounds(seconds: float) -> None:
-        nonlocal now
-        end = now + int(seconds * SECOND)
-        while now < end:
-            now += 2 * MS
-            controller.done(100 * MS, now)
-
-    rounds(25)
+    now = _ceiling_at(controller, 0, 500, 25)
     assert controller.state_dict()["ceiling"] == 400.0  # held (the first hold is 30 s)
-    rounds(10)
+    now = _ceiling_at(controller, now, 500, 10)
     assert controller.state_dict()["ceiling"] == pytest.approx(420.0)  # raised 5%
-    assert controller.history[-1][2] == "ceiling raised" or any(
-        why == "ceiling raised" for _, _, why in controller.history)
-    controller.throttled(now)  # the raise was too much
-    rounds(1)
-    assert controller.state_dict()["ceiling"] < 420.0
+    assert any(why == "ceiling raised" for _, _, why in controller.history)
+    first = now
+    controller.throttled(now)  # the raise was too much: the store takes 400 a second
+    while controller.measuring:
+        now += int(SECOND / 400)
+        if now <= first + 300 * MS:
+            controller.throttled(now)
+        controller.done(100 * MS, now)
     before = controller.state_dict()["ceiling"]
-    rounds(50)  # the hold doubled to 60 s: no raise yet
+    assert before < 420.0
+    now = _ceiling_at(controller, now, 380, 50)  # the hold doubled to 60 s: no raise yet
     assert controller.state_dict()["ceiling"] == before
 
 

@@ -416,7 +416,8 @@ class MapEpoch(Epoch):
         take, get = queue.take, queue.get
         # "auto": each item's latency, a bare list append; the controller looks at them once
         # per batch (in _complete).
-        record = None if plan.tuner is None else plan.tuner.record
+        tuner: Any = plan.tuner
+        record = None if tuner is None else tuner.record
         if plan.hedge is not None:
             fetch = functools.partial(self._hedged, fetch)
         # The clock at the end of this worker's last fetch while nothing but bookkeeping has
@@ -458,6 +459,8 @@ class MapEpoch(Epoch):
                 add(ended - started)
                 if record is not None:
                     record(ended - started)
+                    if tuner.measuring:  # a throttling episode: every completion's time
+                        tuner.tick(ended)
                 job.remaining -= 1
                 if job.remaining == 0:
                     ended = None
