@@ -224,7 +224,7 @@ class Controller:
         self._draining = False  # this round only lets a cut's excess come back
         self.measuring = False  # this round measures the rate the store lets through
         # A throttling episode: the clock of its first and last refusals, the latency, the
-        # last clock a refusal extends it to; and the clocks of its completions.
+        # last clock a refusal extends it to; and the clocks its completed requests were sent.
         self._window = (0, 0, 0, 0)
         self._episode: list[int] = []
         self._rate = 0.0  # the last round's rate, per ns (0: none yet)
@@ -290,7 +290,7 @@ class Controller:
                 self._origin = start
         span = max(1, now - start)
         if self.measuring:
-            self._measure(now)
+            self._measure(now, [now - latency for latency in latencies])
             return
         if self._draining:
             self._restart(now)
@@ -352,11 +352,12 @@ class Controller:
             return
         self._set(target, now, "steady")
 
-    def _measure(self, now: int) -> None:
-        """A completion at ``now`` during a throttling episode (see :meth:`throttled`): the
-        episode ends once no refusal came for a latency and a half; then the successes of the
-        requests the store took while it refused others are its rate."""
-        self._episode.append(now)
+    def _measure(self, now: int, sent: list[int]) -> None:
+        """Completions at ``now`` during a throttling episode (see :meth:`throttled`), of
+        requests ``sent`` at those clocks: the episode ends once no refusal came for a
+        latency and a half; then the requests the store took while it refused others give
+        its rate."""
+        self._episode.extend(sent)
         first, last, latency, end = self._window
         self._restart(now, 1, draining=True)  # one completion at a time, while it lasts
         last = min(last, end)
@@ -364,17 +365,19 @@ class Controller:
             return
         self.measuring = False
         self._calm_until = now + 2 * int(latency)
-        # Requests the store took between its first and last refusals complete a latency
-        # later: those completions, over that span, are the rate it lets through.
-        low, high = first + latency, last + latency
-        taken = sum(1 for done in self._episode if low <= done <= high)
+        # The requests sent between its first and last refusals that it took (each sent at its
+        # completion's clock less its latency: the burst it took before it ran out is left
+        # out exactly). The pipeline may have stalled for a while meanwhile (in-order batches
+        # wait for the refused fetches' Retry-After), offering the store less than it takes:
+        # so the rate is that of the busiest latency-long stretch.
+        taken = _busiest(sorted(self._episode), first, last, max(latency, 1))
         self._episode = []
         self._restart(now)
         if last - first < latency / 2 or taken < _MIN_ROUND:
             # Too short to measure (a burst refused, not a rate): cut, set no ceiling.
             self._set(self.limit * _CUT, now, "throttled")
             return
-        cap = _SHARE * taken / (last - first)
+        cap = _SHARE * taken / min(max(latency, 1), last - first)
         if self._ceiling is not None and cap >= self._ceiling:
             cap = _SHARE * self._ceiling  # throttled at the ceiling itself: lower it
         self._ceiling = cap
@@ -526,6 +529,23 @@ class ReadTuning:
 
     tuner: Controller | None = None
     hedger: Hedger | None = None
+
+
+def _busiest(times: list[int], low: int, high: int, width: int) -> int:
+    """The most of ``times`` (sorted) in one of the stretches of ``width`` that cut
+    ``[low, high]`` (the last one only if at least half as long; the whole when shorter)."""
+    inside = [t for t in times if low <= t <= high]
+    if high - low <= width:
+        return len(inside)
+    best = count = 0
+    edge = low + width
+    for t in inside:
+        while t > edge:
+            best, count, edge = max(best, count), 0, edge + width
+        count += 1
+    if high - (edge - width) >= width / 2:
+        best = max(best, count)
+    return best
 
 
 class Hedger:
