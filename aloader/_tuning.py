@@ -195,10 +195,10 @@ class Controller:
     """
 
     __slots__ = ("_best", "_calm_until", "_ceiling", "_ceiling_until", "_cycle", "_draining",
-                 "_hold", "_latencies", "_latency", "_origin", "_probing",
-                 "_raised", "_rate", "_recorded", "_resume_limit", "_round", "_episode",
-                 "_stalls", "_start", "_unloaded", "_window", "history", "limit", "maximum", "minimum",
-                 "on_change", "phase", "measuring", "record", "throttles")
+                 "_episode", "_hold", "_latencies", "_latency", "_origin", "_probing", "_raised",
+                 "_rate", "_recorded", "_resume_limit", "_round", "_stalls", "_start",
+                 "_unloaded", "_window", "history", "limit", "maximum", "measuring", "minimum",
+                 "on_change", "phase", "record", "throttles")
 
     def __init__(self, maximum: int = DEFAULT_MAX_LIMIT, *, initial: int | None = None,
                  minimum: int = 1) -> None:

@@ -35,8 +35,8 @@ from typing import Any
 
 import aiohttp
 import numpy as np
-
 import store_model  # the script's folder is sys.path[0]
+
 from aloader import DataLoader, JsonLines, Throttled
 
 SERVICE = 0.25  # seconds per request at the knee's store

@@ -9,10 +9,10 @@ Run under callgrind, once per program and item count::
     grep summary x.out.2
 
 PROGRAM is ``bare``, ``loader``, ``loader-auto`` (``max_concurrency="auto"`` with its knee
-fixed at the loader's 512: the controller's cost), ``trio-bare`` or ``trio-loader``. The second dump holds
-exactly one epoch of N items, after a warm-up epoch of the same program (imports, first-use
-setup) and with the garbage collector's objects frozen. Two item counts give the cost per
-item, ``(count(2N) - count(N)) / N``, apart from the epoch's fixed cost.
+fixed at the loader's 512: the controller's cost), ``trio-bare`` or ``trio-loader``. The
+second dump holds exactly one epoch of N items, after a warm-up epoch of the same program
+(imports, first-use setup) and with the garbage collector's objects frozen. Two item counts
+give the cost per item, ``(count(2N) - count(N)) / N``, apart from the epoch's fixed cost.
 
 Under callgrind every 5 ms sleep has expired by the next turn of the loop, so the counts are
 those of a fully CPU-bound epoch. On trio they still move with timing (which tasks a turn

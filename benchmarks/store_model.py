@@ -119,6 +119,7 @@ class _Protocol(asyncio.Protocol):
         self.store = store
         self.buffer = b""
         self.transport: Any = None
+        self.tasks: set[asyncio.Future[None]] = set()
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
@@ -145,7 +146,9 @@ class _Protocol(asyncio.Protocol):
                                      % (len(body), body))
                 continue
             name = int(path.rsplit(b"/", 1)[-1].split(b".")[0] or b"0")
-            asyncio.ensure_future(self.answer(name, first, last))
+            task = asyncio.ensure_future(self.answer(name, first, last))
+            self.tasks.add(task)  # asyncio keeps only weak references to tasks
+            task.add_done_callback(self.tasks.discard)
 
     async def answer(self, name: int, first: int, last: int | None) -> None:
         status, headers, body = await self.store.serve(name, first, last)
