@@ -456,9 +456,12 @@ class MapEpoch(Epoch):
                     self._fetch_failed(job, position, fetching, exc)
                 fetching = IDLE
                 ended = _now()
-                add(ended - started)
-                if record is not None:
-                    record(ended - started)
+                if record is None:
+                    add(ended - started)
+                else:
+                    took = ended - started
+                    add(took)
+                    record(took)
                     if tuner.measuring:  # a throttling episode: every completion's time
                         tuner.tick(ended)
                 job.remaining -= 1
