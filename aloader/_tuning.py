@@ -11,42 +11,44 @@ brings its latency; every *round* (``max(16, limit)`` completions, about one lat
 limit is reached) gives a delivery rate ``X`` (completions per second), a mean latency ``L``
 and, by Little's law, the fetches that were in flight on average (``X * L``).
 
-Design: a model of the store, as TCP's BBR keeps of a network path, rather than a bare AIMD
-or latency-gradient loop.
+Design: AIMD's skeleton (grow gently, cut on a hard signal) with a delay-based steady state
+(TCP Vegas's) and a fast start (TCP's slow start), plus a rate ceiling for throttling stores.
 
-* The store's useful concurrency (its "knee", past which fetches only queue) is the last
-  round's rate times the latency with no queue (measured in a *drain* round): below the knee
-  that is the fetches the round had in flight, past it the store's own. The limit is kept at
-  1.1 times the knee, so the store always has work and the queue stays short (below the knee,
-  the limit so grows by 10% a round); a round at 1.25 times (probing for more) and one at 0.8
-  times (letting a queue drain, so that the unloaded latency is measured again) come every 8
-  rounds. Where a drain round still queues (the estimate was high, or the client is bound by
-  its own CPU, where latency has no plateau), its latency makes the next estimate that
-  round's own in-flight: the limit shrinks by 0.8 a cycle until a drain round is below the
-  knee, and grows back to it, so it settles there from either side. (BBR's windowed maximum
-  rate times minimum latency drifts: the two windows' biases do not cancel.)
-* Startup: the limit doubles every round while the rate grows by 25% or more; it stops when the
-  rate does not grow for two rounds, when latency doubled without more throughput (a queue
-  formed: the knee is passed), or at the first throttling answer. So a knee of 200 is found
-  from 16 in about five rounds, not the ~200 rounds of an additive increase.
-* Throttling (429, 503 SlowDown, :class:`~aloader.Throttled`) is a hard signal: the limit is
-  cut at once (x0.8, once per episode), and the rate the store delivered while it throttled
-  becomes a ceiling (95% of it) that the limit keeps to for 30 s, then raised by 5% at a time;
-  a ceiling raised into throttling again waits twice as long before the next raise. A rate
-  limit gives no latency signal before it refuses, and each refusal costs a ``Retry-After``
-  wait, so the controller learns the rate once and stays under it rather than probing it
-  every few rounds.
+* Startup: the limit doubles every round while the rate grows by 25% or more; it stops when
+  the rate does not grow for two rounds or latency doubled (a queue formed: the knee, past
+  which more fetches only queue at the store, is passed), and sets the limit at 1.1 times the
+  best rate times the least latency seen. A knee of 200 is found from 16 in about five
+  rounds, not the ~200 rounds of an additive increase.
+* Steady state: each round estimates the fetches that waited in a queue, ``limit * (1 -
+  L0 / L)``, where ``L0`` (the latency with no queue) is the least round latency of the last
+  64 rounds. Below a tenth of the limit it grows by 10% (throughput can still grow), above a
+  quarter it shrinks by 10% (latency rose without throughput), between it holds: the limit
+  settles between 1.1 and 1.33 times the knee, where the store always has work and throughput
+  is its best. Every 16 rounds a round at 0.75 times the limit lets a queue drain, so that
+  ``L0`` is measured again and does not creep up with a standing queue (Vegas's and
+  Gradient2's drift).
+* Throttling (429, 503 SlowDown, :class:`~aloader.Throttled`) is a hard signal, and a rate
+  limit gives no latency signal before it refuses. At the first refusal of an *episode* the
+  limit is kept for a while (the refused fetches wait their ``Retry-After`` all at once, so
+  the episode costs one wait): the requests the store took between its first and last
+  refusals (each completion's clock less its latency), over the busiest latency-long
+  stretch, are the rate it lets through; 97% of it becomes a *ceiling* the limit keeps to
+  (``ceiling * L`` in flight), the limit is cut under it, and the ceiling holds 30 s before it
+  is raised by 5%; a raise refused again waits twice as long before the next. So the rate is
+  learnt in one episode and kept, where probing it every few rounds would cost a
+  ``Retry-After`` each time.
 * Rounds where fewer than half the limit were in flight (the consumer, or the pipeline's
-  memory bound, held fetches back) do not raise the rate estimate nor double the limit: a
-  limit that nothing reaches measures nothing.
+  memory bound, held fetches back) neither double nor grow the limit: a limit that nothing
+  reaches measures nothing. After any cut, the fetches in flight then complete before a round
+  counts (they queued under the old limit).
 
-Why not the alternatives: AIMD halving on congestion averages ~75% of the knee (its
-sawtooth), and an additive increase needs a round per unit of concurrency; a latency gradient
-(Netflix's Gradient2, Vegas) reads throttling and queueing only through latency, which a rate
-limit does not raise, and drifts with its long-term latency average when the store is loaded
-for long. Both knobs a user sees stay bounded: the limit is within ``[minimum, maximum]``
-(``max_concurrency_limit``), and what the pipeline holds follows the limit as it does a fixed
-``max_concurrency``.
+Why not the alternatives: AIMD halving on congestion averages ~75% of the knee (its sawtooth)
+and grows by one a round; a pure latency gradient (Gradient2) or a pure Vegas cannot see a
+rate limit, and drift with a standing queue; BBR's rate times least latency over windowed
+extremes drifted up where latency has no plateau (a client bound by its own CPU) and
+collapsed with a median, in this project's measurements. Both knobs a user sees stay
+bounded: the limit is within ``[minimum, maximum]`` (``max_concurrency_limit``), and what the
+pipeline holds follows the limit as it does a fixed ``max_concurrency``.
 
 :class:`Hedger` decides when a read whose first byte is late gets a second request: after the
 95th percentile of recent first-byte latencies (or a fixed delay), within a budget of 5% extra

@@ -373,23 +373,23 @@ class MapEpoch(Epoch):
                 return
             new = window_for(limit, plan.per_job) if plan.granularity == "item" else limit
             delta, window = new - window, new
-            if threads is not None:
-                threads.resize(limit)
             queue.resize(limit if ahead else new, holding * delta)
-            admission.grow((holding + 1) * delta if ahead else delta)
+            admission.release((holding + 1) * delta if ahead else delta)
 
         loop_thread = threading.get_ident()
         call_soon = threadsafe_caller()
 
-        def on_change(limit: int) -> None:  # fetch threads report from their own thread
+        def on_change(limit: int) -> None:
+            if threads is not None:  # at once, from the thread that reported: it may leave
+                threads.resize(limit)
             if threading.get_ident() == loop_thread:
                 resize(limit)
-            else:
+            else:  # the window and the room are the loop's
                 call_soon(functools.partial(resize, limit))
 
         tuner.on_change = on_change
         if window != plan.tuned_window():
-            resize(tuner.limit)  # changed since the plan was made (a state loaded)
+            on_change(tuner.limit)  # changed since the plan was made (a state loaded)
 
     async def _worker(
         self, queue: _WorkQueue, limiter: anyio.CapacityLimiter, window: _Admission,

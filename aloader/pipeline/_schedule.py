@@ -293,26 +293,13 @@ class _Admission:
         self._end: object = None  # _ENDED, or the sampler's error, once it has no more keys
         self.seq = 0  # the next job's number
 
-    def release(self) -> None:
-        """A job left the window (its batch is collated, or its error published)."""
-        self._free += 1
+    def release(self, count: int = 1) -> None:
+        """A job left the window (its batch is collated, or its error published); or the
+        window holds ``count`` more jobs (``"auto"`` concurrency; fewer when negative: jobs
+        then leave it before others enter, until it is within its size again)."""
+        self._free += count
         waiting = self._waiting
-        if waiting is None:
-            return
-        if self._keys is not None and self._end is None:
-            self._admit_next()
-            if self._end is None:
-                return
-        self._waiting = None
-        if not waiting.done():
-            waiting.set_result(None)
-
-    def grow(self, delta: int) -> None:
-        """The window holds ``delta`` more jobs (fewer when negative: jobs leave it before
-        others enter until it is within its size again)."""
-        self._free += delta
-        waiting = self._waiting
-        if delta <= 0 or self._free <= 0 or waiting is None:
+        if waiting is None or self._free <= 0:
             return
         if self._keys is not None and self._end is None:
             while self._free > 0 and self._end is None:

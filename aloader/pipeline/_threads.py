@@ -84,7 +84,7 @@ class _FetchThreads:
         self._count = count
         self._abandon = plan.abandon
         self._work: queue.SimpleQueue[tuple[_Job, int, Any] | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # the controller may resize the threads from under it
         self._call_soon = threadsafe_caller()
         self._stopping = False
         self._stopped = threading.Event()  # wakes the throttled fetches' waits
