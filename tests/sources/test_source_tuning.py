@@ -66,7 +66,8 @@ async def test_auto_concurrency_reads_every_shard_in_order(serve: Any) -> None:
     tuning = source.stats.concurrency
     assert tuning is not None and tuning == source.tuning | {"history": tuning["history"]}
     assert 1 <= tuning["limit"] <= 24 and tuning["maximum"] == 24
-    assert tuning["history"][0][2] == "startup"
+    assert tuning["phase"] in ("startup", "steady")
+    assert all(why in ("startup", "knee", "steady") for _, _, why in tuning["history"])
     json.dumps(tuning)
 
 
