@@ -44,7 +44,8 @@ async def test_auto_maps_every_item_in_order_and_reports_its_controller() -> Non
     assert await collect(mapped) == [x * 3 for x in range(500)]
     tuning = mapped.tuning  # type: ignore[attr-defined]
     assert tuning["maximum"] == 64 and 1 <= tuning["limit"] <= 64
-    assert tuning["history"][0][2] == "startup" and tuning["throttled"] == 0
+    assert tuning["throttled"] == 0
+    assert all(why in ("startup", "knee", "steady") for _, _, why in tuning["history"])
     assert mapped.max_running <= 64  # type: ignore[attr-defined]
     json.dumps(tuning)
 
