@@ -1,7 +1,8 @@
 """Logging: aloader prints nothing; it logs to ``logging.getLogger("aloader")`` and children.
 
 The loggers: ``aloader.loader`` (skipped samples, a slow first batch, a failure budget
-exceeded), ``aloader.workers`` (worker deaths and restarts), ``aloader.http`` (HTTP retries).
+exceeded), ``aloader.workers`` (worker deaths and restarts), ``aloader.http`` (HTTP retries),
+``aloader.sources`` (a shard a rank leaves out of an epoch, as ``even_ranks=True`` asks).
 Like any library's, ``aloader`` has only a :class:`logging.NullHandler`, so that nothing is
 printed (not even by Python's last-resort handler) until the application configures logging:
 ``logging.basicConfig(level=logging.INFO)`` shows them all.
@@ -16,13 +17,15 @@ import logging
 import threading
 import time
 
-__all__ = ("SLOW_FIRST_BATCH", "RateLimited", "brief", "http_log", "loader_log", "worker_log")
+__all__ = ("SLOW_FIRST_BATCH", "RateLimited", "brief", "http_log", "loader_log", "source_log",
+           "worker_log")
 
 logging.getLogger("aloader").addHandler(logging.NullHandler())
 
 loader_log = logging.getLogger("aloader.loader")
 worker_log = logging.getLogger("aloader.workers")
 http_log = logging.getLogger("aloader.http")
+source_log = logging.getLogger("aloader.sources")
 
 # A first batch slower than this (seconds) is logged as a warning: a cold start or a stall.
 SLOW_FIRST_BATCH = 10.0
@@ -61,6 +64,8 @@ class RateLimited:
         self.events = 0
         self._unlogged = 0
         self._last_summary = 0.0
+        # The last event not logged, for flush(): (level, message, args, summary).
+        self._pending: tuple[int, str, tuple[object, ...], str] | None = None
 
     def log(self, level: int, message: str, *args: object, summary: str) -> None:
         """Log one event: ``message % args`` while under ``first``, else maybe a summary.
@@ -83,10 +88,22 @@ class RateLimited:
                 if self.events == self.first + 1:
                     self._last_summary = now
                 if now - self._last_summary < self.every and self.events != self.first + 1:
+                    self._pending = (level, message, args, summary)
                     return
                 self._last_summary = now
+                self._pending = None
                 count, self._unlogged = self._unlogged, 0
         if full:
             self.logger.log(level, message, *args)
         else:
+            self.logger.log(level, summary, {"count": count, "last": message % args})
+
+    def flush(self) -> None:
+        """Log the summary of the events not logged yet, if any (at the end of an epoch, so
+        that the log accounts for every event)."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+            count, self._unlogged = self._unlogged, 0
+        if pending is not None and count:
+            level, message, args, summary = pending
             self.logger.log(level, summary, {"count": count, "last": message % args})

@@ -33,7 +33,7 @@ from typing import Any, Generic, TypeAlias, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
-from .._util import close_iterator, is_async_callable
+from .._util import close_iterator, is_async_callable, taken
 from ._collate import ColumnBatch
 from ._fetch import (
     DatasetFetchMode,
@@ -797,7 +797,7 @@ class ChainDataset(IterableDataset[T_co]):
             else:
                 sync_iterator: Any = iter(cast(Iterable[T_co], dataset))
                 try:
-                    for item in sync_iterator:
+                    for item in taken(sync_iterator):
                         yield item
                 finally:
                     await close_iterator(sync_iterator, blocking=False)

@@ -114,7 +114,9 @@ _NO_LIMIT = timedelta(days=365)
 
 _STATUS = re.compile(r"status code: (\d{3})")
 _CODE = re.compile(r"<Code>([^<]+)</Code>")
-_TARGET = re.compile(r"Error performing \w+ (\S+)")
+# The URL of the request that failed ("Error performing list request: Error performing GET
+# http://...": the first "performing" names no URL).
+_TARGET = re.compile(r"Error performing \w+ (\w+://\S+)")
 _CONNECT = re.compile(r"error sending request|kind: Connect|onnection refused|dns error",
                       re.IGNORECASE)
 _BUCKET_MISSING = ("NoSuchBucket", "ContainerNotFound", "NoSuchContainer",
@@ -125,10 +127,13 @@ _THROTTLED = frozenset({"SlowDown", "Throttling", "ThrottlingException", "Reques
 # The process whose obstore runtime is started (None: not started in any process this one
 # was forked from).
 _RUNTIME_PID: int | None = None
-# Stores made from URLs in this process, by (scheme://bucket, timeout).
-_STORES: dict[tuple[str, float | None], Any] = {}
+# Stores made from URLs in this process, by _store_key: (scheme://bucket, timeout, and the
+# family's environment variables, so that a source made after the endpoint or credentials
+# changed gets a store of the new ones, as a worker started then does).
+_StoreKey = tuple[str, float | None, tuple[tuple[str, str], ...]]
+_STORES: dict[_StoreKey, Any] = {}
 # Whether each of those stores' objects are read through signed URLs (see _may_sign).
-_SIGNED: dict[tuple[str, float | None], bool] = {}
+_SIGNED: dict[_StoreKey, bool] = {}
 # The environment variables that leave an S3 store made from the environment reading
 # objects as a plain GET of a signed URL does: static credentials, region, endpoint, and the
 # AWS command line's own settings, which obstore does not read. Any other AWS_ variable may
@@ -222,6 +227,13 @@ def _may_sign(scheme: str, allow_http: bool) -> bool:
     host = (endpoint.hostname or "").lower()
     return endpoint.scheme.lower() == "https" and (host == "amazonaws.com"
                                                    or host.endswith(".amazonaws.com"))
+
+
+def _store_key(scheme: str, bucket: str, timeout: float | None) -> _StoreKey:
+    """The key of the store made for ``scheme://bucket`` from the current environment."""
+    family = _FAMILIES[scheme] + "_"
+    env = tuple(sorted(item for item in os.environ.items() if item[0].startswith(family)))
+    return f"{scheme}://{bucket}", timeout, env
 
 
 def _runtime_started() -> None:
@@ -488,7 +500,7 @@ class ObjectAccess:
         if self.store is not None:
             return self.store, key
         timeout = self.options.timeout
-        cache_key = (f"{scheme}://{bucket}", timeout)
+        cache_key = _store_key(scheme, bucket, timeout)
         store = _STORES.get(cache_key)
         if store is None:
             client: dict[str, Any] = {"timeout": _NO_LIMIT}
@@ -505,6 +517,9 @@ class ObjectAccess:
             except Exception as exc:
                 raise FetchError(f"{url}: cannot make a store for {scheme}://{bucket}: "
                                  f"{type(exc).__name__}: {_short(exc)}", source=url) from None
+            for stale in [key for key in _STORES if key[:2] == cache_key[:2]]:
+                del _STORES[stale]  # of an environment gone (rotated keys): one per bucket
+                _SIGNED.pop(stale, None)
             _STORES[cache_key] = store
             _SIGNED[cache_key] = _may_sign(scheme, bool(client.get("allow_http")))
         return store, key
@@ -519,7 +534,7 @@ class ObjectAccess:
             # obstore's threads (the benchmark's trio epoch: ~430 ms of CPU against ~320).
             return None
         scheme, bucket, _ = _split(url)
-        if not _SIGNED.get((f"{scheme}://{bucket}", self.options.timeout)):
+        if not _SIGNED.get(_store_key(scheme, bucket, self.options.timeout)):
             return None
         return _Presigned(url, obstore, store, path)
 

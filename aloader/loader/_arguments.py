@@ -14,7 +14,7 @@ import warnings
 from typing import Any
 
 from .._tuning import check_concurrency, check_hedge
-from .._util import check_int, usable_cpus
+from .._util import check_int, usable_cpus, user_stacklevel
 from ..data._dataset import fetch_mode, is_iterable_dataset
 from ..pipeline._failures import check_max_failures
 
@@ -138,9 +138,10 @@ def check_batching(iterable: bool, batch_size: int | None, shuffle: bool | None,
     return batch_size, shuffle, drop_last
 
 
-def warn_worker_number(workers: int, stacklevel: int) -> None:
+def warn_worker_number(workers: int) -> None:
     """torch's warning when a loader is built, or an epoch is to start, with more workers than
-    there are CPUs (``stacklevel``: the frame to blame, as for :func:`warnings.warn`)."""
+    there are CPUs, blaming the user's line (the construction, or the ``for`` /
+    ``async for``)."""
     cpus, cpuset = usable_cpus()
     if cpus is not None and workers <= cpus:
         return
@@ -156,6 +157,5 @@ def warn_worker_number(workers: int, stacklevel: int) -> None:
         "Please be aware that excessive worker creation might get DataLoader running slow "
         "or even freeze, lower the worker number to avoid potential slowness/freeze if "
         "necessary.",
-        # The `async for` (the synchronous facade's loop for `for`), or the construction.
-        stacklevel=stacklevel,
+        stacklevel=user_stacklevel(),
     )

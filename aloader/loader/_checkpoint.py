@@ -14,14 +14,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 from .._tuning import Controller
+from ..data._distributed import default_place
 from ..data._random import restore_rng, rng_state
 from ..pipeline._failures import Failures, json_index
+from ..streams._stream import Stream
 from ._epochs import AlreadyDelivered, MapEpochs, Progress
 
 if TYPE_CHECKING:
     from ._dataloader import DataLoader
 
-__all__ = ("STATE_FORMAT", "STATE_VERSION", "load_state", "state_of")
+__all__ = ("STATE_FORMAT", "STATE_VERSION", "load_state", "place_of", "state_of")
 
 STATE_FORMAT = "aloader.DataLoader"
 STATE_VERSION = 1
@@ -37,6 +39,22 @@ def _json_copy(value: Any) -> Any:
             return list(value)
         return [_json_copy(item) for item in value]
     return value
+
+
+def place_of(loader: DataLoader[Any]) -> tuple[int, int]:
+    """``(rank, world_size)`` of ``loader``'s share of the data: those its data is split for
+    (its ``DistributedSampler``'s, its sharded stream's: a data-parallel group of a larger
+    job has its own), else torch.distributed's initialized process group's, else
+    ``RANK``/``WORLD_SIZE`` (torchrun's), else ``(0, 1)``."""
+    kind = getattr(loader, "_kind", None)
+    sampler = kind._distributed() if isinstance(kind, MapEpochs) else None
+    if sampler is not None:
+        return sampler.rank, sampler.num_replicas
+    dataset = loader.dataset
+    worlds = dataset._worlds() if isinstance(dataset, Stream) else []
+    if worlds:
+        return worlds[0][0], worlds[0][1]
+    return default_place(None, None)
 
 
 def _is_int(value: Any) -> TypeGuard[int]:
@@ -130,6 +148,7 @@ def state_of(dataloader: DataLoader[Any]) -> dict[str, Any]:
         "format": STATE_FORMAT,
         "version": STATE_VERSION,
         "kind": kind,
+        "rank": list(place_of(dataloader)),  # which part of a job's data (merge_rank_states)
         "epoch": progress.epoch,
         "yielded": progress.yielded,
         "loader": {

@@ -37,6 +37,7 @@ from .._facade import LocalIterator, PrivateLoop, SyncIterator, forbid_running_l
 from .._log import SLOW_FIRST_BATCH, loader_log
 from .._stats import Collector, LoaderStats
 from .._tuning import DEFAULT_MAX_LIMIT, Controller
+from .._util import user_stacklevel
 from ..data._batchsampler import BatchSampler
 from ..data._collate import default_collate, default_convert
 from ..data._dataset import is_iterable_dataset
@@ -56,6 +57,7 @@ from ._arguments import check_batching, check_hedge_after, check_loading, warn_w
 from ._checkpoint import _EpochRecord, load_state, state_of
 from ._epochs import AlreadyDelivered, EpochKind, IterableEpochs, MapEpochs
 from ._pin_memory import _pin_memory_transform, _require_torch
+from ._ranks import RANKS_FORMAT, rank_part
 from ._workers import pool_epoch
 
 __all__ = ("AsyncDataLoaderIter", "DataLoader", "DataLoaderIter")
@@ -377,7 +379,8 @@ class DataLoader(Generic[T_co]):
         self._stats_epochs = 0
         if num_workers > 0:
             prepare_context(self._context(), warm=True)
-        self._check_worker_number(stacklevel=3)  # torch warns here too, and at each epoch
+        self._warned_workers = 0  # the num_workers warned about (see _check_worker_number)
+        self._check_worker_number()
         self.__initialized = True
 
     # torch's guards --------------------------------------------------------------------------
@@ -460,15 +463,16 @@ class DataLoader(Generic[T_co]):
         forbid_running_loop("DataLoader", "batch in loader")
         return DataLoaderIter(self)
 
-    def _check_worker_number(self, stacklevel: int = 3) -> None:
-        """torch's warning when a loader is built, or an epoch is to start, with more workers
-        than there are CPUs (``stacklevel``: the caller's frame to blame, as for
-        :func:`warnings.warn`)."""
+    def _check_worker_number(self) -> None:
+        """torch's warning when a loader is built with more workers than there are CPUs, at
+        the user's line; once per loader (torch warns again at each epoch, at lines of its
+        own, which Python's filter then shows once each): again at an epoch only after
+        ``num_workers`` was changed."""
         workers = self.num_workers
-        if workers == 0 or (self.persistent_workers and self._pool is not None):
+        if workers == 0 or workers == self._warned_workers:
             return
-        # One frame more to the caller's: this one.
-        warn_worker_number(workers, stacklevel + 1)
+        self._warned_workers = workers
+        warn_worker_number(workers)
 
     async def aclose(self) -> None:
         """Stop every epoch in progress and wait until their fetches have ended; stop workers.
@@ -586,13 +590,18 @@ class DataLoader(Generic[T_co]):
             return self.dataset._claim_epoch()
         return count
 
+    def _workers_live(self) -> bool:
+        """Whether persistent workers from an earlier epoch are alive to serve the next."""
+        pool = self._pool
+        return pool is not None and not (pool.closed or pool.broken)
+
     def _base_seed(self) -> tuple[int, bool]:
         """This epoch's ``base_seed``, and whether it was drawn: drawn from the generator,
         except by an epoch that the live persistent workers will serve, which keep their first
         epoch's seeds; torch resets its one iterator then and draws nothing, so the sampler's
         draws stay torch's. A run resumed from persistent workers' epoch keeps their seed."""
         pool = self._pool
-        if pool is not None and not (pool.closed or pool.broken):
+        if pool is not None and self._workers_live():
             return int(pool.setup.base_seed), False
         if self._resume_seed is not None:
             return self._resume_seed, False
@@ -641,14 +650,20 @@ class DataLoader(Generic[T_co]):
         ``num_workers=0``), in the saved run's batch order, and the later epochs are split by
         the new count. A stream's state taken during an epoch resumes only on the same rank
         of the same world size (``ValueError`` naming ``'world'``); between epochs, on any.
+        The states of a job's ranks merged by :func:`aloader.merge_rank_states` load on
+        every rank of any world size, each taking its part of the interrupted epoch.
 
         Raises:
             ValueError: the state is of another format or version, another kind of dataset,
                 another dataset length, batch size or ``drop_last`` (the message names the
                 field and both values), or does not fit the samplers; its ``failures`` has
-                more indices than its count, or indices for an iterable dataset.
+                more indices than its count, or indices for an iterable dataset; merged
+                states that cannot be split over this world size (see
+                :func:`aloader.merge_rank_states`).
             TypeError: a field has the wrong type.
         """
+        if isinstance(state, Mapping) and state.get("format") == RANKS_FORMAT:
+            state = rank_part(self, state)  # the ranks' states merged: this rank's part
         load_state(self, state)
 
     def _started(self, epoch: Epoch) -> None:
@@ -681,6 +696,10 @@ class AsyncDataLoaderIter(Generic[T_co]):
             samples, the last ``errors``), or None without ``max_failures``.
     """
 
+    # Until __init__ completes: an epoch whose making raised (a sampler's __len__) has
+    # nothing to stop, and its __del__ must not look for what was never set.
+    _closed = True
+
     def __init__(self, loader: DataLoader[T_co]) -> None:
         self._loader = loader
         # Explicit epoch state, so that a resume can restore it: the RNG state this epoch
@@ -690,6 +709,8 @@ class AsyncDataLoaderIter(Generic[T_co]):
         kind = loader._kind
         if isinstance(kind, MapEpochs):
             kind.begin()  # what the epoch is drawn from, before it draws anything
+            if loader.num_workers > 0 and not loader._workers_live():
+                kind.new_workers()  # before the base seed's draw, as torch's __init__
         self.rng_state: Mapping[str, Any] = loader._rng.bit_generator.state
         start = rng_state(loader._rng)
         base_seed, drawn = loader._base_seed()
@@ -934,23 +955,26 @@ class AsyncDataLoaderIter(Generic[T_co]):
         if yielded == 1 and now - stats.started > SLOW_FIRST_BATCH * 1e9:
             loader_log.warning("the first batch took %.1f s (a cold start, or a stall: "
                                "see DataLoader.stats())", (now - stats.started) / 1e9)
-        if self._len_called is not None:  # only an iterable's epoch may outrun its length
-            self._warn_length()
+        if self._len_called is not None and not self._deferred:
+            self._warn_length(yielded)  # (the pump's batches: when DataLoaderIter hands them)
         batch: T_co = value  # typed by assignment: a cast() is a call per batch
         return batch
 
-    def _warn_length(self) -> None:
+    def _warn_length(self, handed: int) -> None:
+        """torch's warning, in the consumer's call that receives batch number ``handed`` (from
+        1) of an iterable's epoch, past the dataset's ``len()`` read before the epoch began
+        (only an iterable's epoch may outrun its length), at the consumer's line."""
         length = self._len_called
-        if length is not None and self.num_yielded > length:
+        if length is not None and handed > length:
             warnings.warn(
                 f"Length of IterableDataset {self._loader.dataset} was reported to be {length}"
-                f"(when accessing len(dataloader)), but {self.num_yielded} samples have been "
+                f"(when accessing len(dataloader)), but {handed} samples have been "
                 "fetched. " + (
                     "For multiprocessing data-loading, this could be caused by not properly "
                     "configuring the IterableDataset replica at each worker. Please see "
                     "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
                     "for examples." if self._loader.num_workers > 0 else ""),
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
 
     @property
@@ -1024,6 +1048,7 @@ class DataLoaderIter(Iterator[T_co]):
         # workers, here with them (see AsyncDataLoaderIter._draw).
         self._sync: LocalIterator[Any] | SyncIterator[Any] | None = None
         self._closed = False
+        self._handed = 0  # batches handed to the consumer (the pump runs ahead of them)
         if loader.num_workers > 0:
             self._open()
 
@@ -1066,7 +1091,11 @@ class DataLoaderIter(Iterator[T_co]):
         if isinstance(sync, LocalIterator):
             return cast(T_co, item)  # the source recorded it: nothing runs ahead here
         value, receipt = item  # only a batch, not an error, has a receipt
-        self._source._record.received(*receipt)
+        source = self._source
+        source._record.received(*receipt)
+        self._handed += 1
+        if source._len_called is not None:
+            source._warn_length(self._handed)
         return cast(T_co, value)
 
     def close(self) -> None:

@@ -42,12 +42,12 @@ from typing import Any, ClassVar, TypeAlias, cast
 import anyio
 
 from .._facade import run_here
-from .._util import close_iterator, is_async_callable
+from .._util import ataken, close_iterator, is_async_callable, taken
 from .._workerinfo import WorkerInfo, as_replica
 from ..data._batchsampler import BatchSampler, epoch_batches, torch_epoch
 from ..data._dataset import aiter_of
 from ..data._distributed import DistributedSampler
-from ..data._indices import epoch_indices
+from ..data._indices import _owner, epoch_indices
 from ..data._sampler import load_sampler_state, sampler_state
 from ..pipeline._epoch import _NO_LIMITER, Epoch, IterableEpoch, MapEpoch
 from ..pipeline._errors import _batch_error
@@ -57,7 +57,14 @@ from ..pipeline._plan import FetchPlan
 from ..pipeline._pull import _NOTHING
 from ..pipeline._results import Results
 from ..streams._positions import check_field
-from ..streams._resume import encode, open_replica, parse, start_snapshot
+from ..streams._resume import (
+    adopt_world,
+    encode,
+    open_replica,
+    parse,
+    saved_world,
+    start_snapshot,
+)
 from ..streams._runtime import _StreamIterator
 from ..streams._stream import Stream
 from ..workers._pool_epoch import MapPoolEpoch, PoolEpoch, ReplicaPoolEpoch
@@ -110,6 +117,32 @@ class AlreadyDelivered:
         return number
 
 
+def _checked_progress(ranks: Any, sampler: Any) -> list[tuple[int | None, list[int]]] | None:
+    """A map part's ``"ranks"`` (each saved rank's ``[prefix, delivered]``, prefix None for
+    all of its batches: the part a rank of another world size takes of merged states),
+    checked against the saved sampler state (``sampler``; None when the world is the same,
+    where it must be absent)."""
+    if ranks is None:
+        return None
+    where = "cannot load this state: field 'map.ranks'"
+    if sampler is None:
+        raise ValueError(f"{where} is for a DistributedSampler on another world size")
+    if not (isinstance(ranks, list) and len(ranks) == sampler.get("num_replicas")):
+        raise ValueError(f"{where} should list the {sampler.get('num_replicas')} saved ranks' "
+                         f"progress, but is {ranks!r}")
+    out: list[tuple[int | None, list[int]]] = []
+    for entry in ranks:
+        ok = isinstance(entry, list) and len(entry) == 2
+        prefix, done = (entry[0], entry[1]) if ok else (None, None)
+        if not ok or not (prefix is None or (type(prefix) is int and prefix >= 0)) \
+                or not isinstance(done, list) or not all(
+                    type(d) is int and prefix is not None and d > prefix for d in done):
+            raise ValueError(f"{where} holds {entry!r}, not [batches received (None: all), "
+                             "batch numbers received beyond them]")
+        out.append((prefix, list(done)))
+    return out
+
+
 def _without(keys: Iterator[Any], skip: AlreadyDelivered) -> Iterator[Any]:
     for number, key in enumerate(keys, skip.prefix):
         if number not in skip.delivered:
@@ -156,6 +189,20 @@ class MapEpochs:
     def begin(self) -> None:
         """An epoch starts (before anything of it is drawn): record what it is drawn from."""
         self._start_state = sampler_state(self.index_sampler)
+
+    def new_workers(self) -> None:
+        """An epoch starts new workers: what torch's iterator does then before its epoch,
+        ``iter()`` of the index sampler once, dropped (its ``__init__`` takes one, its
+        ``_reset`` the epoch's). A user's sampler whose ``__iter__`` draws at once (a new
+        order from the global generator, a count of epochs) draws once more, as under torch,
+        so its orders are torch's. aloader's own samplers and the builtin sequences draw
+        nothing until iterated (as torch's, whose ``__iter__`` are generators): left alone."""
+        sampler = self.index_sampler
+        owner = _owner(type(sampler), "__iter__")
+        if owner is None or owner.__module__.split(".")[0] in ("aloader", "builtins"):
+            return
+        if aiter_of(sampler) is None:
+            iter(sampler)
 
     def epoch_length(self) -> int | None:
         """Batches in the next epoch, or None when the index sampler has no length."""
@@ -212,13 +259,20 @@ class MapEpochs:
             distributed is not None and isinstance(inner, dict)
             and inner.get("num_replicas") != distributed.num_replicas
         )
+        ranks = _checked_progress(sub.get("ranks"), inner if elastic else None)
         load_sampler_state(self.index_sampler, state)
         if elastic:
             assert distributed is not None and isinstance(inner, dict)
             size = cast(BatchSampler, self.index_sampler).batch_size if self.auto_collation else 1
-            distributed._resume_elastic(
-                inner, prefix * size, [[d * size, (d + 1) * size] for d in sorted(delivered)]
-            )
+            if ranks is None:  # one rank's state: the ranks went in lockstep
+                distributed._resume_elastic(
+                    inner, prefix * size,
+                    [[d * size, (d + 1) * size] for d in sorted(delivered)])
+            else:  # each rank's own progress (aloader.loader._ranks)
+                distributed._resume_elastic(
+                    inner, [None if p is None else p * size for p, _ in ranks],
+                    [[d * size, (d + 1) * size, r] for r, (_, done) in enumerate(ranks)
+                     for d in done])
             skip = AlreadyDelivered(0)
         self.loaded_skip = skip
 
@@ -296,9 +350,10 @@ class MapEpochs:
         # Async samplers (and batch samplers over them) are walked with async iteration.
         aiter_ = getattr(sampler, "__aiter__", None)
         if aiter_ is not None:
-            keys = cast(AsyncIterator[Any], aiter_())
+            # Taken once: every loop over them (skips, failure filters) is over this.
+            keys = ataken(cast(AsyncIterator[Any], aiter_()))
             return keys if not skip else _askip(keys, AlreadyDelivered(skip))
-        return itertools.islice(cast(Iterator[Any], iter(sampler)), skip, None)
+        return itertools.islice(taken(cast(Iterator[Any], iter(sampler))), skip, None)
 
     def local(self, plan: FetchPlan, results: Results, keys: Iterator[Any] | AsyncIterator[Any]
               ) -> Epoch:
@@ -370,7 +425,8 @@ class IterableEpochs:
         saved replicas of a run with workers."""
         dataset, pending = self.dataset, self._pending
         plain = dataset._loopless() if isinstance(dataset, Stream) else aiter_of(dataset) is None
-        return (plain and (pending is None or pending["num_workers"] == 0)
+        return (plain and (pending is None or (pending["num_workers"] == 0
+                                                 and pending["lanes"] is None))
                 and not is_async_callable(collate_fn))
 
     def local(self, plan: FetchPlan, results: Results, *, here: bool = False,
@@ -381,7 +437,7 @@ class IterableEpochs:
         where :meth:`loopless` says so), one made on the consumer's call with no event loop
         (:class:`InlineIterableEpoch`)."""
         pending = self._pending
-        if pending is not None and pending["num_workers"] > 0:
+        if pending is not None and (pending["num_workers"] > 0 or pending["lanes"] is not None):
             return self._virtual_local(plan, results, pending, base_seed)
         parsed = None if pending is None else parse(self.dataset, pending["replicas"][0], (0, 1))
         source, snapshot = open_replica(self.dataset, parsed)
@@ -398,22 +454,27 @@ class IterableEpochs:
         # The epoch the saved workers served: a stream's own copy claims it (as when its
         # workers iterate it), other datasets count the loader's epochs.
         epoch = dataset._claim_epoch() if isinstance(dataset, Stream) else plan.epoch
-        begin = self._begin_of(states, epoch, count)
+        slots = _slots(pending)
+        begin = self._begin_of(states, epoch, count, slots)
         lanes = []
-        for w, state in enumerate(states):
+        for (w, seed), state in zip(slots, states, strict=True):
             replica = replica_copy(dataset)
-            info = WorkerInfo(id=w, num_workers=count, seed=base_seed + w,
-                              dataset=replica)
-            lanes.append(_Lane(replica, parse(replica, state, (w, count)), info, epoch))
-        self._began(("workers", tuple(begin), turn), plan.epoch)
+            adopt_world(replica, state)  # a replica of another rank: on that rank's shards
+            info = None if count == 0 else WorkerInfo(
+                id=w, num_workers=count, seed=base_seed + w if seed is None else seed,
+                dataset=replica)
+            lanes.append(_Lane(replica, parse(replica, state, (w, count) if count else (0, 1)),
+                               info, epoch if count else None))
+        self._began(("workers", tuple(begin), turn), plan.epoch, pending)
         return VirtualReplicas(plan, results, lanes, turn, begin, self.batch_size,
                                self.drop_last)
 
-    def _begin_of(self, states: list[Any], epoch: int, count: int) -> list[Any]:
+    def _begin_of(self, states: list[Any], epoch: int, count: int,
+                  slots: list[tuple[int, int | None]]) -> list[Any]:
         """The replicas' snapshots until they deliver (``count`` 0: the loader's one)."""
         return [("encoded", state) if state is not None else
                 start_snapshot(self.dataset, epoch, (w, count) if count else (0, 1))
-                for w, state in enumerate(states)]
+                for (w, _), state in zip(slots, states, strict=True)]
 
     def on_workers(self, plan: FetchPlan, results: Results, remote: PoolEpoch) -> Epoch:
         """An epoch asking the workers' replicas for batches (``remote`` is a
@@ -425,15 +486,20 @@ class IterableEpochs:
         saved = count if pending is None else pending["num_workers"]
         turn = 0 if pending is None else pending["turn"]
         states = [None] * count if pending is None else pending["replicas"]
-        begin = self._begin_of(states, remote.loader_epoch, saved)
-        remote.resume(turn, states, begin, None if saved == count else saved)
+        named = None if pending is None else pending["lanes"]
+        slots: list[tuple[int, int | None]] = (
+            _slots(pending) if pending is not None else [(w, None) for w in range(count)])
+        begin = self._begin_of(states, remote.loader_epoch, saved, slots)
+        remote.resume(turn, states, begin,
+                      None if saved == count and named is None else saved, named)
         # torch's workers after a break, for what torch runs: a plain iterable, from its start
         # (a stream's extra reads would count in its statistics; see ReplicaPoolEpoch).
         dataset = self.dataset
         remote.settles = (remote.pool.persistent and pending is None
                           and not isinstance(dataset, Stream) and aiter_of(dataset) is None)
         results.metas = remote.delivered
-        self._began(begin[0] if saved == 0 else ("workers", tuple(begin), turn), plan.epoch)
+        self._began(begin[0] if saved == 0 and named is None else ("workers", tuple(begin), turn),
+                    plan.epoch, pending)
         return MapEpoch(plan, results, remote.keys())
 
     # Resume (see aloader.streams._resume)
@@ -444,21 +510,40 @@ class IterableEpochs:
     # Stream (None for other datasets)}. "num_workers" is the count whose split the epoch's
     # replicas follow: the saved run's, also when a state is taken in an epoch resumed with
     # another count (its replicas are still the saved ones).
+    #
+    # "lanes" (only in a state taken during an epoch that finishes other ranks' replicas, and
+    # in this rank's part of a merged state: see aloader.loader._ranks): which saved replicas
+    # the entries of "replicas" are, [worker id, base seed of its rank or None] each (None:
+    # this loader's), each on the ranks its state names ("world", see
+    # aloader.streams._resume.adopt_world). Without it, replica w is worker w of this rank.
 
     _begin: Any = None  # the snapshot of the epoch begun last, before its first batch
     _begin_epoch: int | None = None  # the loader's epoch that _begin is the start of
+    # The lanes of the epoch begun last, and the ranks ("world") of each; None: this rank's.
+    _lanes: list[list[Any]] | None = None
+    _lanes_count = 0  # the saved run's num_workers, which the lanes' worker ids are of
+    _lanes_epoch: int | None = None  # the stream's epoch they finish (for a rank with none)
+    _lane_worlds: list[Any] | None = None
     _pending: dict[str, Any] | None = None  # a loaded sub-state, for the next epoch
 
-    def _began(self, begin: Any, epoch: int) -> None:
-        """An epoch's replicas are open: ``begin`` is where it starts (a loaded sub-state is
-        spent)."""
+    def _began(self, begin: Any, epoch: int, pending: dict[str, Any] | None = None) -> None:
+        """An epoch's replicas are open: ``begin`` is where it starts (a loaded sub-state,
+        ``pending``, is spent)."""
         self._begin, self._begin_epoch = begin, epoch
+        lanes = None if pending is None else pending["lanes"]
+        self._lanes = lanes
+        self._lanes_count = 0 if pending is None else pending["num_workers"]
+        counters = None if pending is None else pending["stream"]
+        self._lanes_epoch = counters.get("epoch") if isinstance(counters, dict) else None
+        self._lane_worlds = None if lanes is None else [
+            saved_world(state) for state in pending["replicas"]]  # type: ignore[index]
         self._pending = None
 
     def state_dict(self, progress: Any) -> dict[str, Any]:
         """The ``"iterable"`` entry of the loader's state for ``progress`` (see _loader)."""
         if self._pending is not None:
-            return dict(self._pending)
+            return {key: value for key, value in self._pending.items()
+                    if key != "lanes" or value is not None}
         dataset = self.dataset
         counters = dataset._state_from(None) if isinstance(dataset, Stream) else None
         meta = getattr(progress, "batch_meta", None)
@@ -474,6 +559,16 @@ class IterableEpochs:
             _, replicas, turn = meta
             if counters is not None:
                 counters["epoch"] = self._epoch_of(replicas)
+            lanes = self._lanes if self._begin_epoch == progress.epoch else None
+            if lanes is not None:
+                worlds = self._lane_worlds
+                assert worlds is not None
+                if counters is not None and not replicas:  # this rank was dealt none
+                    counters["epoch"] = self._lanes_epoch
+                return {"mode": "workers", "num_workers": self._lanes_count, "turn": turn,
+                        "replicas": [encode(dataset, r, world=world)
+                                     for r, world in zip(replicas, worlds, strict=True)],
+                        "lanes": [list(lane) for lane in lanes], "stream": counters}
             return {"mode": "workers", "num_workers": len(replicas), "turn": turn,
                     "replicas": [encode(dataset, r) for r in replicas], "stream": counters}
         return {"mode": "local", "num_workers": 0, "turn": 0,
@@ -511,14 +606,24 @@ class IterableEpochs:
             count = check_field(sub, "num_workers", int, where)
             turn = check_field(sub, "turn", int, where)
             replicas = check_field(sub, "replicas", list, where)
-            if len(replicas) != max(1, count) or (mode == "local") != (count == 0) \
-                    or (count and turn >= count):
-                raise ValueError(f"cannot load this state: fields 'num_workers' ({count}), "
-                                 f"'turn' ({turn}) and 'replicas' ({len(replicas)}) disagree")
-            for w, replica in enumerate(replicas):
-                parse(dataset, replica, (w, count) if count else (0, 1))
+            lanes = sub.get("lanes")
+            if lanes is None:
+                if len(replicas) != max(1, count) or (mode == "local") != (count == 0) \
+                        or (count and turn >= count):
+                    raise ValueError(f"cannot load this state: fields 'num_workers' ({count}), "
+                                     f"'turn' ({turn}) and 'replicas' ({len(replicas)}) "
+                                     "disagree")
+                for w, replica in enumerate(replicas):
+                    parse(dataset, replica, (w, count) if count else (0, 1))
+            else:
+                lanes = _checked_lanes(lanes, mode, count, turn, len(replicas))
+                # Each replica checked on its saved ranks, in one copy put on each in turn.
+                copy = replica_copy(dataset) if isinstance(dataset, Stream) else dataset
+                for (w, _), replica in zip(lanes, replicas, strict=True):
+                    adopt_world(copy, replica)
+                    parse(copy, replica, (w, count) if count else (0, 1))
             pending = {"mode": mode, "num_workers": count, "turn": turn, "replicas": replicas,
-                       "stream": counters}
+                       "lanes": lanes, "stream": counters}
         if main is not None and mode == "local":
             # The replica is the loader's copy itself: its counters, and the epoch under way
             # (claimed by an epoch on workers; a local one applies the whole replica state).
@@ -529,6 +634,32 @@ class IterableEpochs:
             dataset._apply_state(main)  # the epoch counters (and the epoch under way)
         self._pending = pending
         self._begin = None
+
+
+def _slots(pending: dict[str, Any]) -> list[tuple[int, int | None]]:
+    """The lanes of a loaded sub-state: (worker id, base seed or None) of each replica."""
+    lanes = pending["lanes"]
+    if lanes is None:
+        return [(w, None) for w in range(len(pending["replicas"]))]
+    return [(w, seed) for w, seed in lanes]
+
+
+def _checked_lanes(lanes: Any, mode: str, count: int, turn: int, replicas: int
+                   ) -> list[list[Any]]:
+    """A sub-state's ``"lanes"``, checked against its other fields."""
+    where = "cannot load this state: field 'lanes'"
+    if mode != "workers" or not isinstance(lanes, list) or len(lanes) != replicas:
+        raise ValueError(f"{where} should be a list as long as 'replicas' ({replicas}) in mode "
+                         f"'workers', but is {lanes!r} in mode {mode!r}")
+    for lane in lanes:
+        if not (isinstance(lane, list) and len(lane) == 2 and type(lane[0]) is int
+                and 0 <= lane[0] < max(1, count)
+                and (lane[1] is None or (type(lane[1]) is int and lane[1] >= 0))):
+            raise ValueError(f"{where} holds {lane!r}, not [worker id below 'num_workers' "
+                             f"({count}), base seed or None]")
+    if turn >= max(1, replicas):
+        raise ValueError(f"{where}: 'turn' ({turn}) is not one of its {replicas} replicas")
+    return [list(lane) for lane in lanes]
 
 
 class InlineIterableEpoch(IterableEpoch):

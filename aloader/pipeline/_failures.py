@@ -357,6 +357,7 @@ class Failures:
         Raises:
             FailureBudgetExceeded: the failures exceed the budget.
         """
+        self._log.flush()
         with self._lock:
             exceeded = self._exceeded is None and self.count > self._limit(final=True)
         if exceeded and self.errors:

@@ -4,12 +4,10 @@ Invariant: every epoch, the *units* of the dataset (whole files when there are a
 many files as consumers, else single row groups) are ordered as the epoch's shard order (see
 :mod:`aloader.sources._sharding`) and split round-robin across the ``world_size * num_workers``
 consumers with :func:`~aloader.sources._sharding.assign_shards`: each unit, hence each row, is read
-by
-exactly one consumer. All consumers see the same list of files and, in row-group mode, read the
-same footers, so they agree on the units without talking to each other. With the ranks evened
-out (``even_ranks``, on by default when ``world_size > 1``), the units are what each rank
-reads the same number of, and what a rank drops one of in turn (see
-:mod:`aloader.sources._sharding`).
+by exactly one consumer. All consumers see the same list of files and, in row-group mode, read
+the same footers, so they agree on the units without talking to each other. With the ranks
+evened out (``even_ranks=True``), the units are what each rank reads the same number of, and
+what a rank drops one of in turn (see :mod:`aloader.sources._sharding`).
 
 pyarrow (the extra ``aloader[parquet]``) is imported when a :class:`ParquetRows` is made, not
 with aloader. Its reads block, so each batch is read in a worker thread (and, as column
@@ -47,6 +45,7 @@ import concurrent.futures
 import contextlib
 import functools
 import gc
+import hashlib
 import importlib
 import io
 import itertools
@@ -76,6 +75,7 @@ from .._workerinfo import worker_slot
 from ..io._http import http_chunks, make_client
 from ..io._objstore import is_object_url
 from ..streams._context import _Context
+from ..streams._positions import check_same
 from ..streams._stream import Stream
 from ._formats import BadRecords
 from ._quota import _up_to
@@ -420,11 +420,12 @@ class ParquetRows(ShardedSource[Any]):
             else ``RANK``, else 0).
         world_size: number of ranks (default: the process group's, else ``WORLD_SIZE``,
             else 1).
-        even_ranks: every rank reads the same number of units (files, or row groups when
-            there are fewer files than consumers) per epoch (None: on when ``world_size >
-            1``); see :class:`ShardedSource`. With it on, fewer row groups in all than ranks
-            is a ``ValueError`` at construction (the footers are read to count them when
-            there are fewer files than ranks).
+        even_ranks: ``True``: every rank reads the same number of units (files, or row
+            groups when there are fewer files than consumers) per epoch, leaving one out in
+            turn where needed (off by default: every unit read once, a warning when the
+            ranks' shares differ); see :class:`ShardedSource`. With it on, fewer row groups
+            in all than ranks is a ``ValueError`` at construction (the footers are read to
+            count them when there are fewer files than ranks).
         records_per_rank: exactly this many rows (or, with ``as_batches``, batches) per
             rank and epoch, as :class:`ShardedSource` does it.
         concurrency: remote files read at once (read-ahead); local ones are read one at a
@@ -515,8 +516,20 @@ class ParquetRows(ShardedSource[Any]):
     # Resumed by counting, Stream's default (replay the epoch, drop what was delivered), not
     # by the shard offsets of the byte-stream sources: a row group is read whole anyway.
     _blocks_at = Stream._blocks_at
-    _state = Stream._state
-    _check = Stream._check
+
+    # A count means nothing over another list of files (one landed in the directory since,
+    # another split): the position names the list, as the byte-stream sources' name their
+    # shard, so that such a resume is refused instead of skipping the wrong rows.
+    def _files(self) -> str:
+        digest = hashlib.sha256("\n".join(self.shards).encode()).hexdigest()[:16]
+        return f"{len(self.shards)} files, sha256 {digest}"
+
+    def _state(self, token: Any, skip: int) -> dict[str, Any]:
+        return {**Stream._state(self, token, skip), "files": self._files()}
+
+    def _check(self, at: dict[str, Any], slot: tuple[int, int, int]) -> None:
+        Stream._check(self, at, slot)
+        check_same(at, "files", self._files(), type(self).__name__)
 
     def __repr__(self) -> str:
         return (f"ParquetRows({len(self.shards)} files, rank {self.rank} of {self.world_size}, "
@@ -578,6 +591,19 @@ class ParquetRows(ShardedSource[Any]):
             groups = [group for _, group in run]
             plan.append(_Unit(file, self.shards[file], groups, counts[file] - 1 in groups))
         return plan, len(units)
+
+    def _units(self, num_units: int) -> str:
+        return "files" if num_units == len(self.shards) else "row groups"
+
+    def _unit_name(self, unit: int, num_units: int) -> str:
+        if num_units == len(self.shards):
+            return f"file {unit} ({self.shards[unit]})"
+        number = unit
+        for file, count in enumerate(self._row_groups or ()):  # (None: a footer was bad)
+            if number < count:
+                return f"row group {number} of file {file} ({self.shards[file]})"
+            number -= count
+        return f"row group {unit} of the epoch"
 
     async def _planned(self, ctx: _Context, skipped: list[RecordError] | None = None
                        ) -> tuple[list[_Unit], int]:
@@ -648,7 +674,7 @@ class ParquetRows(ShardedSource[Any]):
             bad = BadRecords(True, self.stats)
             for error in skipped:
                 bad(error)
-            self._count_dropped(ctx, num_units)
+            self._note_shares(ctx, num_units)
         # Local files one at a time (see the module's description), in one thread of their
         # own; remote ones in anyio's threads (their reads run on the loop from there).
         if not plan:

@@ -544,6 +544,9 @@ class ReplicaPoolEpoch(PoolEpoch):
         self._turn = 0
         self._lanes = count  # replicas
         self._saved: int | None = None  # the saved run's num_workers (virtual replicas)
+        # Each virtual replica's [worker id, base seed or None] where a state names them
+        # (replicas of other ranks, see aloader.loader._ranks); None: worker r's is replica r.
+        self._slots: list[list[Any]] | None = None
         self._assigned = [0] * count  # requests assigned to each replica
         self._requests = 0  # requests assigned in all
         self._tickets: dict[int, int] = {}  # job sequence number -> ticket
@@ -554,19 +557,22 @@ class ReplicaPoolEpoch(PoolEpoch):
         self.settles = False
 
     def resume(self, turn: int, states: list[Any], begin: list[Any],
-               saved: int | None = None) -> None:
+               saved: int | None = None, slots: list[list[Any]] | None = None) -> None:
         """Start where a saved epoch was: replica ``turn`` is asked first, and replica ``r``
         resumes from ``states[r]`` (None: its start); ``begin`` are the replicas' positions
         until they deliver. ``saved``: the saved run's ``num_workers`` when it differs from
-        the pool's (its ``max(1, saved)`` replicas run as virtual replicas)."""
+        the pool's (its ``max(1, saved)`` replicas run as virtual replicas), or when
+        ``slots`` name the replicas ([worker id, base seed or None] each: those of other
+        ranks, all run as virtual replicas)."""
         lanes = len(states)
         self._turn = turn
         self._lanes = lanes
         self._saved = saved
+        self._slots = slots
         self._assigned = [0] * lanes
         self._sent = [0] * lanes
         self._resume_states = list(states)
-        self.delivered = _Delivered(list(begin), turn, local=saved == 0)
+        self.delivered = _Delivered(list(begin), turn, local=saved == 0 and slots is None)
 
     def note_meta(self, seq: int, lane: int, meta: Any) -> None:
         self.delivered.got[seq] = (lane, meta)
@@ -576,8 +582,9 @@ class ReplicaPoolEpoch(PoolEpoch):
         state = self._resume_states[key] if ticket == 0 else None
         if self._saved is None:
             return key, key, ticket, Kind.NEXT, state
+        worker, seed = (key, None) if self._slots is None else self._slots[key]
         return key % self.pool.num_workers, key, ticket, Kind.NEXT, (
-            "replica", key, self._saved, state)
+            "replica", key, (worker, self._saved, seed), state)
 
     def mark(self, seq: int) -> tuple[int, int] | None:
         if not self.settles or self.taken is None:

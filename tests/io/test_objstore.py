@@ -116,6 +116,21 @@ async def test_environment_credentials(s3: LocalS3, monkeypatch: pytest.MonkeyPa
     assert source.stats.records == 200 and source.stats.bytes == sum(map(len, SHARDS.values()))
 
 
+async def test_a_changed_environment_gets_a_new_store(
+        s3: LocalS3, monkeypatch: pytest.MonkeyPatch, anyio_backend: str) -> None:
+    """A store made from the environment is kept per bucket, but not past a change of the
+    environment it was made from: a source built after the endpoint (or the credentials)
+    changed reads the new one, as workers started after the change do, never the old one."""
+    for key, value in s3.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(_objstore, "_STORES", {})
+    assert len(await collect(JsonLines(SHARD_URLS[0], **FAST))) == 40
+    port = free_port()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    with pytest.raises(EndpointUnreachableError, match=rf"127\.0\.0\.1:{port}"):
+        await collect(JsonLines(SHARD_URLS[0], retries=0, **FAST))
+
+
 async def test_npy_rows_from_s3(s3: LocalS3, anyio_backend: str) -> None:
     import io
 
@@ -238,7 +253,9 @@ async def test_unreachable_endpoint(s3: LocalS3, anyio_backend: str) -> None:
                        rf"http://127\.0\.0\.1:{port} after 3 attempts"):
         await collect(source)
     assert source.stats.retries == 2
-    with pytest.raises(EndpointUnreachableError, match="s3://data-bucket/data/"):
+    with pytest.raises(EndpointUnreachableError,
+                       match=rf"s3://data-bucket/data/: cannot connect to "
+                       rf"http://127\.0\.0\.1:{port} after 2 attempts"):  # a listing's too
         JsonLines(url("data/"), store=store, retries=1, **FAST)
 
 
