@@ -101,16 +101,17 @@ class _FetchThreads:
         self._start()
 
     def _start(self) -> None:
-        """Start threads while there are more unfinished items than threads (up to count)."""
+        """Start threads while there are more unfinished items than threads (up to count),
+        never once closing began (a thread started then would wait for work for ever)."""
         while True:
             with self._lock:
-                if self._running >= min(self._count, self._unfinished):
+                if self._stopping or self._running >= min(self._count, self._unfinished):
                     return
                 self._running += 1
-            thread = threading.Thread(target=self._run, name="aloader-fetch", daemon=True)
-            if len(self._threads) > 2 * self._count:  # threads that left, as the count fell
-                self._threads = [t for t in self._threads if t.is_alive()]
-            self._threads.append(thread)
+                thread = threading.Thread(target=self._run, name="aloader-fetch", daemon=True)
+                if len(self._threads) > 2 * self._count:  # threads that left, as it fell
+                    self._threads = [t for t in self._threads if t.is_alive()]
+                self._threads.append(thread)
             thread.start()
 
     def resize(self, count: int) -> None:
@@ -178,9 +179,10 @@ class _FetchThreads:
         Once the epoch has given up on its threads, a thread stuck in the dataset is left
         running (a daemon thread that exits when its fetch returns) and not waited for.
         """
-        self._stopping = True
+        with self._lock:  # no thread starts from now on (see _start)
+            self._stopping = True
+            threads = list(self._threads)
         self._stopped.set()
-        threads = self._threads
         if not threads:
             return
         for _ in threads:

@@ -316,3 +316,25 @@ def test_the_verdict_speaks_of_auto() -> None:
     throttled = replace(base, throttled=57, concurrency={"limit": 90, "maximum": 1024,
                                                          "ceiling": 950.0})
     assert verdict(throttled).startswith("the store's rate limit: 57 fetches were throttled")
+
+
+async def test_no_fetch_thread_starts_once_the_threads_close() -> None:
+    """A controller's last change may reach the fetch threads after the epoch began to close
+    them: no thread may start then (it would wait for work for ever)."""
+    from aloader.pipeline._plan import FetchPlan
+    from aloader.pipeline._schedule import _Job
+    from aloader.pipeline._threads import _FetchThreads
+
+    plan = FetchPlan.for_dataset(SyncWatched(8), iterable=False, auto_batch=True,
+                                 collate_fn=list, batch_size=4, max_concurrency="auto")
+    threads = _FetchThreads(plan, 1)
+    job = _Job(0, [0, 1, 2, 3])
+    job.samples, job.remaining = [None] * 4, 4
+    threads.submit(job, [0, 1, 2, 3])
+    assert job.fetched is not None
+    await job.fetched.wait()
+    await threads.close()
+    threads._unfinished = 4  # as if work were still queued
+    threads.resize(8)
+    assert not any(t.is_alive() for t in threads._threads)
+    assert job.samples == [0, 1, 2, 3]
