@@ -64,8 +64,6 @@ class RateLimited:
         self.events = 0
         self._unlogged = 0
         self._last_summary = 0.0
-        # The last event not logged, for flush(): (level, message, args, summary).
-        self._pending: tuple[int, str, tuple[object, ...], str] | None = None
 
     def log(self, level: int, message: str, *args: object, summary: str) -> None:
         """Log one event: ``message % args`` while under ``first``, else maybe a summary.
@@ -88,22 +86,10 @@ class RateLimited:
                 if self.events == self.first + 1:
                     self._last_summary = now
                 if now - self._last_summary < self.every and self.events != self.first + 1:
-                    self._pending = (level, message, args, summary)
                     return
                 self._last_summary = now
-                self._pending = None
                 count, self._unlogged = self._unlogged, 0
         if full:
             self.logger.log(level, message, *args)
         else:
-            self.logger.log(level, summary, {"count": count, "last": message % args})
-
-    def flush(self) -> None:
-        """Log the summary of the events not logged yet, if any (at the end of an epoch, so
-        that the log accounts for every event)."""
-        with self._lock:
-            pending, self._pending = self._pending, None
-            count, self._unlogged = self._unlogged, 0
-        if pending is not None and count:
-            level, message, args, summary = pending
             self.logger.log(level, summary, {"count": count, "last": message % args})

@@ -74,7 +74,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -94,6 +94,7 @@ from .._exceptions import (
 from .._stats import SourceStats
 from .._tuning import ReadTuning
 from .._util import usable_cpus
+from ._checksums import etag_md5
 from ._http import HttpClient, HttpOptions, HttpTransport, Via, shares_one_pool
 from ._resumable import Part, Reading, Retry, resumable_chunks, retry_delay, where
 
@@ -114,9 +115,9 @@ _NO_LIMIT = timedelta(days=365)
 
 _STATUS = re.compile(r"status code: (\d{3})")
 _CODE = re.compile(r"<Code>([^<]+)</Code>")
-# The URL of the request that failed ("Error performing list request: Error performing GET
-# http://...": the first "performing" names no URL).
-_TARGET = re.compile(r"Error performing \w+ (\w+://\S+)")
+# The first URL an error quotes: the endpoint's (obstore's "Error performing list request:
+# Error performing GET http://host/...", or "Error performing GET http://host/...").
+_TARGET = re.compile(r"\b(https?)://([^\s/?#]+)")
 _CONNECT = re.compile(r"error sending request|kind: Connect|onnection refused|dns error",
                       re.IGNORECASE)
 _BUCKET_MISSING = ("NoSuchBucket", "ContainerNotFound", "NoSuchContainer",
@@ -359,18 +360,33 @@ def _answered(status: int, code: str, text: str, short: str) -> _Failure:
     return _Failure("transient" if transient else "fatal", status, short)
 
 
-def _endpoint(text: str) -> str:
+def _endpoint(text: str) -> str | None:
+    """The endpoint (``scheme://host:port``) an error's text quotes, if any."""
     match = _TARGET.search(text)
-    if match is None:
-        return "its endpoint"
-    parts = urlsplit(match.group(1))
-    return f"{parts.scheme}://{parts.netloc}"
+    return None if match is None else f"{match.group(1)}://{match.group(2)}"
+
+
+def _configured_endpoint(url: str, store: Any) -> str | None:
+    """The endpoint a store was given (``store=``'s config) or that the environment sets for
+    ``url``'s kind of store, if any: named when an error quotes none."""
+    config = getattr(store, "config", None)
+    if isinstance(config, dict):
+        for key in ("endpoint", "aws_endpoint", "endpoint_url"):
+            if isinstance(config.get(key), str) and "://" in config[key]:
+                return str(config[key])
+    family = _FAMILIES.get(_split(url)[0])
+    names = {"AWS": ("AWS_ENDPOINT_URL", "AWS_ENDPOINT"), "AZURE": ("AZURE_STORAGE_ENDPOINT",),
+             "GOOGLE": ("GOOGLE_CLOUD_STORAGE_ENDPOINT",)}.get(family or "", ())
+    for name in names:
+        if os.environ.get(name):
+            return os.environ[name]
+    return None
 
 
 def _error(url: str, failure: _Failure, offset: int | None = None,
            attempts: int = 1, endpoint: str | None = None) -> FetchError:
-    """The error raised for ``failure`` on ``url`` (``endpoint``: the store's, when
-    ``failure``'s text does not quote it)."""
+    """The error raised for ``failure`` on ``url`` (``endpoint``: the store's, named when
+    ``failure``'s text does not quote it: see :func:`_configured_endpoint`)."""
     _, bucket, key = _split(url)
     where = f" at byte offset {offset}" if offset else ""
     kwargs: dict[str, Any] = {"source": url, "offset": offset, "status_code": failure.status}
@@ -387,8 +403,9 @@ def _error(url: str, failure: _Failure, offset: int | None = None,
         return FetchError(f"{url}: the object changed in the store while it was being read"
                           f"{where} ({failure.text})", **kwargs)
     if failure.kind == "unreachable":
+        target = _endpoint(failure.text) or endpoint or "its endpoint"
         return EndpointUnreachableError(
-            f"{url}: cannot connect to {endpoint or _endpoint(failure.text)} after "
+            f"{url}: cannot connect to {target} after "
             f"{attempts} attempt{'s' if attempts > 1 else ''}{where} ({failure.text})", **kwargs)
     if failure.kind == "transient":
         return FetchError(f"{url}: giving up after {attempts} failed attempt"
@@ -476,6 +493,16 @@ class _Presigned(Via):
                 connect: bool) -> FetchError:
         failure = _Failure("unreachable" if connect else "transient", status, error)
         return _error(self.name, failure, offset, failures, self._endpoint)
+
+    def digests(self, headers: Mapping[str, str]) -> dict[str, str]:
+        # S3's ETag of a single-part upload is its MD5, unless the object is encrypted with
+        # a KMS key or the client's own (SSE-KMS, DSSE-KMS, SSE-C): their ETags are not.
+        encryption = headers.get("x-amz-server-side-encryption", "AES256").strip()
+        if encryption != "AES256" or "x-amz-server-side-encryption-customer-algorithm" in \
+                headers:
+            return {}
+        md5 = etag_md5(headers.get("ETag"))
+        return {} if md5 is None else {"md5": md5}
 
 
 @dataclass(frozen=True)
@@ -614,7 +641,8 @@ class ObjectAccess:
                 failures += 1
                 if (failure.kind not in ("transient", "unreachable")
                         or failures > self.options.retries):
-                    raise _error(spec, failure, attempts=failures) from None
+                    raise _error(spec, failure, attempts=failures,
+                                 endpoint=_configured_endpoint(spec, store)) from None
             time.sleep(retry_delay(self.options, failures))
 
     def chunks(
@@ -689,6 +717,41 @@ class _ObjectTransport:
     async def open(self, reading: Reading) -> AsyncIterator[Part | None]:
         if not self.ready:
             self._start()
+        try:
+            async with self._open(reading) as part:
+                yield part
+        except ObjectNotFoundError as exc:
+            hint = "" if type(exc) is not ObjectNotFoundError or reading.offset else \
+                await self._prefix_hint()
+            if not hint:
+                raise
+            raise ObjectNotFoundError(f"{exc}{hint}", source=exc.source, offset=exc.offset,
+                                      status_code=exc.status_code) from None
+
+    async def _prefix_hint(self) -> str:
+        """For a key that names no object but a prefix of some (``s3://bucket/data`` where
+        ``data/...`` exist): the suggestion of the prefix, with its ``/``."""
+        _, _, key = _split(self.url)
+        if not key or key.endswith("/"):
+            return ""
+        obstore = _obstore(self.url)
+        store, path = self.access._store(self.url, obstore)
+
+        def objects_under() -> bool:
+            try:
+                return any(len(chunk) for chunk in obstore.list(store, path, chunk_size=1))
+            except Exception:  # the hint is a courtesy: any error means none
+                return False
+            finally:
+                _runtime_started()
+
+        if not await anyio.to_thread.run_sync(objects_under, abandon_on_cancel=True):
+            return ""
+        return (f"; objects exist under {self.url}/: for the objects under that prefix, end "
+                "the URL with '/'")
+
+    @asynccontextmanager
+    async def _open(self, reading: Reading) -> AsyncIterator[Part | None]:
         if self.http is not None:
             async with self.http.open(reading) as part:
                 yield part
@@ -730,7 +793,8 @@ class _ObjectTransport:
             return self.http.gave_up(reading, last)
         failure = _Failure("unreachable" if last.connect else "transient", last.status,
                            str(last))
-        return _error(self.url, failure, reading.offset, reading.failures)
+        return _error(self.url, failure, reading.offset, reading.failures,
+                      _configured_endpoint(self.url, self.store))
 
     def changed(self, reading: Reading, what: str) -> FetchError:
         if self.http is not None:

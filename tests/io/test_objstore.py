@@ -259,6 +259,21 @@ async def test_unreachable_endpoint(s3: LocalS3, anyio_backend: str) -> None:
         JsonLines(url("data/"), store=store, retries=1, **FAST)
 
 
+async def test_a_prefix_without_its_slash_is_suggested(s3: LocalS3, anyio_backend: str
+                                                        ) -> None:
+    """``s3://bucket/data`` names no object, but objects exist under ``data/``: the error
+    says so; a key with nothing under it gets no suggestion."""
+    source = JsonLines(url("data"), store=s3.store(BUCKET), **FAST)
+    with pytest.raises(ObjectNotFoundError) as info:
+        await collect(source)
+    assert str(info.value).endswith(f"; objects exist under {url('data')}/: for the objects "
+                                    "under that prefix, end the URL with '/'")
+    assert info.value.source == url("data") and info.value.status_code == 404
+    with pytest.raises(ObjectNotFoundError) as info:
+        await collect(JsonLines(url("nothing-here"), store=s3.store(BUCKET), **FAST))
+    assert "objects exist under" not in str(info.value)
+
+
 def test_store_must_fit_the_urls(s3: LocalS3) -> None:
     with pytest.raises(ValueError, match="names the bucket 'other-bucket'"):
         JsonLines(url("x.jsonl", "other-bucket"), store=s3.store(BUCKET))
