@@ -32,6 +32,7 @@ from ._exceptions import (
     RecordError,
     SampleRngError,
     SourceError,
+    Throttled,
     WorkerError,
 )
 from ._stats import LoaderStats, SourceStats, StageStats
@@ -162,6 +163,7 @@ __all__ = (
     "RecordError",
     "SampleRngError",
     "SourceError",
+    "Throttled",
     "WorkerError",
 )
 

@@ -9,6 +9,7 @@ derive from it, shown after the name), so code written against torch catches the
     +-- WorkerError         (RuntimeError)   a worker process died or the workers stopped
     +-- SampleRngError      (RuntimeError)   sample_rng() outside a fetch (or without index)
     +-- FailureBudgetExceeded                more samples failed than ``max_failures`` allows
+    +-- Throttled                            raised by a dataset: the store asks to slow down
     +-- SourceError                          a streaming source could not produce records
     |   +-- RecordError     (ValueError)     a malformed record
     |   +-- FetchError      (OSError)        reading a file or URL failed
@@ -46,6 +47,7 @@ __all__ = (
     "RecordError",
     "SampleRngError",
     "SourceError",
+    "Throttled",
     "WorkerError",
 )
 
@@ -104,6 +106,38 @@ class FailureBudgetExceeded(AloaderError):
         self.budget = budget
         self.errors: list[BaseException] = errors or []
         self.indices: list[object] = indices or []
+
+
+class Throttled(AloaderError):
+    """Raise it from a dataset's ``__getitem__`` (or ``__getitems__``, or a ``Stream.map``
+    function) when the store it reads from asks you to slow down (an HTTP 429 or 503 with
+    ``Retry-After``, S3's SlowDown, a quota error).
+
+    Throttling is not failure: the loader lowers its concurrency (with
+    ``max_concurrency="auto"``), waits ``retry_after`` seconds (or a backoff growing from
+    0.1 s when None), and fetches the same index again, keeping the batch's order and each
+    sample exactly once. Counted in ``stats().throttled``, not as a failure, and not against
+    ``max_failures``; a fetch throttled 64 times in a row fails with this error.
+
+    Args:
+        retry_after: seconds the store asked to wait (its ``Retry-After``), or None.
+        message: what the store said, for the error if it comes to that.
+
+    Raises:
+        ValueError: ``retry_after`` is negative, infinite or not a number.
+    """
+
+    def __init__(self, retry_after: float | None = None, message: str | None = None) -> None:
+        if retry_after is not None and (
+            isinstance(retry_after, bool) or not isinstance(retry_after, (int, float))
+            or not 0 <= retry_after < float("inf")
+        ):
+            raise ValueError("retry_after should be a non-negative number of seconds or None, "
+                             f"but got retry_after={retry_after!r}")
+        text = message or ("throttled" if retry_after is None
+                           else f"throttled (retry after {retry_after:g} s)")
+        super().__init__(text)
+        self.retry_after = None if retry_after is None else float(retry_after)
 
 
 # --------------------------------------------------------------------------- sources

@@ -201,6 +201,16 @@ class LoaderStats:
             cumulative over the loader's epochs, each epoch's content counted once (an epoch
             interrupted and continued, or resumed by this loader from its own state, counts
             what the uninterrupted one does; see :class:`~aloader.SourceStats`).
+        throttled: fetches the dataset (or a source) was throttled on (:class:`~aloader.Throttled`,
+            HTTP 429 or 503): waited for and made again, not failures.
+        hedged: second fetches started for fetches that were late (``hedge_after``).
+        concurrency: with ``max_concurrency="auto"``, the controller: ``limit`` (fetches
+            allowed in flight now), ``maximum`` (``max_concurrency_limit``), ``phase``
+            (``"startup"`` or ``"steady"``), ``rate`` (items/s) and ``latency`` (seconds) it
+            estimated the store's from, the ``ceiling`` (items/s) a throttling store set, and
+            ``history``, its notable changes as ``[seconds, limit, why]``; with worker
+            processes, ``workers`` holds each worker's own and ``limit`` is their sum. None
+            with a fixed ``max_concurrency``.
         bottleneck: the limiting stage, in one sentence with the change that would help.
         cores: the CPUs this process may run on (0: unknown): the verdict never advises more
             worker processes than that.
@@ -225,6 +235,9 @@ class LoaderStats:
     first_wait: float = 0.0
     workers: list[dict[str, float]] = field(default_factory=list)
     sources: list[dict[str, int]] = field(default_factory=list)
+    throttled: int = 0
+    hedged: int = 0
+    concurrency: dict[str, Any] | None = None
     bottleneck: str = ""
     cores: int = 0
     in_order: bool = True
@@ -242,10 +255,13 @@ class LoaderStats:
                 lines.append(f"{stage.name:<10} {stage.count:>8} {stage.busy:>8.3f} "
                              f"{stage.p50 * 1e3:>8.2f} {stage.p90 * 1e3:>8.2f} "
                              f"{stage.p99 * 1e3:>8.2f}")
+        auto = "" if self.concurrency is None else " (auto)"
         lines.append(f"{self.items} items, {self.batches} batches, {self.failures} failed, "
                      f"{self.items_per_second:,.0f} items/s in {self.elapsed:.2f} s; "
-                     f"in flight {self.in_flight:.1f} of {self.in_flight_limit}, ready "
+                     f"in flight {self.in_flight:.1f} of {self.in_flight_limit}{auto}, ready "
                      f"{self.ready:.1f} of {self.ready_limit}")
+        if self.throttled or self.hedged:
+            lines.append(f"throttled {self.throttled}, hedged {self.hedged}")
         lines.append(f"bottleneck: {self.bottleneck}")
         return "\n".join(lines)
 
@@ -305,16 +321,24 @@ class Collector:
         # this does not hold: its errors' tracebacks would tie the loader to their frames).
         self.failed = 0
         self.sources: list[Any] = list(sources)  # the streams' SourceStats
+        self.throttled = 0  # fetches throttled (waited for and made again)
+        self.hedged = 0  # second fetches started for late ones
+        self.tuner: Any = None  # the Controller of "auto" concurrency, or None
+        self.worker_tuning: dict[int, dict[str, Any]] = {}  # each worker's, as reported
+        self._last_tuning: dict[str, Any] | None = None
         # A worker's: what was reported already (see report()).
         self._reported: dict[str, tuple[int, int]] = {}
 
     @classmethod
     def for_epoch(cls, setup: EpochSetup, mode: str, in_flight_limit: int,
-                  auto_batch: bool) -> Collector:
+                  auto_batch: bool, tuner: Any = None) -> Collector:
         """The statistics of the epoch ``setup`` describes, whose plan fetches in ``mode``
-        with at most ``in_flight_limit`` fetches in flight."""
-        return cls(mode, in_flight_limit, max(1, setup.prefetch_factor), setup.stats_epoch,
-                   setup.num_workers, setup.kind, auto_batch, setup.sources, setup.in_order)
+        with at most ``in_flight_limit`` fetches in flight (with ``tuner``, ``"auto"``
+        concurrency's controller, as many as it allows)."""
+        stats = cls(mode, in_flight_limit, max(1, setup.prefetch_factor), setup.stats_epoch,
+                    setup.num_workers, setup.kind, auto_batch, setup.sources, setup.in_order)
+        stats.tuner = tuner
+        return stats
 
     def __reduce__(self) -> tuple[Any, ...]:  # a plan's travels to the workers: a fresh one
         return (Collector, (self.mode, self.in_flight_limit, self.ready_limit, 0, 0, self.kind,
@@ -389,8 +413,13 @@ class Collector:
         return self.items + sum(size for _, size in list(self._collated))
 
     # Worker processes -------------------------------------------------------------------------
-    def report(self) -> tuple[Any, ...]:
-        """A worker's stages since its last report (a worker sends one every few answers)."""
+    def last_worker_tuning(self) -> dict[str, Any] | None:
+        """The ``"auto"`` controller a worker process reported last (its snapshot), or None."""
+        return self._last_tuning
+
+    def report(self, tuner: Any = None) -> tuple[Any, ...]:
+        """A worker's stages since its last report (a worker sends one every few answers),
+        with its throttled and hedged fetches and its controller's snapshot (``tuner``)."""
         with self.lock:
             self._fold()
         out = []
@@ -404,15 +433,22 @@ class Collector:
             self._reported[name] = (stage.count, stage.busy)
         items = self.items - self._reported.get("items", (0, 0))[0]
         self._reported["items"] = (self.items, 0)
-        return (out[0], out[1], items)
+        throttled, hedged = self._reported.get("tuning", (0, 0))
+        self._reported["tuning"] = (self.throttled, self.hedged)
+        tuning = None if tuner is None else tuner.snapshot()
+        return (out[0], out[1], items, self.throttled - throttled, self.hedged - hedged, tuning)
 
     def merge(self, worker_id: int, report: tuple[Any, ...]) -> None:
         """Add a worker's :meth:`report` (the loader's side)."""
-        fetch, collate, items = report
+        fetch, collate, items, throttled, hedged, tuning = report
         with self.lock:
             self.fetch.merge(*fetch)
             self.collate.merge(*collate)
             self.items += items
+            self.throttled += throttled
+            self.hedged += hedged
+            if tuning is not None:
+                self.worker_tuning[worker_id] = self._last_tuning = tuning
         if worker_id < len(self.workers):
             slot = self.workers[worker_id]
             slot[0] += collate[0]  # an answer without a batch (a replica's end) has none
@@ -434,8 +470,18 @@ class Collector:
         if self.mode == "process":
             in_flight = self.in_flight.mean(last)
         else:  # Little's law: the mean number in flight is their busy time over the time
-            in_flight = min(self.fetch.busy / 1e9 / elapsed, float(self.in_flight_limit))
+            cap = self.in_flight_limit if self.tuner is None else self.tuner.maximum
+            in_flight = min(self.fetch.busy / 1e9 / elapsed, float(cap))
         sources = [_source_counts(source) for source in self.sources]
+        limit = self.in_flight_limit
+        concurrency = None
+        if self.tuner is not None:
+            concurrency = self.tuner.snapshot()
+            limit = concurrency["limit"]
+        elif self.worker_tuning:  # auto in each worker process
+            workers = [self.worker_tuning[key] for key in sorted(self.worker_tuning)]
+            concurrency = {"limit": sum(w["limit"] for w in workers),
+                           "maximum": sum(w["maximum"] for w in workers), "workers": workers}
         stats = LoaderStats(
             epoch=self.epoch,
             running=self.ended is None,
@@ -448,13 +494,16 @@ class Collector:
             kind=self.kind,
             stages=stages,
             in_flight=in_flight,
-            in_flight_limit=self.in_flight_limit,
+            in_flight_limit=limit,
             ready=self.ready_sum / self.batches if self.batches else 0.0,
             ready_limit=self.ready_limit,
             fetch_cpu=self.fetch_cpu / 1e9,
             first_wait=self.first_wait / 1e9,
             workers=[{"batches": b, "busy": busy / 1e9} for b, busy in self.workers],
             sources=sources,
+            throttled=self.throttled,
+            hedged=self.hedged,
+            concurrency=concurrency,
             cores=usable_cpus()[0] or 0,
             in_order=self.in_order,
         )
@@ -506,7 +555,8 @@ def verdict(stats: LoaderStats) -> str:
 
     Derived from the measurements, in this order: a consumer that never waits is the
     bottleneck; else (the consumer waits for the loader) one worker much slower than the
-    others; a few slow fetches holding back the batches behind them (``in_order=False``); a
+    others; a few slow fetches holding back the batches behind them (``in_order=False``);
+    with ``max_concurrency="auto"``, the store's rate limit (throttling) or its knee; a
     map-style dataset's fetches filling their limit; ``collate_fn`` busy most of the time; a
     synchronous dataset busy on the CPU (the GIL); an iterable dataset's iterator busy most
     of the time (one pull at a time: no limit to raise); a map-style dataset blocking one
@@ -547,6 +597,9 @@ def verdict(stats: LoaderStats) -> str:
     busiest = max(("fetch", "collate", "transfer", "sampling"),
                   key=lambda name: stages[name].busy)
     iterable = stats.kind == "iterable" and stats.mode != "process"
+    auto = _auto_verdict(stats, waited)
+    if auto is not None:
+        return auto
     if stats.mode == "async" and not iterable and limit and stats.in_flight >= 0.75 * limit:
         return (f"fetch latency: {stats.in_flight:.0f} of {limit} fetches in flight, raise "
                 "max_concurrency")
@@ -597,10 +650,36 @@ def verdict(stats: LoaderStats) -> str:
             f"waited {waited:.0%} of the time")
 
 
+def _auto_verdict(stats: LoaderStats, waited: float) -> str | None:
+    """What holds ``"auto"`` concurrency where fetching is the bottleneck: the store's rate
+    limit, the most ``max_concurrency_limit`` allows, or the store's knee; None otherwise."""
+    auto = stats.concurrency
+    if auto is None or stats.kind == "iterable" or stats.stages["fetch"].busy <= 0:
+        return None
+    limit, maximum = auto["limit"], auto["maximum"]
+    if stats.throttled and auto.get("ceiling"):
+        return (f"the store's rate limit: {stats.throttled} fetches were throttled; "
+                f"max_concurrency='auto' keeps {limit} in flight, under the "
+                f"{auto['ceiling']:,.0f} items/s the store lets through (ask for a higher "
+                "limit, or spread the reads over more stores or prefixes)")
+    if stats.in_flight < 0.75 * limit:
+        return None
+    if limit >= maximum:
+        return (f"fetch latency: {stats.in_flight:.0f} of {limit} fetches in flight, the most "
+                "max_concurrency='auto' may run: raise max_concurrency_limit")
+    return (f"the store: max_concurrency='auto' keeps {limit} fetches in flight, its knee "
+            "(beyond it latency rose without more throughput); a faster store, more stores, "
+            f"or smaller fetches would help (the consumer waited {waited:.0%} of the time)")
+
+
 def _source_counts(source: Any) -> dict[str, int]:
     """A source's counters in a snapshot; its cache's only once it used a cache."""
     counts = {"shards": source.shards, "records": source.records, "bytes": source.bytes,
               "skipped": source.skipped, "retries": source.retries}
+    if source.throttled or source.hedged:
+        counts.update(throttled=source.throttled, hedged=source.hedged)
+    if source.tuner is not None:
+        counts["concurrency"] = source.tuner.limit
     if source.cache_hits or source.cache_misses:
         counts.update(cache_hits=source.cache_hits, cache_misses=source.cache_misses,
                       cache_bytes=source.cache_bytes, cache_evicted=source.cache_evicted,
@@ -657,7 +736,12 @@ class SourceStats:
         bytes: the shards' content decoded, in bytes: after decompression (of a compressed
             shard or a coded HTTP body), counted as each chunk is fed to the decoder.
         skipped: malformed records skipped because ``skip_errors=True``.
-        retries: HTTP requests retried (connection errors, timeouts, 5xx).
+        retries: HTTP requests retried (connection errors, timeouts, 5xx): not those a
+            store throttled.
+        throttled: requests the store throttled (HTTP 429 and 503, S3's SlowDown), each
+            waited for (its ``Retry-After``, or a backoff) and made again: not failures, and
+            not counted against ``retries``.
+        hedged: second requests made for reads whose first byte was late (``hedge``).
         shards_dropped: shards this rank left unread in an epoch to read as many shards as
             every other rank (``even_ranks``; one per epoch at most, counted by its worker 0
             when the epoch starts).
@@ -690,15 +774,28 @@ class SourceStats:
     cache_bytes: int = 0
     cache_evicted: int = 0
     cache_corrupt: int = 0
+    throttled: int = 0
+    hedged: int = 0
     skipped_errors: list[RecordError] = field(default_factory=_RecentErrors)
+    #: The source's ``"auto"`` concurrency controller (None: a fixed concurrency).
+    tuner: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def concurrency(self) -> dict[str, Any] | None:
+        """With ``concurrency="auto"``: the source's controller now, its limit of shards read
+        at once, its estimates and history (as :attr:`LoaderStats.concurrency`); else None.
+        With loader workers, each worker's source tunes its own reads (this one's is the
+        state it started from)."""
+        return None if self.tuner is None else self.tuner.snapshot()
 
     def counts(self) -> tuple[int, ...]:
         """The counters (shards, records, bytes, skipped, retries, shards_dropped, repeated,
-        cache_hits, cache_misses, cache_bytes, cache_evicted, cache_corrupt), to diff
-        against later."""
+        cache_hits, cache_misses, cache_bytes, cache_evicted, cache_corrupt, throttled,
+        hedged), to diff against later."""
         return (self.shards, self.records, self.bytes, self.skipped, self.retries,
                 self.shards_dropped, self.repeated, self.cache_hits, self.cache_misses,
-                self.cache_bytes, self.cache_evicted, self.cache_corrupt)
+                self.cache_bytes, self.cache_evicted, self.cache_corrupt, self.throttled,
+                self.hedged)
 
     def since(self, before: tuple[int, ...]) -> tuple[Any, ...] | None:
         """What was counted since ``counts()`` returned ``before``, or None if nothing.
@@ -718,7 +815,7 @@ class SourceStats:
     def add(self, delta: tuple[Any, ...]) -> None:
         """Count what :meth:`since` returned (a worker's counts, in the loader's process)."""
         (shards, records, size, skipped, retries, dropped, repeated, hits, misses, cached,
-         evicted, corrupt, errors) = delta
+         evicted, corrupt, throttled, hedged, errors) = delta
         self.shards += shards
         self.records += records
         self.bytes += size
@@ -731,4 +828,6 @@ class SourceStats:
         self.cache_bytes += cached
         self.cache_evicted += evicted
         self.cache_corrupt += corrupt
+        self.throttled += throttled
+        self.hedged += hedged
         self.skipped_errors.extend(errors)

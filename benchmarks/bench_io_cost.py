@@ -8,10 +8,11 @@ Run under callgrind, once per program and item count::
         --callgrind-out-file=x.out python benchmarks/bench_io_cost.py PROGRAM N
     grep summary x.out.2
 
-PROGRAM is ``bare``, ``loader``, ``trio-bare`` or ``trio-loader``. The second dump holds
-exactly one epoch of N items, after a warm-up epoch of the same program (imports, first-use
-setup) and with the garbage collector's objects frozen. Two item counts give the cost per
-item, ``(count(2N) - count(N)) / N``, apart from the epoch's fixed cost.
+PROGRAM is ``bare``, ``loader``, ``loader-auto`` (``max_concurrency="auto"`` with its knee
+fixed at the loader's 512: the controller's cost), ``trio-bare`` or ``trio-loader``. The
+second dump holds exactly one epoch of N items, after a warm-up epoch of the same program
+(imports, first-use setup) and with the garbage collector's objects frozen. Two item counts
+give the cost per item, ``(count(2N) - count(N)) / N``, apart from the epoch's fixed cost.
 
 Under callgrind every 5 ms sleep has expired by the next turn of the loop, so the counts are
 those of a fully CPU-bound epoch. On trio they still move with timing (which tasks a turn
@@ -45,7 +46,25 @@ def _program(name: str, n: int) -> Callable[[], Any]:
     if name == "trio-loader":
         return lambda: engine._on_trio(
             lambda: engine._consume_async(engine._trio_io_loader(n), n, "io loader trio"))
-    raise SystemExit(f"unknown program {name!r}: bare, loader, trio-bare or trio-loader")
+    if name == "loader-auto":
+        return lambda: asyncio.run(engine._consume_async(_auto_loader(n), n, "io loader auto"))
+    raise SystemExit(f"unknown program {name!r}: bare, loader, loader-auto, trio-bare or "
+                     "trio-loader")
+
+
+def _auto_loader(n: int) -> Any:
+    """The io loader with ``max_concurrency="auto"`` and the knee fixed at its 512: the
+    controller's bounds pinned there, so all of its bookkeeping runs (every completion, every
+    round's estimates) while its decisions leave the limit where ``loader``'s is. Its count
+    against ``loader``'s is the controller's cost."""
+    from aloader import DataLoader
+    from aloader._tuning import Controller
+
+    knee = engine.IO_CONCURRENCY
+    loader = DataLoader(engine.AsyncIODataset(n), batch_size=engine.IO_BATCH,
+                        max_concurrency="auto", max_concurrency_limit=knee)
+    loader._tuner = Controller(knee, initial=knee, minimum=knee)
+    return loader
 
 
 def main() -> None:

@@ -45,9 +45,11 @@ class FaultyServer(ShardServer):
         with self._faults_lock:
             self._faults.setdefault(name, deque()).append(fault)
 
-    def fail(self, name: str, status: int, times: int = 1) -> None:
-        """Answer the next ``times`` requests for ``name`` with ``status`` (e.g. 503)."""
-        self._add(name, _Fault("status", status, times))
+    def fail(self, name: str, status: int, times: int = 1,
+             retry_after: str | None = None) -> None:
+        """Answer the next ``times`` requests for ``name`` with ``status`` (e.g. 503), with
+        ``Retry-After: retry_after`` if given (a throttling answer: a 429, or a 503 with it)."""
+        self._add(name, _Fault("status", (status, retry_after), times))
 
     def cut(self, name: str, after: int, times: int = 1) -> None:
         """Send only ``after`` bytes of the next ``times`` bodies, then close the connection."""
@@ -83,7 +85,9 @@ class FaultyServer(ShardServer):
         elif fault.kind == "stall":
             time.sleep(fault.value)
         elif fault.kind == "status":
-            handler.send((int(fault.value), {"Retry-After": "0"}, b""))
+            status, retry_after = fault.value
+            handler.send((int(status), {} if retry_after is None else
+                          {"Retry-After": retry_after}, b""))
             return
         status, headers, body = self.answer(name, range_header)
         if fault.kind == "cut" and status in (200, 206):

@@ -25,6 +25,7 @@ TREE: dict[str, tuple[str, type[BaseException] | None]] = {
     "WorkerError": ("AloaderError", RuntimeError),
     "SampleRngError": ("AloaderError", RuntimeError),
     "FailureBudgetExceeded": ("AloaderError", None),
+    "Throttled": ("AloaderError", None),
     "SourceError": ("AloaderError", None),
     "RecordError": ("SourceError", ValueError),
     "FetchError": ("SourceError", OSError),

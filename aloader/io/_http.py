@@ -77,6 +77,8 @@ from ._resumable import Part, Reading, Retry, resumable_chunks, where
 if TYPE_CHECKING:
     import httpx
 
+    from .._tuning import ReadTuning
+
 __all__ = ("HttpClient", "HttpOptions", "HttpTransport", "Via", "env_configures_http",
            "http_chunks", "make_client", "shares_one_pool")
 
@@ -537,9 +539,11 @@ class HttpTransport:
                                   await _head_of(response.body, _ERROR_BODY), offset)
             if isinstance(outcome, FetchError):
                 raise outcome
-            raise Retry(outcome, retry_after, status=status)
+            # An object store's 503 is its SlowDown, with or without Retry-After.
+            raise Retry(outcome, retry_after, status=status, throttled=status in (429, 503))
         if status >= 500 or status in _TRANSIENT:
-            raise Retry(f"HTTP {status} {reason}".rstrip(), retry_after, status=status)
+            raise Retry(f"HTTP {status} {reason}".rstrip(), retry_after, status=status,
+                        throttled=status == 429 or (status == 503 and retry_after is not None))
         if status not in (200, 206):
             raise FetchError(f"{url}: HTTP {status} {reason}{where(offset)} (not retried)",
                              source=url, offset=offset, status_code=status)
@@ -622,6 +626,7 @@ def http_chunks(
     end: int | None = None,
     etag: str | None = None,
     via: Via | None = None,
+    tuning: ReadTuning | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The body of ``url``, chunk by chunk (decoded), retried and resumed as the module
     describes (the read itself is :func:`~aloader.io._resumable.resumable_chunks`).
@@ -644,6 +649,8 @@ def http_chunks(
             reads of one file at several ranges all see the same resource.
         via: the URLs to request and the wording of failures, for a resource named ``url``
             that is not requested at ``url`` itself (see :class:`Via`).
+        tuning: the source's controller and hedger (see
+            :func:`~aloader.io._resumable.resumable_chunks`), or None.
 
     Raises:
         FetchError: (as the generator runs) an error status that is not transient (at once),
@@ -652,7 +659,7 @@ def http_chunks(
             retries exhausted.
     """
     return resumable_chunks(HttpTransport(client, url, options, via), url, options, stats,
-                            on_size, start, on_version, end, etag)
+                            on_size, start, on_version, end, etag, tuning)
 
 
 @functools.lru_cache(maxsize=1 << 14)

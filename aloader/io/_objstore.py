@@ -92,6 +92,7 @@ from .._exceptions import (
     ObjectNotFoundError,
 )
 from .._stats import SourceStats
+from .._tuning import ReadTuning
 from .._util import usable_cpus
 from ._checksums import etag_md5
 from ._http import HttpClient, HttpOptions, HttpTransport, Via, shares_one_pool
@@ -649,7 +650,7 @@ class ObjectAccess:
         start: int = 0,
         on_version: Callable[[int | None, str | None, str | None], None] | None = None,
         end: int | None = None, etag: str | None = None,
-        client: Callable[[], HttpClient] | None = None,
+        client: Callable[[], HttpClient] | None = None, tuning: ReadTuning | None = None,
     ) -> AsyncGenerator[bytes, None]:
         """The bytes of the object at ``url``, chunk by chunk, retried and resumed as the
         module describes (the read itself is
@@ -668,13 +669,14 @@ class ObjectAccess:
                 one file at several ranges then all see the same object, or fail.
             client: what gives the epoch's HTTP client, for an object read through signed
                 URLs (see the module's description); None: obstore reads it.
+            tuning: the source's controller and hedger, or None.
 
         Raises:
             FetchError: (or a subclass, as the generator runs) the object cannot be read, as
                 the module describes.
         """
         return resumable_chunks(_ObjectTransport(self, url, client), url, self.options, stats,
-                                on_size, start, on_version, end, etag)
+                                on_size, start, on_version, end, etag, tuning)
 
 
 class _ObjectTransport:
@@ -784,7 +786,7 @@ class _ObjectTransport:
             if failure.kind not in ("transient", "unreachable"):
                 raise _error(url, failure, reading.offset, reading.failures + 1) from None
             raise Retry(failure.text, connect=failure.kind == "unreachable",
-                        status=failure.status) from None
+                        status=failure.status, throttled=failure.status in (429, 503)) from None
 
     def gave_up(self, reading: Reading, last: Retry) -> FetchError:
         if self.http is not None:

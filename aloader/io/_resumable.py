@@ -19,6 +19,16 @@ is skipped.
   :meth:`Transport.gave_up`). Each retry waits an exponential backoff with jitter
   (:func:`retry_delay`, at least the server's ``Retry-After``), is counted in
   ``stats.retries`` and logged.
+* Throttling is not failure: an answer that asks to slow down (:attr:`Retry.throttled`)
+  tells the source's controller (``"auto"`` concurrency cuts its limit), waits the
+  ``Retry-After`` (or a backoff from ``backoff``), is counted in ``stats.throttled`` and made
+  again, without using up ``retries`` (past :data:`~aloader._tuning.MAX_THROTTLED` in a row
+  with no byte received, a throttling answer counts as a failure: a store that only ever
+  throttles fails the read in the end, never hangs it).
+* Hedging (a source's ``hedge``): an attempt whose answer has not come after a high
+  percentile of the recent ones (:class:`~aloader._tuning.Hedger`) gets a second request for
+  the same range, within a budget of 5% extra requests; the first to answer is read, the
+  other cancelled (:func:`_answer`), counted in ``stats.hedged``.
 * Version check: the first answer's length and ETag are the resource's; an answer that tells
   another length or another ETag (without ``etag``, the first answer's) is an error
   (:meth:`Transport.changed`): the rest would come from another version. The version is
@@ -32,8 +42,9 @@ is skipped.
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncGenerator, Callable, Iterable
-from contextlib import AbstractAsyncContextManager
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -42,6 +53,7 @@ import anyio
 from .._exceptions import FetchError
 from .._log import http_log
 from .._stats import SourceStats
+from .._tuning import MAX_THROTTLED, Hedger, ReadTuning, throttle_delay
 from .._util import Closing
 
 __all__ = ("FirstAnswer", "Part", "Reading", "Retry", "RetryOptions", "Transport",
@@ -68,14 +80,17 @@ class Retry(Exception):
         retry_after: the server's ``Retry-After`` (seconds), or None.
         connect: no connection could be made (refused, no route, DNS).
         status: the answer's status, if there was one.
+        throttled: the store asked to slow down (a 429; a 503 with ``Retry-After``, or an
+            object store's SlowDown): not a failure (see the module).
     """
 
     def __init__(self, message: str, retry_after: float | None = None, connect: bool = False,
-                 status: int | None = None) -> None:
+                 status: int | None = None, throttled: bool = False) -> None:
         super().__init__(message)
         self.retry_after = retry_after
         self.connect = connect
         self.status = status
+        self.throttled = throttled
 
 
 @dataclass
@@ -200,10 +215,11 @@ async def resumable_chunks(
     on_version: Callable[[int | None, str | None, str | None], None] | None = None,
     end: int | None = None,
     etag: str | None = None,
+    tuning: ReadTuning | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The bytes of ``name`` from ``start`` (to ``end``), chunk by chunk (at most
-    ``options.chunk_size`` bytes), through ``transport``, retried and resumed as the module
-    describes.
+    ``options.chunk_size`` bytes), through ``transport``, retried, throttled, hedged and
+    resumed as the module describes.
 
     Args:
         transport: opens the ranged answers.
@@ -217,15 +233,20 @@ async def resumable_chunks(
             unknown), ETag and Last-Modified of the first answer that sends the body.
         end: the byte to stop before, or None for the resource's end.
         etag: the version to read (an answer with another ETag is an error).
+        tuning: the source's controller (told of throttling) and hedger, or None.
 
     Raises:
         FetchError: the transport's errors, a changed version, or retries exhausted.
     """
     reading = Reading(name, start, end, etag)
     size = options.chunk_size
+    throttled = 0  # throttling answers in a row, since the last byte received
+    tuner = None if tuning is None else tuning.tuner
+    hedger = None if tuning is None else tuning.hedger
     while True:
         try:
-            async with transport.open(reading) as part:
+            async with (transport.open(reading) if hedger is None
+                        else _answer(transport, reading, hedger, stats)) as part:
                 if part is None:
                     return
                 reading.status = part.status
@@ -251,7 +272,7 @@ async def resumable_chunks(
                                 continue
                             piece = piece[skip:]
                             skip = 0
-                        reading.failures = 0
+                        reading.failures = throttled = 0
                         offset = reading.offset
                         if end is not None and offset + len(piece) >= end:
                             piece = piece[: end - offset]  # a server that ignored the range
@@ -274,6 +295,17 @@ async def resumable_chunks(
         limit = reading.limit()
         if reading.total is not None and limit is not None and reading.offset >= limit:
             return  # the connection dropped after the last byte
+        if last.throttled and throttled < MAX_THROTTLED:
+            throttled += 1
+            stats.throttled += 1
+            if tuner is not None:
+                tuner.throttled(time.perf_counter_ns())
+            delay = throttle_delay(last.retry_after, throttled, backoff=options.backoff,
+                                   max_backoff=options.max_backoff)
+            http_log.info("throttled on %s%s: waiting %.2f s (%d in a row): %s", name,
+                          where(reading.offset), delay, throttled, last)
+            await anyio.sleep(delay)
+            continue
         reading.failures += 1
         if reading.failures > options.retries:
             raise transport.gave_up(reading, last)
@@ -283,6 +315,90 @@ async def resumable_chunks(
                       where(reading.offset), delay, reading.failures + 1, options.retries + 1,
                       last)
         await anyio.sleep(delay)
+
+
+@asynccontextmanager
+async def _answer(transport: Transport, reading: Reading, hedger: Hedger,
+                  stats: SourceStats) -> AsyncIterator[Part | None]:
+    """``transport.open(reading)``, hedged: a second request for the same range if no answer
+    came after ``hedger``'s delay (and its budget allows); the first answer is read, the
+    other request cancelled. Each answer's latency (its headers: the first byte of the
+    exchange) feeds the hedger's percentile.
+
+    The first request is made in the reading task itself, so that an answer in time is read
+    as an unhedged one is, at once (aiohttp raises a cut connection's error before the bytes
+    it buffered: a late reader would lose them); a watcher task sleeps through the delay and
+    makes the second request, and the first answer cancels the other. Both tasks end before
+    this yields; the winner's context is then left here, in the reading task, as each
+    transport allows (their answers are plain objects, with no cancel scope across a yield).
+    """
+    delay = hedger.delay()
+    opening = transport.open(reading)
+    started = time.perf_counter_ns()
+    if delay is None:  # not hedged (yet): its latency still counts
+        async with opening as part:
+            hedger.record(time.perf_counter_ns() - started)
+            yield part
+        return
+    won: list[tuple[AbstractAsyncContextManager[Part | None], Part | None]] = []
+    errors: list[BaseException] = []
+    hedging = False  # the second request was made
+    second_done = anyio.Event()  # it answered, or failed
+    own = anyio.CancelScope()
+
+    async def watch() -> None:
+        nonlocal hedging
+        await anyio.sleep(delay)
+        if won or not hedger.spend():
+            return
+        stats.hedged += 1
+        hedging = True
+        second = transport.open(reading)
+        began = time.perf_counter_ns()
+        try:
+            part = await second.__aenter__()
+        except Exception as exc:
+            errors.append(exc)
+            second_done.set()
+            return
+        hedger.record(time.perf_counter_ns() - began)
+        if won:  # the first answered meanwhile
+            with anyio.CancelScope(shield=True):
+                await second.__aexit__(None, None, None)
+            return
+        won.append((second, part))
+        hedger.won += 1
+        second_done.set()
+        own.cancel()
+
+    first_error: BaseException | None = None
+    async with anyio.create_task_group() as group:
+        group.start_soon(watch)
+        with own:
+            try:
+                part = await opening.__aenter__()
+            except Exception as exc:
+                first_error = exc
+            else:
+                hedger.record(time.perf_counter_ns() - started)
+                if won:  # the second answered first
+                    with anyio.CancelScope(shield=True):
+                        await opening.__aexit__(None, None, None)
+                else:
+                    won.append((opening, part))
+        if first_error is not None and hedging:
+            await second_done.wait()  # the first failed with the second out: it may still do
+        group.cancel_scope.cancel()
+    if not won:
+        raise first_error if first_error is not None else errors[0]
+    answer, part = won[0]
+    try:
+        yield part
+    except BaseException as exc:
+        if not await answer.__aexit__(type(exc), exc, exc.__traceback__):
+            raise
+    else:
+        await answer.__aexit__(None, None, None)
 
 
 def _check_version(transport: Transport, reading: Reading, part: Part) -> None:

@@ -13,10 +13,13 @@ import operator
 import warnings
 from typing import Any
 
-from .._util import usable_cpus, user_stacklevel
+from .._tuning import check_concurrency, check_hedge
+from .._util import check_int, usable_cpus, user_stacklevel
+from ..data._dataset import fetch_mode, is_iterable_dataset
 from ..pipeline._failures import check_max_failures
 
-__all__ = ("DEFAULT_PREFETCH_FACTOR", "check_batching", "check_loading", "warn_worker_number")
+__all__ = ("DEFAULT_PREFETCH_FACTOR", "check_batching", "check_hedge_after", "check_loading",
+           "warn_worker_number")
 
 DEFAULT_PREFETCH_FACTOR = 2
 
@@ -38,8 +41,9 @@ def check_process_limit(num_workers: int) -> None:
 
 
 def check_loading(num_workers: int, timeout: float, prefetch_factor: int | None,
-                  persistent_workers: bool, max_concurrency: int | None,
-                  max_failures: int | float) -> tuple[int, int | float]:
+                  persistent_workers: bool, max_concurrency: int | str | None,
+                  max_failures: int | float, max_concurrency_limit: int | None = None
+                  ) -> tuple[int, int | float]:
     """Check how a loader loads; returns its ``prefetch_factor`` (the default for None) and
     its ``max_failures``, checked."""
     if num_workers < 0:
@@ -61,16 +65,33 @@ def check_loading(num_workers: int, timeout: float, prefetch_factor: int | None,
         operator.index(prefetch_factor)
     if persistent_workers and num_workers == 0:
         raise ValueError("persistent_workers option needs num_workers > 0")
-    if max_concurrency is not None and (
-        isinstance(max_concurrency, bool)
-        or not isinstance(max_concurrency, int)
-        or max_concurrency <= 0
-    ):
-        raise ValueError(
-            "max_concurrency should be a positive integer or None, "
-            f"but got max_concurrency={max_concurrency!r}"
-        )
+    check_concurrency("max_concurrency", max_concurrency, allow_none=True)
+    if max_concurrency_limit is not None:
+        check_int("max_concurrency_limit", max_concurrency_limit)
+        if max_concurrency != "auto":
+            raise ValueError("max_concurrency_limit bounds max_concurrency='auto', but got "
+                             f"max_concurrency={max_concurrency!r}")
     return prefetch_factor, check_max_failures(max_failures)
+
+
+def check_hedge_after(hedge_after: object, dataset: Any, batched: bool) -> float | None:
+    """``hedge_after`` checked: None, or seconds, for a dataset whose fetches it hedges (the
+    item fetches of a map-style dataset's ``async def __getitem__``; a fetch may not be
+    idempotent, so it is never hedged unless asked for)."""
+    after = check_hedge("hedge_after", hedge_after, auto=False)
+    if after is None:
+        return None
+    if is_iterable_dataset(dataset):
+        raise ValueError("hedge_after hedges the item fetches of a map-style dataset; an "
+                         "iterable dataset's samples come in one stream")
+    if fetch_mode(dataset) != "async":
+        raise ValueError("hedge_after hedges the fetches of an async dataset (async def "
+                         "__getitem__); this dataset's __getitem__ is synchronous")
+    if batched and getattr(dataset, "__getitems__", None):
+        raise ValueError("hedge_after hedges item fetches (async def __getitem__); this "
+                         "dataset's batches come from one __getitems__ call each")
+    assert not isinstance(after, str)
+    return after
 
 
 def check_batching(iterable: bool, batch_size: int | None, shuffle: bool | None, sampler: Any,

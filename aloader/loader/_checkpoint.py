@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
+from .._tuning import Controller
 from ..data._distributed import default_place
 from ..data._random import restore_rng, rng_state
 from ..pipeline._failures import Failures, json_index
@@ -160,6 +161,7 @@ def state_of(dataloader: DataLoader[Any]) -> dict[str, Any]:
         },
         kind: _json_copy(sub),
         "failures": failures,
+        "concurrency": dataloader._tuning_state(),
     }
 
 
@@ -206,6 +208,12 @@ def load_state(dataloader: DataLoader[Any], state: Mapping[str, Any]) -> None:
     except ValueError as exc:
         raise ValueError(f"state field 'loader.rng': {exc}") from None
     failed = _check_failures(dataloader, state.get("failures"))
+    tuning = state.get("concurrency")
+    if tuning is not None:
+        try:
+            Controller().load_state_dict(tuning)
+        except ValueError as exc:
+            raise ValueError(f"state field 'concurrency': {exc}") from None
     if kind not in state:
         raise ValueError(f"state field {kind!r} is missing")
     sub = _json_copy(state[kind])
@@ -236,6 +244,7 @@ def load_state(dataloader: DataLoader[Any], state: Mapping[str, Any]) -> None:
     dataloader._resume_skip = skip
     dataloader._resume_failures = failed
     dataloader._record = None
+    dataloader._load_tuning(None if tuning is None else _json_copy(dict(tuning)))
     copy = cast(dict[str, Any], _json_copy(dict(state)))
     dataloader._resume_state = copy
 

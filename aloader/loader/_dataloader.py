@@ -26,7 +26,7 @@ import time
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
-from typing import Any, Generic, TypeVar, cast, overload
+from typing import Any, Generic, Literal, TypeVar, cast, overload
 
 import anyio
 import numpy as np
@@ -38,6 +38,7 @@ from .._facade import LocalIterator, PrivateLoop, SyncIterator, forbid_running_l
 from .._log import SLOW_FIRST_BATCH, loader_log
 from .._stats import Collector, LoaderStats
 from .._trace import Trace
+from .._tuning import DEFAULT_MAX_LIMIT, Controller
 from .._util import user_stacklevel
 from ..data._batchsampler import BatchSampler
 from ..data._collate import default_collate, default_convert
@@ -54,7 +55,7 @@ from ..streams._stream import Stream
 from ..workers._context import default_context, prepare_context, resolve_context
 from ..workers._pool_epoch import PoolEpoch
 from ..workers._processes import WorkerPool
-from ._arguments import check_batching, check_loading, warn_worker_number
+from ._arguments import check_batching, check_hedge_after, check_loading, warn_worker_number
 from ._checkpoint import _EpochRecord, load_state, state_of
 from ._epochs import AlreadyDelivered, EpochKind, IterableEpochs, MapEpochs
 from ._pin_memory import _pin_memory_transform, _require_torch
@@ -158,7 +159,14 @@ class DataLoader(Generic[T_co]):
         in_order: deliver batches in sampler order (True) or as soon as they are ready.
         max_concurrency: fetch calls in flight. Async datasets default to 64; synchronous
             datasets default to one batch call at a time in a worker thread, and with a value
-            fetch that many items at once in threads (for blocking I/O).
+            fetch that many items at once in threads (for blocking I/O). ``"auto"``: as many
+            as the store serves well, set by a controller from the fetches' measured
+            throughput and latency (it grows while throughput grows, backs off when latency
+            rises without it or when the dataset raises :class:`Throttled`; see
+            :mod:`aloader._tuning`), up to ``max_concurrency_limit``; it goes on from epoch
+            to epoch, its value and history are in :meth:`stats` (``concurrency``), its state
+            in :meth:`state_dict`. What the pipeline holds follows the limit as it would a
+            fixed ``max_concurrency``. With workers, each worker tunes its own fetches.
         max_failures: the failure budget of each epoch: an int is a count of samples, a
             float in (0, 1) a fraction of the epoch's samples. With a budget, a sample whose
             fetch raises is left out of its batch (a batch left with no sample is skipped),
@@ -167,6 +175,18 @@ class DataLoader(Generic[T_co]):
             error with its own type, as torch does. See :mod:`aloader.pipeline._failures` for
             ``__getitems__``, iterable datasets, streams and workers. It may change between
             epochs; with ``persistent_workers``, turning it on or off restarts the workers.
+        max_concurrency_limit: the most fetches ``max_concurrency="auto"`` lets run at once
+            (default 1024); only with ``"auto"``.
+        hedge_after: seconds after which an item fetch of an async ``__getitem__`` that has
+            not answered gets a second one (the first to answer is kept, the other
+            cancelled; at most 5% extra fetches, counted in ``stats().hedged``). Opt-in:
+            only for fetches that may be made twice (idempotent reads); each attempt draws
+            the sample's :func:`sample_rng` stream from its start.
+
+    A dataset whose store asks it to slow down raises :class:`Throttled` from
+    ``__getitem__`` (or ``__getitems__``): the loader waits (``retry_after``, or a backoff)
+    and fetches that index again, in order and exactly once, counted in ``stats().throttled``
+    and not as a failure; ``"auto"`` concurrency backs off.
     """
 
     dataset: Any
@@ -205,8 +225,10 @@ class DataLoader(Generic[T_co]):
         persistent_workers: bool = ...,
         pin_memory_device: str = ...,
         in_order: bool = ...,
-        max_concurrency: int | None = ...,
+        max_concurrency: int | Literal["auto"] | None = ...,
         max_failures: int | float = ...,
+        max_concurrency_limit: int | None = ...,
+        hedge_after: float | None = ...,
     ) -> None: ...
     @overload
     def __init__(
@@ -229,8 +251,10 @@ class DataLoader(Generic[T_co]):
         persistent_workers: bool = ...,
         pin_memory_device: str = ...,
         in_order: bool = ...,
-        max_concurrency: int | None = ...,
+        max_concurrency: int | Literal["auto"] | None = ...,
         max_failures: int | float = ...,
+        max_concurrency_limit: int | None = ...,
+        hedge_after: float | None = ...,
     ) -> None: ...
     @overload
     def __init__(
@@ -253,8 +277,10 @@ class DataLoader(Generic[T_co]):
         persistent_workers: bool = ...,
         pin_memory_device: str = ...,
         in_order: bool = ...,
-        max_concurrency: int | None = ...,
+        max_concurrency: int | Literal["auto"] | None = ...,
         max_failures: int | float = ...,
+        max_concurrency_limit: int | None = ...,
+        hedge_after: float | None = ...,
     ) -> None: ...
     def __init__(
         self,
@@ -276,12 +302,16 @@ class DataLoader(Generic[T_co]):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
-        max_concurrency: int | None = None,
+        max_concurrency: int | Literal["auto"] | None = None,
         max_failures: int | float = 0,
+        max_concurrency_limit: int | None = None,
+        hedge_after: float | None = None,
     ) -> None:
         prefetch_factor, max_failures = check_loading(
             num_workers, timeout, prefetch_factor, persistent_workers, max_concurrency,
-            max_failures)
+            max_failures, max_concurrency_limit)
+        hedge_after = check_hedge_after(hedge_after, dataset,
+                                        batch_size is not None or batch_sampler is not None)
         self.dataset = dataset
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
@@ -291,7 +321,13 @@ class DataLoader(Generic[T_co]):
         self.worker_init_fn = worker_init_fn
         self.in_order = in_order
         self.max_concurrency = max_concurrency
+        self.max_concurrency_limit = max_concurrency_limit
+        self.hedge_after = hedge_after
         self.max_failures: int | float = max_failures
+        # "auto" concurrency: the controller, kept from epoch to epoch (made by the first
+        # epoch's plan), and a loaded state waiting for it.
+        self._tuner: Controller | None = None
+        self._tuner_state: dict[str, Any] | None = None
 
         iterable = is_iterable_dataset(dataset)
         batch_size, shuffle, drop_last = check_batching(
@@ -505,7 +541,7 @@ class DataLoader(Generic[T_co]):
         ``setup``: the epoch it is for, which its statistics and failure budget are built from
         too (None: a plan asked what it would decide, or the workers'); ``here``: one on the
         sync ``for``'s own thread (see :meth:`FetchPlan.for_dataset`)."""
-        return FetchPlan.for_dataset(
+        plan = FetchPlan.for_dataset(
             self.dataset,
             iterable=isinstance(self._kind, IterableEpochs),
             auto_batch=self._auto_collation,
@@ -519,7 +555,41 @@ class DataLoader(Generic[T_co]):
             seed=None if isinstance(self._kind, IterableEpochs) else self.sample_seed,
             setup=setup,
             here=here,
+            max_concurrency_limit=self.max_concurrency_limit or DEFAULT_MAX_LIMIT,
+            tuner=self._tuner,
+            hedge_after=self.hedge_after,
         )
+        if plan.tuner is not None and plan.tuner is not self._tuner:
+            self._tuner = plan.tuner  # the first epoch's: later ones go on with it
+            if self._tuner_state is not None:
+                plan.tuner.load_state_dict(self._tuner_state)
+                self._tuner_state = None
+                plan.window = plan.tuned_window()
+        return plan
+
+    # "auto" concurrency ----------------------------------------------------------------------
+    def _tuning_state(self) -> dict[str, Any] | None:
+        """The controller's state for a checkpoint (None without ``"auto"``): this process's,
+        or with worker processes the one a worker reported last."""
+        if self._tuner_state is not None:
+            return dict(self._tuner_state)
+        tuner = self._tuner
+        if tuner is None:
+            return None
+        stats = self._stats
+        reported = None if stats is None else stats.last_worker_tuning()
+        if reported is not None:
+            tuner.load_state_dict(reported)
+        return tuner.state_dict()
+
+    def _load_tuning(self, state: dict[str, Any] | None) -> None:
+        """A checkpoint's controller state (checked): the next epoch starts from it."""
+        if state is None or self.max_concurrency != "auto":
+            return
+        if self._tuner is not None:
+            self._tuner.load_state_dict(state)
+        else:
+            self._tuner_state = state
 
     def _claim_epoch(self, count: int) -> int:
         """Epoch ``count``'s number, as the workers see it (:attr:`WorkerInfo.epoch`).

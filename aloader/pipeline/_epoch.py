@@ -67,22 +67,25 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from .._backend import Detached, current_backend, task_group, waiters
-from .._exceptions import LoaderClosedError
+from .._backend import Detached, current_backend, task_group, threadsafe_caller, waiters
+from .._exceptions import LoaderClosedError, Throttled
+from .._tuning import Controller
 from .._util import close_iterator, resolve
 from ._errors import _batch_error, _describe, _note
 from ._failures import _FAILED, KNOWN_FAILED
 from ._keys import PacedKeys, _Keys
-from ._plan import FetchPlan, Remote
+from ._plan import FetchPlan, Remote, window_for
 from ._pull import _NOTHING, _pull, _pull_sync, _pull_sync_tolerant, _pull_tolerant
 from ._results import NO_BATCH, Results
 from ._sample_rng import IDLE, FrameScope, fetch_var, scope_var
 from ._schedule import (
     _AWAIT_THREADS,
     _FAILED_ITEMS,
+    _RETRY,
     _WHOLE_JOB,
     _Admission,
     _Job,
+    _Retry,
     _WorkQueue,
 )
 from ._threads import _FetchThreads
@@ -214,6 +217,7 @@ class MapEpoch(Epoch):
         self, plan: FetchPlan, results: Results, keys: Iterator[Any] | AsyncIterator[Any]
     ) -> None:
         super().__init__(plan, results)
+        self._group: Any = None  # the fetch workers' task group, while it runs
         if isinstance(keys, PacedKeys) and plan.mode == "inline":
             # Read on the consumer's call, one per batch: torch's schedule without pacing.
             keys = keys.unpaced()
@@ -264,7 +268,7 @@ class MapEpoch(Epoch):
             cpu = time.thread_time_ns() if self.plan.on_consumer else 0
             try:
                 try:
-                    samples = self.plan.fetch_sync(key)
+                    samples = await self._fetch_inline(key)
                 finally:
                     collating = _now()
                     if cpu:
@@ -288,13 +292,32 @@ class MapEpoch(Epoch):
                 await anyio.lowlevel.checkpoint()
         return batch, None
 
+    async def _fetch_inline(self, key: Any) -> Any:
+        """An inline epoch's fetch of ``key``, made again while the dataset throttles (waiting
+        on the loop, or on the consumer's thread where there is none)."""
+        plan = self.plan
+        in_a_row = 0
+        while True:
+            try:
+                return plan.fetch_sync(key)
+            except Throttled as exc:
+                in_a_row += 1
+                delay = plan.throttled(exc, in_a_row)
+            if current_backend() is None:
+                time.sleep(delay)
+            else:
+                await anyio.sleep(delay)
+
     async def _run(self) -> None:
         plan = self.plan
+        tuner = plan.tuner
         limiter = anyio.CapacityLimiter(plan.concurrency)
+        # With "auto" concurrency the fetches in flight follow the controller's limit; the
+        # plan's concurrency is its maximum.
+        limit = plan.concurrency if tuner is None else tuner.limit
         threads = None
         if plan.granularity == "item" and plan.mode == "thread":
-            threads = _FetchThreads(plan.get_item, plan.concurrency, plan.abandon, plan.absorb,
-                                    plan.stats)
+            threads = _FetchThreads(plan, limit)
         # Items fetched one by one on the loop: in a turn of a busy loop hundreds of fetches
         # finish before the consumer takes their batches, so a second window of jobs may hold
         # data, and another waits as indices, each worker finding its next fetch at once. On
@@ -303,7 +326,7 @@ class MapEpoch(Epoch):
         # between two of its takes, so a third may hold data (without it, workers idled
         # for room in ~1 fetch of 7, and parking them cost more than the fetches).
         ahead = plan.granularity == "item" and threads is None
-        workers = plan.concurrency if ahead else plan.window
+        workers = limit if ahead else plan.window
         new_waiter = waiters()  # the backend, looked up once for the epoch
         # Jobs started and not yet taken by the consumer: the windows, and the batches that
         # may wait for the consumer (collated, or fetched and waiting for their slot).
@@ -317,17 +340,56 @@ class MapEpoch(Epoch):
         getitem = plan.async_getitem()
         try:
             async with task_group() as tg:
+                self._group = tg  # the waits of throttled items run in it
+
                 def spawn() -> None:
                     tg.start_soon(self._worker, queue, limiter, admission, getitem)
 
                 queue.spawn = spawn
+                if tuner is not None:
+                    self._follow(tuner, queue, admission, threads, holding, ahead)
                 try:
                     await self._guard(admission.produce)
                 finally:
                     queue.close()
         finally:
+            if tuner is not None:
+                tuner.on_change = None
             if threads is not None:
                 await threads.close()
+
+    def _follow(self, tuner: Controller, queue: _WorkQueue, admission: _Admission,
+                threads: _FetchThreads | None, holding: int, ahead: bool) -> None:
+        """Have the epoch follow the controller's limit: the fetch workers (or threads), the
+        window and the room change with it as they would for that fixed ``max_concurrency``,
+        so what the pipeline holds stays bounded as it does there."""
+        plan = self.plan
+        window = plan.window
+        tuner.resume(_now())  # a round begun in an earlier epoch does not count
+
+        def resize(limit: int) -> None:
+            nonlocal window
+            if tuner.on_change is None:  # the epoch ended meanwhile
+                return
+            new = window_for(limit, plan.per_job) if plan.granularity == "item" else limit
+            delta, window = new - window, new
+            queue.resize(limit if ahead else new, holding * delta)
+            admission.release((holding + 1) * delta if ahead else delta)
+
+        loop_thread = threading.get_ident()
+        call_soon = threadsafe_caller()
+
+        def on_change(limit: int) -> None:
+            if threads is not None:  # at once, from the thread that reported: it may leave
+                threads.resize(limit)
+            if threading.get_ident() == loop_thread:
+                resize(limit)
+            else:  # the window and the room are the loop's
+                call_soon(functools.partial(resize, limit))
+
+        tuner.on_change = on_change
+        if window != plan.tuned_window():
+            on_change(tuner.limit)  # changed since the plan was made (a state loaded)
 
     async def _worker(
         self, queue: _WorkQueue, limiter: anyio.CapacityLimiter, window: _Admission,
@@ -352,6 +414,12 @@ class MapEpoch(Epoch):
             scope_var.set(scope)
             fetch_var.set(0)  # not the number of a fetch this worker runs in (nested loaders)
         take, get = queue.take, queue.get
+        # "auto": each item's latency, a bare list append; the controller looks at them once
+        # per batch (in _complete).
+        tuner: Any = plan.tuner
+        record = None if tuner is None else tuner.record
+        if plan.hedge is not None:
+            fetch = functools.partial(self._hedged, fetch)
         # The clock at the end of this worker's last fetch while nothing but bookkeeping has
         # run since (no await, no collate): the next fetch starts then, a clock read less.
         ended: int | None = None
@@ -364,10 +432,14 @@ class MapEpoch(Epoch):
                     if job is None:
                         return
                 position = job.next - 1  # the piece taken, read before any await
+                throttles = 0
                 if job.kind:  # not an item to fetch: one test on the items' path
                     ended = None
-                    await self._other_piece(job, limiter, window)
-                    continue
+                    if job.kind != _RETRY:
+                        await self._other_piece(job, limiter, window)
+                        continue
+                    retry: Any = job  # a throttled item, due again
+                    job, position, throttles = retry.job, retry.position, retry.throttles
                 fetching = job.indices[position]
                 if scope.asked:
                     fetch_no += 1
@@ -376,14 +448,51 @@ class MapEpoch(Epoch):
                 try:
                     job.samples[position] = await fetch(fetching)
                 except Exception as exc:
+                    if isinstance(exc, Throttled) and self._throttled(queue, job, position, exc,
+                                                                      throttles + 1):
+                        fetching = IDLE
+                        ended = None
+                        continue  # due again later: not done
                     self._fetch_failed(job, position, fetching, exc)
                 fetching = IDLE
                 ended = _now()
-                add(ended - started)
+                if record is None:
+                    add(ended - started)
+                else:
+                    took = ended - started
+                    add(took)
+                    record(took)
+                    if tuner.measuring:  # a throttling episode: every completion's time
+                        tuner.tick(ended)
                 job.remaining -= 1
                 if job.remaining == 0:
                     ended = None
                     await self._complete(job, limiter, window)
+
+    def _throttled(self, queue: _WorkQueue, job: _Job, position: int, error: Throttled,
+                   throttles: int) -> bool:
+        """The dataset throttled ``job``'s item at ``position`` (``throttles`` times in a
+        row): it is due again after the wait (:meth:`FetchPlan.throttled`), first in line,
+        and its worker goes on meanwhile, so that the wait holds no slot of the limit. False
+        once it was throttled too often (then it fails with ``error``)."""
+        try:
+            delay = self.plan.throttled(error, throttles)
+        except Throttled:
+            return False
+        queue.pending += 1
+        piece = _Retry(job, position, throttles)
+
+        async def due() -> None:
+            await anyio.sleep(delay)
+            queue.retry(piece)
+
+        assert self._group is not None
+        self._group.start_soon(due)
+        return True
+
+    async def _hedged(self, fetch: Callable[[Any], Awaitable[Any]], index: Any) -> Any:
+        """``fetch(index)`` hedged (``hedge_after``, see :meth:`FetchPlan.hedged`)."""
+        return await self.plan.hedged(fetch, index, self.plan.epoch)
 
     async def _other_piece(self, job: _Job, limiter: anyio.CapacityLimiter,
                            window: _Admission) -> None:
@@ -446,6 +555,9 @@ class MapEpoch(Epoch):
         the job does not wait for its output slot: it is deferred to the slot's freeing
         (:meth:`Results.defer`), and the worker goes on to other work."""
         results = self.results
+        tuner = self.plan.tuner
+        if tuner is not None and self.plan.mode != "thread":  # (threads report on their own)
+            tuner.tick(_now())
         if job.error is not None or self.plan.collates_on_loop:
             results.defer(job.seq, functools.partial(self._finish, job, window))
             return

@@ -9,6 +9,8 @@ loop, or in the thread that ran it).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import math
 import threading
@@ -20,8 +22,9 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 import anyio
 import numpy as np
 
-from .._exceptions import FailureBudgetExceeded
+from .._exceptions import FailureBudgetExceeded, Throttled
 from .._stats import Collector
+from .._tuning import Controller, Hedger, on_throttled
 from .._util import is_async_callable, is_awaitable, resolve
 from ..data._collate import ColumnBatch, default_collate
 from ..data._dataset import aiter_of, fetch_mode
@@ -36,7 +39,8 @@ from ._threads import _Abandon
 if TYPE_CHECKING:
     from .._epoch_setup import EpochSetup
 
-__all__ = ("DEFAULT_MAX_CONCURRENCY", "FetchPlan", "Remote", "window_for")
+__all__ = ("DEFAULT_MAX_CONCURRENCY", "FetchPlan", "Remote", "again_when_throttled",
+           "window_for")
 
 # Fetches in flight for async datasets when max_concurrency is not given.
 DEFAULT_MAX_CONCURRENCY = 64
@@ -99,6 +103,11 @@ class FetchPlan:
         on_consumer: an "inline" plan of a dataset that would fetch in a thread under
             ``async for`` (a sync ``for``'s): its fetches' CPU time is measured, as in a
             thread, so that the statistics tell a blocking dataset from a computing one.
+        tuner: with ``max_concurrency="auto"``, the controller of the fetches in flight (then
+            ``concurrency`` is its maximum and ``window`` fits its limit at the start; the
+            epoch follows its changes), else None.
+        hedge: with ``hedge_after``, when a late item fetch gets a second one, else None.
+        per_job: the items of a job (the batch size; 1 without auto-batching).
     """
 
     dataset: Any
@@ -116,6 +125,9 @@ class FetchPlan:
     failures: Failures | None = None
     stats: Collector = field(default_factory=Collector)
     on_consumer: bool = False
+    tuner: Controller | None = None
+    hedge: Hedger | None = None
+    per_job: int = 1
 
     @classmethod
     def for_dataset(
@@ -126,7 +138,7 @@ class FetchPlan:
         auto_batch: bool,
         collate_fn: Callable[[Any], Any],
         batch_size: int | None,
-        max_concurrency: int | None,
+        max_concurrency: int | str | None,
         transform: Callable[[Any], Any] | None = None,
         remote: Remote | None = None,
         num_workers: int = 0,
@@ -134,6 +146,9 @@ class FetchPlan:
         seed: int | None = None,
         setup: EpochSetup | None = None,
         here: bool = False,
+        max_concurrency_limit: int = 1024,
+        tuner: Controller | None = None,
+        hedge_after: float | None = None,
     ) -> FetchPlan:
         """The one place that decides how an epoch fetches: mode, granularity, concurrency, window.
 
@@ -154,6 +169,11 @@ class FetchPlan:
         With ``remote`` (``num_workers`` worker processes): ``"process"``, whole jobs, at
         most ``prefetch_factor`` per worker in flight.
 
+        ``max_concurrency="auto"`` fetches as a given ``max_concurrency`` would, with the
+        limit in flight set by a :class:`~aloader._tuning.Controller` (``tuner``, or a new one)
+        up to ``max_concurrency_limit`` fetches (items, or batch calls of ``__getitems__``);
+        for a plan that fetches one call at a time (inline, iterable, remote) it does nothing.
+
         An epoch's plan is built from its ``setup``, as are its statistics and its failure
         budget (which the plan holds); without one (a plan asked only what it would decide,
         or the workers' plan), the statistics count nothing for anyone and there is no budget.
@@ -173,8 +193,15 @@ class FetchPlan:
             seed: the loader's sample seed (see :mod:`aloader.pipeline._sample_rng`), or None.
             setup: the epoch the plan is for (see :mod:`aloader._epoch_setup`), or None.
             here: the plan of a sync ``for`` on its consumer's thread.
+            max_concurrency_limit: the most fetches ``"auto"`` lets run.
+            tuner: the controller of earlier epochs (``"auto"``), or None for a new one.
+            hedge_after: seconds after which a late item fetch on the loop gets a second one.
         """
         epoch = 0 if setup is None else setup.epoch
+        auto = max_concurrency == "auto"
+        if auto:
+            max_concurrency = max_concurrency_limit
+        assert not isinstance(max_concurrency, str)
         if remote is not None:
             window = max(1, prefetch_factor) * num_workers
             stats, failures = _recorders(setup, "process", window, auto_batch)
@@ -225,9 +252,17 @@ class FetchPlan:
             window = concurrency = 1 if max_concurrency is None else window_for(
                 max_concurrency, per_job
             )
+        if not auto or iterable or mode == "inline":
+            tuner = None
+        else:
+            # The controller counts the calls in flight: items, or batch calls of __getitems__
+            # (a window of jobs), from the limit it had in the epoch before (16 items at first).
+            if tuner is None:
+                tuner = Controller(concurrency, initial=None if item_level else window_for(
+                    16, per_job))
         stats, failures = _recorders(setup, mode, concurrency if item_level else window,
-                                     auto_batch)
-        return cls(
+                                     auto_batch, tuner)
+        plan = cls(
             dataset=dataset,
             mode=mode,
             auto_batch=auto_batch,
@@ -242,7 +277,20 @@ class FetchPlan:
             failures=failures,
             stats=stats,
             on_consumer=on_consumer,
+            tuner=tuner,
+            per_job=per_job or 1,
+            hedge=None if hedge_after is None or mode != "async" or not item_level
+            else Hedger(hedge_after),
         )
+        if tuner is not None:
+            plan.window = plan.tuned_window()
+        return plan
+
+    def tuned_window(self) -> int:
+        """The window that fits the controller's limit now (``"auto"`` plans)."""
+        assert self.tuner is not None
+        limit = self.tuner.limit
+        return window_for(limit, self.per_job) if self.granularity == "item" else limit
 
     def __post_init__(self) -> None:
         getitems = getattr(self.dataset, "__getitems__", None)
@@ -340,6 +388,8 @@ class FetchPlan:
             return self._fetch_sync(key)
         try:
             return self._fetch_sync(key)
+        except Throttled:
+            raise  # not a failure: the caller waits and fetches again
         except Exception as exc:
             if not self.auto_batch:
                 return self._absorbed(key, exc)
@@ -347,6 +397,8 @@ class FetchPlan:
         for index in self.items_of(key):
             try:
                 samples.append(self._fetch_sync([index])[0])
+            except Throttled:
+                raise
             except Exception as exc:
                 self._absorbed(index, exc)
         return samples if samples else NO_BATCH
@@ -443,7 +495,16 @@ class FetchPlan:
         return samples if samples else NO_BATCH
 
     async def _fetch(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
+        """:meth:`_fetch_once`, made again as long as the dataset raises :class:`Throttled`."""
+        try:
+            return await self._fetch_once(key, limiter)
+        except Throttled as exc:
+            return await again_when_throttled(
+                functools.partial(self._fetch_once, limiter=limiter), key, exc, self.throttled)
+
+    async def _fetch_once(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
         started = _now()
+        tuner = self.tuner
         try:
             if self.mode == "thread":
                 return await self.in_thread(self._fetch_sync, key, limiter=limiter)
@@ -459,12 +520,80 @@ class FetchPlan:
                             if items is not None and scope is not None:
                                 scope.at(items[position])
                             samples[position] = await sample
+                if tuner is not None:
+                    now = _now()
+                    tuner.done(now - started, now)
                 return samples
             finally:
                 if token is not None:
                     scope_var.reset(token)
         finally:
             self.stats.fetch.add(_now() - started)
+
+    # Throttling and hedging (aloader._tuning) --------------------------------------------------
+    def throttled(self, error: Throttled, in_a_row: int, lock: Any = None) -> float:
+        """A fetch was throttled for the ``in_a_row``-th time in a row: count it, tell the
+        controller, and return the seconds to wait before fetching again
+        (:func:`~aloader._tuning.on_throttled`). ``lock`` guards the counts where fetch
+        threads report too.
+
+        Raises:
+            Throttled: ``error``, once a fetch was throttled more than
+                :data:`~aloader._tuning.MAX_THROTTLED` times in a row.
+        """
+        with lock if lock is not None else contextlib.nullcontext():
+            delay = on_throttled(error, in_a_row, self.tuner, _now())
+            self.stats.throttled += 1
+        return delay
+
+    async def hedged(self, fetch: Callable[[Any], Awaitable[Any]], index: Any,
+                     epoch: int) -> Any:
+        """``fetch(index)``, and a second one if the first has not answered after
+        ``hedge_after`` seconds (within the hedging budget): the first to answer wins and the
+        other is cancelled; an error counts once both have failed (the first one's). Each
+        attempt draws its own :func:`~aloader.sample_rng` stream (the sample's, from its
+        start), so the one kept is what a single fetch would have drawn."""
+        hedge = self.hedge
+        assert hedge is not None
+        delay = hedge.delay()
+        seed = self.seed
+        outcome: list[Any] = []
+        errors: list[Exception] = []
+        running = 1
+
+        async def attempt(scope: anyio.CancelScope, second: bool) -> None:
+            nonlocal running
+            if seed is not None:
+                scope_var.set(Scope(seed, epoch, index))
+            try:
+                value = await fetch(index)
+            except Exception as exc:
+                errors.append(exc)
+                running -= 1
+                if running == 0:
+                    scope.cancel()
+                return
+            if not outcome:
+                outcome.append(value)
+                hedge.won += second
+            scope.cancel()
+
+        async def later(scope: anyio.CancelScope) -> None:
+            nonlocal running
+            await anyio.sleep(delay or 0.0)
+            if not hedge.spend():
+                return
+            self.stats.hedged += 1
+            running += 1
+            await attempt(scope, True)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(attempt, group.cancel_scope, False)
+            if delay is not None:
+                group.start_soon(later, group.cancel_scope)
+        if outcome:
+            return outcome[0]
+        raise errors[0]
 
     def async_getitem(self) -> Callable[[Any], Awaitable[Any]] | None:
         """The dataset's own ``async def __getitem__`` (bound), for fetches on the loop: what
@@ -488,9 +617,25 @@ class FetchPlan:
         return value if is_awaitable(value) else resolve(value)
 
     async def load(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
-        """Fetch and collate one job in a single thread call (``collate_in_thread`` plans)."""
-        batch = await self.in_thread(self.load_sync, key, limiter=limiter)
+        """Fetch and collate one job in a single thread call (``collate_in_thread`` plans),
+        made again as long as the dataset throttles."""
+        call = functools.partial(self.in_thread, self.load_sync, limiter=limiter)
+        try:
+            batch = await call(key)
+        except Throttled as exc:
+            batch = await again_when_throttled(call, key, exc, self.throttled)
         return await resolve(batch)
+
+    def throttled_sync(self, fn: Callable[[Any], Any], key: Any) -> Any:
+        """``fn(key)``, made again after each wait (blocking: a worker process's own thread)
+        as long as the dataset throttles (see :meth:`throttled`)."""
+        in_a_row = 0
+        while True:
+            try:
+                return fn(key)
+            except Throttled as exc:
+                in_a_row += 1
+                time.sleep(self.throttled(exc, in_a_row))
 
     @property
     def collates_on_loop(self) -> bool:
@@ -537,13 +682,32 @@ class FetchPlan:
 
 
 
+async def again_when_throttled(fetch: Callable[[Any], Awaitable[Any]], key: Any,
+                               error: Throttled,
+                               throttled: Callable[[Throttled, int], float]) -> Any:
+    """``fetch(key)`` again after the wait ``throttled(error, in_a_row)`` returns, as long
+    as it raises :class:`~aloader.Throttled` (``throttled`` raises once it is too often). The
+    wait holds the caller's slot: whole jobs, fetches in threads, ``Stream.map`` calls (an
+    item fetched on the loop gives its slot back while it waits: see
+    :meth:`MapEpoch._throttled`)."""
+    in_a_row = 1
+    while True:
+        await anyio.sleep(throttled(error, in_a_row))
+        try:
+            return await fetch(key)
+        except Throttled as exc:
+            error, in_a_row = exc, in_a_row + 1
+
+
 def _recorders(setup: EpochSetup | None, mode: FetchMode, in_flight_limit: int,
-               auto_batch: bool) -> tuple[Collector, Failures | None]:
+               auto_batch: bool, tuner: Controller | None = None
+               ) -> tuple[Collector, Failures | None]:
     """The statistics and the failure budget of the epoch ``setup`` describes, for a plan
-    that fetches in ``mode`` with at most ``in_flight_limit`` fetches in flight."""
+    that fetches in ``mode`` with at most ``in_flight_limit`` fetches in flight (or as many
+    as ``tuner``, ``"auto"`` concurrency's controller, allows)."""
     if setup is None:
         return Collector(), None
-    stats = Collector.for_epoch(setup, mode, in_flight_limit, auto_batch)
+    stats = Collector.for_epoch(setup, mode, in_flight_limit, auto_batch, tuner)
     return stats, Failures.for_epoch(setup, stats) if setup.max_failures else None
 
 

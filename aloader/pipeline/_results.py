@@ -105,6 +105,12 @@ class Results:
             self._fifo_seqs.append(seq)
         self._changed.notify()
 
+    def resize(self, capacity: int) -> None:
+        """Let ``capacity`` batches wait from now on (``Stream.map``'s "auto" concurrency;
+        not with :meth:`defer`, whose slots are counted at the capacity it was given)."""
+        self._capacity = max(1, capacity)
+        self._changed.notify()
+
     @property
     def capacity(self) -> int:
         """The batches that may wait for the consumer."""

@@ -39,6 +39,7 @@ _WHOLE_JOB = -1
 _AWAIT_THREADS = -2
 _NO_ITEMS = -3
 _FAILED_ITEMS = -4  # items of a job whose error is known: passed over, not fetched
+_RETRY = -5  # an item the dataset throttled, due again (a _Retry, not a job)
 
 
 _now = time.perf_counter_ns
@@ -70,11 +71,13 @@ class _WorkQueue:
     the loop where hundreds finish at once.
 
     Workers start on demand: work that no idle worker is woken for starts a new one, up to
-    ``limit``, so workers never outnumber the work the window let in.
+    ``limit``, so workers never outnumber the work the window let in. The limit may change
+    (``"auto"`` concurrency, :meth:`resize`): above it, workers leave as they come back for
+    work (``leaving``), idle ones first.
     """
 
-    __slots__ = ("_closed", "_idle", "_limit", "_new_waiter", "_spawned", "items", "room",
-                 "spawn")
+    __slots__ = ("_closed", "_idle", "_limit", "_new_waiter", "_spawned", "items", "leaving",
+                 "pending", "retries", "room", "spawn")
 
     def __init__(self, limit: int, new_waiter: Callable[[], Waiter], room: int,
                  spawn: Callable[[], None] = lambda: None) -> None:
@@ -86,6 +89,11 @@ class _WorkQueue:
         self._spawned = 0
         self._new_waiter = new_waiter
         self.spawn = spawn  # starts one more worker
+        self.leaving = 0  # workers above the limit, to leave as they come back for work
+        # Throttled items: those due again, taken before any other work (they hold up their
+        # job), and how many are still waiting to be due.
+        self.retries: deque[_Retry] = deque()
+        self.pending = 0
 
     def take(self) -> _Job | None:
         """The job of the next piece of work if it may start now, else None (never waits).
@@ -93,7 +101,9 @@ class _WorkQueue:
         The piece is the job's position ``next - 1``: read it before the next await.
         """
         items = self.items
-        if items:
+        if self.retries and not self.leaving:
+            return self.retries.popleft()  # type: ignore[return-value]  # a piece of kind _RETRY
+        if items and not self.leaving:
             job = items[0]
             position = job.next
             if position == 0:  # a job's first piece starts it
@@ -122,18 +132,55 @@ class _WorkQueue:
         if not self._idle:
             return
         # Wake a worker for each piece at the head that may start now.
-        startable, room, idle = 0, self.room, len(self._idle)
+        idle = len(self._idle)
+        self._wake(self._startable(idle))
+        if self._drained():
+            self._wake(len(self._idle))  # nothing left: the idle workers leave
+
+    def _drained(self) -> bool:
+        """Whether no work is left nor will come."""
+        return self._closed and not self.items and not self.retries and not self.pending
+
+    def retry(self, piece: _Retry) -> None:
+        """A throttled item is due again: first in line, for an idle worker or a new one."""
+        self.pending -= 1
+        self.retries.append(piece)
+        if not self._wake(1) and self._spawned < self._limit:
+            self._spawned += 1
+            self.spawn()
+
+    def _startable(self, most: int) -> int:
+        """The pieces at the head that may start now (the room allowing), up to ``most``."""
+        startable, room = 0, self.room
         for job in self.items:
             if job.next == 0:
                 if room <= 0:
                     break
                 room -= 1
             startable += job.count - job.next
-            if startable >= idle:
-                break
-        self._wake(min(startable, idle))
-        if self._closed and not self.items:
-            self._wake(len(self._idle))  # nothing left: the idle workers leave
+            if startable >= most:
+                return most
+        return startable
+
+    def resize(self, limit: int, room: int) -> None:
+        """At most ``limit`` workers from now on, and ``room`` more jobs may start (fewer
+        when negative): workers start for the pieces that may start now, or the surplus
+        leaves, the idle first and the others when they come back for work."""
+        self._limit = limit
+        self.room += room
+        surplus = self._spawned - limit
+        if surplus > 0:
+            self.leaving = surplus
+            self._wake(min(surplus, len(self._idle)))
+            return
+        self.leaving = 0
+        idle = len(self._idle)
+        waiting = self._startable(idle + limit - self._spawned)
+        more = min(waiting - self._wake(min(waiting, idle)), limit - self._spawned)
+        if more > 0:
+            self._spawned += more
+            for _ in range(more):
+                self.spawn()
 
     def _wake(self, count: int) -> int:
         """Wake up to ``count`` idle workers; returns how many."""
@@ -150,17 +197,23 @@ class _WorkQueue:
         """No more work will come: idle workers leave once the queue is empty (every piece
         taken leads to a :meth:`free`, which checks)."""
         self._closed = True
-        if not self.items:
+        if self._drained():
             self._wake(len(self._idle))
 
     async def get(self) -> _Job | None:
         """The job of the next piece of work (as :meth:`take`), or None once the queue is
-        closed and drained."""
+        closed and drained, or when this worker is one above the limit (it leaves)."""
         while True:
+            if self.leaving:
+                self.leaving -= 1
+                self._spawned -= 1
+                if self.items and self._idle and not self.leaving:
+                    self._wake(self._startable(1))  # a wake-up this worker took, passed on
+                return None
             job = self.take()
             if job is not None:
                 return job
-            if self._closed and not self.items:
+            if self._drained():
                 return None
             wakeup = self._new_waiter()
             self._idle.append(wakeup)
@@ -187,6 +240,21 @@ class _Job:
         self.count = 1  # pieces of work: an item each (kind _ITEMS), else one
         self.next = 0  # the position of the piece the queue hands out next
 
+
+
+class _Retry:
+    """An item of ``job`` (at ``position``) the dataset throttled ``throttles`` times in a
+    row, due again: a piece of work of kind :data:`_RETRY` in the :class:`_WorkQueue`."""
+
+    __slots__ = ("job", "position", "throttles")
+
+    kind = _RETRY
+    next = 0  # read as a job's cursor is, and not used
+
+    def __init__(self, job: _Job, position: int, throttles: int) -> None:
+        self.job = job
+        self.position = position
+        self.throttles = throttles
 
 
 class _Admission:
@@ -225,14 +293,17 @@ class _Admission:
         self._end: object = None  # _ENDED, or the sampler's error, once it has no more keys
         self.seq = 0  # the next job's number
 
-    def release(self) -> None:
-        """A job left the window (its batch is collated, or its error published)."""
-        self._free += 1
+    def release(self, count: int = 1) -> None:
+        """A job left the window (its batch is collated, or its error published); or the
+        window holds ``count`` more jobs (``"auto"`` concurrency; fewer when negative: jobs
+        then leave it before others enter, until it is within its size again)."""
+        self._free += count
         waiting = self._waiting
-        if waiting is None:
+        if waiting is None or self._free <= 0:
             return
         if self._keys is not None and self._end is None:
-            self._admit_next()
+            while self._free > 0 and self._end is None:
+                self._admit_next()
             if self._end is None:
                 return
         self._waiting = None

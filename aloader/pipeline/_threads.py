@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .._backend import threadsafe_caller
-from .._stats import Collector
+from .._exceptions import Throttled
 from ._errors import _note
 from ._failures import _FAILED
 
 if TYPE_CHECKING:
+    from ._plan import FetchPlan
     from ._schedule import _Job
 
 __all__ = ()
@@ -68,35 +69,76 @@ class _FetchThreads:
 
     Per item they cost a queue read and no event-loop round trip: the loop hears only of
     finished jobs, which keeps it (and the GIL) free at thousands of blocking fetches a second.
-    A thread starts only when there are more unfinished items than threads, up to ``count``.
+    A thread starts only when there are more unfinished items than threads, up to ``count``,
+    which :meth:`resize` may change (``"auto"`` concurrency: threads above it leave after
+    their item). A fetch the dataset throttles (:class:`~aloader.Throttled`) waits in its
+    thread and is made again (see :meth:`FetchPlan.throttled`).
     """
 
-    def __init__(self, get_item: Callable[[Any], Any], count: int, abandon: _Abandon,
-                 absorb: Callable[[Any, BaseException], BaseException | None],
-                 stats: Collector) -> None:
-        self._get_item = get_item
-        self._absorb = absorb
-        self._stats = stats
+    def __init__(self, plan: FetchPlan, count: int) -> None:
+        self._plan = plan
+        self._get_item = plan.get_item
+        self._absorb = plan.absorb
+        self._stats = plan.stats
+        self._tuner = plan.tuner
         self._count = count
-        self._abandon = abandon
+        self._abandon = plan.abandon
         self._work: queue.SimpleQueue[tuple[_Job, int, Any] | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # the controller may resize the threads from under it
         self._call_soon = threadsafe_caller()
         self._stopping = False
+        self._stopped = threading.Event()  # wakes the throttled fetches' waits
         self._unfinished = 0  # items submitted and not yet done (under the lock)
+        self._running = 0  # threads started and not left (under the lock)
         self._threads: list[threading.Thread] = []
 
     def submit(self, job: _Job, items: list[Any]) -> None:
         job.fetched = anyio.Event()
         with self._lock:
             self._unfinished += len(items)
-            wanted = min(self._count, self._unfinished)
         for position, index in enumerate(items):
             self._work.put((job, position, index))
-        while len(self._threads) < wanted:
-            thread = threading.Thread(target=self._run, name="aloader-fetch", daemon=True)
-            self._threads.append(thread)
+        self._start()
+
+    def _start(self) -> None:
+        """Start threads while there are more unfinished items than threads (up to count),
+        never once closing began (a thread started then would wait for work for ever)."""
+        while True:
+            with self._lock:
+                if self._stopping or self._running >= min(self._count, self._unfinished):
+                    return
+                self._running += 1
+                thread = threading.Thread(target=self._run, name="aloader-fetch", daemon=True)
+                if len(self._threads) > 2 * self._count:  # threads that left, as it fell
+                    self._threads = [t for t in self._threads if t.is_alive()]
+                self._threads.append(thread)
             thread.start()
+
+    def resize(self, count: int) -> None:
+        """At most ``count`` threads from now on (more start for waiting items; the surplus
+        leave after the item in hand)."""
+        self._count = count
+        self._start()
+
+    def _fetch(self, index: Any) -> Any:
+        """``dataset[index]``, made again after a wait as long as it is throttled."""
+        plan = self._plan
+        in_a_row = 0
+        while True:
+            started = _now()
+            try:
+                value = self._get_item(index)
+            except Throttled as exc:
+                in_a_row += 1
+                delay = plan.throttled(exc, in_a_row, self._lock)
+                if self._stopped.wait(delay):
+                    raise
+                continue
+            if self._tuner is not None:
+                now = _now()
+                with self._lock:
+                    self._tuner.done(now - started, now)
+            return value
 
     def _run(self) -> None:
         while (work := self._work.get()) is not None:
@@ -106,7 +148,7 @@ class _FetchThreads:
                 stats = self._stats
                 started, cpu = _now(), _cpu()
                 try:
-                    job.samples[position] = self._get_item(index)
+                    job.samples[position] = self._fetch(index)
                 except Exception as exc:
                     error = self._absorb(index, _note(exc, f"raised while fetching index "
                                                            f"{index!r} of batch {job.seq}"))
@@ -122,9 +164,14 @@ class _FetchThreads:
                 job.remaining -= 1
                 self._unfinished -= 1
                 done = job.remaining == 0
+                leave = self._running > self._count
+                if leave:
+                    self._running -= 1
             if done:
                 assert job.fetched is not None
                 self._call_soon(job.fetched.set)
+            if leave:
+                return
 
     async def close(self) -> None:
         """Let the threads finish the fetch in hand, skip the rest, and wait until they exit.
@@ -132,8 +179,10 @@ class _FetchThreads:
         Once the epoch has given up on its threads, a thread stuck in the dataset is left
         running (a daemon thread that exits when its fetch returns) and not waited for.
         """
-        self._stopping = True
-        threads = self._threads
+        with self._lock:  # no thread starts from now on (see _start)
+            self._stopping = True
+            threads = list(self._threads)
+        self._stopped.set()
         if not threads:
             return
         for _ in threads:

@@ -20,12 +20,19 @@ class _Clients:
     """An epoch's HTTP clients for ``count`` shards read at once, each made when a shard first
     needs it (an epoch read from the cache makes none): one client of ``count`` connections
     shared by all where its pool allows (:func:`~aloader.io._http.shares_one_pool`), else
-    ``count`` single-connection clients shared round-robin by the shards."""
+    ``count`` single-connection clients shared round-robin by the shards.
 
-    def __init__(self, options: HttpOptions, count: int) -> None:
+    With ``hedging``, a read's second request needs a connection of its own while the first
+    is still out: the shared pool has a few more (an eighth, at least 2: hedges are at most
+    5% of the requests), each single-connection client a second one."""
+
+    def __init__(self, options: HttpOptions, count: int, hedging: bool = False) -> None:
         self._options = options
-        self._connections = count if shares_one_pool(options) else 1
+        shared = shares_one_pool(options)
+        self._connections = count if shared else 1
         self._made: list[HttpClient | None] = [None] * (count // self._connections)
+        self._pool = self._connections + (0 if not hedging else max(2, count // 8) if shared
+                                          else 1)
         self._env: bool | None = None  # env_configures_http(), asked once per epoch
 
     def slot(self, number: int) -> Callable[[], HttpClient]:
@@ -37,8 +44,7 @@ class _Clients:
         if client is None:
             if self._env is None:
                 self._env = env_configures_http()
-            client = self._made[index] = make_client(self._options, self._connections,
-                                                     self._env)
+            client = self._made[index] = make_client(self._options, self._pool, self._env)
         return client
 
     async def aclose(self) -> None:

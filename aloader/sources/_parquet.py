@@ -61,7 +61,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from typing import Any, NoReturn, TypeVar
+from typing import Any, Literal, NoReturn, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -442,7 +442,9 @@ class ParquetRows(ShardedSource[Any]):
         records_per_rank: exactly this many rows (or, with ``as_batches``, batches) per
             rank and epoch, as :class:`ShardedSource` does it.
         concurrency: remote files read at once (read-ahead); local ones are read one at a
-            time.
+            time. ``"auto"``: as many as the store serves well (see
+            :class:`ShardedSource`'s ``concurrency``).
+        concurrency_limit: the most remote files ``"auto"`` reads at once (default 64).
         skip_errors: a corrupt file (or row group) is counted in ``stats.skipped`` and the rest
             of that file skipped, instead of raising its :class:`RecordError`.
         timeout: seconds for connecting and for each read of a remote file (None: no limit).
@@ -484,7 +486,8 @@ class ParquetRows(ShardedSource[Any]):
         world_size: int | None = None,
         even_ranks: bool | None = None,
         records_per_rank: int | None = None,
-        concurrency: int = 2,
+        concurrency: int | Literal["auto"] = 2,
+        concurrency_limit: int | None = None,
         skip_errors: bool = False,
         timeout: float | None = 30.0,
         retries: int = 5,
@@ -500,6 +503,7 @@ class ParquetRows(ShardedSource[Any]):
         super().__init__(urls, shuffle_shards=shuffle_shards, seed=seed, rank=rank,
                          world_size=world_size, even_ranks=even_ranks,
                          records_per_rank=records_per_rank, concurrency=concurrency,
+                         concurrency_limit=concurrency_limit, hedge=None,
                          skip_errors=skip_errors, timeout=timeout, retries=retries,
                          backoff=backoff, max_backoff=max_backoff, headers=headers,
                          client_factory=client_factory, store=store, cache_dir=cache_dir,
@@ -692,8 +696,8 @@ class ParquetRows(ShardedSource[Any]):
             readers: list[Callable[[], AsyncGenerator[list[Any], None]]] = [
                 functools.partial(self._read_unit, unit) for unit in plan
             ]
-            async with Closing(read_in_order(ctx, readers, min(self.concurrency,
-                                                               len(readers)))) as blocks:
+            async with Closing(read_in_order(ctx, readers, min(self._at_once(), len(readers)),
+                                             self._tuning.tuner)) as blocks:
                 async for block in blocks:
                     yield block
                     del block  # not kept while the next is made (see _items)

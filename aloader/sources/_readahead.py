@@ -4,15 +4,19 @@ handed on in shard order, so the output is reproducible.
 
 Invariant: each running reader holds at most ``depth`` finished blocks plus the one it is
 handing over; a :class:`SplitReader` holds bytes there, decoded only where they are consumed.
+With ``"auto"`` concurrency the readers running at once follow the source's controller, each
+reader a slot from its start to its consumption, so what is held follows the limit.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import anyio
 
+from .._tuning import Controller
 from .._util import Closing, Signal
 from ..streams._channel import _Channel
 from ..streams._context import _Context
@@ -53,18 +57,44 @@ async def read_in_order(
     ctx: _Context,
     readers: Sequence[Reader],
     slots: int,
+    tuner: Controller | None = None,
 ) -> AsyncGenerator[Any, None]:
     """The blocks of ``readers`` in order: one after another, or ``slots`` reading at once
-    (:func:`_read_ahead`, two blocks deep) when ``slots`` > 1."""
+    (:func:`_read_ahead`, two blocks deep) when ``slots`` > 1; with a ``tuner`` (``"auto"``
+    concurrency), as many at once as its limit allows, up to ``slots``."""
     if slots <= 1:
         for reader in readers:
             async with Closing(_blocks_of(reader)) as blocks:
                 async for block in blocks:
                     yield block
         return
-    async with Closing(_read_ahead(ctx, readers, slots, 2)) as blocks:
+    async with Closing(_read_ahead(ctx, readers, slots, 2, tuner)) as blocks:
         async for block in blocks:
             yield block
+
+
+class _Slots:
+    """A semaphore whose size may change (``"auto"`` concurrency): at most ``size`` taken."""
+
+    __slots__ = ("_signal", "size", "taken")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.taken = 0
+        self._signal = Signal()
+
+    async def acquire(self) -> None:
+        while self.taken >= self.size:
+            await self._signal.wait()
+        self.taken += 1
+
+    def release(self) -> None:
+        self.taken -= 1
+        self._signal.notify()
+
+    def resize(self, size: int) -> None:
+        self.size = size
+        self._signal.notify()
 
 
 async def _drain(channel: _Channel[Any]) -> AsyncGenerator[Any, None]:
@@ -82,8 +112,11 @@ async def _read_ahead(
     readers: Sequence[Reader],
     concurrency: int,
     depth: int,
+    tuner: Controller | None = None,
 ) -> AsyncGenerator[Any, None]:
-    """The blocks of ``readers`` in order, with up to ``concurrency`` of them reading at once.
+    """The blocks of ``readers`` in order, with up to ``concurrency`` of them reading at once
+    (with a ``tuner``, as many as its limit allows, up to ``concurrency``; it hears of each
+    read's end, its latency the read's time).
 
     Reader ``i + concurrency`` starts once reader ``i`` has been consumed to its end. Each
     running reader holds at most ``depth`` finished blocks (a :class:`SplitReader`: pieces,
@@ -93,11 +126,15 @@ async def _read_ahead(
     # What each reader made (set with its channel): the decode half of a SplitReader, or None.
     decoders: list[Callable[[AsyncGenerator[Any, None]], AsyncGenerator[Any, None]] | None] \
         = [None] * len(readers)
-    slots = anyio.Semaphore(concurrency)
+    slots = _Slots(concurrency if tuner is None else min(concurrency, tuner.limit))
+    if tuner is not None:
+        tuner.resume(time.perf_counter_ns())
+        tuner.on_change = lambda limit: slots.resize(min(concurrency, limit))
     signal = Signal()
     scope = anyio.CancelScope()
 
     async def read(source: AsyncGenerator[Any, None], channel: _Channel[Any]) -> None:
+        started = time.perf_counter_ns()
         try:
             async with Closing(source) as blocks:
                 async for block in blocks:
@@ -106,6 +143,9 @@ async def _read_ahead(
             channel.end(exc)
         else:
             channel.end()
+            if tuner is not None:
+                now = time.perf_counter_ns()
+                tuner.done(now - started, now)
 
     launched = anyio.Event()
 
@@ -145,6 +185,8 @@ async def _read_ahead(
             slots.release()
     finally:
         scope.cancel()
+        if tuner is not None:
+            tuner.on_change = None
         for channel in channels:
             if channel is not None:
                 channel.abandon()

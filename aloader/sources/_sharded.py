@@ -18,10 +18,11 @@ import logging
 import os
 import warnings
 from collections.abc import AsyncGenerator, Callable, Mapping
-from typing import Any, TypedDict, TypeVar
+from typing import Any, Literal, TypedDict, TypeVar, cast
 
 from .._log import source_log
 from .._stats import SourceStats
+from .._tuning import Controller, Hedger, ReadTuning, check_concurrency, check_hedge
 from .._util import Closing, check_int, check_seconds
 from .._workerinfo import worker_slot
 from ..io._cache import Fetch, ShardCache, Version, check_cache, make_version
@@ -70,6 +71,7 @@ T_co = TypeVar("T_co", covariant=True)
 T = TypeVar("T")
 
 DEFAULT_CONCURRENCY = 8
+DEFAULT_CONCURRENCY_LIMIT = 64  # "auto": the most shards read at once (3 chunks each)
 DEFAULT_CHUNK_SIZE = 1 << 16
 DEFAULT_MAX_RECORD_BYTES = 1 << 26
 
@@ -83,7 +85,9 @@ class SourceOptions(TypedDict, total=False):
     world_size: int | None
     even_ranks: bool | None
     records_per_rank: int | None
-    concurrency: int
+    concurrency: int | Literal["auto"]
+    concurrency_limit: int | None
+    hedge: float | Literal["auto"] | None
     chunk_size: int
     max_record_bytes: int
     skip_errors: bool
@@ -141,7 +145,17 @@ class ShardedSource(Stream[T_co]):
             also get the same number of batches. No shard is dropped. Like webdataset's
             ``with_epoch``; choose about the records per rank (``total / world_size``) for
             one pass. A consumer whose shards hold no record is a :class:`SourceError`.
-        concurrency: shards read at once (read-ahead; one HTTP connection each).
+        concurrency: shards read at once (read-ahead; one HTTP connection each), or
+            ``"auto"``: as many as the store serves well, found from the reads' measured
+            throughput and latency and lowered when the store throttles (see
+            :mod:`aloader._tuning`; the limit and its history are in ``stats.concurrency``).
+        concurrency_limit: the most shards ``"auto"`` reads at once (default 64): each holds
+            up to three chunks of ``chunk_size``.
+        hedge: ``"auto"`` (the default): a remote read whose answer is late beyond the 95th
+            percentile of the source's recent ones gets a second request for the same range,
+            the first answer is read and the other cancelled, with at most 5% extra requests
+            (counted in ``stats.hedged``); a number of seconds: hedge after that long
+            instead; None: never.
         chunk_size: bytes per read from a file or a response.
         max_record_bytes: longest line or record accepted (a guard on memory).
         skip_errors: skip malformed records instead of raising, counting them in
@@ -149,7 +163,10 @@ class ShardedSource(Stream[T_co]):
             HTTP failures always raise.
         timeout: HTTP connect and read timeout in seconds (None: no limit).
         retries: HTTP attempts after the first, counted since the last byte received;
-            connection errors, timeouts, 5xx, 408 and 429 are retried, other statuses are not.
+            connection errors, timeouts, 5xx and 408 are retried, other statuses are not. A
+            store that throttles (429, a 503 with ``Retry-After``, an object store's 503
+            SlowDown) is waited for (``Retry-After``, else the backoff) and asked again
+            without using up ``retries``, counted in ``stats.throttled``.
         backoff: delay before the first retry (doubles at each one, with jitter).
         max_backoff: longest delay between retries.
         headers: extra HTTP request headers.
@@ -233,7 +250,9 @@ class ShardedSource(Stream[T_co]):
     even_ranks: EvenRanks
     records_per_rank: int | None
     _even_arg: bool | None
-    concurrency: int
+    concurrency: int | Literal["auto"]
+    concurrency_limit: int | None
+    hedge: float | Literal["auto"] | None
     chunk_size: int
     max_record_bytes: int
     skip_errors: bool
@@ -254,7 +273,9 @@ class ShardedSource(Stream[T_co]):
         world_size: int | None = None,
         even_ranks: bool | None = None,
         records_per_rank: int | None = None,
-        concurrency: int = DEFAULT_CONCURRENCY,
+        concurrency: int | Literal["auto"] = DEFAULT_CONCURRENCY,
+        concurrency_limit: int | None = None,
+        hedge: float | Literal["auto"] | None = "auto",
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         skip_errors: bool = False,
@@ -279,7 +300,14 @@ class ShardedSource(Stream[T_co]):
         self._even_arg = even_ranks  # what even_ranks follows from on another world size
         self.even_ranks = even_mode(even_ranks, records_per_rank, self.world_size)
         self.records_per_rank = records_per_rank
-        self.concurrency = check_int("concurrency", concurrency)
+        self.concurrency = cast(Any, check_concurrency("concurrency", concurrency))
+        if concurrency_limit is not None:
+            check_int("concurrency_limit", concurrency_limit)
+            if concurrency != "auto":
+                raise ValueError("concurrency_limit bounds concurrency='auto', but got "
+                                 f"concurrency={concurrency!r}")
+        self.concurrency_limit = concurrency_limit
+        self.hedge = cast(Any, check_hedge("hedge", hedge, auto=True))
         self.chunk_size = check_int("chunk_size", chunk_size)
         self.max_record_bytes = check_int("max_record_bytes", max_record_bytes)
         self.skip_errors = bool(skip_errors)
@@ -302,7 +330,14 @@ class ShardedSource(Stream[T_co]):
                 if (version := make_version(*meta)) is not None:
                     self._versions[url] = version
         self._objects.listed.clear()  # not carried to every worker
-        self.stats = SourceStats()
+        tuner = (Controller(concurrency_limit or DEFAULT_CONCURRENCY_LIMIT)
+                 if concurrency == "auto" else None)
+        hedger = None if self.hedge is None else Hedger(
+            None if self.hedge == "auto" else self.hedge)
+        # Shared by this source's reads (and kept from epoch to epoch): the controller of its
+        # shards read at once, and the hedger of its late answers.
+        self._tuning = ReadTuning(tuner, hedger)
+        self.stats = SourceStats(tuner=tuner)
         if self.even_ranks is not None:
             self._check_ranks()
 
@@ -435,6 +470,9 @@ class ShardedSource(Stream[T_co]):
         self, ctx: _Context, at: dict[str, Any] | None
     ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
         skip = 0 if at is None else at["skip"]
+        tuning = None if at is None else at.get("concurrency")
+        if tuning is not None and self._tuning.tuner is not None:
+            self._tuning.tuner.load_state_dict(tuning)
         if self.records_per_rank is None:
             return _discard(self._shard_blocks(ctx, at), skip)
         quota, where = self._quota_of(ctx, len(self.shards))
@@ -466,23 +504,37 @@ class ShardedSource(Stream[T_co]):
             self._note_shares(ctx, len(self.shards))
         # An inline epoch reads one shard after another in the consumer's task (or thread):
         # with no task of its own, nothing could read ahead.
-        slots = 1 if ctx.inline else min(self.concurrency, len(names) - first)
+        slots = 1 if ctx.inline else min(self._at_once(), len(names) - first)
         clients: _Clients | None = None
         # A blocking epoch reads only copies from the cache, on this thread, with no client;
         # a shard that needs the store after all makes its own (see _chunks).
         if not ctx.blocking and any(_remote(name) for name in names[first:]):
             # A connection per read-ahead slot (shard i reuses the keep-alive connection of
             # shard i - concurrency); a client_factory's one client is shared by all.
-            clients = _Clients(self.http, 1 if self.http.client_factory is not None else slots)
+            clients = _Clients(self.http, 1 if self.http.client_factory is not None else slots,
+                               hedging=self._tuning.hedger is not None)
         readers = [
             functools.partial(self._read, index, names[index],
                               None if clients is None else clients.slot(i),
                               resume if index == first else None, ctx.blocking, counted)
             for i, index in enumerate(range(first, len(names)))
         ]
-        async with Closing(_then_closed(read_in_order(ctx, readers, slots), clients)) as blocks:
+        async with Closing(_then_closed(read_in_order(ctx, readers, slots, self._tuning.tuner),
+                                        clients)) as blocks:
             async for block in blocks:
                 yield block
+
+    def _at_once(self) -> int:
+        """The most shards read at once: ``concurrency``, or with ``"auto"`` its limit's
+        bound (the controller decides how many of them, as the reads go)."""
+        tuner = self._tuning.tuner
+        return tuner.maximum if tuner is not None else cast(int, self.concurrency)
+
+    @property
+    def tuning(self) -> dict[str, Any] | None:
+        """With ``concurrency="auto"``: the controller's limit, estimates and history (as in
+        :attr:`LoaderStats.concurrency`), else None. Also ``stats.concurrency``."""
+        return self.stats.concurrency
 
     def _check_shard(self, at: dict[str, Any], names: list[str]) -> None:
         shard = check_field(at, "shard", int, "shards")
@@ -499,6 +551,12 @@ class ShardedSource(Stream[T_co]):
         if self.records_per_rank is not None:
             check_field(at, "pass", int, "shards")
             check_field(at, "delivered", int, "shards")
+        tuning = at.get("concurrency")
+        if tuning is not None and self._tuning.tuner is not None:
+            try:
+                Controller().load_state_dict(tuning)
+            except ValueError as exc:
+                raise _bad_state("shards", "concurrency", str(exc)) from None
         self._check_shard(at, self.shards_for(*slot))
 
     def _state(self, token: Any, skip: int) -> dict[str, Any]:
@@ -507,6 +565,9 @@ class ShardedSource(Stream[T_co]):
             number, delivered, token = token
             extra = {"pass": number, "delivered": delivered}
         index, name, offset, counter, records = token
+        tuner = self._tuning.tuner
+        if tuner is not None:  # a resumed source starts at the limit it had
+            extra["concurrency"] = tuner.state_dict()
         return {"stage": "shards", "shard": index, "name": name, "offset": offset,
                 "counter": counter, "records": records, "skip": skip, **extra}
 
@@ -548,9 +609,11 @@ class ShardedSource(Stream[T_co]):
     ) -> AsyncGenerator[bytes, None]:
         """A remote shard's bytes from its store (HTTP or an object store), from ``start``."""
         if client is not None and is_url(name):
-            return http_chunks(client(), name, self.http, stats, on_size, start, on_version)
+            return http_chunks(client(), name, self.http, stats, on_size, start, on_version,
+                               tuning=self._tuning)
         # An object store may read through the epoch's HTTP client too (signed URLs).
-        return self._objects.chunks(name, stats, on_size, start, on_version, client=client)
+        return self._objects.chunks(name, stats, on_size, start, on_version, client=client,
+                                    tuning=self._tuning)
 
     def _fetch_alone(
         self, name: str, stats: SourceStats, on_size: Callable[[int], None],

@@ -1,17 +1,22 @@
 """``Stream.map``: ``fn`` applied to every item, one call at a time or up to ``concurrency``
 at once (:class:`_ConcurrentMap`), results in order (through
 :class:`~aloader.pipeline._results.Results`, the loader's own buffer) or as they finish.
+With ``concurrency="auto"`` the calls in flight follow a
+:class:`~aloader._tuning.Controller`, kept by the stage from epoch to epoch (and in its saved
+state); a call that raises :class:`~aloader.Throttled` waits and is made again.
 
 :class:`MapStage` is the stage's whole behaviour; its stream class
 (:class:`aloader.streams._stream._Mapped`) is made where ``Stream.map`` is defined, so that
 this module needs :class:`~aloader.Stream` only for its annotations (no import cycle).
 
 Invariant: item ``k`` out is item ``k`` in (ordered), and the stage holds at most
-``2 * concurrency`` items; a failing call raises once the results before it are delivered.
+``2 * concurrency`` items (``"auto"``: twice the limit in force when each was pulled); a
+failing call raises once the results before it are delivered.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
@@ -20,7 +25,10 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 
+from .._exceptions import Throttled
+from .._tuning import DEFAULT_MAX_LIMIT, Controller, check_concurrency, on_throttled
 from .._util import Closing, check_int, close_iterator, is_async_callable
+from ..pipeline._plan import again_when_throttled
 from ..pipeline._results import Results
 from ._context import _Context
 from ._positions import (
@@ -40,6 +48,14 @@ T = TypeVar("T")
 U = TypeVar("U")
 
 
+def _on_loop(fn: Callable[[Any], Any]) -> Callable[[Any], Awaitable[Any]]:
+    """A plain function called as an async one (on the loop, as ``concurrency=1`` calls it)."""
+    async def call(item: Any) -> Any:
+        return fn(item)
+
+    return call
+
+
 class _ConcurrentMap(Generic[T, U]):
     """``map`` with concurrency: workers pull items, results go back in order (or not).
 
@@ -51,6 +67,8 @@ class _ConcurrentMap(Generic[T, U]):
     Workers start as work arrives, not all at once: one runs from the start, and a worker
     that has pulled an item starts another when no worker is left free to pull the next, so
     at most ``min(concurrency, calls in flight + 1)`` exist whatever ``concurrency`` says.
+    With a ``tuner`` the concurrency is its limit: workers above it leave after their call,
+    and the output buffer follows it.
     """
 
     def __init__(
@@ -59,9 +77,16 @@ class _ConcurrentMap(Generic[T, U]):
         call: Callable[[T], Awaitable[U]],
         concurrency: int,
         ordered: bool,
+        tuner: Controller | None = None,
+        throttled: Callable[[Throttled, int], float] | None = None,
     ) -> None:
         self.upstream = upstream
         self.call = call
+        self.tuner = tuner
+        self.throttled = throttled
+        if tuner is not None:
+            concurrency = tuner.limit
+            tuner.on_change = self.resize
         self.concurrency = concurrency
         self.results = Results(2 * concurrency, ordered)
         self.lock = anyio.Lock()  # one worker at a time reserves, numbers and pulls an item
@@ -107,21 +132,43 @@ class _ConcurrentMap(Generic[T, U]):
                 self.block = []
             return seq, item
 
+    def resize(self, limit: int) -> None:
+        """The controller's new limit: the output buffer follows; workers above it leave
+        after their call, and one more starts if all are busy."""
+        self.concurrency = limit
+        self.results.resize(2 * limit)
+        if self.group is not None and self.running == self.workers < limit:
+            self.spawn()
+
     async def worker(self) -> None:
+        tuner = self.tuner
         while (got := await self.pull()) is not None:
             seq, item = got
             self.running += 1
             self.max_running = max(self.max_running, self.running)
             if self.running == self.workers and self.workers < self.concurrency:
                 self.spawn()  # nobody is left to pull the next item
+            started = time.perf_counter_ns()
             try:
-                value = await self.call(item)
+                try:
+                    value = await self.call(item)
+                except Throttled as exc:
+                    if self.throttled is None:
+                        raise
+                    tuner = None  # the attempt that answered is not timed alone
+                    value = await again_when_throttled(self.call, item, exc, self.throttled)
             except Exception as exc:
                 self.results.publish(seq, None, exc)
             else:
                 self.results.publish(seq, value)
             finally:
                 self.running -= 1
+            if tuner is not None:
+                now = time.perf_counter_ns()
+                tuner.done(now - started, now)
+            tuner = self.tuner
+            if self.workers > self.concurrency:
+                return  # above the limit: this worker leaves
 
     def spawn(self) -> None:
         assert self.group is not None
@@ -152,18 +199,29 @@ class MapStage(Generic[U]):
         self,
         upstream: Stream[Any],
         fn: Callable[[Any], Any],
-        concurrency: int,
+        concurrency: int | str,
         ordered: bool,
+        concurrency_limit: int | None = None,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"map needs a callable, but got {fn!r}")
         self.upstream = upstream
         self.fn = fn
-        self.concurrency = check_int("concurrency", concurrency)
+        self.concurrency: int | str = cast(Any, check_concurrency("concurrency", concurrency))
+        if concurrency_limit is not None:
+            check_int("concurrency_limit", concurrency_limit)
+            if concurrency != "auto":
+                raise ValueError("concurrency_limit bounds concurrency='auto', but got "
+                                 f"concurrency={concurrency!r}")
         self.ordered = bool(ordered)
         self.is_async = is_async_callable(fn)
         #: The most calls that ran at once, and the most items the stage held.
         self.max_running = 0
+        #: Calls that raised :class:`~aloader.Throttled`, waited for and made again.
+        self.throttled = 0
+        #: With ``concurrency="auto"``, the controller of the calls in flight.
+        self.tuner = (Controller(concurrency_limit or DEFAULT_MAX_LIMIT)
+                      if concurrency == "auto" else None)
 
     def _upstreams(self) -> Sequence[Stream[Any]]:
         return (self.upstream,)
@@ -174,6 +232,9 @@ class MapStage(Generic[U]):
         # Item k out is item k in: the upstream resumes where the consumer was, and items the
         # consumer had are never mapped again.
         upstream = self.upstream._blocks_at(ctx, None if at is None else at["upstream"])
+        tuning = None if at is None else at.get("concurrency")
+        if tuning is not None and self.tuner is not None:
+            self.tuner.load_state_dict(tuning)
         return _discard(self._mapped(ctx, upstream), 0 if at is None else at["skip"])
 
     def _state(self, token: Any, skip: int) -> dict[str, Any]:
@@ -182,19 +243,43 @@ class MapStage(Generic[U]):
                 "map(..., ordered=False) hands on results as they finish, in no reproducible "
                 "order: a stream with such a stage cannot save its position (use ordered=True)"
             )
-        return {"stage": "map", "upstream": _state_of(self.upstream, token, skip), "skip": 0}
+        state = {"stage": "map", "upstream": _state_of(self.upstream, token, skip), "skip": 0}
+        if self.tuner is not None:  # a resumed stream starts at the limit it had
+            state["concurrency"] = self.tuner.state_dict()
+        return state
 
     def _check(self, at: dict[str, Any], slot: tuple[int, int, int]) -> None:
         check_stage(at, "map", "map")
         if not self.ordered:
             raise _bad_state("map", "stage", "names a map stage, but this one has "
                                              "ordered=False, which cannot resume")
+        tuning = at.get("concurrency")
+        if tuning is not None and self.tuner is not None:
+            try:
+                Controller().load_state_dict(tuning)
+            except ValueError as exc:
+                raise _bad_state("map", "concurrency", str(exc)) from None
         _check_upstream(self.upstream, at, slot)
+
+    @property
+    def tuning(self) -> dict[str, Any] | None:
+        """With ``concurrency="auto"``: the controller's limit, estimates and history (as
+        in :attr:`LoaderStats.concurrency`), and ``throttled``; else None."""
+        if self.tuner is None:
+            return None
+        return {**self.tuner.snapshot(), "throttled": self.throttled}
+
+    def _throttled(self, error: Throttled, in_a_row: int) -> float:
+        """A call was throttled (see :func:`~aloader._tuning.on_throttled`): counted."""
+        delay = on_throttled(error, in_a_row, self.tuner, time.perf_counter_ns())
+        self.throttled += 1
+        return delay
 
     async def _mapped(
         self, ctx: _Context, upstream: AsyncGenerator[tuple[list[Any], Any], None]
     ) -> AsyncGenerator[tuple[list[U], Any], None]:
         fn = self.fn
+        tuner = self.tuner
         if self.concurrency == 1:
             async with Closing(upstream) as blocks:
                 async for block, token in blocks:
@@ -207,10 +292,18 @@ class MapStage(Generic[U]):
                         if self.is_async:
                             self.max_running = 1
                             for item in block:
-                                append(await fn(item))
+                                try:
+                                    append(await fn(item))
+                                except Throttled as exc:
+                                    append(await again_when_throttled(fn, item, exc,
+                                                                      self._throttled))
                         else:
                             for item in block:
-                                append(fn(item))
+                                try:
+                                    append(fn(item))
+                                except Throttled as exc:
+                                    append(await again_when_throttled(
+                                        _on_loop(fn), item, exc, self._throttled))
                     except Exception as exc:
                         error = exc
                     if done:
@@ -220,16 +313,19 @@ class MapStage(Generic[U]):
             return
 
         call: Callable[[Any], Awaitable[U]]
+        concurrency = tuner.maximum if tuner is not None else cast(int, self.concurrency)
         if self.is_async:
             call = fn
         else:
-            limiter = anyio.CapacityLimiter(self.concurrency)
+            limiter = anyio.CapacityLimiter(concurrency)
 
             async def call(item: Any) -> U:
                 return cast(U, await anyio.to_thread.run_sync(fn, item, limiter=limiter))
 
-        mapping: _ConcurrentMap[Any, U] = _ConcurrentMap(upstream, call, self.concurrency,
-                                                         self.ordered)
+        if tuner is not None:
+            tuner.resume(time.perf_counter_ns())
+        mapping: _ConcurrentMap[Any, U] = _ConcurrentMap(upstream, call, concurrency,
+                                                         self.ordered, tuner, self._throttled)
         ctx.spawn(mapping.run)
         results = mapping.results
         spans = mapping.spans
@@ -263,3 +359,5 @@ class MapStage(Generic[U]):
         finally:
             self.max_running = max(self.max_running, mapping.max_running)
             mapping.scope.cancel()
+            if tuner is not None:
+                tuner.on_change = None

@@ -27,7 +27,7 @@ from collections.abc import (
     Iterator,
     Sequence,
 )
-from typing import Any, TypeVar, overload
+from typing import Any, Literal, TypeVar, overload
 
 from .._exceptions import FetchError, RecordError, SourceError
 from .._facade import PrivateLoop, SyncIterator, forbid_running_loop
@@ -433,20 +433,23 @@ class Stream(IterableDataset[T_co]):
 
     @overload
     def map(
-        self, fn: Callable[[T_co], Awaitable[U]], *, concurrency: int = 1, ordered: bool = True
+        self, fn: Callable[[T_co], Awaitable[U]], *, concurrency: int | Literal["auto"] = 1,
+        ordered: bool = True, concurrency_limit: int | None = None,
     ) -> Stream[U]: ...
 
     @overload
     def map(
-        self, fn: Callable[[T_co], U], *, concurrency: int = 1, ordered: bool = True
+        self, fn: Callable[[T_co], U], *, concurrency: int | Literal["auto"] = 1,
+        ordered: bool = True, concurrency_limit: int | None = None,
     ) -> Stream[U]: ...
 
     def map(
         self,
         fn: Callable[[T_co], Any],
         *,
-        concurrency: int = 1,
+        concurrency: int | Literal["auto"] = 1,
         ordered: bool = True,
+        concurrency_limit: int | None = None,
     ) -> Stream[Any]:
         """Apply ``fn`` to every item.
 
@@ -459,16 +462,27 @@ class Stream(IterableDataset[T_co]):
         the calls actually in flight. A failing call raises its error once the results before
         it are delivered, whatever the concurrency.
 
+        ``concurrency="auto"`` lets the calls in flight tune themselves from their measured
+        throughput and latency (see :mod:`aloader._tuning`), up to ``concurrency_limit``
+        (default 1024): for a function that calls a remote service whose good concurrency you
+        do not know. The controller's limit and history are in the stream's ``tuning``; the
+        stage's state (``state_dict``) keeps its limit. A call that raises
+        :class:`~aloader.Throttled` waits ``retry_after`` (or a growing backoff) and is made
+        again, in its place, counted in the stage's ``throttled``, not as an error.
+
         Args:
             fn: the function.
-            concurrency: calls in flight at most.
+            concurrency: calls in flight at most, or ``"auto"``.
             ordered: keep the input order (True), or emit results as they finish (False: not
                 reproducible, but one slow item does not hold back the others).
+            concurrency_limit: the most calls ``"auto"`` lets run at once (default 1024).
 
         Raises:
-            ValueError: ``concurrency`` is not a positive integer.
+            ValueError: ``concurrency`` is not a positive integer or ``"auto"``, or
+                ``concurrency_limit`` is not a positive integer (or is given without
+                ``"auto"``).
         """
-        return _Mapped[Any](self, fn, concurrency, ordered)
+        return _Mapped[Any](self, fn, concurrency, ordered, concurrency_limit)
 
     def filter(self, predicate: Callable[[T_co], bool | Awaitable[bool]]) -> Stream[T_co]:
         """Keep the items for which ``predicate`` (plain or ``async def``) is true.

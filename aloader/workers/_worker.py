@@ -440,7 +440,8 @@ class _WorkerServer:
         if status != Status.OK or self._unreported >= _REPORT_EVERY or not self._more():
             self._unreported = 0
             stats = self.stats.report()
-            timings = self.setup.plan.stats.report()
+            plan = self.setup.plan
+            timings = plan.stats.report(plan.tuner)
         extra = self._extra(empty, timings)
         try:
             # By value only what plain pickling cannot take (a class the setup brought by
@@ -502,7 +503,7 @@ class _WorkerServer:
                 snapshots.note(request.mark)
                 snapshots.before(request.mark[0])
             try:
-                batch = plan.load_sync(request.key)
+                batch = plan.throttled_sync(plan.load_sync, request.key)
             except Exception as exc:
                 self.fail(request.job, exc)
             else:

@@ -32,6 +32,7 @@ from aloader import (
 )
 from aloader._demo import make_jsonl_shards
 from aloader._demo._s3 import LocalS3
+from aloader._tuning import MAX_THROTTLED
 from aloader.io import _objstore
 
 pytestmark = pytest.mark.anyio
@@ -300,16 +301,29 @@ async def test_transient_answers_are_retried(s3: LocalS3, proxy: Any, status: in
     proxy.fail(2, status, code)
     source = JsonLines(SHARD_URLS[:2], store=s3.store(BUCKET), concurrency=1, **FAST)
     assert [r["id"] for r in await collect(source)] == list(range(80))
-    assert source.stats.retries == 2
+    # A store's throttling (503 SlowDown, 429) is waited for without using up retries.
+    throttling = status in (429, 503)
+    assert (source.stats.throttled, source.stats.retries) == ((2, 0) if throttling else (0, 2))
 
 
 async def test_retries_run_out(s3: LocalS3, proxy: Any, anyio_backend: str) -> None:
-    proxy.fail(10)
+    proxy.fail(10, 500, "InternalError")
     source = JsonLines(SHARD_URLS[0], store=s3.store(BUCKET), retries=2, **FAST)
     with pytest.raises(FetchError, match=r"shard-00000\.jsonl: giving up after 3 failed "
-                       r"attempts; last error: SlowDown") as info:
+                       r"attempts; last error: InternalError") as info:
         await collect(source)
-    assert info.value.status_code == 503 and source.stats.retries == 2
+    assert info.value.status_code == 500 and source.stats.retries == 2
+
+
+async def test_a_store_that_only_throttles_fails_in_the_end(s3: LocalS3, proxy: Any,
+                                                           anyio_backend: str) -> None:
+    proxy.fail(1000)  # SlowDown, for ever
+    source = JsonLines(SHARD_URLS[0], store=s3.store(BUCKET), retries=2, **FAST)
+    with pytest.raises(FetchError, match=r"giving up after 3 failed attempts; last error: "
+                       r"SlowDown") as info:
+        await collect(source)
+    assert info.value.status_code == 503
+    assert (source.stats.throttled, source.stats.retries) == (MAX_THROTTLED, 2)
 
 
 async def test_truncated_bodies_resume_where_they_stopped(s3: LocalS3, proxy: Any,
@@ -371,7 +385,7 @@ async def test_many_shards_with_faults_exact(s3: LocalS3, proxy: Any,
     records = await collect(source)
     assert [r["id"] for r in records] == list(range(200))
     assert [json.loads(json.dumps(r))["shard"] for r in records[::40]] == [0, 1, 2, 3, 4]
-    assert source.stats.retries == 6
+    assert (source.stats.retries, source.stats.throttled) == (2, 4)  # the cuts, SlowDowns
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")

@@ -159,7 +159,9 @@ async def test_one_aiohttp_session_per_epoch(serve: Callable[..., FaultyServer],
                                              anyio_backend: str) -> None:
     """On aiohttp the shards read at once share one client of ``concurrency`` connections;
     httpx keeps one single-connection client per read-ahead slot. Either way no more
-    connections are open than shards read at once, and every record arrives once."""
+    connections are open than shards read at once, and every record arrives once. With
+    hedging (the default) the pools may open a few more, for a late read's second request:
+    two more in the shared one, a second in each single-connection client."""
     import aloader.sources._clients as sources
 
     made: list[int] = []
@@ -171,8 +173,13 @@ async def test_one_aiohttp_session_per_epoch(serve: Callable[..., FaultyServer],
 
     monkeypatch.setattr(sources, "make_client", counting)
     server = serve(make_jsonl_shards(8, 30))
-    records = await collect(JsonLines(server.urls, concurrency=4))
-    assert [r["id"] for r in records] == list(range(240))
     aiohttp = anyio_backend == "asyncio" and importlib.util.find_spec("aiohttp") is not None
+    records = await collect(JsonLines(server.urls, concurrency=4, hedge=None))
+    assert [r["id"] for r in records] == list(range(240))
     assert made == ([4] if aiohttp else [1, 1, 1, 1])
     assert server.max_open_connections <= 4
+    made.clear()
+    records = await collect(JsonLines(server.urls, concurrency=4))  # hedge="auto"
+    assert [r["id"] for r in records] == list(range(240))
+    assert made == ([6] if aiohttp else [2, 2, 2, 2])
+    assert server.max_open_connections <= 4  # nothing was late: no second request
