@@ -66,7 +66,15 @@ from ..pipeline._pipeline import (
     Results,
     _batch_error,
 )
-from ..streams._resume import encode, open_replica, parse, start_snapshot
+from ..streams._resume import (
+    encode,
+    open_replica,
+    parse,
+    prelude,
+    protocol_state,
+    snapshotter,
+    start_snapshot,
+)
 from ..streams._streams import Stream, _StreamIterator, check_field
 from ..workers._pool import MapPoolEpoch, PoolEpoch, ReplicaPoolEpoch
 from ..workers._worker import ServeReplica, ServeTasks, replica_copy
@@ -393,6 +401,7 @@ class IterableEpochs:
             return self._virtual_local(plan, results, pending)
         parsed = None if pending is None else parse(self.dataset, pending["replicas"][0], (0, 1))
         source, snapshot = open_replica(self.dataset, parsed)
+        self._holder = ("local", source)
         self._began(snapshot(0, False), plan.epoch)
         if here:
             return InlineIterableEpoch(plan, results, self.dataset, source, self._begin,
@@ -414,6 +423,7 @@ class IterableEpochs:
                               dataset=replica)
             lanes.append(_Lane(replica, parse(replica, state, (w, count)), info, epoch))
         self._began(("workers", tuple(begin), turn), plan.epoch)
+        self._holder = None  # the replicas are copies: the loader's own is as it was
         return VirtualReplicas(plan, results, lanes, turn, begin, self.batch_size,
                                self.drop_last)
 
@@ -441,6 +451,7 @@ class IterableEpochs:
         remote.settles = (remote.pool.persistent and pending is None
                           and not isinstance(dataset, Stream) and aiter_of(dataset) is None)
         results.metas = remote.delivered
+        self._holder = ("pool", remote)
         self._began(begin[0] if saved == 0 else ("workers", tuple(begin), turn), plan.epoch)
         return MapEpoch(plan, results, remote.keys())
 
@@ -456,12 +467,45 @@ class IterableEpochs:
     _begin: Any = None  # the snapshot of the epoch begun last, before its first batch
     _begin_epoch: int | None = None  # the loader's epoch that _begin is the start of
     _pending: dict[str, Any] | None = None  # a loaded sub-state, for the next epoch
+    # Who holds the dataset's own state after the latest epoch: ("local", its iterator) for
+    # the loader's copy, ("pool", the pool epoch) for workers (their replicas' final states
+    # outlive the epoch when they persist), or None (the loader's copy, never iterated).
+    _holder: tuple[str, Any] | None = None
+    #: The between-epochs states of a loaded state for the persistent workers to start
+    #: with (one per worker, encoded; see aloader.streams._resume.prelude), taken by the
+    #: loader for the next pool it starts.
+    worker_preludes: list[Any] | None = None
 
     def _began(self, begin: Any, epoch: int) -> None:
         """An epoch's replicas are open: ``begin`` is where it starts (a loaded sub-state is
         spent)."""
         self._begin, self._begin_epoch = begin, epoch
         self._pending = None
+
+    def _between(self) -> tuple[int | None, list[Any] | None]:
+        """The dataset's own state between epochs, as ``(num_workers, replicas)``: whose it
+        is (0: the loader's copy; W: each of W persistent workers') and their encoded final
+        states, loaded before the next epoch opens its iterators (torchdata keeps an ended
+        worker's state so); ``(None, None)`` where there is nothing to keep (no protocol, a
+        stream: its counters say it all)."""
+        dataset = self.dataset
+        if isinstance(dataset, Stream):
+            return None, None
+        holder = self._holder
+        if holder is not None and holder[0] == "pool":
+            remote = holder[1]
+            pool = remote.pool
+            finals = getattr(remote, "finals", None)
+            if (pool.persistent and not (pool.closed or pool.broken) and finals is not None
+                    and any(f is not None and f[0] == "protocol" for f in finals)):
+                return len(finals), [encode(dataset, f) if f is not None and f[0] == "protocol"
+                                     else None for f in finals]
+        elif holder is not None:
+            final = snapshotter(dataset, holder[1])(0, True)
+            if final[0] == "protocol":
+                return 0, [encode(dataset, final)]
+        own = protocol_state(dataset)
+        return (None, None) if own is None else (0, [encode(dataset, own)])
 
     def state_dict(self, progress: Any) -> dict[str, Any]:
         """The ``"iterable"`` entry of the loader's state for ``progress`` (see _loader)."""
@@ -474,7 +518,8 @@ class IterableEpochs:
         # start of the epoch before it.
         begin: Any = self._begin if self._begin_epoch == progress.epoch else None
         if getattr(progress, "epoch_done", False) or (meta is None and begin is None):
-            return {"mode": "between", "num_workers": None, "turn": 0, "replicas": None,
+            count, finals = self._between()
+            return {"mode": "between", "num_workers": count, "turn": 0, "replicas": finals,
                     "stream": counters}
         if meta is None:
             meta = begin
@@ -496,13 +541,22 @@ class IterableEpochs:
                 return int(replica[1]["state"]["epoch"])
         return None
 
-    def load_state_dict(self, sub: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`'s entry: validated whole, then applied.
+    def load_state_dict(self, sub: dict[str, Any], num_workers: int = 0,
+                        persistent: bool = False) -> None:
+        """Resume from :meth:`state_dict`'s entry: validated whole, then applied, for a loader
+        with ``num_workers`` (``persistent`` workers).
+
+        A state taken between epochs may hold the dataset's own state (see
+        :meth:`_between`): the loader's copy's is loaded now; each persistent worker's goes
+        to the worker of the same number (:attr:`worker_preludes`), with the same
+        ``num_workers`` and persistent workers; otherwise only where they are all equal
+        (loaded into the loader's copy, which new workers copy).
 
         Raises:
             ValueError: a field of another kind of dataset or stream, or, for a stream, a
                 replica state for another worker slot, or taken during an epoch on another
-                rank or world size (field ``'world'``).
+                rank or world size (field ``'world'``); persistent workers' differing
+                dataset states for another number of workers (field ``'replicas'``).
         """
         where = "iterable"
         mode = check_field(sub, "mode", str, where)
@@ -515,28 +569,50 @@ class IterableEpochs:
                              f"dataset ({type(dataset).__name__})")
         main = None if counters is None else dataset._parse_state(counters, (0, 1))
         pending: dict[str, Any] | None = None
-        if mode != "between":
+        preludes: list[Any] = []
+        count: int | None = None
+        if mode != "between" or check_field(sub, "replicas", (list, type(None)), where):
             count = check_field(sub, "num_workers", int, where)
             turn = check_field(sub, "turn", int, where)
             replicas = check_field(sub, "replicas", list, where)
-            if len(replicas) != max(1, count) or (mode == "local") != (count == 0) \
-                    or (count and turn >= count):
+            if len(replicas) != max(1, count) or (count and turn >= count) or (
+                    mode != "between" and (mode == "local") != (count == 0)):
                 raise ValueError(f"cannot load this state: fields 'num_workers' ({count}), "
                                  f"'turn' ({turn}) and 'replicas' ({len(replicas)}) disagree")
-            for w, replica in enumerate(replicas):
-                parse(dataset, replica, (w, count) if count else (0, 1))
-            pending = {"mode": mode, "num_workers": count, "turn": turn, "replicas": replicas,
-                       "stream": counters}
+            parsed = [parse(dataset, replica, (w, count) if count else (0, 1))
+                      for w, replica in enumerate(replicas)]
+            if mode == "between":
+                if any(p is not None and (p[0] != "protocol" or not p[-1]) for p in parsed):
+                    raise ValueError("cannot load this state: field 'replicas' of a state "
+                                     "between epochs holds datasets' final states only")
+                preludes = parsed
+                if count and not (persistent and num_workers == count) and any(
+                        r != replicas[0] for r in replicas):
+                    raise ValueError(
+                        f"cannot load this state: field 'replicas' holds the dataset states "
+                        f"of {count} persistent workers, which differ: it resumes with "
+                        f"num_workers={count} and persistent_workers=True only")
+            else:
+                pending = {"mode": mode, "num_workers": count, "turn": turn,
+                           "replicas": replicas, "stream": counters}
         if main is not None and mode == "local":
             # The replica is the loader's copy itself: its counters, and the epoch under way
             # (claimed by an epoch on workers; a local one applies the whole replica state).
             replica = parse(dataset, sub["replicas"][0], (0, 1))
             if replica is not None:
                 main = (*replica[1][:3], None)
+        # Checked: apply.
         if main is not None:
             dataset._apply_state(main)  # the epoch counters (and the epoch under way)
+        self.worker_preludes = None
+        if preludes:
+            if count and persistent and num_workers == count:
+                self.worker_preludes = list(sub["replicas"])
+            else:  # the loader's copy's own, or every worker's (all equal)
+                prelude(dataset, preludes[0])
         self._pending = pending
         self._begin = None
+        self._holder = None
 
 
 class InlineIterableEpoch(IterableEpoch):
