@@ -78,6 +78,7 @@ from ..streams._resume import (
 from ..streams._streams import Stream, _StreamIterator, check_field
 from ..workers._pool import MapPoolEpoch, PoolEpoch, ReplicaPoolEpoch
 from ..workers._worker import ServeReplica, ServeTasks, replica_copy
+from ._datasetstate import DatasetStates
 
 __all__ = ("EpochKind", "InlineIterableEpoch", "IterableEpochs", "MapEpochs", "Progress", "Skip",
            "VirtualReplicas")
@@ -147,11 +148,14 @@ class MapEpochs:
         sampler: the loader's sampler (indices).
         batch_sampler: the loader's batch sampler (index batches), or None without
             auto-batching.
+        dataset: the loader's dataset, whose own state (torchdata's protocol) checkpoints
+            keep (:class:`~aloader.loader._datasetstate.DatasetStates`).
     """
 
     pool_epoch: ClassVar[type[PoolEpoch]] = MapPoolEpoch
 
-    def __init__(self, sampler: Any, batch_sampler: Any) -> None:
+    def __init__(self, sampler: Any, batch_sampler: Any, dataset: Any = None) -> None:
+        self.datasets = DatasetStates(dataset)
         self.auto_collation = batch_sampler is not None
         self.index_sampler = batch_sampler if self.auto_collation else sampler
         self.serve = ServeTasks()
@@ -169,9 +173,11 @@ class MapEpochs:
         self._generic = False  # see _keys
 
     # Checkpoints ---------------------------------------------------------------------------
-    def begin(self) -> None:
-        """An epoch starts (before anything of it is drawn): record what it is drawn from."""
+    def begin(self, num_workers: int = 0) -> None:
+        """An epoch starts (before anything of it is drawn): record what it is drawn from,
+        and where the dataset's copies start (``num_workers`` of them, or the loader's)."""
         self._start_state = sampler_state(self.index_sampler)
+        self.datasets.epoch_begins(num_workers)
 
     def epoch_length(self) -> int | None:
         """Batches in the next epoch, or None when the index sampler has no length."""
@@ -188,7 +194,8 @@ class MapEpochs:
         )
         delivered = sorted(progress.delivered)
         return {"sampler": sampler, "delivered": delivered,
-                "prefix": progress.yielded - len(delivered)}
+                "prefix": progress.yielded - len(delivered),
+                "datasets": self.datasets.entry(progress.batch_meta, progress.epoch_done)}
 
     def _distributed(self) -> DistributedSampler | None:
         sampler = self.index_sampler
@@ -198,9 +205,10 @@ class MapEpochs:
             sampler = sampler.sampler
         return sampler if isinstance(sampler, DistributedSampler) else None
 
-    def load_state_dict(self, sub: Any) -> None:
+    def load_state_dict(self, sub: Any, num_workers: int = 0) -> None:
         """Check and apply the ``"map"`` part of a checkpoint (never half-applied by aloader's
-        samplers); the skip of the next epoch is left in :attr:`loaded_skip`.
+        samplers) for a loader with ``num_workers``; the skip of the next epoch is left in
+        :attr:`loaded_skip`.
 
         Raises:
             ValueError, TypeError: the state is malformed or does not fit this loader.
@@ -219,6 +227,7 @@ class MapEpochs:
                             f"after the prefix ({prefix}), but got {delivered!r}")
         state = sub.get("sampler")
         load_sampler_state(self.index_sampler, state, apply=False)
+        datasets = self.datasets.check(sub.get("datasets"), num_workers)
         skip = Skip(prefix, frozenset(delivered))
         distributed = self._distributed()
         inner = state.get("sampler") if self.auto_collation and isinstance(state, dict) else (
@@ -237,6 +246,11 @@ class MapEpochs:
             )
             skip = Skip(0)
         self.loaded_skip = skip
+        self.datasets.apply(datasets, num_workers)
+
+    def take_preludes(self) -> list[Any] | None:
+        """The dataset states the workers about to start load first (a loaded state's)."""
+        return self.datasets.take_preludes()
 
     def length(self) -> int:
         """Batches (indices without auto-batching) in one epoch: the index sampler's length."""
@@ -318,12 +332,15 @@ class MapEpochs:
     def local(self, plan: FetchPlan, results: Results, keys: Iterator[Any] | AsyncIterator[Any]
               ) -> Epoch:
         """An epoch fetched in this process, of ``keys`` (:meth:`keys`)."""
+        self.datasets.local()
+        self.datasets.after_keys()
         return MapEpoch(plan, results, keys)
 
     def on_workers(self, plan: FetchPlan, results: Results, remote: PoolEpoch,
                    keys: Iterator[Any] | AsyncIterator[Any]) -> Epoch:
         """An epoch whose ``keys`` go to the workers (``remote`` is a :class:`MapPoolEpoch`)."""
         assert isinstance(remote, MapPoolEpoch)
+        self.datasets.on_workers(remote)
         return MapEpoch(plan, results, remote.keys(keys))
 
 

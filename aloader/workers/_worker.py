@@ -85,8 +85,9 @@ import numpy as np
 
 from .. import _workerinfo
 from .._workerinfo import WorkerInfo, _set_worker_info, get_worker_info
+from ..data._sampler import is_stateful
 from ..pipeline._pipeline import SKIP, FetchPlan, IterableEpoch, MapEpoch, Results
-from ..streams._resume import open_replica, parse
+from ..streams._resume import open_replica, parse, prelude
 from ..streams._sourcestats import StatsReporter, source_stats
 from . import _shm, _spawn
 
@@ -301,6 +302,9 @@ class WorkerSetup:
         worker_init_fn: called with the worker id once the worker is seeded.
         prefetch: batches each worker may run ahead (the loader's prefetch_factor).
         owner: the loader's process's shared-memory owner tag (:func:`aloader.workers._shm.owner`).
+        preludes: per worker, the dataset state it starts with (an encoded final replica
+            state, see :func:`aloader.streams._resume.prelude`), loaded after
+            ``worker_init_fn`` as torchdata's workers load theirs; None: as pickled.
     """
 
     plan: FetchPlan
@@ -310,6 +314,7 @@ class WorkerSetup:
     worker_init_fn: Callable[[int], None] | None
     prefetch: int
     owner: str = field(default_factory=_shm.owner)
+    preludes: list[Any] | None = None
 
 
 def seed_worker(base_seed: int, worker_id: int) -> int:
@@ -485,8 +490,16 @@ class _WorkerServer:
     # Plain map-style datasets: one batch per task, no event loop. A persistent pool's tasks
     # come marked: one torch would not have sent yet runs after a snapshot of the global RNGs,
     # so that after a break (ROLLBACK) the worker has drawn exactly what torch's has.
+    def dataset_state(self) -> Callable[[], Any]:
+        """What a map-style task's answer carries besides its batch: the dataset's
+        ``state_dict()`` once the batch is loaded, where it has torchdata's protocol (the
+        loader keeps each worker's as of the batches its consumer took), else None."""
+        dataset = self.setup.plan.dataset
+        return dataset.state_dict if is_stateful(dataset) else _no_state
+
     def serve_tasks(self) -> None:
         plan = self.setup.plan
+        state = self.dataset_state()
         snapshots = _Snapshots()
         epoch = None
         while (request := self.receive()) is not None:
@@ -501,10 +514,11 @@ class _WorkerServer:
                 snapshots.before(request.mark[0])
             try:
                 batch = plan.load_sync(request.key)
+                meta = state()
             except Exception as exc:
                 self.fail(request.job, exc)
             else:
-                self.send(request.job, Status.OK, batch)
+                self.send(request.job, Status.OK, batch, meta)
 
     # Async datasets and max_concurrency: the loader's pipeline over the keys received.
     async def serve_tasks_async(self) -> None:
@@ -518,6 +532,7 @@ class _WorkerServer:
 
         epoch = MapEpoch(self.setup.plan, Results(self.setup.prefetch, True, skips=True),
                          keys())
+        state = self.dataset_state()  # as of its answer: concurrent fetches interleave
         epoch.start()
         try:
             while True:
@@ -529,7 +544,12 @@ class _WorkerServer:
                 if error is not None:
                     self.fail(job, error)
                 else:
-                    self.send(job, Status.OK, batch)
+                    try:
+                        meta = state()
+                    except Exception as exc:
+                        self.fail(job, exc)
+                    else:
+                        self.send(job, Status.OK, batch, meta)
         finally:
             epoch.stop()
 
@@ -542,6 +562,8 @@ class _WorkerServer:
         current: int | None = None
         # This epoch's replicas by lane; None: one that failed to start (its requests END).
         epochs: dict[int, IterableEpoch | None] = {}
+        # This worker's own replica's state once it ended, sent with END (see final_state).
+        final: list[Any] = []
         snapshots = _Snapshots()
         count = self.setup.num_workers
 
@@ -554,6 +576,7 @@ class _WorkerServer:
                     epoch.stop()
                     await epoch.done.wait()
             epochs.clear()
+            final.clear()
 
         try:
             while (request := await self.areceive()) is not None:
@@ -585,7 +608,9 @@ class _WorkerServer:
                 try:
                     batch, error = await epoch.next()
                 except StopAsyncIteration:
-                    self.send(job, Status.END, None)
+                    if slot is None and not final:
+                        final.append(final_state(epoch))
+                    self.send(job, Status.END, None, final[0] if slot is None else None)
                     continue
                 if error is not None:
                     self.fail(job, error)
@@ -630,6 +655,20 @@ class _WorkerServer:
                                   serve.drop_last, snapshot)
             epoch.start()  # its task copies this context (the worker's loop is asyncio's)
         return epoch
+
+
+def _no_state() -> None:
+    return None
+
+
+def final_state(epoch: IterableEpoch) -> Any:
+    """The protocol state of an ended replica (what its dataset and iterator say once the
+    source is exhausted: a counter of epochs, a random generator), or None: what a
+    persistent worker's dataset carries into the next epoch, which a state taken between
+    epochs keeps (see aloader.loader._epochs.IterableEpochs)."""
+    take = epoch._snapshot
+    snapshot = None if take is None else take(epoch._drawn, True)
+    return snapshot if snapshot is not None and snapshot[0] == "protocol" else None
 
 
 def replica_copy(dataset: Any) -> Any:
@@ -685,6 +724,10 @@ def worker_main(
                                     dataset=setup.plan.dataset))
         if setup.worker_init_fn is not None:
             setup.worker_init_fn(worker_id)
+        if setup.preludes is not None and setup.preludes[worker_id] is not None:
+            dataset = setup.plan.dataset
+            prelude(dataset, parse(dataset, setup.preludes[worker_id],
+                                   (worker_id, setup.num_workers)))
     except Exception as exc:
         codec = _shm.Codec(owner, os.getpid())
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
