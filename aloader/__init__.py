@@ -57,6 +57,7 @@ from .data._sampler import (
     RandomSampler,
     Sampler,
     SequentialSampler,
+    Stateful,
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
@@ -89,6 +90,7 @@ __all__ = (
     "WorkerInfo",
     "get_worker_info",
     "sample_rng",
+    "Stateful",
     # datasets
     "ArrayDataset",
     "ChainDataset",

@@ -124,14 +124,23 @@ class DatasetStates:
                         "drawn": False}
             return {"num_workers": 0, "states": [self.own()], "drawn": False}
         begin = self.begin
-        if meta is None:
-            return None if begin is None else copy.deepcopy(begin)
-        if meta[0] == "local":
+        if meta is not None and meta[0] == "local":
             return {"num_workers": 0, "states": [meta[1]], "drawn": True}
-        states = list(meta[1])
-        if begin is not None and len(begin["states"]) == len(states):
-            states = [b if s is None else s for s, b in zip(states, begin["states"], strict=True)]
-        return {"num_workers": len(states), "states": states, "drawn": True}
+        if begin is None or (meta is None and not begin["num_workers"]):
+            return None if begin is None else copy.deepcopy(begin)
+        # On workers: each one's state after the last of its batches taken; one none of
+        # whose batches was taken is as it started (its report, which may come after the
+        # batch taken last), or as the epoch began.
+        states = [None] * begin["num_workers"] if meta is None else list(meta[1])
+        remote = self._remote
+        live = None if remote is None else remote.delivered.states
+        if live is not None and len(live) == len(states):
+            states = [s if s is not None else x for s, x in zip(states, live, strict=True)]
+        if len(begin["states"]) == len(states):
+            states = [s if s is not None else b
+                      for s, b in zip(states, begin["states"], strict=True)]
+        return {"num_workers": len(states), "states": copy.deepcopy(states),
+                "drawn": meta is not None}
 
     def check(self, entry: Any, num_workers: int) -> dict[str, Any] | None:
         """Validate a checkpoint's ``"datasets"`` entry for a loader with ``num_workers``;

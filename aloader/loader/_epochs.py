@@ -76,7 +76,7 @@ from ..streams._resume import (
     start_snapshot,
 )
 from ..streams._streams import Stream, _StreamIterator, check_field
-from ..workers._pool import MapPoolEpoch, PoolEpoch, ReplicaPoolEpoch
+from ..workers._pool import Delivered, MapPoolEpoch, PoolEpoch, ReplicaPoolEpoch
 from ..workers._worker import ServeReplica, ServeTasks, replica_copy
 from ._datasetstate import DatasetStates
 
@@ -171,6 +171,7 @@ class MapEpochs:
         # how many keys torch's loader would have asked for; else None.
         self.asked: Callable[[int], None] | None = None
         self._generic = False  # see _keys
+        self._first = 0  # the epoch's batch number of its first key (a resumed epoch's)
 
     # Checkpoints ---------------------------------------------------------------------------
     def begin(self, num_workers: int = 0) -> None:
@@ -289,6 +290,7 @@ class MapEpochs:
 
     def _resumed_keys(self) -> Iterator[Any] | AsyncIterator[Any]:
         skip, self.resume = self.resume, None
+        self._first = 0 if skip is None else skip.prefix
         if skip is None or (skip.prefix == 0 and not skip.delivered):
             # Only a whole epoch is drawn as torch's is: a resumed one has no torch twin.
             lazy = torch_epoch(self.index_sampler, self.auto_collation)
@@ -332,15 +334,26 @@ class MapEpochs:
     def local(self, plan: FetchPlan, results: Results, keys: Iterator[Any] | AsyncIterator[Any]
               ) -> Epoch:
         """An epoch fetched in this process, of ``keys`` (:meth:`keys`)."""
-        self.datasets.local()
-        self.datasets.after_keys()
+        datasets = self.datasets
+        datasets.local()
+        datasets.after_keys()
+        if datasets.stateful:  # the dataset's state travels with each batch
+            results.metas = {}
+            results.snapshot = lambda: ("local", datasets.own())
         return MapEpoch(plan, results, keys)
 
     def on_workers(self, plan: FetchPlan, results: Results, remote: PoolEpoch,
                    keys: Iterator[Any] | AsyncIterator[Any]) -> Epoch:
         """An epoch whose ``keys`` go to the workers (``remote`` is a :class:`MapPoolEpoch`)."""
         assert isinstance(remote, MapPoolEpoch)
-        self.datasets.on_workers(remote)
+        remote.shift = self._first % remote.pool.num_workers  # batch k: worker k % n
+        datasets = self.datasets
+        if datasets.stateful:  # each worker's state travels with its batches
+            begin = datasets.begin
+            remote.delivered = Delivered(
+                [None] * remote.pool.num_workers if begin is None else list(begin["states"]), 0)
+            results.metas = remote.delivered
+        datasets.on_workers(remote)
         return MapEpoch(plan, results, remote.keys(keys))
 
 
@@ -498,6 +511,11 @@ class IterableEpochs:
         spent)."""
         self._begin, self._begin_epoch = begin, epoch
         self._pending = None
+
+    def take_preludes(self) -> list[Any] | None:
+        """The dataset states the workers about to start load first (a loaded state's)."""
+        preludes, self.worker_preludes = self.worker_preludes, None
+        return preludes
 
     def _between(self) -> tuple[int | None, list[Any] | None]:
         """The dataset's own state between epochs, as ``(num_workers, replicas)``: whose it

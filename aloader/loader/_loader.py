@@ -122,7 +122,11 @@ class _EpochRecord:
 
     @property
     def at_end(self) -> bool:
-        return self.done or (self.length is not None and self.prefix >= self.length)
+        """The epoch has ended (its iterator said so): a state is the next epoch's start.
+        After its last batch and before that, a state is this epoch's empty rest, as
+        torchdata's: a loop that saves the loader's state with its epoch number inside the
+        epoch resumes that epoch, not the next one."""
+        return self.done
 
 
 def _check_process_limit(num_workers: int) -> None:
@@ -238,6 +242,9 @@ class DataLoader(Generic[T_co]):
             error with its own type, as torch does. See :mod:`aloader.pipeline._failures` for
             ``__getitems__``, iterable datasets, streams and workers. It may change between
             epochs; with ``persistent_workers``, turning it on or off restarts the workers.
+        snapshot_every_n_steps: torchdata's ``StatefulDataLoader`` argument, accepted so that
+            its code runs unchanged (None or a non-negative int); it changes nothing here:
+            :meth:`state_dict` is exact whenever it is called.
     """
 
     dataset: Any
@@ -278,6 +285,7 @@ class DataLoader(Generic[T_co]):
         in_order: bool = ...,
         max_concurrency: int | None = ...,
         max_failures: int | float = ...,
+        snapshot_every_n_steps: int | None = ...,
     ) -> None: ...
     @overload
     def __init__(
@@ -302,6 +310,7 @@ class DataLoader(Generic[T_co]):
         in_order: bool = ...,
         max_concurrency: int | None = ...,
         max_failures: int | float = ...,
+        snapshot_every_n_steps: int | None = ...,
     ) -> None: ...
     @overload
     def __init__(
@@ -326,6 +335,7 @@ class DataLoader(Generic[T_co]):
         in_order: bool = ...,
         max_concurrency: int | None = ...,
         max_failures: int | float = ...,
+        snapshot_every_n_steps: int | None = ...,
     ) -> None: ...
     def __init__(
         self,
@@ -349,6 +359,7 @@ class DataLoader(Generic[T_co]):
         in_order: bool = True,
         max_concurrency: int | None = None,
         max_failures: int | float = 0,
+        snapshot_every_n_steps: int | None = 1,
     ) -> None:
         if num_workers < 0:
             raise ValueError(
@@ -369,6 +380,13 @@ class DataLoader(Generic[T_co]):
             operator.index(prefetch_factor)
         if persistent_workers and num_workers == 0:
             raise ValueError("persistent_workers option needs num_workers > 0")
+        if snapshot_every_n_steps is not None and (
+            not _is_int(snapshot_every_n_steps) or snapshot_every_n_steps < 0
+        ):
+            raise ValueError(
+                "snapshot_every_n_steps should be a non-negative integer or None, "
+                f"but got snapshot_every_n_steps={snapshot_every_n_steps!r}"
+            )
         if max_concurrency is not None and (
             isinstance(max_concurrency, bool)
             or not isinstance(max_concurrency, int)
@@ -387,6 +405,9 @@ class DataLoader(Generic[T_co]):
         self.timeout = timeout
         self.worker_init_fn = worker_init_fn
         self.in_order = in_order
+        # torchdata's: how often its workers send their state. Every state here is exact
+        # whenever it is taken (it travels with each batch), so it changes nothing.
+        self.snapshot_every_n_steps = snapshot_every_n_steps
         self.max_concurrency = max_concurrency
         self.max_failures: int | float = check_max_failures(max_failures)
 
@@ -446,7 +467,7 @@ class DataLoader(Generic[T_co]):
                     sampler = SequentialSampler(dataset)
             if batch_size is not None and batch_sampler is None:
                 batch_sampler = BatchSampler(cast(Any, sampler), batch_size, drop_last)
-            kind = MapEpochs(sampler, batch_sampler)
+            kind = MapEpochs(sampler, batch_sampler, dataset)
         self._kind = kind
 
         self.batch_size = batch_size
@@ -833,10 +854,12 @@ class DataLoader(Generic[T_co]):
                         f"part's prefix and delivered batches ({prefix} + {len(delivered)})"
                     )
             # Checks all of its part before applying any.
-            self._kind.load_state_dict(sub)
+            self._kind.load_state_dict(sub, self.num_workers)
             skip = self._kind.loaded_skip
         else:
-            cast(Any, self._kind).load_state_dict(sub)
+            self._kind.load_state_dict(sub, self.num_workers, self.persistent_workers)
+            # The batches already received: the resumed epoch's count goes on from them.
+            skip = Skip(state["yielded"])
         # Everything is checked: apply. Live persistent workers have the old seeds.
         if self._pool is not None:
             self._pool.shutdown()
@@ -916,6 +939,7 @@ class DataLoader(Generic[T_co]):
             num_workers=self.num_workers,
             worker_init_fn=self.worker_init_fn,
             prefetch=self.prefetch_factor,
+            preludes=self._kind.take_preludes(),
         )
         context = self._context()
         prepare_context(context, warm=False)
@@ -990,7 +1014,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         loader._epochs_started = self.epoch + 1
         kind = loader._kind
         if isinstance(kind, MapEpochs):
-            kind.begin()  # what the epoch is drawn from, before it draws anything
+            kind.begin(loader.num_workers)  # what the epoch is drawn from, before it draws
         self.rng_state: Mapping[str, Any] = loader._rng.bit_generator.state
         start = rng_state(loader._rng)
         base_seed, drawn = loader._base_seed()
@@ -1003,7 +1027,10 @@ class AsyncDataLoaderIter(Generic[T_co]):
             self.epoch, start, None if drawn else self.base_seed,
             kind.epoch_length() if isinstance(kind, MapEpochs) else None, self._skip,
         )
-        self.num_yielded: int = 0
+        # Batches of the epoch delivered so far, those before a resume included (torch's
+        # iterator's count, which its length warning compares).
+        self.num_yielded: int = self._record.yielded
+        self._first = self.num_yielded + 1  # the number of this run's first batch
         # Under the synchronous facade's pump, which runs ahead of its consumer, a batch counts
         # as received only once the consumer takes it: its receipt (batch number, metadata)
         # travels with it (_Receipts), and DataLoaderIter records it.
@@ -1235,7 +1262,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         yielded = self.num_yielded = self.num_yielded + 1
         now = _now()
         stats.delivered(asked, now, results.left)
-        if yielded == 1 and now - stats.started > SLOW_FIRST_BATCH * 1e9:
+        if yielded == self._first and now - stats.started > SLOW_FIRST_BATCH * 1e9:
             loader_log.warning("the first batch took %.1f s (a cold start, or a stall: "
                                "see DataLoader.stats())", (now - stats.started) / 1e9)
         if self._len_called is not None:  # only an iterable's epoch may outrun its length
@@ -1325,10 +1352,12 @@ class DataLoaderIter(Iterator[T_co]):
         self._source: AsyncDataLoaderIter[T_co] = source
         # Composition, not inheritance: the facade's iterators are private machinery. Opened
         # where torch's iterator draws its sampler's epoch: at the first next() without
-        # workers, here with them (see AsyncDataLoaderIter._draw).
+        # workers, here with them (see AsyncDataLoaderIter._draw); an iterable dataset's
+        # here, where torch's calls its iter() (a state taken before the first batch is
+        # then its iterator's, as torchdata's).
         self._sync: LocalIterator[Any] | SyncIterator[Any] | None = None
         self._closed = False
-        if loader.num_workers > 0:
+        if loader.num_workers > 0 or isinstance(loader._kind, IterableEpochs):
             self._open()
 
     def _open(self) -> LocalIterator[Any] | SyncIterator[Any]:
@@ -1381,8 +1410,9 @@ class DataLoaderIter(Iterator[T_co]):
 
     @property
     def num_yielded(self) -> int:
-        """Batches delivered so far in this epoch."""
-        return self._source.num_yielded
+        """Batches delivered so far in this epoch (those before a resume included): taken
+        by this consumer, not run ahead by the event loop."""
+        return self._source._record.yielded
 
     @property
     def failed_indices(self) -> list[Any]:

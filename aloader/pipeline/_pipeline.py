@@ -154,6 +154,9 @@ class Results:
     meta: Any = None
     #: Job number -> metadata of the jobs published, popped as they are taken (or None).
     metas: Any = None
+    #: Called as each job publishes (or None): its result is the job's metadata (a map-style
+    #: dataset's own state once the batch is loaded, see aloader.loader._datasetstate).
+    snapshot: Callable[[], Any] | None = None
     #: Called each time a job is taken (or None): a map epoch's work queue frees room.
     on_take: Callable[[], None] | None = None
     #: The batches left ready when the last one was taken, before a deferred job took the
@@ -202,6 +205,8 @@ class Results:
             self._reserved += 1
 
     def publish(self, seq: int, value: Any, error: BaseException | None = None) -> None:
+        if self.snapshot is not None:
+            self.metas[seq] = self.snapshot()
         if self._in_order:
             self._ready[seq] = (value, error)
         else:
@@ -1320,6 +1325,8 @@ class MapEpoch(Epoch):
                 self.results.last = seq
                 self.results.taken += 1
             if batch is not SKIP:
+                if self.results.snapshot is not None:
+                    self.results.meta = self.results.snapshot()
                 break
         # Keep the loop responsive even if the consumer never awaits anything else (driven
         # with no loop, on the consumer's thread, there is none).
@@ -1604,6 +1611,11 @@ class IterableEpoch(Epoch):
         if samples is _NOTHING or (size is not None and self._drop_last and len(samples) < size):
             return _NOTHING, True
         return await plan.collate(samples, limiter), ended
+
+    def final_snapshot(self) -> Any:
+        """Where the dataset is once the source ended (None without snapshots): what a
+        dataset's own state carries into the epochs after this one."""
+        return None if self._snapshot is None else self._snapshot(self._drawn, True)
 
     def _drew(self, seq: int, ended: bool) -> Any:
         """Batch ``seq`` is drawn: where the dataset is now travels with it (its meta)."""

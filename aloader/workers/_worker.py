@@ -490,16 +490,9 @@ class _WorkerServer:
     # Plain map-style datasets: one batch per task, no event loop. A persistent pool's tasks
     # come marked: one torch would not have sent yet runs after a snapshot of the global RNGs,
     # so that after a break (ROLLBACK) the worker has drawn exactly what torch's has.
-    def dataset_state(self) -> Callable[[], Any]:
-        """What a map-style task's answer carries besides its batch: the dataset's
-        ``state_dict()`` once the batch is loaded, where it has torchdata's protocol (the
-        loader keeps each worker's as of the batches its consumer took), else None."""
-        dataset = self.setup.plan.dataset
-        return dataset.state_dict if is_stateful(dataset) else _no_state
-
     def serve_tasks(self) -> None:
         plan = self.setup.plan
-        state = self.dataset_state()
+        state = state_of(self.setup.plan.dataset)
         snapshots = _Snapshots()
         epoch = None
         while (request := self.receive()) is not None:
@@ -532,7 +525,7 @@ class _WorkerServer:
 
         epoch = MapEpoch(self.setup.plan, Results(self.setup.prefetch, True, skips=True),
                          keys())
-        state = self.dataset_state()  # as of its answer: concurrent fetches interleave
+        state = state_of(self.setup.plan.dataset)  # as of its answer: concurrent fetches interleave
         epoch.start()
         try:
             while True:
@@ -661,13 +654,19 @@ def _no_state() -> None:
     return None
 
 
+def state_of(dataset: Any) -> Callable[[], Any]:
+    """What a map-style task's answer carries besides its batch: the dataset's
+    ``state_dict()`` once the batch is loaded, where it has torchdata's protocol (the loader
+    keeps each worker's as of the batches its consumer took), else None."""
+    return dataset.state_dict if is_stateful(dataset) else _no_state
+
+
 def final_state(epoch: IterableEpoch) -> Any:
     """The protocol state of an ended replica (what its dataset and iterator say once the
     source is exhausted: a counter of epochs, a random generator), or None: what a
     persistent worker's dataset carries into the next epoch, which a state taken between
     epochs keeps (see aloader.loader._epochs.IterableEpochs)."""
-    take = epoch._snapshot
-    snapshot = None if take is None else take(epoch._drawn, True)
+    snapshot = epoch.final_snapshot()
     return snapshot if snapshot is not None and snapshot[0] == "protocol" else None
 
 
@@ -728,6 +727,9 @@ def worker_main(
             dataset = setup.plan.dataset
             prelude(dataset, parse(dataset, setup.preludes[worker_id],
                                    (worker_id, setup.num_workers)))
+        # A map-style dataset's state as this worker starts, as torchdata's workers report
+        # theirs: what a checkpoint says of a worker that has delivered nothing yet.
+        start = state_of(setup.plan.dataset)() if isinstance(setup.serve, ServeTasks) else None
     except Exception as exc:
         codec = _shm.Codec(owner, os.getpid())
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
@@ -736,7 +738,8 @@ def worker_main(
         return
     worker = _WorkerServer(conn, worker_id, setup)
     try:
-        conn.send_bytes(worker.codec.encode(Reply(SETUP_JOB, Status.READY, None).wire()))
+        conn.send_bytes(worker.codec.encode(
+            Reply(SETUP_JOB, Status.READY, None, meta=start).wire(), by_value="fallback"))
         setup.serve.run(worker)
     except (BrokenPipeError, ConnectionResetError):  # the loader has gone
         pass
