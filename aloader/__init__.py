@@ -1,9 +1,10 @@
 """aloader: an asyncio-native streaming data loader with torch.utils.data's semantics.
 
 This module owns the public namespace and nothing else: every public name is defined in a
-private module (``aloader.loader._loader``, ``aloader.data._dataset``,
+private module (``aloader.loader._dataloader``, ``aloader.data._dataset``,
 ``aloader.sources._sources``...) and
-re-exported here, listed in ``__all__``.
+re-exported here, listed in ``__all__``, and says it lives here (``__module__ = "aloader"``,
+see :mod:`aloader._public`), so reprs, ``help()``, docs and pickles name ``aloader.DataLoader``.
 
 Quick start::
 
@@ -12,6 +13,7 @@ Quick start::
         ...
 """
 
+from . import _public
 from ._exceptions import (
     AccessDeniedError,
     AloaderError,
@@ -33,6 +35,7 @@ from ._exceptions import (
 )
 from ._stats import LoaderStats, SourceStats, StageStats
 from ._workerinfo import WorkerInfo, get_worker_info
+from .data._batchsampler import BatchSampler
 from .data._collate import (
     ColumnBatch,
     collate,
@@ -53,7 +56,6 @@ from .data._dataset import (
 )
 from .data._distributed import DistributedSampler
 from .data._sampler import (
-    BatchSampler,
     RandomSampler,
     Sampler,
     SequentialSampler,
@@ -62,21 +64,16 @@ from .data._sampler import (
     WeightedRandomSampler,
 )
 from .io._http import HttpOptions
-from .loader._loader import AsyncDataLoaderIter, DataLoader, DataLoaderIter
+from .loader._dataloader import AsyncDataLoaderIter, DataLoader, DataLoaderIter
 from .pipeline._sample_rng import sample_rng
 from .serve._batcher import Batcher, BatcherMetrics, BatchMethod, LatencySummary, batch
 from .sources._parquet import ParquetRows
-from .sources._sources import (
-    BinaryRecords,
-    JsonLines,
-    NpyRows,
-    ShardedSource,
-    SourceOptions,
-    TextLines,
-)
+from .sources._sharded import ShardedSource, SourceOptions
+from .sources._sources import BinaryRecords, JsonLines, NpyRows, TextLines
 from .sources._tar import TarShards
+from .streams._iterated import as_stream
 from .streams._mix import interleave, mix
-from .streams._streams import Stream, as_stream
+from .streams._stream import Stream
 
 __version__ = "0.1.0.dev0"
 
@@ -155,3 +152,5 @@ __all__ = (
     "SourceError",
     "WorkerError",
 )
+
+_public.present_as(__name__, [globals()[name] for name in __all__])

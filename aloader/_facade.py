@@ -18,7 +18,7 @@ The private loop is uvloop's when uvloop is installed (``pip install 'aloader[fa
 asyncio's; ``ALOADER_UVLOOP=0`` in the environment keeps asyncio's (read when a loop starts).
 
 An epoch that needs no event loop at all (an in-memory dataset's: see
-:attr:`aloader.pipeline._pipeline.MapEpoch.loopless`; a loopless stream's, batched on the consumer's
+:attr:`aloader.pipeline._epoch.MapEpoch.loopless`; a loopless stream's, batched on the consumer's
 call: :class:`aloader.loader._epochs.InlineIterableEpoch`) runs on the consumer's thread instead,
 with no loop and no thread: :class:`LocalIterator` drives its steps with :func:`run_here`.
 
@@ -490,7 +490,7 @@ def run_here(awaitable: Awaitable[T]) -> T:
     """Run ``awaitable`` to its end on this thread, with no event loop, and return its result.
 
     For a step that never awaits a real event (an inline epoch's, see
-    :attr:`aloader.pipeline._pipeline.MapEpoch.loopless`): ``send(None)`` runs it to its end at
+    :attr:`aloader.pipeline._epoch.MapEpoch.loopless`): ``send(None)`` runs it to its end at
     once.
     A bare ``yield`` (``asyncio.sleep(0)``) only gives turns, so it goes on; anything else
     waits for a loop that is not there.

@@ -2,7 +2,7 @@
 
 This module owns the per-process facts that datasets and sources read while they iterate
 (which worker this is, how many there are, the loader epoch being served), and nothing else, so
-that sources (:mod:`aloader.streams._streams`, :mod:`aloader.sources._sharding`) can shard
+that sources (:mod:`aloader.streams._stream`, :mod:`aloader.sources._sharding`) can shard
 themselves without
 importing the worker server (:mod:`aloader.workers._worker`), which sets these facts. Outside
 workers

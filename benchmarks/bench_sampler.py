@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from aloader.data._batchsampler import BatchSampler, epoch_batches
 from aloader.data._random import permutation
-from aloader.data._sampler import BatchSampler, RandomSampler, epoch_batches
+from aloader.data._sampler import RandomSampler
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 10_000_000
 BATCH = 256

@@ -4,7 +4,7 @@ Every module under ``aloader/`` is parsed with :mod:`ast`; an edge is any import
 module of the package (``from . import x``, ``from ..io._http import y``, ``import
 aloader.io._http``, ``from aloader import _x``) at module level or inside a function. Imports
 under ``if TYPE_CHECKING:`` are left out: they never run. A module is named by its dotted path
-inside the package (``pipeline._pipeline``, ``_util``).
+inside the package (``pipeline._plan``, ``_util``).
 
 The wings (folders named for their jobs) and what each may import, top to bottom; the base
 (the package's own top-level modules) imports no wing, and the package's entry points
@@ -165,7 +165,7 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_the_import_graph_has_no_cycle() -> None:
     graph = _graph()
-    assert "pipeline._pipeline" in graph["loader._loader"]  # the parser reads the real package
+    assert "pipeline._plan" in graph["loader._dataloader"]  # the parser reads the real package
     cycle = _cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 

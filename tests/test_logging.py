@@ -116,7 +116,7 @@ def test_slow_first_batch(caplog: pytest.LogCaptureFixture,
                           monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
-    import aloader.loader._loader
+    import aloader.loader._dataloader
 
     class Slow(Sync):
         def __getitem__(self, i: int) -> int:
@@ -124,7 +124,7 @@ def test_slow_first_batch(caplog: pytest.LogCaptureFixture,
                 time.sleep(0.2)
             return i
 
-    monkeypatch.setattr(aloader.loader._loader, "SLOW_FIRST_BATCH", 0.05)
+    monkeypatch.setattr(aloader.loader._dataloader, "SLOW_FIRST_BATCH", 0.05)
     with caplog.at_level(logging.WARNING, logger="aloader.loader"):
         list(DataLoader(Slow(set(), 8), batch_size=2))
     messages = [r.getMessage() for r in caplog.records if r.name == "aloader.loader"]

@@ -274,7 +274,7 @@ def test_is_awaitable_agrees_with_inspect() -> None:
 
 
 def test_pull_sync_takes_exactly_a_batch() -> None:
-    from aloader.pipeline._pipeline import _NOTHING, _pull_sync
+    from aloader.pipeline._pull import _NOTHING, _pull_sync
 
     source = iter(range(5))
     assert _pull_sync(source, 2) == ([0, 1], False)

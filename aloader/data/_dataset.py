@@ -7,7 +7,7 @@ A map-style dataset may define ``__getitem__`` (and optionally ``__getitems__``)
 or as ``async def``; an iterable dataset may define ``__iter__`` or ``__aiter__``. The wrappers
 (:class:`Subset`, :class:`ConcatDataset`, :class:`StackDataset`, :class:`ChainDataset`) work over
 either kind: they call each child as :func:`fetch_mode` says, the very answer a loader's
-:meth:`~aloader.pipeline._pipeline.FetchPlan.for_dataset` builds its plan on, through the same fetch
+:meth:`~aloader.pipeline._plan.FetchPlan.for_dataset` builds its plan on, through the same fetch
 calls as the plan (:mod:`aloader.data._fetch`), and tell the loader how to call them through
 :func:`fetch_mode` too.
 """

@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from ._indices import _EPOCH_MAX, _blocks, _concat, _iter_chunks
 from ._random import IndexArray, torch_randperm
-from ._sampler import _EPOCH_MAX, Sampler, _blocks, _concat, _iter_chunks, _Stateful
+from ._sampler import Sampler, _Stateful
 
 __all__ = ("DistributedSampler", "default_place")
 

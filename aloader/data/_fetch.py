@@ -1,7 +1,7 @@
 """Fetching from one map-style dataset: these indices, from this dataset, in this mode.
 
 This module owns the calls that turn indices into samples, for the loader's
-:class:`~aloader.pipeline._pipeline.FetchPlan` and the wrapper datasets of
+:class:`~aloader.pipeline._plan.FetchPlan` and the wrapper datasets of
 :mod:`aloader.data._dataset`
 (which fetch from their children) alike. The mode is the dataset's
 :func:`~aloader.data._dataset.fetch_mode`: ``"async"`` fetches return awaitables and are awaited

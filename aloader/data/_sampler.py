@@ -1,50 +1,36 @@
-"""Samplers: the order in which a map-style dataset is read, with torch.utils.data's semantics.
+"""Samplers: the order in which a map-style dataset is read, with torch.utils.data's semantics
+(:class:`Sampler`, :class:`SequentialSampler`, :class:`RandomSampler`,
+:class:`SubsetRandomSampler`, :class:`WeightedRandomSampler`), and their state (torchdata's
+``state_dict`` / ``load_state_dict``).
 
-Every sampler whose epoch is a finite sequence of int indices draws that epoch as int64 arrays;
-``__iter__`` only converts them to Python ints chunk by chunk. The DataLoader reads the arrays
-directly through :func:`epoch_indices` and :func:`epoch_batches`, so a shuffled epoch of millions
-of indices, cut into batches, never becomes a per-index Python loop.
+Each draws its epochs as int64 arrays, the protocol :mod:`aloader.data._indices` describes;
+:class:`~aloader.BatchSampler` is :mod:`aloader.data._batchsampler`'s.
 
-Invariant: an epoch is the concatenation of its chunks, whichever path reads it. An epoch of at
-most ``_EPOCH_MAX`` indices is one chunk, drawn at once; a longer one
-(``RandomSampler(num_samples=10**12)``) is drawn chunk by chunk as it is consumed, so the first
-index comes at once and memory stays bounded by a chunk, not by the epoch.
-
-Private protocol (relied on by the DataLoader):
-
-* ``sampler._epoch_indices() -> IndexArray | None``: one epoch's order as a 1-D int64 array.
-  Calling it draws the next epoch exactly as one ``__iter__`` would (the RNG advances
-  identically). It returns ``None`` without drawing when there is no array form
-  (:class:`SubsetRandomSampler` over indices that are not ints) or when the epoch is longer than
-  ``_EPOCH_MAX``.
-* ``sampler._epoch_chunks() -> Iterator[IndexArray] | None``: the epoch as consecutive int64
-  arrays (long epochs drawn lazily), or ``None`` without drawing when there is no array form.
-* ``batch_sampler._epoch_batches() -> Iterator[IndexArray] | None``: one epoch's batches as int64
-  arrays (views of the chunks where a batch lies in one), or ``None`` when the inner sampler has
-  no array form.
+Invariant: a sampler's state is what its next epoch is drawn from (its generator); no position
+inside an epoch is kept (the DataLoader skips what was consumed, without drawing it twice).
 """
 
 from __future__ import annotations
 
-import itertools
 import numbers
 import sys
 import threading
-from collections.abc import (
-    AsyncIterable,
-    AsyncIterator,
-    Callable,
-    Iterable,
-    Iterator,
-    Sequence,
-    Sized,
-)
+from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any, Generic, Protocol, TypeGuard, TypeVar, cast, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
-from .._util import close_iterator
+from ._indices import (
+    _BLOCK,
+    _EPOCH_MAX,
+    _as_index_array,
+    _blocks,
+    _concat,
+    _iter_chunks,
+    _iter_ints,
+    _range_chunks,
+)
 from ._random import (
     GeneratorLike,
     IndexArray,
@@ -59,271 +45,11 @@ from ._random import (
 )
 
 __all__ = (
-    "BatchSampler", "RandomSampler", "Sampler", "SequentialSampler", "Stateful",
-    "SubsetRandomSampler",
-    "TorchDraws", "WeightedRandomSampler", "epoch_batches", "epoch_chunks", "epoch_indices",
-    "is_stateful", "load_sampler_state", "sampler_state", "torch_epoch",
+    "RandomSampler", "Sampler", "SequentialSampler", "Stateful", "SubsetRandomSampler",
+    "TorchDraws", "WeightedRandomSampler", "is_stateful", "load_sampler_state", "sampler_state",
 )
 
 T_co = TypeVar("T_co", covariant=True)
-
-# Python ints are made from the arrays this many at a time: big enough that tolist() dominates,
-# small enough that a 10M epoch never holds 10M Python ints at once.
-_CHUNK = 1 << 16
-
-# The longest epoch drawn as one array (128 MiB of int64); longer ones are drawn _BLOCK indices
-# at a time as they are consumed.
-_EPOCH_MAX = 1 << 24
-_BLOCK = 1 << 20
-
-_EMPTY: IndexArray = np.empty(0, dtype=np.int64)
-_INT64_MAX = int(np.iinfo(np.int64).max)
-
-
-def _iter_ints(indices: IndexArray) -> Iterator[int]:
-    """Yield the entries of ``indices`` as Python ints, converted chunk-wise."""
-    for start in range(0, len(indices), _CHUNK):
-        yield from indices[start : start + _CHUNK].tolist()
-
-
-def _iter_chunks(chunks: Iterable[IndexArray]) -> Iterator[int]:
-    """Yield the entries of consecutive index arrays as Python ints."""
-    for chunk in chunks:
-        yield from _iter_ints(chunk)
-
-
-def _blocks(total: int) -> Iterator[tuple[int, int]]:
-    """``(start, size)`` of the draws an epoch of ``total`` indices is made of: one when it is
-    at most ``_EPOCH_MAX``, else consecutive ``_BLOCK``-sized ones."""
-    if total <= _EPOCH_MAX:
-        if total:
-            yield 0, total
-        return
-    for start in range(0, total, _BLOCK):
-        yield start, min(_BLOCK, total - start)
-
-
-def _concat(chunks: Iterable[IndexArray]) -> IndexArray:
-    """The concatenation of ``chunks`` (the chunk itself when there is one)."""
-    parts = [chunk for chunk in chunks if len(chunk)]
-    if not parts:
-        return _EMPTY
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-
-def _range_chunks(r: range) -> Iterator[IndexArray] | None:
-    """``r`` as consecutive int64 arrays, or None when its values do not fit in int64."""
-    if len(r) and (min(r[0], r[-1]) < -_INT64_MAX - 1 or max(r[0], r[-1]) > _INT64_MAX):
-        return None
-    return (
-        np.arange(r[start], r[start] + size * r.step, r.step, dtype=np.int64)
-        for start, size in _blocks(len(r))
-    )
-
-
-def _as_index_array(obj: object) -> IndexArray | None:
-    """``obj`` (a range, list, tuple or array of ints) as a 1-D int64 array, else ``None``."""
-    if isinstance(obj, range):
-        return np.arange(obj.start, obj.stop, obj.step, dtype=np.int64)
-    try:
-        arr = np.asarray(obj)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    if arr.ndim != 1:
-        return None
-    if arr.size == 0:
-        return _EMPTY
-    if arr.dtype.kind not in "iu":
-        return None
-    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.max() > np.iinfo(np.int64).max:
-        return None
-    return arr.astype(np.int64, copy=False)
-
-
-def _owner(cls: type, name: str) -> type | None:
-    for klass in cls.__mro__:
-        if name in vars(klass):
-            return klass
-    return None
-
-
-def _fast_path_matches_iter(obj: object, name: str) -> bool:
-    """Whether ``obj``'s ``name`` method describes what its ``__iter__`` yields.
-
-    A subclass that overrides ``__iter__`` but not the array method must keep its own order, so
-    the array method only counts when it is defined at least as far down the MRO as ``__iter__``.
-    """
-    cls = type(obj)
-    fast = _owner(cls, name)
-    if fast is None or not callable(getattr(obj, name, None)):
-        return False
-    it = _owner(cls, "__iter__")
-    return it is None or issubclass(fast, it)
-
-
-def epoch_indices(sampler: object) -> IndexArray | None:
-    """Draw one epoch of ``sampler`` as a 1-D int64 array, or ``None`` if it has no array form.
-
-    Samplers with ``_epoch_indices`` draw their next epoch (advancing their RNG exactly as one
-    ``iter(sampler)`` would). Ranges, lists, tuples and 1-D numpy arrays of ints are converted
-    without consuming randomness. Anything else (a generator, an async iterable, a custom
-    sampler) gives ``None``: iterate it instead.
-
-    Args:
-        sampler: any sampler or iterable of indices.
-
-    Returns:
-        The epoch's indices, or ``None``.
-    """
-    if _fast_path_matches_iter(sampler, "_epoch_indices"):
-        result = sampler._epoch_indices()  # type: ignore[attr-defined]
-        return cast("IndexArray | None", result)
-    if isinstance(sampler, range):
-        chunks = _range_chunks(sampler) if len(sampler) <= _EPOCH_MAX else None
-        return None if chunks is None else _concat(chunks)
-    if isinstance(sampler, (list, tuple, np.ndarray)):
-        return _as_index_array(sampler)
-    return None
-
-
-def epoch_chunks(sampler: object) -> Iterator[IndexArray] | None:
-    """Draw one epoch of ``sampler`` as consecutive int64 arrays, or ``None`` without array form.
-
-    Like :func:`epoch_indices`, but an epoch longer than ``_EPOCH_MAX`` (and a long ``range``)
-    comes as a lazy iterator of bounded arrays instead of ``None``.
-
-    Args:
-        sampler: any sampler or iterable of indices.
-
-    Returns:
-        An iterator over the epoch's chunks, or ``None``.
-    """
-    if _fast_path_matches_iter(sampler, "_epoch_chunks"):
-        result = sampler._epoch_chunks()  # type: ignore[attr-defined]
-        return cast("Iterator[IndexArray] | None", result)
-    if isinstance(sampler, range):
-        return _range_chunks(sampler)
-    indices = epoch_indices(sampler)
-    return None if indices is None else iter((indices,))
-
-
-def epoch_batches(batch_sampler: object, skip: int = 0) -> Iterator[IndexArray] | None:
-    """One epoch of ``batch_sampler`` as int64 array batches, or ``None`` without an array form.
-
-    Args:
-        batch_sampler: any batch sampler; only a :class:`BatchSampler` (or anything else with
-            ``_epoch_batches``) over an array-capable sampler has an array form.
-        skip: leave out the epoch's first ``skip`` batches (a resume): a :class:`BatchSampler`
-            drops their indices from its chunks without cutting them into batches.
-
-    Returns:
-        An iterator over the epoch's batches (array views), or ``None``.
-    """
-    if _fast_path_matches_iter(batch_sampler, "_epoch_batches"):
-        if skip and _owner(type(batch_sampler), "_epoch_batches") is BatchSampler:
-            return cast(BatchSampler, batch_sampler)._epoch_batches(skip)
-        result = batch_sampler._epoch_batches()  # type: ignore[attr-defined]
-        if result is not None and skip:
-            return itertools.islice(cast("Iterator[IndexArray]", result), skip, None)
-        return cast("Iterator[IndexArray] | None", result)
-    return None
-
-
-class TorchDraws:
-    """One epoch of a :class:`RandomSampler` over a ``torch.Generator``, drawn piece by piece
-    as torch's sampler draws it: without replacement piece ``p`` is the ``p``-th permutation
-    of ``n`` (the last one cut to the epoch's tail, possibly empty), with replacement the
-    ``p``-th ``torch.randint`` of 32 (the last one of the remainder). A piece is drawn when its
-    first index is first asked for, so that what the generator has drawn depends only on how
-    far the epoch was asked, as in torch.
-
-    Two callers ask, from any thread (a lock keeps the draws in order, each made once):
-    :meth:`chunks`, the keys' reader, takes the pieces that hold indices; :meth:`reach`, the
-    consumer's call (``DataLoader``: where torch's iterator asks its sampler, see
-    :meth:`aloader.loader._loader.AsyncDataLoaderIter._advance`), draws every piece whose first
-    index
-    it has reached, an empty tail included, which no reader needs: so an epoch left early
-    never draws it, and one read to the end draws it at the call torch's would.
-
-    Args:
-        draw: draws a piece of the given size from the sampler's generator.
-        piece: the size of every piece but the last.
-        num_samples: the epoch's indices.
-    """
-
-    def __init__(self, draw: Callable[[int], IndexArray], piece: int, num_samples: int
-                 ) -> None:
-        self._draw_one = draw
-        self._piece = piece
-        self._full, self._rest = divmod(num_samples, piece)
-        self._drawn = 0  # pieces drawn so far
-        self._ready: dict[int, IndexArray] = {}  # drawn, not yet taken by chunks()
-        self._lock = threading.Lock()
-
-    def _draw_upto(self, piece: int) -> None:
-        with self._lock:
-            while self._drawn <= piece:
-                size = self._piece if self._drawn < self._full else self._rest
-                self._ready[self._drawn] = self._draw_one(size)
-                self._drawn += 1
-
-    def reach(self, count: int) -> None:
-        """Draw every piece whose first index is below ``count`` (the indices asked for)."""
-        if count > 0:
-            self._draw_upto(min(self._full, (count - 1) // self._piece))
-
-    def take(self, piece: int) -> IndexArray:
-        """Piece ``piece``, drawn now unless it was already."""
-        self._draw_upto(piece)
-        with self._lock:
-            return self._ready.pop(piece)
-
-    def pieces(self) -> int:
-        """The epoch's pieces, an empty last one included."""
-        return self._full + 1
-
-    def chunks(self) -> Iterator[IndexArray]:
-        """The epoch's pieces holding indices, in order (drawn as they are read, or before)."""
-        for piece in range(self._full + (self._rest > 0)):
-            yield self.take(piece)
-
-
-def torch_epoch(index_sampler: object, batched: bool
-                ) -> tuple[Iterator[Any], Callable[[int], None]] | None:
-    """An epoch of keys drawn as torch's sampler draws them, and how to say how many keys the
-    consumer has asked for (torch's batches, or indices without ``batched``); None (nothing
-    drawn) unless ``index_sampler`` is a :class:`RandomSampler` that draws as torch's does
-    (:class:`TorchDraws`), in a :class:`BatchSampler` when ``batched``.
-
-    The keys are those of :func:`epoch_batches` (arrays) or the indices as ints."""
-    inner = index_sampler
-    if batched:
-        if not isinstance(index_sampler, BatchSampler) or not _fast_path_matches_iter(
-                index_sampler, "_epoch_batches"):
-            return None
-        inner = index_sampler.sampler
-    if not isinstance(inner, RandomSampler) or not _fast_path_matches_iter(
-            inner, "_epoch_chunks"):
-        return None
-    draws = inner._torch_epoch()
-    if draws is None:
-        return None
-    if not batched:
-        return _iter_chunks(draws.chunks()), draws.reach
-    assert isinstance(index_sampler, BatchSampler)
-    size = index_sampler.batch_size
-    batches = _slices(draws.chunks(), size, index_sampler.drop_last)
-    return batches, lambda keys: draws.reach(keys * size)
-
-
-def _skip_chunks(chunks: Iterable[IndexArray], count: int) -> Iterator[IndexArray]:
-    """``chunks`` without their first ``count`` indices (whole chunks dropped, one sliced)."""
-    for chunk in chunks:
-        if count >= len(chunk):
-            count -= len(chunk)
-            continue
-        yield chunk[count:]
-        count = 0
 
 
 # Sampler state (torchdata's protocol) -------------------------------------------------------------
@@ -431,6 +157,65 @@ class _Generated:
         self._passed = None if generator is None else rng if torch_passed is None else (
             torch_passed)
         self._reseed = generator is None
+
+
+class TorchDraws:
+    """One epoch of a :class:`RandomSampler` over a ``torch.Generator``, drawn piece by piece
+    as torch's sampler draws it: without replacement piece ``p`` is the ``p``-th permutation
+    of ``n`` (the last one cut to the epoch's tail, possibly empty), with replacement the
+    ``p``-th ``torch.randint`` of 32 (the last one of the remainder). A piece is drawn when its
+    first index is first asked for, so that what the generator has drawn depends only on how
+    far the epoch was asked, as in torch.
+
+    Two callers ask, from any thread (a lock keeps the draws in order, each made once):
+    :meth:`chunks`, the keys' reader, takes the pieces that hold indices; :meth:`reach`, the
+    consumer's call (``DataLoader``: where torch's iterator asks its sampler, see
+    :meth:`aloader.loader._dataloader.AsyncDataLoaderIter._advance`), draws every piece whose first
+    index
+    it has reached, an empty tail included, which no reader needs: so an epoch left early
+    never draws it, and one read to the end draws it at the call torch's would.
+
+    Args:
+        draw: draws a piece of the given size from the sampler's generator.
+        piece: the size of every piece but the last.
+        num_samples: the epoch's indices.
+    """
+
+    def __init__(self, draw: Callable[[int], IndexArray], piece: int, num_samples: int
+                 ) -> None:
+        self._draw_one = draw
+        self._piece = piece
+        self._full, self._rest = divmod(num_samples, piece)
+        self._drawn = 0  # pieces drawn so far
+        self._ready: dict[int, IndexArray] = {}  # drawn, not yet taken by chunks()
+        self._lock = threading.Lock()
+
+    def _draw_upto(self, piece: int) -> None:
+        with self._lock:
+            while self._drawn <= piece:
+                size = self._piece if self._drawn < self._full else self._rest
+                self._ready[self._drawn] = self._draw_one(size)
+                self._drawn += 1
+
+    def reach(self, count: int) -> None:
+        """Draw every piece whose first index is below ``count`` (the indices asked for)."""
+        if count > 0:
+            self._draw_upto(min(self._full, (count - 1) // self._piece))
+
+    def take(self, piece: int) -> IndexArray:
+        """Piece ``piece``, drawn now unless it was already."""
+        self._draw_upto(piece)
+        with self._lock:
+            return self._ready.pop(piece)
+
+    def pieces(self) -> int:
+        """The epoch's pieces, an empty last one included."""
+        return self._full + 1
+
+    def chunks(self) -> Iterator[IndexArray]:
+        """The epoch's pieces holding indices, in order (drawn as they are read, or before)."""
+        for piece in range(self._full + (self._rest > 0)):
+            yield self.take(piece)
 
 
 def _is_int(value: object) -> TypeGuard[numbers.Integral]:
@@ -842,180 +627,3 @@ class WeightedRandomSampler(_Generated, _ArraySampler):
     def __len__(self) -> int:
         """``num_samples``."""
         return self.num_samples
-
-
-def _slices(
-    chunks: Iterable[IndexArray], batch_size: int, drop_last: bool
-) -> Iterator[IndexArray]:
-    """Cut consecutive index chunks into batches: views of a chunk, or joined across two."""
-    carry = _EMPTY
-    for chunk in chunks:
-        if len(carry):
-            need = batch_size - len(carry)
-            if len(chunk) < need:
-                carry = np.concatenate([carry, chunk])
-                continue
-            yield np.concatenate([carry, chunk[:need]])
-            chunk = chunk[need:]
-        stop = len(chunk) - len(chunk) % batch_size
-        for start in range(0, stop, batch_size):
-            yield chunk[start : start + batch_size]
-        carry = chunk[stop:]
-    if len(carry) and not drop_last:
-        yield carry
-
-
-class BatchSampler(_Stateful, Sampler[list[int]]):
-    """Wraps another sampler to yield mini-batches of indices.
-
-    The inner sampler may be any iterable of ints (a range, a list, a sampler) or any async
-    iterable of ints; iterate with ``async for`` in the latter case.
-
-    Args:
-        sampler: the base sampler.
-        batch_size: size of a mini-batch.
-        drop_last: drop the last batch if it is smaller than ``batch_size``.
-
-    Raises:
-        ValueError: if ``batch_size`` is not a positive integer or ``drop_last`` not a bool.
-
-    Example::
-
-        >>> list(BatchSampler(SequentialSampler(range(10)), batch_size=3, drop_last=False))
-        [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
-        >>> list(BatchSampler(SequentialSampler(range(10)), batch_size=3, drop_last=True))
-        [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
-    """
-
-    sampler: Iterable[int] | AsyncIterable[int]
-    batch_size: int
-    drop_last: bool
-
-    def __init__(
-        self,
-        sampler: Sampler[int] | Iterable[int] | AsyncIterable[int],
-        batch_size: int,
-        drop_last: bool,
-    ) -> None:
-        # No isinstance check on sampler: objects with only __getitem__ are iterable too.
-        if not _is_int(batch_size) or batch_size <= 0:
-            raise ValueError(
-                f"batch_size should be a positive integer value, but got batch_size={batch_size}"
-            )
-        if not isinstance(drop_last, bool):
-            raise ValueError(f"drop_last should be a boolean value, but got drop_last={drop_last}")
-        self.sampler = sampler
-        self.batch_size = int(batch_size)
-        self.drop_last = drop_last
-
-    def _epoch_batches(self, skip: int = 0) -> Iterator[IndexArray] | None:
-        chunks = epoch_chunks(self.sampler)
-        if chunks is None:
-            return None
-        if skip:  # the skipped batches are all full ones
-            chunks = _skip_chunks(chunks, skip * self.batch_size)
-        return _slices(chunks, self.batch_size, self.drop_last)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The inner sampler's state (None if it has none): see :func:`sampler_state`."""
-        return {"sampler": sampler_state(self.sampler)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` into the inner sampler (checked first).
-
-        Raises:
-            ValueError: if the state does not fit.
-        """
-        self._load_state(state, apply=False)
-        self._load_state(state, apply=True)
-
-    def _load_state(self, state: Any, *, apply: bool) -> None:
-        if not isinstance(state, dict) or "sampler" not in state:
-            raise ValueError("BatchSampler state should be a dict with field 'sampler'")
-        load_sampler_state(self.sampler, state["sampler"], apply=apply)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        """Iterate over one epoch of batches, each a list of ints.
-
-        Raises:
-            TypeError: if the inner sampler is only async iterable.
-        """
-        batches = self._iterated_batches()
-        if batches is not None:
-            for batch in batches:
-                yield batch.tolist()
-            return
-        yield from self._generic_batches()
-
-    def _iterated_batches(self) -> Iterator[IndexArray] | None:
-        """The array batches ``__iter__`` yields, or None to run torch's loops over the inner
-        sampler: always for one that draws as torch's does, as it is consumed, so that an
-        epoch left early leaves its generator where torch's would."""
-        inner = self.sampler
-        if isinstance(inner, _ArraySampler) and inner._draws_as_torch():
-            return None
-        return self._epoch_batches()
-
-    def _batches_after(self, skip: int) -> Iterator[list[int]] | None:
-        """The epoch's batches after the first ``skip``, the skipped indices drawn from the
-        inner sampler and discarded without making batches of them (None when the inner
-        sampler is only async iterable)."""
-        batches = self._epoch_batches(skip)
-        if batches is not None:
-            return (batch.tolist() for batch in batches)
-        if not isinstance(self.sampler, Iterable):
-            return None
-        return self._generic_batches(skip * self.batch_size)
-
-    def _generic_batches(self, skip: int = 0) -> Iterator[list[int]]:
-        try:
-            sampler_iter = iter(cast("Iterable[int]", self.sampler))
-            if skip:
-                sampler_iter = itertools.islice(sampler_iter, skip, None)
-        except TypeError:
-            if isinstance(self.sampler, AsyncIterable):
-                raise TypeError(
-                    f"BatchSampler's sampler ({type(self.sampler).__name__}) only supports "
-                    "async iteration; iterate the BatchSampler with `async for`"
-                ) from None
-            raise
-        # torch's loops: the drop_last one zips batch_size references to the same iterator.
-        if self.drop_last:
-            for batch_droplast in zip(*([sampler_iter] * self.batch_size), strict=False):
-                yield [*batch_droplast]
-        else:
-            batch = [*itertools.islice(sampler_iter, self.batch_size)]
-            while batch:
-                yield batch
-                batch = [*itertools.islice(sampler_iter, self.batch_size)]
-
-    async def __aiter__(self) -> AsyncIterator[list[int]]:
-        """Asynchronously iterate over one epoch of batches (sync or async inner sampler)."""
-        batches = self._iterated_batches()
-        if batches is not None:
-            for array_batch in batches:
-                yield array_batch.tolist()
-            return
-        if not isinstance(self.sampler, AsyncIterable):
-            for list_batch in self._generic_batches():
-                yield list_batch
-            return
-        it = aiter(self.sampler)
-        try:
-            batch: list[int] = []
-            async for index in it:
-                batch.append(index)
-                if len(batch) == self.batch_size:
-                    yield batch
-                    batch = []
-            if batch and not self.drop_last:
-                yield batch
-        finally:
-            await close_iterator(it)
-
-    def __len__(self) -> int:
-        """Number of batches; needs ``len()`` of the inner sampler."""
-        n = len(cast("Sized", self.sampler))
-        if self.drop_last:
-            return n // self.batch_size
-        return (n + self.batch_size - 1) // self.batch_size

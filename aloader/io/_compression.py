@@ -5,20 +5,20 @@ A shard's codec comes from the source's ``compression=`` argument: ``"gzip"``, `
 ``.tgz``, ``.zst``, ``.zstd``, ``.bz2``, ``.tbz2``; a URL's query and fragment do not count).
 Every record format reads the decompressed bytes, exactly as it reads a plain shard.
 
+The codecs themselves are :mod:`aloader.io._codecs`'s (the ones HTTP bodies are decoded
+with); this module finds a shard's codec, checks its magic number and words its errors.
+
 Invariants:
 
-- Bounded memory: one call hands on at most ``limit`` decompressed bytes (gzip and bz2, with
-  ``max_length``) or what at most ``_ZSTD_SLICE`` compressed bytes can expand to (zstd, whose
-  ``zstandard`` binding has no ``max_length``: a zstd block holds at most 128 KiB and takes at
-  least 4 compressed bytes, so a slice expands to at most about 16 MiB). A decompression
-  bomb is handed on a bounded piece at a time, never held whole.
+- Bounded memory: one call hands on a bounded piece (see :mod:`aloader.io._codecs`): a
+  decompression bomb is handed on a piece at a time, never held whole.
 - Complete or an error: several gzip members, bz2 streams or zstd frames one after another
   are read as one stream, as ``gzip -d``, ``bzip2 -d`` and ``zstd -d`` do (zstd's skippable
   frames skipped); bytes after the last one that do not start another (trailing garbage, zero
   padding too, which ``gzip -d`` only warns about) fail the shard after its records. A stream
-  that does not decompress, or that ends before its end marker, is a :class:`RecordError` naming the
-  shard and the compressed bytes in which the codec noticed, raised before the format sees
-  the (partial) bytes at the end: never a silently short shard. Streaming means a codec
+  that does not decompress, or that ends before its end marker, is a :class:`RecordError`
+  naming the shard and the compressed bytes in which the codec noticed, raised before the
+  format sees the (partial) bytes at the end: never a silently short shard. Streaming means a codec
   checks what it can when it can: gzip's CRC covers a whole member and is checked at its
   end, so the records of a member whose data was altered are delivered before the error
   that ends the shard (a structural error, the common case, is noticed at once).
@@ -32,19 +32,17 @@ Resumption. An HTTP retry resumes the compressed bytes by range where they stopp
 decompressor keeps its state across the retry, so no line is lost or repeated).
 :attr:`Decompressor.offset` counts the compressed bytes consumed, for a resume position; a
 decompressor cannot restart in the middle of a stream, so resuming a compressed shard in a
-later process means reading it again from its start (issue 11).
+later process means reading it again from its start.
 """
 
 from __future__ import annotations
 
-import bz2
-import importlib
 from collections.abc import AsyncGenerator, Iterator
-from typing import Any, Literal, TypeAlias
+from typing import Literal, TypeAlias
 
 from .._exceptions import RecordError, SourceError
 from .._util import Closing
-from ._http import _CodingError, _Inflate, _Transient
+from ._codecs import ZSTD_SKIPPABLE, CodingError, Decoder, MissingPackage, Truncated, decoder
 
 __all__ = (
     "COMPRESSIONS",
@@ -66,11 +64,7 @@ _SUFFIXES = {
     ".bz2": "bz2", ".tbz2": "bz2", ".tbz": "bz2",
 }
 _MAGIC = {"gzip": b"\x1f\x8b", "zstd": b"\x28\xb5\x2f\xfd", "bz2": b"BZh"}
-# zstd frames skipped by decoders (metadata): magic 0x184D2A50 to 0x184D2A5F.
-_ZSTD_SKIPPABLE = b"\x2a\x4d\x18"
 _SNIFF = max(len(magic) for magic in _MAGIC.values())
-# Compressed bytes per zstandard call: the bound on one call's output (see the invariants).
-_ZSTD_SLICE = 512
 
 
 def check_compression(value: object) -> Compression:
@@ -90,97 +84,6 @@ def shard_compression(name: str, compression: Compression) -> str | None:
     if dot < 0 or "/" in path[dot:]:
         return None
     return _SUFFIXES.get(path[dot:].lower())
-
-
-class _Bz2:
-    """bz2 streams one after another (as pbzip2 writes them), ``limit`` bytes a call."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._inner = bz2.BZ2Decompressor()
-        self._fed = False
-
-    def decode(self, data: bytes) -> Iterator[bytes]:
-        self._fed = self._fed or bool(data)
-        if data and self._inner.eof:
-            # The last stream ended with the last chunk: these bytes start the next one (an
-            # ended decompressor raises EOFError for them).
-            self._inner = bz2.BZ2Decompressor()
-        while True:
-            try:
-                out = self._inner.decompress(data, self.limit)
-            except OSError as exc:
-                raise _CodingError(f"the bz2 stream does not decompress: {exc}") from None
-            data = b""
-            if out:
-                yield out
-            if self._inner.eof:
-                data = self._inner.unused_data
-                if not data:
-                    return
-                self._inner = bz2.BZ2Decompressor()  # the next stream
-                continue
-            if self._inner.needs_input:
-                return
-
-    def end(self) -> None:
-        if not self._fed or not self._inner.eof:
-            raise _Transient("the bz2 stream ends before its end marker")
-
-
-def _zstandard() -> Any:
-    try:
-        return importlib.import_module("zstandard")
-    except ImportError:
-        return None
-
-
-class _Zstd:
-    """zstd frames one after another (skippable frames skipped), with the zstandard package."""
-
-    def __init__(self, module: Any) -> None:
-        self._new = module.ZstdDecompressor().decompressobj
-        self._inner: Any = None  # None between frames
-        self._pending = b""  # bytes between frames, kept until a frame's start is recognised
-        self._skip = 0  # bytes left of a skippable frame
-        self._fed = False
-
-    def decode(self, data: bytes) -> Iterator[bytes]:
-        self._fed = self._fed or bool(data)
-        while data or self._pending:
-            if self._skip:
-                taken = min(self._skip, len(data))
-                self._skip -= taken
-                data = data[taken:]
-                continue
-            if self._inner is None:
-                data = self._pending + data
-                self._pending = b""
-                if len(data) < 8:
-                    self._pending = data
-                    return
-                if data[1:4] == _ZSTD_SKIPPABLE and data[0] & 0xF0 == 0x50:
-                    self._skip = 8 + int.from_bytes(data[4:8], "little")
-                    continue
-                self._inner = self._new()
-            for start in range(0, len(data), _ZSTD_SLICE):
-                try:
-                    out = self._inner.decompress(data[start : start + _ZSTD_SLICE])
-                except Exception as exc:  # zstandard.ZstdError
-                    raise _CodingError(f"the zstd stream does not decompress: {exc}") from None
-                if out:
-                    yield out
-                if self._inner.eof:
-                    rest = self._inner.unused_data + data[start + _ZSTD_SLICE :]
-                    self._inner = None
-                    data = rest
-                    break
-            else:
-                return
-
-    def end(self) -> None:
-        if not self._fed or self._inner is not None or self._skip or self._pending:
-            raise _Transient("the zstd stream ends before the end of its frame")
 
 
 class CorruptStream(Exception):
@@ -221,18 +124,12 @@ class Decompressor:
         self._head = b""  # first bytes, kept until the magic number can be checked
         self._started = False  # the magic number was checked
         self._plain = False
-        self._inner: _Inflate | _Bz2 | _Zstd
-        if codec == "gzip":
-            self._inner = _Inflate("gzip", limit)
-        elif codec == "bz2":
-            self._inner = _Bz2(limit)
-        else:
-            module = _zstandard()
-            if module is None:
-                raise SourceError(f"{name}: a zstd shard needs the zstandard package to "
-                                  "decompress (pip install zstandard, or aloader[zstd]); it is "
-                                  "not installed", source=name, offset=0)
-            self._inner = _Zstd(module)
+        try:
+            self._inner: Decoder = decoder(codec, limit)
+        except MissingPackage:
+            raise SourceError(f"{name}: a zstd shard needs the zstandard package to "
+                              "decompress (pip install zstandard, or aloader[zstd]); it is "
+                              "not installed", source=name, offset=0) from None
 
     def _fail(self, what: str, offset: int, end: int | None = None) -> CorruptStream:
         where = f"compressed byte offset {offset}" if end is None else \
@@ -263,16 +160,15 @@ class Decompressor:
         self.offset += len(data)
         try:
             yield from self._inner.decode(data)
-        except _CodingError as exc:
+        except CodingError as exc:
             # Where the codec noticed: data errors show at the next check (gzip's CRC at
             # the end of its member), so bytes before ``start`` may be the bad ones.
-            raise self._fail(str(exc).removeprefix(f"the {self.codec} "), start,
-                             self.offset) from None
+            raise self._fail(exc.detail, start, self.offset) from None
 
     def _check_magic(self, data: bytes) -> bool:
         """Whether ``data`` (the first bytes) is this codec's stream; False: read it plain."""
         magic = _MAGIC[self.codec]
-        if data.startswith(magic) or (self.codec == "zstd" and data[1:4] == _ZSTD_SKIPPABLE):
+        if data.startswith(magic) or (self.codec == "zstd" and data[1:4] == ZSTD_SKIPPABLE):
             return True
         if self._sniff:
             self._plain = True
@@ -300,13 +196,13 @@ class Decompressor:
             try:
                 for _ in self._inner.decode(data):
                     pass  # a stream of under 4 bytes cannot hold any output
-            except _CodingError:
+            except CodingError:
                 pass  # the stream is too short anyway: reported as truncated below
         if self._plain:
             return b""
         try:
             self._inner.end()
-        except _Transient:
+        except Truncated:
             raise self._fail(f"truncated: the shard ends before the end of the compressed "
                              f"stream ({self.offset} compressed bytes)", self.offset) from None
         return b""

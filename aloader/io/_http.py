@@ -15,31 +15,34 @@ module the status, headers and raw body of a response and sorts each library's e
 transient (retried) and fatal ones, so that everything below is one mechanism for both. Both
 libraries are imported on first use, so ``import aloader`` stays light.
 
-A body is read as a sequence of chunks. When the connection fails (refused, reset, cut in the
-middle of the body, timed out) or the server answers a transient status (5xx, 408, 429), the
-request is retried after an exponential backoff, asking for the rest of the body only
-(``Range: bytes=N-``, where N counts the bytes already delivered). A server that ignores ranges
-answers 200 with the whole body: the first N bytes are then skipped (a 200 that carries a
-``Content-Range`` is a part, read as a 206 is). A body that ends before the length its
-response announced (a ``Content-Range`` shorter than asked) is resumed the same way. A
-resumption whose response tells another length of the body than an earlier one did is an
-error: the resource changed (without an ETag, the only sign of it). A retry's range that the
-server answers 416 with the length already read (a cut just before a chunked body's last,
-empty chunk) ends the body. A client error such as 404 fails at once, and so does a redirect
-to a URL that is not http(s) (``data:``, ``file:``, ...).
+A body is read as a sequence of chunks, by the resumable read every remote source shares
+(:mod:`aloader.io._resumable`: offsets, failures, backoff, the version check); this module is
+its HTTP transport. When the connection fails (refused, reset, cut in the middle of the body,
+timed out) or the server answers a transient status (5xx, 408, 429), the request is retried
+after an exponential backoff, asking for the rest of the body only (``Range: bytes=N-``, where
+N counts the bytes already delivered). A server that ignores ranges answers 200 with the
+whole body: the first N bytes are then skipped (a 200 that carries a ``Content-Range`` is a
+part, read as a 206 is). A body that ends before the length its response announced (a
+``Content-Range`` shorter than asked) is resumed the same way. A resumption whose response
+tells another length of the body (or another ETag) than an earlier one did is an error: the
+resource changed. A retry's range that the server answers 416 with the length already read
+(a cut just before a chunked body's last, empty chunk) ends the body. A client error such as
+404 fails at once, and so does a redirect to a URL that is not http(s) (``data:``,
+``file:``, ...).
 
 Content codings. Requests ask for ``Accept-Encoding: identity``; a server may still send a
 coded body (``Content-Encoding: gzip``, as object stores do for files uploaded that way). Such
-a body is decoded as it streams: gzip and deflate with zlib, ``br`` with the brotli (or
-brotlicffi) package and ``zstd`` with zstandard (or Python 3.14's ``compression.zstd``) when
-installed; any other coding, or one whose decoder is missing, is a :class:`FetchError` naming
-the URL and the coding, never bytes parsed as if they were plain. A transfer coding other
-than chunked (``Transfer-Encoding: gzip, chunked``: legal, rare) is undone the same way. A
-Range request on a coded body would count bytes of the coded representation, not the decoded
-ones N counts, and a decoder cannot start in the middle of its stream: so a coded body is
-resumed by reading it again from its start (without Range) and skipping the N decoded bytes
-already delivered. A coded stream that stops before its end marker is retried like a
-connection cut; one that does not decode fails at once.
+a body is decoded as it streams (by :mod:`aloader.io._codecs`, the decoders of compressed
+shards): gzip and deflate with zlib, ``br`` with the brotli (or brotlicffi) package and
+``zstd`` with zstandard (or Python 3.14's ``compression.zstd``) when installed; any other
+coding, or one whose decoder is missing, is a :class:`FetchError` naming the URL and the
+coding, never bytes parsed as if they were plain. A transfer coding other than chunked
+(``Transfer-Encoding: gzip, chunked``: legal, rare) is undone the same way. A Range request
+on a coded body would count bytes of the coded representation, not the decoded ones N
+counts, and a decoder cannot start in the middle of its stream: so a coded body is resumed
+by reading it again from its start (without Range) and skipping the N decoded bytes already
+delivered. A coded stream that stops before its end marker is retried like a connection cut;
+one that does not decode fails at once.
 
 An object store's objects read through signed URLs (:mod:`aloader.io._objstore`) take this same
 path with a :class:`Via`: a URL signed for each request, errors worded by the store's rules
@@ -54,31 +57,28 @@ truncated last record where they can.
 from __future__ import annotations
 
 import functools
-import importlib
 import os
-import random
 import re
 import ssl
-import zlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import anyio
-
 from .._backend import current_backend
 from .._exceptions import FetchError
-from .._log import http_log
 from .._stats import SourceStats
 from .._util import Closing
+from ._codecs import CodingError, Decoder, MissingPackage, Truncated, decoded, decoder
+from ._resumable import Part, Reading, Retry, resumable_chunks, split_chunks, where
 
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ("HttpClient", "HttpOptions", "Via", "env_configures_http", "http_chunks",
-           "make_client", "retry_delay", "shares_one_pool", "split_chunks")
+__all__ = ("HttpClient", "HttpOptions", "HttpTransport", "Via", "env_configures_http",
+           "http_chunks", "make_client", "shares_one_pool",
+           "split_chunks")  # the sources import it from here (it is _resumable's)
 
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 # A 416's Content-Range: the body's length.
@@ -344,6 +344,8 @@ class Via:
     """
 
     name: str
+    #: How an error says that the resource changed while it was read.
+    changed = "the object changed in the store"
 
     def url(self) -> str:
         """The URL of the next request (signed now: a resumption hours later still works)."""
@@ -384,124 +386,10 @@ async def _head_of(body: AsyncGenerator[bytes, None], limit: int) -> bytes:
     return b"".join(parts)[:limit]
 
 
-class _Transient(Exception):
-    """A failed attempt worth retrying: a retryable status, or a body that ended early."""
-
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
 # --------------------------------------------------------------------------- content codings
 
-
-class _CodingError(Exception):
-    """A coded body that does not decode (not retried: the server would send it again)."""
-
-
-class _Inflate:
-    """gzip (a member or several, as ``gzip`` writes them) or deflate, with zlib.
-
-    HTTP's deflate is zlib-wrapped, but some servers send a raw deflate stream: the first two
-    bytes tell which. Output comes in pieces of at most ``limit`` bytes, so a small coded
-    piece that inflates to gigabytes is handed on a piece at a time, never held whole.
-    """
-
-    def __init__(self, coding: str, limit: int) -> None:
-        self.coding = coding
-        self.gzip = coding != "deflate"
-        self.limit = limit
-        self._inflate: Any = zlib.decompressobj(zlib.MAX_WBITS | 16) if self.gzip else None
-        self._head = b""  # deflate: bytes kept until the wrapper can be recognised
-        self._fed = False
-
-    def decode(self, data: bytes) -> Iterator[bytes]:
-        self._fed = self._fed or bool(data)
-        if self._inflate is None:
-            data = self._head + data
-            if len(data) < 2:
-                self._head = data
-                return
-            wrapped = data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
-            self._inflate = zlib.decompressobj(zlib.MAX_WBITS if wrapped else -zlib.MAX_WBITS)
-        while True:
-            try:
-                out = self._inflate.decompress(data, self.limit)
-            except zlib.error as exc:
-                raise _CodingError(f"the {self.coding} body does not decode: {exc}") from None
-            if out:
-                yield out
-            if self._inflate.eof:
-                data = self._inflate.unused_data
-                if not data:
-                    return
-                if not self.gzip:
-                    raise _CodingError(f"{len(data)} bytes follow the end of the deflate stream")
-                self._inflate = zlib.decompressobj(zlib.MAX_WBITS | 16)  # the next member
-                continue
-            data = self._inflate.unconsumed_tail
-            # A full output piece may leave more output inside zlib, even with no input left.
-            if not data and len(out) < self.limit:
-                return
-
-    def end(self) -> None:
-        """Check that the stream is complete (an empty body counts, as httpx has it)."""
-        if self._fed and (self._inflate is None or not self._inflate.eof):
-            raise _Transient(f"the {self.coding} body ended before the end of its stream")
-
-
-class _Stepwise:
-    """A decompressor of an optional package, one call per coded piece (brotli, zstd)."""
-
-    def __init__(self, coding: str, step: Callable[[bytes], bytes],
-                 finished: Callable[[], bool] | None) -> None:
-        self.coding = coding
-        self._step = step
-        self._finished = finished
-        self._fed = False
-
-    def decode(self, data: bytes) -> Iterator[bytes]:
-        self._fed = True
-        try:
-            out = self._step(data)
-        except Exception as exc:
-            raise _CodingError(f"the {self.coding} body does not decode: "
-                               f"{type(exc).__name__}: {exc}") from None
-        if out:
-            yield out
-
-    def end(self) -> None:
-        if self._fed and self._finished is not None and not self._finished():
-            raise _Transient(f"the {self.coding} body ended before the end of its stream")
-
-
-_BodyDecoder = _Inflate | _Stepwise
-
-# Packages that decode the optional codings, tried in order: (module, the package to install).
-_OPTIONAL = {
-    "br": (("brotli", "brotli"), ("brotlicffi", "brotlicffi")),
-    "zstd": (("compression.zstd", "zstandard"), ("zstandard", "zstandard")),
-}
-
-
-def _optional_decoder(coding: str) -> _Stepwise | None:
-    """A decoder for ``br`` or ``zstd`` from whichever package is installed, else None."""
-    for module_name, _ in _OPTIONAL[coding]:
-        try:
-            module: Any = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        if coding == "br":
-            obj = module.Decompressor()
-            step = getattr(obj, "process", None) or obj.decompress
-            return _Stepwise(coding, step, getattr(obj, "is_finished", None))
-        if module_name == "zstandard":
-            obj = module.ZstdDecompressor().decompressobj()
-        else:
-            obj = module.ZstdDecompressor()
-        eof = (lambda obj=obj: bool(obj.eof)) if hasattr(obj, "eof") else None
-        return _Stepwise(coding, obj.decompress, eof)
-    return None
+# The content codings a response may carry (gzip, deflate; br and zstd with their packages).
+_HTTP_CODINGS = frozenset({"gzip", "x-gzip", "deflate", "br", "zstd"})
 
 
 def _codings(value: str | None) -> list[str]:
@@ -513,7 +401,7 @@ def _codings(value: str | None) -> list[str]:
     return [name for name in names if name and name not in ("identity", "chunked")]
 
 
-def _body_decoders(url: str, headers: Mapping[str, str], limit: int) -> list[_BodyDecoder]:
+def _body_decoders(url: str, headers: Mapping[str, str], limit: int) -> list[Decoder]:
     """Decoders undoing a response's codings: a transfer coding (``Transfer-Encoding: gzip,
     chunked``, which aiohttp hands on undone, and httpx refuses), then its content codings.
 
@@ -525,55 +413,30 @@ def _body_decoders(url: str, headers: Mapping[str, str], limit: int) -> list[_Bo
 
 
 def _decoders(url: str, value: str | None, limit: int,
-              header: str = "Content-Encoding") -> list[_BodyDecoder]:
+              header: str = "Content-Encoding") -> list[Decoder]:
     """Decoders undoing ``{header}: value``, the last applied first.
 
     Raises:
         FetchError: a coding that is unknown, or whose optional package is not installed.
     """
-    decoders: list[_BodyDecoder] = []
+    decoders: list[Decoder] = []
     for coding in reversed(_codings(value)):
-        if coding in ("gzip", "x-gzip", "deflate"):
-            decoders.append(_Inflate(coding, limit))
-            continue
-        optional = _optional_decoder(coding) if coding in _OPTIONAL else None
-        if optional is not None:
-            decoders.append(optional)
-        elif coding in _OPTIONAL:
-            packages = " or ".join(sorted({package for _, package in _OPTIONAL[coding]}))
-            raise FetchError(f"{url}: the server sent the body with {header} "
-                             f"{coding!r}, which needs the {packages} package to decode "
-                             f"(pip install {_OPTIONAL[coding][0][1]}); it is not installed",
-                             source=url)
-        else:
+        if coding not in _HTTP_CODINGS:
             raise FetchError(f"{url}: the server sent the body with {header} "
                              f"{coding!r}, which aloader cannot decode (gzip, deflate, br and "
                              "zstd can be)", source=url)
+        try:
+            decoders.append(decoder(coding, limit))
+        except MissingPackage as exc:
+            packages = " or ".join(sorted(exc.packages))
+            raise FetchError(f"{url}: the server sent the body with {header} "
+                             f"{coding!r}, which needs the {packages} package to decode "
+                             f"(pip install {exc.packages[0]}); it is not installed",
+                             source=url) from None
     return decoders
 
 
-async def _decoded(raw: AsyncGenerator[bytes, None],
-                   decoders: list[_BodyDecoder]) -> AsyncGenerator[bytes, None]:
-    """The pieces of ``raw`` (a body as sent), with each content coding undone in turn.
-
-    Raises:
-        _CodingError: the body does not decode.
-        _Transient: the body ended before the end of a coded stream.
-    """
-
-    def through(level: int, piece: bytes) -> Iterator[bytes]:
-        if level == len(decoders):
-            yield piece
-            return
-        for out in decoders[level].decode(piece):
-            yield from through(level + 1, out)
-
-    async with Closing(raw) as pieces:
-        async for piece in pieces:
-            for out in through(0, piece):
-                yield out
-    for decoder in decoders:
-        decoder.end()
+# --------------------------------------------------------------------------- reading
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -585,25 +448,6 @@ def _retry_after(value: str | None) -> float | None:
         return None  # an HTTP date: fall back to our own backoff
 
 
-def _where(offset: int) -> str:
-    return f" at byte offset {offset}" if offset else ""
-
-
-def _same_length(url: str, total: int | None, length: int, offset: int, status: int) -> int:
-    """``length``, the body's length a response tells, if it is the one an earlier response
-    told (``total``, None if none did).
-
-    Raises:
-        FetchError: it is not: the resource changed between two attempts (without an ETag,
-            the length is the only sign), and the rest would come from another version.
-    """
-    if total is not None and length != total:
-        raise FetchError(f"{url}: the resource changed on the server while it was being read "
-                         f"(its length {total} became {length}){_where(offset)}",
-                         source=url, offset=offset, status_code=status)
-    return length
-
-
 def _length_of(total: int | None, headers: Mapping[str, str]) -> int | None:
     """The body's length: ``total`` if a response told it, else what a 416's
     ``Content-Range: bytes */N`` says, else None."""
@@ -613,7 +457,151 @@ def _length_of(total: int | None, headers: Mapping[str, str]) -> int | None:
     return None if match is None else int(match.group(1))
 
 
-async def http_chunks(
+class HttpTransport:
+    """GETs of one URL with ``Range`` for :func:`~aloader.io._resumable.resumable_chunks`:
+    the statuses, ranges and codings sorted as the module describes."""
+
+    def __init__(self, client: HttpClient, url: str, options: HttpOptions,
+                 via: Via | None) -> None:
+        self.client = client
+        self.url = url
+        self.via = via
+        self.limit = min(options.chunk_size, _MAX_PIECE)
+        self.checked = via is not None  # the URL was checked (a Via's are signed, not given)
+        self.coded = False  # the server sends the body with a content coding: from its start
+
+    @asynccontextmanager
+    async def open(self, reading: Reading) -> AsyncIterator[Part | None]:
+        url, via = self.url, self.via
+        if not self.checked:
+            problem = _url_problem(url)
+            if problem is not None:
+                raise FetchError(f"{url}: {problem}", source=url)
+            self.checked = True
+        offset, end = reading.offset, reading.end
+        while True:  # twice at most: a range of a coded body is asked for again, whole
+            headers = {"Accept-Encoding": "identity"}
+            if via is not None and reading.etag is not None:
+                headers["If-Match"] = reading.etag
+            if end is not None and not self.coded:
+                headers["Range"] = f"bytes={offset}-{end - 1}"
+            elif offset and not self.coded:
+                headers["Range"] = f"bytes={offset}-"
+            status: int | None = None
+            try:
+                async with self.client.get(url if via is None else via.url(),
+                                           headers) as response:
+                    status = response.status
+                    part = await self._part(reading, headers, response)
+                    yield part
+                    return
+            except _AskAgain:
+                continue
+            except _Failed as exc:
+                if not exc.transient:
+                    if via is not None:  # the cause quotes the signed URL
+                        raise FetchError(f"{url}: {_scrubbed(str(exc))}{where(reading.offset)}",
+                                         source=url, offset=reading.offset) from None
+                    raise FetchError(f"{url}: {exc}{where(reading.offset)}", source=url,
+                                     offset=reading.offset) from exc.cause
+                raise Retry(str(exc) if via is None else _scrubbed(str(exc)),
+                            connect=exc.connect, status=status) from None
+            except CodingError as exc:
+                raise FetchError(f"{url}: the {exc.coding} body {exc.detail}"
+                                 f"{where(reading.offset)} (decoded bytes)", source=url,
+                                 offset=reading.offset, status_code=status) from None
+            except Truncated as exc:
+                raise Retry(f"the {exc.coding} body ended before the end of its stream",
+                            status=status) from None
+
+    async def _part(self, reading: Reading, headers: Mapping[str, str],
+                    response: _Reply) -> Part | None:
+        """What ``response`` (to a request with ``headers``) brings; None: the body is whole
+        already.
+
+        Raises:
+            _AskAgain: ask again (a range of a coded body: the whole body this time).
+        """
+        url, via, offset = self.url, self.via, reading.offset
+        status, reason = response.status, response.reason
+        if status == 416 and offset == _length_of(reading.total, response.headers):
+            return None  # every byte came (a cut before a chunked body's last chunk)
+        retry_after = _retry_after(response.headers.get("Retry-After"))
+        if via is not None and status not in (200, 206):
+            outcome = via.refused(status, reason,
+                                  await _head_of(response.body, _ERROR_BODY), offset)
+            if isinstance(outcome, FetchError):
+                raise outcome
+            raise Retry(outcome, retry_after, status=status)
+        if status >= 500 or status in _TRANSIENT:
+            raise Retry(f"HTTP {status} {reason}".rstrip(), retry_after, status=status)
+        if status not in (200, 206):
+            raise FetchError(f"{url}: HTTP {status} {reason}{where(offset)} (not retried)",
+                             source=url, offset=offset, status_code=status)
+        try:
+            decoders = [] if via is not None else _body_decoders(url, response.headers,
+                                                                 self.limit)
+        except FetchError as exc:
+            exc.offset, exc.status_code = offset, status
+            raise
+        skip = 0
+        total: int | None = None
+        match = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
+        if decoders:
+            if status == 206:
+                if "Range" not in headers:
+                    raise FetchError(f"{url}: HTTP 206 to a request for the whole body",
+                                     source=url, offset=offset, status_code=status)
+                # A range of the coded bytes, which offset does not count: read the body
+                # again from its start (not a failure, and only once: the next request asks
+                # for no range).
+                self.coded = True
+                raise _AskAgain
+            self.coded = True
+            skip = offset
+        elif status == 206 or match is not None:
+            # A 200 with a Content-Range is a part too (as some proxies answer a range):
+            # taken for the whole body, its first bytes would be skipped.
+            if match is None or int(match.group(1)) != offset:
+                raise FetchError(
+                    f"{url}: asked for bytes from {offset}, but the server sent "
+                    f"Content-Range {response.headers.get('Content-Range')!r}",
+                    source=url, offset=offset, status_code=status,
+                )
+            if match.group(3) != "*":
+                total = int(match.group(3))
+        else:
+            skip = offset  # the server ignored the range: drop what we already have
+            length = response.headers.get("Content-Length")
+            if length is not None and length.isdigit():
+                total = int(length)
+        return Part(decoded(response.body, decoders) if decoders else response.body, skip,
+                    total, response.headers.get("ETag"), response.headers.get("Last-Modified"),
+                    status, plain=not decoders)
+
+    def gave_up(self, reading: Reading, last: Retry) -> FetchError:
+        if self.via is not None:
+            return self.via.gave_up(str(last), last.status, reading.offset, reading.failures,
+                                    last.connect)
+        failures = reading.failures
+        return FetchError(
+            f"{self.url}: giving up after {failures} failed attempt"
+            f"{'s' if failures > 1 else ''}{where(reading.offset)}; last error: {last}",
+            source=self.url, offset=reading.offset, status_code=last.status,
+        )
+
+    def changed(self, reading: Reading, what: str) -> FetchError:
+        words = "the resource changed on the server" if self.via is None else self.via.changed
+        return FetchError(f"{self.url}: {words} while it was being read ({what})"
+                          f"{where(reading.offset)}", source=self.url, offset=reading.offset,
+                          status_code=reading.status)
+
+
+class _AskAgain(Exception):
+    """The answer is not the one to read: ask again (not a failure)."""
+
+
+def http_chunks(
     client: HttpClient,
     url: str,
     options: HttpOptions,
@@ -626,15 +614,15 @@ async def http_chunks(
     via: Via | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The body of ``url``, chunk by chunk (decoded), retried and resumed as the module
-    describes.
+    describes (the read itself is :func:`~aloader.io._resumable.resumable_chunks`).
 
     Args:
         client: the epoch's client.
         url: the URL.
         options: timeouts, retries and backoff.
         stats: counts the retries.
-        on_size: called with the body's length when a response tells it (a plain body's
-            ``Content-Length`` or ``Content-Range``), before the chunks it announces.
+        on_size: called with the body's length when a response first tells it (a plain
+            body's ``Content-Length`` or ``Content-Range``), before the chunks it announces.
         start: the byte to start at: the body from there, asked for as a resumption is
             (``Range: bytes=start-``), so a resumed shard is not read again from byte 0.
         on_version: called, before the first chunk, with the plain body's length (None when
@@ -648,159 +636,13 @@ async def http_chunks(
             that is not requested at ``url`` itself (see :class:`Via`).
 
     Raises:
-        FetchError: an error status that is not transient (at once), a redirect to a URL that
-            is not http(s), a content coding that cannot be decoded, a response that does not
-            fit the resumption (wrong range, changed ETag), or retries exhausted.
+        FetchError: (as the generator runs) an error status that is not transient (at once),
+            a redirect to a URL that is not http(s), a content coding that cannot be decoded,
+            a response that does not fit the resumption (wrong range, changed ETag), or
+            retries exhausted.
     """
-    problem = None if via is not None else _url_problem(url)
-    if problem is not None:
-        raise FetchError(f"{url}: {problem}", source=url)
-
-    offset = start  # decoded bytes delivered so far (those before ``start`` count as such)
-    failures = 0  # failed attempts since the last new byte delivered
-    total: int | None = None  # the plain body's length, once a response told it
-    coded = False  # the server sends the body with a content coding: resume from its start
-    while True:
-        headers = {"Accept-Encoding": "identity"}
-        if via is not None and etag is not None:
-            headers["If-Match"] = etag
-        if end is not None and not coded:
-            headers["Range"] = f"bytes={offset}-{end - 1}"
-        elif offset and not coded:
-            headers["Range"] = f"bytes={offset}-"
-        retry_after: float | None = None
-        status: int | None = None
-        connect = False  # this attempt's failure made no connection
-        try:
-            async with client.get(url if via is None else via.url(), headers) as response:
-                status = response.status
-                reason = response.reason
-                if status == 416 and offset == _length_of(total, response.headers):
-                    return  # every byte came (a cut before a chunked body's last chunk)
-                if via is not None and status not in (200, 206):
-                    outcome = via.refused(status, reason,
-                                          await _head_of(response.body, _ERROR_BODY), offset)
-                    if isinstance(outcome, FetchError):
-                        raise outcome
-                    raise _Transient(outcome, _retry_after(response.headers.get("Retry-After")))
-                if status >= 500 or status in _TRANSIENT:
-                    raise _Transient(f"HTTP {status} {reason}".rstrip(),
-                                     _retry_after(response.headers.get("Retry-After")))
-                if status not in (200, 206):
-                    raise FetchError(
-                        f"{url}: HTTP {status} {reason}{_where(offset)} (not retried)",
-                        source=url, offset=offset, status_code=status,
-                    )
-                tag = response.headers.get("ETag")
-                if etag is not None and tag is not None and tag != etag:
-                    raise FetchError(
-                        f"{url}: the resource changed on the server while it was being read "
-                        f"(ETag {etag} became {tag}){_where(offset)}",
-                        source=url, offset=offset, status_code=status,
-                    )
-                etag = etag or tag
-                try:
-                    decoders = [] if via is not None else _body_decoders(
-                        url, response.headers, min(options.chunk_size, _MAX_PIECE))
-                except FetchError as exc:
-                    exc.offset, exc.status_code = offset, status
-                    raise
-                skip = 0
-                match = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
-                if decoders:
-                    if status == 206:
-                        if "Range" not in headers:
-                            raise FetchError(f"{url}: HTTP 206 to a request for the whole "
-                                             "body", source=url, offset=offset,
-                                             status_code=status)
-                        # A range of the coded bytes, which offset does not count: read the
-                        # body again from its start (not a failure, and only once: the next
-                        # request asks for no range).
-                        coded = True
-                        continue
-                    coded = True
-                    skip = offset
-                elif status == 206 or match is not None:
-                    # A 200 with a Content-Range is a part too (as some proxies answer a
-                    # range): taken for the whole body, its first bytes would be skipped.
-                    if match is None or int(match.group(1)) != offset:
-                        raise FetchError(
-                            f"{url}: asked for bytes from {offset}, but the server sent "
-                            f"Content-Range {response.headers.get('Content-Range')!r}",
-                            source=url, offset=offset, status_code=status,
-                        )
-                    if match.group(3) != "*":
-                        total = _same_length(url, total, int(match.group(3)), offset, status)
-                else:
-                    skip = offset  # the server ignored the range: drop what we already have
-                    length = response.headers.get("Content-Length")
-                    if length is not None and length.isdigit():
-                        total = _same_length(url, total, int(length), offset, status)
-                if total is not None and not decoders and on_size is not None:
-                    on_size(total)
-                if on_version is not None:
-                    on_version(None if decoders else total, tag,
-                               response.headers.get("Last-Modified"))
-                    on_version = None  # the first answer's: later ones resume the same body
-                size = options.chunk_size
-                # Network reads as they come (no rechunking buffer that a failure would lose),
-                # split to at most chunk_size bytes.
-                body = _decoded(response.body, decoders) if decoders else response.body
-                async with Closing(body) as pieces:
-                    async for piece in pieces:
-                        if skip:
-                            if len(piece) <= skip:
-                                skip -= len(piece)
-                                continue
-                            piece = piece[skip:]
-                            skip = 0
-                        failures = 0
-                        if end is not None and offset + len(piece) >= end:
-                            piece = piece[: end - offset]  # a server that ignored the range
-                        for chunk in split_chunks(piece, size):
-                            offset += len(chunk)
-                            yield chunk
-                        if offset == end:
-                            return
-                if skip:
-                    raise FetchError(
-                        f"{url}: the body is now shorter than the {offset} bytes already read",
-                        source=url, offset=offset, status_code=status,
-                    )
-                limit = total if end is None else end if total is None else min(end, total)
-                if limit is not None and not decoders and offset < limit:
-                    # A range shorter than asked, or a length the body did not keep to.
-                    raise _Transient(f"the body ended at byte {offset} of {total}")
-            return
-        except _Transient as exc:
-            error: str = str(exc)
-            retry_after = exc.retry_after
-        except _CodingError as exc:
-            raise FetchError(f"{url}: {exc}{_where(offset)} (decoded bytes)",
-                             source=url, offset=offset, status_code=status) from None
-        except _Failed as exc:
-            if not exc.transient:
-                if via is not None:  # the cause quotes the signed URL
-                    raise FetchError(f"{url}: {_scrubbed(str(exc))}{_where(offset)}",
-                                     source=url, offset=offset) from None
-                raise FetchError(f"{url}: {exc}{_where(offset)}", source=url,
-                                 offset=offset) from exc.cause
-            error = str(exc) if via is None else _scrubbed(str(exc))
-            connect = exc.connect
-        failures += 1
-        if failures > options.retries:
-            if via is not None:
-                raise via.gave_up(error, status, offset, failures, connect)
-            raise FetchError(
-                f"{url}: giving up after {failures} failed attempt"
-                f"{'s' if failures > 1 else ''}{_where(offset)}; last error: {error}",
-                source=url, offset=offset, status_code=status,
-            )
-        stats.retries += 1
-        delay = retry_delay(options, failures, retry_after)
-        http_log.info("retrying %s%s in %.2f s (attempt %d of %d): %s", url, _where(offset),
-                      delay, failures + 1, options.retries + 1, error)
-        await anyio.sleep(delay)
+    return resumable_chunks(HttpTransport(client, url, options, via), url, options, stats,
+                            on_size, start, on_version, end, etag)
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -816,25 +658,6 @@ def _url_problem(url: str) -> str | None:
     if parsed.scheme not in ("http", "https") or not parsed.host:
         return "not a valid http(s) URL"
     return None
-
-
-def split_chunks(piece: bytes, size: int) -> Iterable[bytes]:
-    """``piece`` as chunks of at most ``size`` bytes (``piece`` itself when it fits; nothing
-    when it is empty): how a network read is handed on as a source's chunks. A piece that
-    fits (most reads) costs a tuple, not a generator."""
-    if 0 < len(piece) <= size:
-        return (piece,)
-    return (piece[start : start + size] for start in range(0, len(piece), size))
-
-
-def retry_delay(options: HttpOptions, failures: int, retry_after: float | None = None) -> float:
-    """Seconds to wait before the next attempt after ``failures`` failed ones in a row."""
-    # The exponent is capped: a float overflows past 2 ** 1023.
-    delay = min(options.max_backoff, options.backoff * 2.0 ** min(failures - 1, 64))
-    if retry_after is not None:
-        delay = max(delay, min(retry_after, options.max_backoff))
-    # Jitter spreads the retries of many workers hitting the same server.
-    return delay * (0.5 + 0.5 * random.random())
 
 
 def _httpx_redirected(exc: Exception, url: str) -> str:

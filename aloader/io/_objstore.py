@@ -74,13 +74,13 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
-import anyio
 import anyio.to_thread
 
 from .._backend import current_backend
@@ -92,16 +92,9 @@ from .._exceptions import (
     ObjectNotFoundError,
 )
 from .._stats import SourceStats
-from .._util import Closing, usable_cpus
-from ._http import (
-    HttpClient,
-    HttpOptions,
-    Via,
-    http_chunks,
-    retry_delay,
-    shares_one_pool,
-    split_chunks,
-)
+from .._util import usable_cpus
+from ._http import HttpClient, HttpOptions, HttpTransport, Via, shares_one_pool
+from ._resumable import Part, Reading, Retry, resumable_chunks, retry_delay, where
 
 __all__ = ("ObjectAccess", "is_object_url", "runtime_started")
 
@@ -150,6 +143,8 @@ _SIGNING_ENV = frozenset({
 # to cover clock skew between this machine and the store.
 _SIGNED_FOR = timedelta(hours=1)
 _MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
+# obstore's min_chunk_size for a body's pieces as they arrive (see _ObjectTransport).
+_AS_THEY_COME = 1
 
 
 def is_object_url(shard: str) -> bool:
@@ -470,10 +465,6 @@ class _Presigned(Via):
         return _error(self.name, failure, offset, failures, self._endpoint)
 
 
-class _Resumable(Exception):
-    """The body ended before the object's size: resume from the offset reached."""
-
-
 @dataclass(frozen=True)
 class ObjectAccess:
     """How a source reaches object store URLs: the store (or None: one per bucket, from the
@@ -610,7 +601,7 @@ class ObjectAccess:
                     raise _error(spec, failure, attempts=failures) from None
             time.sleep(retry_delay(self.options, failures))
 
-    async def chunks(
+    def chunks(
         self, url: str, stats: SourceStats, on_size: Callable[[int], None] | None = None,
         start: int = 0,
         on_version: Callable[[int | None, str | None, str | None], None] | None = None,
@@ -618,7 +609,8 @@ class ObjectAccess:
         client: Callable[[], HttpClient] | None = None,
     ) -> AsyncGenerator[bytes, None]:
         """The bytes of the object at ``url``, chunk by chunk, retried and resumed as the
-        module describes.
+        module describes (the read itself is
+        :func:`~aloader.io._resumable.resumable_chunks`).
 
         Args:
             url: an object store URL.
@@ -635,77 +627,103 @@ class ObjectAccess:
                 URLs (see the module's description); None: obstore reads it.
 
         Raises:
-            FetchError: (or a subclass) the object cannot be read, as the module describes.
+            FetchError: (or a subclass, as the generator runs) the object cannot be read, as
+                the module describes.
         """
-        obstore = _obstore(url)
-        via = None if client is None else self._presigned(url, obstore)
-        if client is not None and via is not None:
-            async with Closing(http_chunks(client(), url, self.options, stats, on_size, start,
-                                            on_version, end, etag, via)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
+        return resumable_chunks(_ObjectTransport(self, url, client), url, self.options, stats,
+                                on_size, start, on_version, end, etag)
+
+
+class _ObjectTransport:
+    """Ranged GETs of one object for :func:`~aloader.io._resumable.resumable_chunks`: through
+    signed URLs (:class:`~aloader.io._http.HttpTransport` with a :class:`_Presigned`) or
+    obstore's own GETs, chosen at the first request.
+
+    An attempt that follows a failed one takes the body's pieces as they arrive (obstore's
+    smallest ``min_chunk_size``) instead of gathering ``chunk_size`` bytes first: the bytes
+    received before a cut are then handed on, and the next attempt resumes after them, so a
+    connection that is always cut after a few KiB still makes progress. The first attempt
+    gathers ``chunk_size`` bytes per piece (fewer hand-offs from obstore's thread).
+    """
+
+    def __init__(self, access: ObjectAccess, url: str,
+                 client: Callable[[], HttpClient] | None) -> None:
+        self.access = access
+        self.url = url
+        self.client = client
+        self.ready = False
+        self.http: HttpTransport | None = None  # the signed URLs' transport, if any
+        self.calls: _Calls | None = None
+        self.store: Any = None
+        self.path = ""
+
+    def _start(self) -> None:
+        """Choose how the object is read (its store made, this process checked)."""
+        obstore = _obstore(self.url)
+        via = None if self.client is None else self.access._presigned(self.url, obstore)
+        if self.client is not None and via is not None:
+            self.http = HttpTransport(self.client(), self.url, self.access.options, via)
+        else:
+            self.store, self.path = self.access._store(self.url, obstore)
+            self.calls = _Calls(obstore, threaded=current_backend() == "trio")
+        self.ready = True
+
+    @asynccontextmanager
+    async def open(self, reading: Reading) -> AsyncIterator[Part | None]:
+        if not self.ready:
+            self._start()
+        if self.http is not None:
+            async with self.http.open(reading) as part:
+                yield part
             return
-        store, path = self._store(url, obstore)
-        calls = _Calls(obstore, threaded=current_backend() == "trio")
-        options = self.options
-        size = options.chunk_size
-        offset = start  # bytes handed on (those before ``start`` count as such)
-        failures = 0  # failed attempts since the last byte handed on
-        total: int | None = None
-        first_tag: str | None = None  # the ETag of the first answer
-        while True:
-            request: dict[str, Any] = {}
-            if end is not None:
-                request["range"] = (offset, end)
-            elif offset:
-                request["range"] = {"offset": offset}
-            if etag is not None:
-                request["if_match"] = etag
-            try:
-                result = await calls.get(store, path, request)
-                start = result.range[0]
-                if start != offset:
-                    raise FetchError(f"{url}: asked for bytes from {offset}, but the store "
-                                     f"sent bytes from {start}", source=url, offset=offset)
-                meta = result.meta
-                if total is None:
-                    total, first_tag = int(meta["size"]), meta.get("e_tag")
-                    etag = etag or first_tag
-                    if on_size is not None:
-                        on_size(total)
-                    if on_version is not None:
-                        on_version(*_version_of(meta))
-                elif int(meta["size"]) != total or (
-                        first_tag is not None and meta.get("e_tag") not in (None, first_tag)):
-                    # A store that did not keep to If-Match (or had no ETag to match): the
-                    # rest would be another version's bytes.
-                    raise FetchError(
-                        f"{url}: the object changed in the store while it was being read "
-                        f"(size {total}, ETag {first_tag} became size {meta['size']}, ETag "
-                        f"{meta.get('e_tag')}) at byte offset {offset}", source=url,
-                        offset=offset)
-                stream = result.stream(min_chunk_size=size)
-                while (piece := await calls.next(stream)) is not None:
-                    failures = 0
-                    for chunk in split_chunks(piece, size):
-                        offset += len(chunk)
-                        yield chunk
-                if offset < (total if end is None else min(end, total)):
-                    raise _Resumable(f"the body ended at byte {offset} of {total}")
-                return
-            except _Resumable as exc:
-                failure = _Failure("transient", None, str(exc))
-            except FetchError:
+        calls = self.calls
+        assert calls is not None
+        url = self.url
+        request: dict[str, Any] = {}
+        if reading.end is not None:
+            request["range"] = (reading.offset, reading.end)
+        elif reading.offset:
+            request["range"] = {"offset": reading.offset}
+        if reading.etag is not None:
+            request["if_match"] = reading.etag
+        size = self.access.options.chunk_size
+        try:
+            result = await calls.get(self.store, self.path, request)
+            first = result.range[0]
+            if first != reading.offset:
+                raise FetchError(f"{url}: asked for bytes from {reading.offset}, but the "
+                                 f"store sent bytes from {first}", source=url,
+                                 offset=reading.offset)
+            total, tag, modified = _version_of(result.meta)
+            stream = result.stream(min_chunk_size=_AS_THEY_COME if reading.failures else size)
+            yield Part(_pieces(calls, stream), 0, total, tag, modified)
+        except (Retry, FetchError):
+            raise
+        except Exception as exc:
+            failure = _classify(exc)
+            if failure is None:
                 raise
-            except Exception as exc:
-                classified = _classify(exc)
-                if classified is None:
-                    raise
-                failure = classified
-            if total is not None and offset >= (total if end is None else min(end, total)):
-                return  # the connection dropped after the last byte
-            failures += 1
-            if failure.kind not in ("transient", "unreachable") or failures > options.retries:
-                raise _error(url, failure, offset, failures)
-            stats.retries += 1
-            await anyio.sleep(retry_delay(options, failures))
+            if failure.kind not in ("transient", "unreachable"):
+                raise _error(url, failure, reading.offset, reading.failures + 1) from None
+            raise Retry(failure.text, connect=failure.kind == "unreachable",
+                        status=failure.status) from None
+
+    def gave_up(self, reading: Reading, last: Retry) -> FetchError:
+        if self.http is not None:
+            return self.http.gave_up(reading, last)
+        failure = _Failure("unreachable" if last.connect else "transient", last.status,
+                           str(last))
+        return _error(self.url, failure, reading.offset, reading.failures)
+
+    def changed(self, reading: Reading, what: str) -> FetchError:
+        if self.http is not None:
+            return self.http.changed(reading, what)
+        return FetchError(f"{self.url}: the object changed in the store while it was being "
+                          f"read ({what}){where(reading.offset)}", source=self.url,
+                          offset=reading.offset)
+
+
+async def _pieces(calls: _Calls, stream: Any) -> AsyncGenerator[bytes, None]:
+    """The pieces of an obstore body, as its stream hands them on."""
+    while (piece := await calls.next(stream)) is not None:
+        yield piece

@@ -29,7 +29,7 @@ import pickle
 from typing import Any
 
 from ..data._sampler import is_stateful
-from ..streams._streams import check_field
+from ..streams._positions import check_field
 
 __all__ = ("DatasetStates",)
 

@@ -5,14 +5,14 @@ loader picks the kind once, when it is built, with the arguments that kind needs
 
 * :class:`MapEpochs`: keys from the index sampler (torch's ``_index_sampler``: the batch
   sampler with auto-batching, else the sampler), fetched by the plan in this process
-  (:class:`~aloader.pipeline._pipeline.MapEpoch`) or sent to the workers in turn
-  (:class:`~aloader.workers._pool.MapPoolEpoch`, served by
+  (:class:`~aloader.pipeline._epoch.MapEpoch`) or sent to the workers in turn
+  (:class:`~aloader.workers._pool_epoch.MapPoolEpoch`, served by
   :class:`~aloader.workers._worker.ServeTasks`);
 * :class:`IterableEpochs`: samples from the dataset's iterator cut into batches here
-  (:class:`~aloader.pipeline._pipeline.IterableEpoch`; a loopless stream's on the consumer's call,
+  (:class:`~aloader.pipeline._epoch.IterableEpoch`; a loopless stream's on the consumer's call,
   :class:`InlineIterableEpoch`), or each worker's replica batched there
   (:class:`~aloader.workers._worker.ServeReplica`) and asked for its next batch in turn
-  (:class:`~aloader.workers._pool.ReplicaPoolEpoch`).
+  (:class:`~aloader.workers._pool_epoch.ReplicaPoolEpoch`).
 
 Both answer the same questions: ``auto_collation``, ``length()`` (torch's ``len(loader)``),
 ``reported_length()``, ``local(plan, results)``, ``on_workers(plan, results, remote)``,
@@ -44,28 +44,19 @@ import anyio
 from .._facade import run_here
 from .._util import close_iterator, is_async_callable
 from .._workerinfo import WorkerInfo, as_replica
+from ..data._batchsampler import BatchSampler, epoch_batches, torch_epoch
 from ..data._dataset import aiter_of
 from ..data._distributed import DistributedSampler
-from ..data._sampler import (
-    BatchSampler,
-    epoch_batches,
-    epoch_indices,
-    load_sampler_state,
-    sampler_state,
-    torch_epoch,
-)
+from ..data._indices import epoch_indices
+from ..data._sampler import load_sampler_state, sampler_state
+from ..pipeline._epoch import _NO_LIMITER, Epoch, IterableEpoch, MapEpoch
+from ..pipeline._errors import _batch_error
 from ..pipeline._failures import KnownFailed
-from ..pipeline._pipeline import (
-    _NO_LIMITER,
-    _NOTHING,
-    Epoch,
-    FetchPlan,
-    IterableEpoch,
-    MapEpoch,
-    PacedKeys,
-    Results,
-    _batch_error,
-)
+from ..pipeline._keys import PacedKeys
+from ..pipeline._plan import FetchPlan
+from ..pipeline._pull import _NOTHING
+from ..pipeline._results import Results
+from ..streams._positions import check_field
 from ..streams._resume import (
     encode,
     open_replica,
@@ -75,8 +66,9 @@ from ..streams._resume import (
     snapshotter,
     start_snapshot,
 )
-from ..streams._streams import Stream, _StreamIterator, check_field
-from ..workers._pool import Delivered, MapPoolEpoch, PoolEpoch, ReplicaPoolEpoch
+from ..streams._runtime import _StreamIterator
+from ..streams._stream import Stream
+from ..workers._pool_epoch import Delivered, MapPoolEpoch, PoolEpoch, ReplicaPoolEpoch
 from ..workers._worker import ServeReplica, ServeTasks, replica_copy
 from ._datasetstate import DatasetStates
 
@@ -167,7 +159,7 @@ class MapEpochs:
         self.loaded_skip: Skip | None = None
         # Set by keys(): where the consumer tells an epoch drawn as torch's sampler draws it
         # (aloader.data._sampler.TorchDraws), or drawn on its calls
-        # (aloader.pipeline._pipeline.PacedKeys),
+        # (aloader.pipeline._keys.PacedKeys),
         # how many keys torch's loader would have asked for; else None.
         self.asked: Callable[[int], None] | None = None
         self._generic = False  # see _keys
@@ -269,7 +261,7 @@ class MapEpochs:
 
         Where ``lead()`` is not None (asked only then), keys of a sampler without an array
         form (a user's) are drawn only as the consumer asks
-        (:class:`~aloader.pipeline._pipeline.PacedKeys`, ``lead()`` ahead of torch's count;
+        (:class:`~aloader.pipeline._keys.PacedKeys`, ``lead()`` ahead of torch's count;
         :attr:`asked` is its ``reach``). Never with a failure budget: a batch whose samples
         all failed is passed over within one consumer call, whose next key would then never
         be asked for."""
@@ -369,8 +361,8 @@ class IterableEpochs:
     sees the ``WorkerInfo`` and worker slot it was saved with, resumed from its position and
     batched on its own, the batches taken in the saved turn): in this process
     (:class:`VirtualReplicas`) without workers, else replica ``r`` on worker
-    ``r % num_workers`` (:class:`~aloader.workers._pool.ReplicaPoolEpoch`). The epochs after it are
-    split by the new count. A state taken between epochs needs nothing of this.
+    ``r % num_workers`` (:class:`~aloader.workers._pool_epoch.ReplicaPoolEpoch`). The epochs
+    after it are split by the new count. A state taken between epochs needs nothing of this.
 
     Args:
         dataset: the iterable dataset.
@@ -654,11 +646,11 @@ class InlineIterableEpoch(IterableEpoch):
     """An iterable epoch made on the consumer's call, with no background task, no buffer
     between tasks and no event loop: each :meth:`next` draws one batch's samples from a
     loopless stream (its chain pulled on this thread, its reads blocking:
-    :meth:`~aloader.streams._streams._StreamIterator._pull_here`) or from a plain iterable
+    :meth:`~aloader.streams._runtime._StreamIterator._pull_here`) or from a plain iterable
     dataset's iterator, and collates them, as
     :meth:`IterableEpoch._pull_batches` does for one batch. The sync facade drives it on the
     consumer's thread (:class:`aloader._facade.LocalIterator`), as it drives an in-memory map
-    epoch (:attr:`aloader.pipeline._pipeline.MapEpoch.loopless`).
+    epoch (:attr:`aloader.pipeline._epoch.MapEpoch.loopless`).
 
     The same batches, notes, snapshots (``Results.meta``) and stats as the background epoch:
     each batch goes through ``results`` (reserve, publish, poll) the moment it is made.
@@ -774,7 +766,7 @@ class VirtualReplicas(Epoch):
     metadata is the saved run's shape (every replica's position, the replica asked next), so
     a state taken now resumes with any ``num_workers`` again.
 
-    Each replica runs its own :class:`~aloader.pipeline._pipeline.IterableEpoch` (one batch ahead,
+    Each replica runs its own :class:`~aloader.pipeline._epoch.IterableEpoch` (one batch ahead,
     as
     a worker) in a child task of this epoch's, started with its worker facts set.
     """

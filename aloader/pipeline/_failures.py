@@ -110,6 +110,10 @@ class _KnownFailedKey:
 #: (it keeps its place, and its batch number, as the uninterrupted epoch's skipped batch).
 KNOWN_FAILED: Any = _KnownFailedKey()
 
+#: A sample whose fetch failed within the budget, in its job's samples until the job collates:
+#: left out of the batch.
+_FAILED: Any = object()
+
 
 def json_index(index: Any) -> Any:
     """A failed sample's index as JSON builtins, for a checkpoint (tuples become lists;

@@ -1,7 +1,7 @@
 """Per-sample randomness that does not depend on who fetches the sample.
 
 Invariant: inside a fetch, :func:`sample_rng` returns a generator whose stream is a function of
-``(loader seed, epoch, sample index)`` only. The pipeline (:mod:`aloader.pipeline._pipeline`) opens
+``(loader seed, epoch, sample index)`` only. The pipeline (:mod:`aloader.pipeline._epoch`) opens
 a
 :class:`Scope` around every fetch of a dataset's ``__getitem__`` (one sample: its index) or
 ``__getitems__`` (a batch: the index is passed to :func:`sample_rng`), in this process, in a
@@ -147,7 +147,7 @@ class Scope:
 
 class FrameScope:
     """The scope of a fetch worker on the event loop (``MapEpoch._worker`` in
-    :mod:`aloader.pipeline._pipeline`), read from the worker's own frame when :func:`sample_rng` is
+    :mod:`aloader.pipeline._epoch`), read from the worker's own frame when :func:`sample_rng` is
     called instead of written by the worker for every fetch.
 
     Contract: the frame's local ``fetching`` is the index being fetched, :data:`IDLE` between

@@ -75,10 +75,13 @@ from .._util import Closing, check_int
 from .._workerinfo import worker_slot
 from ..io._http import http_chunks, make_client
 from ..io._objstore import is_object_url
-from ..streams._streams import Stream, _Context
+from ..streams._context import _Context
+from ..streams._stream import Stream
 from ._formats import BadRecords
+from ._quota import _up_to
+from ._readahead import read_in_order
+from ._sharded import ShardedSource
 from ._sharding import ShardsLike, assign_shards, check_ranks, is_url
-from ._sources import ShardedSource, _up_to, read_in_order
 
 T = TypeVar("T")
 
@@ -698,7 +701,7 @@ class ParquetRows(ShardedSource[Any]):
 
         No stage of the chain keeps a block it handed on once the next is asked for (``del
         block`` after each yield; the consumer keeps only its length: see the resume notes
-        of :mod:`aloader.streams._streams`), so a block's ~2 MB of dicts are freed before the next
+        of :mod:`aloader.streams._positions`), so a block's ~2 MB of dicts are freed before the next
         block is made, which reuses that memory while it is in the caches."""
         if self.as_batches:
             yield got

@@ -38,8 +38,8 @@ from typing import Any, Unpack
 
 from .._util import check_int
 from ._formats import BadRecords, Decoder
+from ._sharded import ShardedSource, SourceOptions
 from ._sharding import ShardsLike
-from ._sources import ShardedSource, SourceOptions
 
 __all__ = ("TarDecoder", "TarShards", "split_key")
 

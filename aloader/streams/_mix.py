@@ -34,7 +34,10 @@ import numpy as np
 
 from .._util import Closing
 from ..data._random import GeneratorLike, as_generator, draw_seed
-from ._streams import Stream, _Context, _Interleaved, as_stream
+from ._context import _Context
+from ._interleave import _Interleaved
+from ._iterated import as_stream
+from ._stream import Stream
 
 __all__ = ("MixPosition", "StopRule", "interleave", "mix")
 

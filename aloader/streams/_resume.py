@@ -33,7 +33,9 @@ from typing import Any
 
 from ..data._dataset import iterate
 from ..data._sampler import is_stateful
-from ._streams import Stream, _StreamIterator, check_field
+from ._positions import check_field
+from ._runtime import _StreamIterator
+from ._stream import Stream
 
 __all__ = ("encode", "open_replica", "parse", "prelude", "protocol_state", "resume",
            "snapshotter", "start_snapshot")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._stats import SourceStats
-from ._streams import Stream
+from ._stream import Stream
 
 __all__ = ("StatsReporter", "merge_stats", "source_stats")
 

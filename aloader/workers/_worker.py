@@ -6,9 +6,9 @@ chosen by the loader), and the messages it exchanges with the loader. What the w
 about itself (``WorkerInfo``, ``get_worker_info()``) lives in :mod:`aloader._workerinfo`, which
 this module sets, so that datasets and sources can read it without importing this module.
 
-A worker serves one loader's pool (see :mod:`aloader.workers._pool`) over a socket pair. Messages
-both
-ways go through :mod:`aloader.workers._shm`, so arrays in batches cross in shared memory.
+A worker serves one loader's pool (see :mod:`aloader.workers._processes`) over a socket pair.
+Messages both ways go through :mod:`aloader.workers._shm`, so arrays in batches cross in
+shared memory.
 
 The protocol (every message a :class:`Request` or a :class:`Reply`):
 
@@ -17,8 +17,8 @@ The protocol (every message a :class:`Request` or a :class:`Reply`):
   :attr:`Kind.NEXT` (iterable: the next batch of this worker's replica in epoch ``epoch``;
   ``key`` is None) or :attr:`Kind.ROLLBACK` (a persistent pool's epoch ended in a break: put
   back the global RNG states saved before task ``key``, answered with nothing; a TASK's or
-  NEXT's ``mark`` says which to save, see :class:`~aloader.workers._pool.MapPoolEpoch` and
-  :class:`~aloader.workers._pool.ReplicaPoolEpoch`); or
+  NEXT's ``mark`` says which to save, see :class:`~aloader.workers._pool_epoch.MapPoolEpoch` and
+  :class:`~aloader.workers._pool_epoch.ReplicaPoolEpoch`); or
   EOF: exit. ``epoch`` tells the pool's epochs apart; ``loader_epoch`` is
   the loader's epoch number, which a stream iterated in the worker uses (see
   :attr:`WorkerInfo.epoch`). ``released`` names the worker's segments the loader no longer
@@ -48,12 +48,12 @@ On the socket a message is a plain tuple with int codes (:meth:`Request.wire`,
 :meth:`Reply.wire`), rebuilt on receipt (:meth:`Request.of`, :meth:`Reply.of`): a NamedTuple
 or an enum member would pickle by reference and cost each message two to three times as much.
 
-The worker fetches with the same :class:`~aloader.pipeline._pipeline.FetchPlan` the loader would use
+The worker fetches with the same :class:`~aloader.pipeline._plan.FetchPlan` the loader would use
 without workers. Plain map-style datasets are served by a loop that loads one batch per task
-(the plan says whether it can: :attr:`~aloader.pipeline._pipeline.FetchPlan.needs_event_loop`);
+(the plan says whether it can: :attr:`~aloader.pipeline._plan.FetchPlan.needs_event_loop`);
 async
 datasets, ``max_concurrency`` and iterable datasets run the loader's own pipeline
-(:class:`~aloader.pipeline._pipeline.MapEpoch`, :class:`~aloader.pipeline._pipeline.IterableEpoch`)
+(:class:`~aloader.pipeline._epoch.MapEpoch`, :class:`~aloader.pipeline._epoch.IterableEpoch`)
 on an event
 loop inside the worker, so each worker keeps ``max_concurrency`` fetches in flight.
 """
@@ -86,7 +86,9 @@ import numpy as np
 from .. import _workerinfo
 from .._workerinfo import WorkerInfo, _set_worker_info, get_worker_info
 from ..data._sampler import is_stateful
-from ..pipeline._pipeline import SKIP, FetchPlan, IterableEpoch, MapEpoch, Results
+from ..pipeline._epoch import IterableEpoch, MapEpoch
+from ..pipeline._plan import FetchPlan
+from ..pipeline._results import SKIP, Results
 from ..streams._resume import open_replica, parse, prelude
 from ..streams._sourcestats import StatsReporter, source_stats
 from . import _shm, _spawn
@@ -136,7 +138,7 @@ SETUP_JOB = -1
 _REPORT_EVERY = 16
 _now = time.perf_counter_ns
 # A message's length before it on the socket: multiprocessing's framing (Connection.send_bytes
-# and recv_bytes), which the loader's reader parses too (aloader.workers._pool).
+# and recv_bytes), which the loader's reader parses too (aloader.workers._processes).
 FRAME = struct.Struct("!i")
 _KINDS = tuple(Kind)
 _STATUSES = tuple(Status)
@@ -354,7 +356,7 @@ def set_rng_state(state: tuple[Any, Any, Any]) -> None:
 
 class _Snapshots:
     """A persistent worker's global RNG states, saved before each task of the epoch that
-    torch's loader had not sent yet (a request's ``mark``: see :class:`~aloader.workers._pool.
+    torch's loader had not sent yet (a request's ``mark``: see :class:`~aloader.workers._pool_epoch.
     MapPoolEpoch`), so that after a break (``ROLLBACK``) the worker has drawn exactly what
     torch's has. A task is known by its job's sequence number in the epoch."""
 
@@ -548,9 +550,10 @@ class _WorkerServer:
 
     # Iterable datasets: one replica iterator per epoch, batched by the loader's pipeline;
     # several (virtual replicas, each a lane) in an epoch resumed from another num_workers.
-    # A persistent pool's requests come marked (see aloader.workers._pool.ReplicaPoolEpoch): the
-    # replica draws each batch past torch's requests after a snapshot of the global RNGs (it
-    # draws one batch ahead of the requests), put back by a ROLLBACK after a break.
+    # A persistent pool's requests come marked (see
+    # aloader.workers._pool_epoch.ReplicaPoolEpoch): the replica draws each batch past torch's
+    # requests after a snapshot of the global RNGs (it draws one batch ahead of the requests),
+    # put back by a ROLLBACK after a break.
     async def serve_replica(self, serve: ServeReplica) -> None:
         current: int | None = None
         # This epoch's replicas by lane; None: one that failed to start (its requests END).

@@ -181,10 +181,10 @@ def test_aloaders_own_samplers_keep_their_array_path() -> None:
     loader = aloader.DataLoader(Items(), batch_size=2, shuffle=True, generator=g,
                                 num_workers=2)
     iterator = iter(loader)
-    assert not isinstance(iterator._source._keys, aloader.pipeline._pipeline.PacedKeys)
+    assert not isinstance(iterator._source._keys, aloader.pipeline._keys.PacedKeys)
     mine = aloader.DataLoader(Items(), sampler=GlobalDraws(), batch_size=2, num_workers=2)
     other = iter(mine)
-    assert isinstance(other._source._keys, aloader.pipeline._pipeline.PacedKeys)
+    assert isinstance(other._source._keys, aloader.pipeline._keys.PacedKeys)
     iterator.close()
     other.close()
     loader.close()

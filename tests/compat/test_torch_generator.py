@@ -18,8 +18,9 @@ from aloader import (
     WeightedRandomSampler,
     random_split,
 )
+from aloader.data._batchsampler import epoch_batches
+from aloader.data._indices import epoch_indices
 from aloader.data._random import TorchBacked, as_generator, draw_seed, permutation, torch_generator
-from aloader.data._sampler import epoch_batches, epoch_indices
 
 torch = pytest.importorskip("torch")
 tud = torch.utils.data

@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aloader import BatchSampler, DistributedSampler
+from aloader.data._batchsampler import epoch_batches
+from aloader.data._indices import epoch_indices
 from aloader.data._random import torch_randperm
-from aloader.data._sampler import epoch_batches, epoch_indices
 from aloader.sources._sharding import resolve_world
 
 SETTINGS = settings(max_examples=80, deadline=None)
@@ -312,8 +313,11 @@ def test_huge_dataset_without_shuffle_starts_at_once(drop_last: bool) -> None:
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make a shard of more than 5 indices "huge", computed 3 at a time."""
     import aloader.data._distributed
+    import aloader.data._indices
     import aloader.data._sampler
 
+    monkeypatch.setattr(aloader.data._indices, "_EPOCH_MAX", 5)
+    monkeypatch.setattr(aloader.data._indices, "_BLOCK", 3)
     monkeypatch.setattr(aloader.data._sampler, "_EPOCH_MAX", 5)
     monkeypatch.setattr(aloader.data._sampler, "_BLOCK", 3)
     monkeypatch.setattr(aloader.data._distributed, "_EPOCH_MAX", 5)

@@ -22,8 +22,9 @@ from aloader import (
     WeightedRandomSampler,
 )
 from aloader import Dataset as aloader_Dataset
+from aloader.data._batchsampler import epoch_batches
+from aloader.data._indices import _CHUNK, epoch_indices
 from aloader.data._random import permutation
-from aloader.data._sampler import _CHUNK, epoch_batches, epoch_indices
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -951,8 +952,11 @@ def test_huge_epoch_through_the_dataloader() -> None:
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make an epoch of more than 40 indices "huge", drawn 16 at a time."""
     import aloader.data._distributed
+    import aloader.data._indices
     import aloader.data._sampler
 
+    monkeypatch.setattr(aloader.data._indices, "_EPOCH_MAX", 40)
+    monkeypatch.setattr(aloader.data._indices, "_BLOCK", 16)
     monkeypatch.setattr(aloader.data._sampler, "_EPOCH_MAX", 40)
     monkeypatch.setattr(aloader.data._sampler, "_BLOCK", 16)
     monkeypatch.setattr(aloader.data._distributed, "_EPOCH_MAX", 40)

@@ -24,7 +24,7 @@ from sourcetools import as_worker, collect, ids, local_s3, object_gets, open_han
 from aloader import DataLoader, JsonLines, TextLines
 from aloader.io._cache import ShardCache
 from aloader.sources._formats import JsonLinesDecoder
-from aloader.streams import _streams as streams_module
+from aloader.streams import _runtime, _stream
 
 SHARDS = make_jsonl_shards(3, 50)  # shard-0000i.jsonl, ids 0..149
 ALL_IDS = list(range(150))
@@ -40,8 +40,8 @@ def forbid_background(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a cached epoch should run inline")
 
-    monkeypatch.setattr(streams_module._Driver, "start", refuse)
-    monkeypatch.setattr(streams_module, "PrivateLoop", refuse)
+    monkeypatch.setattr(_runtime._Driver, "start", refuse)
+    monkeypatch.setattr(_stream, "PrivateLoop", refuse)
 
 
 def stats_of(source: Any) -> tuple[int, ...]:
@@ -175,7 +175,7 @@ async def test_a_copy_evicted_after_the_look_is_fetched_inline(
     requests = gets(server)
     assert source._loopless()
     evicted = _evict(source, server.urls[1], when, monkeypatch)
-    monkeypatch.setattr(streams_module._Driver, "start", None)  # inline, or a TypeError
+    monkeypatch.setattr(_runtime._Driver, "start", None)  # inline, or a TypeError
     assert ids(await collect(source)) == ALL_IDS
     assert evicted and gets(server) == requests + 1
     assert os.path.exists(evicted[0])  # kept again
@@ -400,7 +400,7 @@ async def test_s3_an_evicted_copy_is_fetched_inline(
     await collect(source)
     s3.proxy.reset()
     _evict(source, source.shards[0], "read", monkeypatch)
-    monkeypatch.setattr(streams_module._Driver, "start", None)  # inline, or a TypeError
+    monkeypatch.setattr(_runtime._Driver, "start", None)  # inline, or a TypeError
     assert ids(await collect(source)) == ALL_IDS
     assert object_gets(s3, BUCKET) == 1
 

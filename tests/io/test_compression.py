@@ -9,6 +9,7 @@ import gzip
 import io
 import json
 import struct
+import sys
 import tracemalloc
 import zlib
 from collections.abc import Callable
@@ -247,9 +248,8 @@ async def test_empty_or_tiny_local_files_are_errors(tmp_path: Path, anyio_backen
 
 async def test_missing_zstandard_names_the_shard_and_package(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, anyio_backend: str) -> None:
-    import aloader.io._compression as compression
-
-    monkeypatch.setattr(compression, "_zstandard", lambda: None)
+    for module in ("zstandard", "compression.zstd"):
+        monkeypatch.setitem(sys.modules, module, None)  # as if not installed
     path = write(tmp_path, "x.jsonl.zst", zst(jsonl(10)))
     with pytest.raises(SourceError, match=r"x\.jsonl\.zst: a zstd shard needs the zstandard "
                                           r"package .*pip install zstandard") as info:

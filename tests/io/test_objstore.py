@@ -299,6 +299,27 @@ async def test_truncated_bodies_resume_where_they_stopped(s3: LocalS3, proxy: An
     assert 0 < first <= 1000 and first < second <= first + 1500
 
 
+async def test_every_response_cut_early_still_makes_progress(s3: LocalS3, proxy: Any,
+                                                            anyio_backend: str) -> None:
+    """Every GET cut after 16 KiB, the default chunk size (64 KiB) and 3 retries: the bytes
+    received before each cut count as progress, and the next GET resumes after them."""
+    key = "cuts/every-time.jsonl"  # not under data/, which other tests list
+    body = b"".join(json.dumps({"id": i, "pad": "x" * 50}).encode() + b"\n"
+                    for i in range(3000))
+    s3.put(BUCKET, {key: body})
+    proxy.cut(1000, 16 << 10, path=key)
+    source = JsonLines(url(key), store=s3.store(BUCKET), backoff=0.01, max_backoff=0.02,
+                       retries=3)
+    records = await collect(source)
+    assert [r["id"] for r in records] == list(range(3000))  # none lost, none twice
+    assert source.stats.bytes == len(body)
+    gets = [rng for method, path, rng in proxy.requests
+            if method == "GET" and path.endswith(key)]
+    starts = [0 if rng is None else int(rng.removeprefix("bytes=").rstrip("-"))
+              for rng in gets]
+    assert starts == sorted(starts) and len(gets) < 2 * len(body) / (16 << 10) + 2
+
+
 async def test_object_replaced_while_read(s3: LocalS3, proxy: Any, anyio_backend: str) -> None:
     key = "data/replaced.txt"
     s3.put(BUCKET, {key: b"old line\n" * 200})

@@ -1,5 +1,5 @@
 """The two epoch kinds (aloader.loader._epochs) and the one place that plans fetches
-(FetchPlan.for_dataset in aloader.pipeline._pipeline)."""
+(FetchPlan.for_dataset in aloader.pipeline._plan)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,10 @@ import pytest
 
 import aloader
 from aloader.loader._epochs import IterableEpochs, MapEpochs
-from aloader.pipeline._pipeline import (
-    DEFAULT_MAX_CONCURRENCY,
-    FetchPlan,
-    IterableEpoch,
-    MapEpoch,
-    Results,
-)
-from aloader.workers._pool import MapPoolEpoch, ReplicaPoolEpoch
+from aloader.pipeline._epoch import IterableEpoch, MapEpoch
+from aloader.pipeline._plan import DEFAULT_MAX_CONCURRENCY, FetchPlan
+from aloader.pipeline._results import Results
+from aloader.workers._pool_epoch import MapPoolEpoch, ReplicaPoolEpoch
 from aloader.workers._worker import ServeReplica, ServeTasks
 
 

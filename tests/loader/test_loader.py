@@ -457,7 +457,7 @@ async def test_slow_consumer_bounds_fetched_items(anyio_backend: str) -> None:
     # Items fetched: the batch taken, and the jobs that may start before the consumer takes
     # them: two windows (each max_concurrency items plus one batch; three on trio, whose
     # consumer runs once per turn of ready tasks) and the 2 batches that may wait for the
-    # consumer (aloader.pipeline._pipeline._WorkQueue's room).
+    # consumer (aloader.pipeline._schedule._WorkQueue's room).
     windows = 3 if anyio_backend == "trio" else 2
     assert len(dataset.calls) <= 10 + windows * (30 + 10) + 2 * 10
     await iterator.aclose()

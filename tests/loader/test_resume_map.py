@@ -27,8 +27,8 @@ from aloader import (
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
+from aloader.loader._checkpoint import _EpochRecord
 from aloader.loader._epochs import Skip
-from aloader.loader._loader import _EpochRecord
 
 N = 23
 BS = 4  # 6 batches, the last one of 3

@@ -160,7 +160,7 @@ async def test_one_aiohttp_session_per_epoch(serve: Callable[..., FaultyServer],
     """On aiohttp the shards read at once share one client of ``concurrency`` connections;
     httpx keeps one single-connection client per read-ahead slot. Either way no more
     connections are open than shards read at once, and every record arrives once."""
-    import aloader.sources._sources as sources
+    import aloader.sources._clients as sources
 
     made: list[int] = []
     real = sources.make_client

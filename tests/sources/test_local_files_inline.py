@@ -1,5 +1,5 @@
 """A sync ``for`` over local files runs the stream's chain on the consumer's thread, with no
-event loop and no thread (``Stream._loopless``, ``aloader.streams._streams._LocalPairs``), and gives
+event loop and no thread (``Stream._loopless``, ``aloader.streams._syncfor._LocalPairs``), and gives
 exactly what the threaded path (the chain on a private loop in another thread) and ``async for``
 give: the same items in the same order, stats and mid-epoch states, which resume exactly.
 """

@@ -3,7 +3,7 @@
 ``async for`` over a stream runs an async generator over each block's list iterator, a plain
 ``for`` gets whole blocks from the private loop's thread, and the loader slices batches off the
 same iterator (``_take``): every way must deliver the same items, count the same stats and,
-mid-epoch, save the same state, which resumes exactly (aloader.streams._streams,
+mid-epoch, save the same state, which resumes exactly (aloader.streams._runtime,
 ``_StreamIterator``).
 """
 

@@ -144,7 +144,7 @@ async def test_worker_statistics_exact_under_async_for(anyio_backend: str) -> No
 
 
 def test_frames_cut_from_reads_of_any_size() -> None:
-    from aloader.workers._pool import _FRAME, _WorkerHandle
+    from aloader.workers._processes import _FRAME, _WorkerHandle
 
     messages = [bytes([k]) * size for k, size in enumerate([0, 1, 3, 4, 5, 100, 70_000, 2])]
     stream = b"".join(_FRAME.pack(len(m)) + m for m in messages)

@@ -1,13 +1,19 @@
-"""The DataLoader: torch's signature, checks and attributes, and its epochs' iterators.
+"""The DataLoader and its epochs' iterators: torch's signature, checks and attributes.
 
-This module owns the user-facing API: :class:`DataLoader` validates its arguments as torch
-does, builds the samplers, and picks once what kind of epochs it runs
-(:class:`~aloader.loader._epochs.MapEpochs` or :class:`~aloader.loader._epochs.IterableEpochs`).
-Each
-epoch's :class:`AsyncDataLoaderIter` (``async for``) or :class:`DataLoaderIter` (``for``, through
-:mod:`aloader._facade`) decides once whether workers fetch, asks
-:meth:`~aloader.pipeline._pipeline.FetchPlan.for_dataset` how, and consumes the pipeline
-(:mod:`aloader.pipeline._pipeline`), handing out batches with torch's timeout and errors.
+:class:`DataLoader` validates its arguments as torch does, builds the samplers, and picks once
+what kind of epochs it runs (:class:`~aloader.loader._epochs.MapEpochs` or
+:class:`~aloader.loader._epochs.IterableEpochs`). Each epoch's :class:`AsyncDataLoaderIter`
+(``async for``) or :class:`DataLoaderIter` (``for``, through :mod:`aloader._facade`) decides
+once whether workers fetch, asks :meth:`~aloader.pipeline._plan.FetchPlan.for_dataset` how,
+and consumes the pipeline (:mod:`aloader.pipeline._epoch`), handing out batches with torch's
+timeout and errors. Checkpoints are :mod:`aloader.loader._checkpoint`'s, ``pin_memory``
+:mod:`aloader.loader._pin_memory`'s. (The loader and its iterators name each other in their
+public signatures, which resolve at runtime: they live in one module.)
+
+Invariant: the attributes torch freezes (``batch_size``, ``sampler``, ``dataset``...) cannot be
+set once the loader is built; what an epoch needs is decided when it starts, so
+``num_workers``, ``max_failures`` or ``generator`` may change between epochs; the background
+pipeline holds no reference to an iterator, so dropping one stops its epoch.
 """
 
 from __future__ import annotations
@@ -19,8 +25,7 @@ import time
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Generic, TypeGuard, TypeVar, cast, overload
+from typing import Any, Generic, TypeVar, cast, overload
 
 import anyio
 import numpy as np
@@ -31,24 +36,25 @@ from .._facade import LocalIterator, PrivateLoop, SyncIterator, forbid_running_l
 from .._log import SLOW_FIRST_BATCH, loader_log, worker_log
 from .._stats import Collector, LoaderStats
 from .._util import usable_cpus
+from ..data._batchsampler import BatchSampler
 from ..data._collate import default_collate, default_convert
 from ..data._dataset import is_iterable_dataset
-from ..data._random import as_generator, draw_seed, restore_rng, rng_state
-from ..data._sampler import BatchSampler, RandomSampler, SequentialSampler
-from ..pipeline._failures import Failures, KnownFailed, check_max_failures, json_index
-from ..pipeline._pipeline import Epoch, FetchPlan, MapEpoch, Results
+from ..data._random import as_generator, draw_seed, rng_state
+from ..data._sampler import RandomSampler, SequentialSampler
+from ..pipeline._epoch import Epoch, MapEpoch
+from ..pipeline._failures import Failures, KnownFailed, check_max_failures
+from ..pipeline._plan import FetchPlan
+from ..pipeline._results import Results
 from ..pipeline._sample_rng import seed_of
 from ..streams._sourcestats import source_stats
-from ..streams._streams import Stream
-from ..workers._pool import (
-    PoolEpoch,
-    WorkerPool,
-    default_context,
-    prepare_context,
-    resolve_context,
-)
+from ..streams._stream import Stream
+from ..workers._context import default_context, prepare_context, resolve_context
+from ..workers._pool_epoch import PoolEpoch
+from ..workers._processes import WorkerPool
 from ..workers._worker import WorkerSetup
-from ._epochs import EpochKind, IterableEpochs, MapEpochs, Progress, Skip
+from ._checkpoint import _EpochRecord, _is_int, load_state, state_of
+from ._epochs import EpochKind, IterableEpochs, MapEpochs, Skip
+from ._pin_memory import _pin_memory_transform, _require_torch
 
 __all__ = ("AsyncDataLoaderIter", "DataLoader", "DataLoaderIter")
 
@@ -59,74 +65,6 @@ T_co = TypeVar("T_co", covariant=True)
 DEFAULT_PREFETCH_FACTOR = 2
 
 _FROZEN = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
-
-STATE_FORMAT = "aloader.DataLoader"
-STATE_VERSION = 1
-
-
-def _json_copy(value: Any) -> Any:
-    """A copy of a state made of JSON builtins (tuples become lists)."""
-    if isinstance(value, dict):
-        return {key: _json_copy(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        # A torch generator's state is 5056 ints: copied at C speed.
-        if value and type(value[0]) is int and type(value[-1]) is int:
-            return list(value)
-        return [_json_copy(item) for item in value]
-    return value
-
-
-def _is_int(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass(eq=False)
-class _EpochRecord:
-    """What a checkpoint says about the latest epoch: what it was drawn from and what the
-    consumer received of it. The loader keeps it (not the epoch's iterator, which must stay
-    droppable); the iterator updates it as it hands out batches.
-
-    Invariant: ``prefix`` is the number of batches from the epoch's start all received, and
-    ``beyond`` holds the numbers of those received after it; ``yielded`` is their total.
-    """
-
-    epoch: int
-    rng: dict[str, Any]  # the loader generator's state before this epoch drew anything
-    base_seed: int | None  # the epoch's base seed when not drawn (persistent workers' one)
-    length: int | None  # the epoch's batches (map-style), or None
-    skip: Skip  # what a resumed epoch leaves out
-    prefix: int = 0
-    beyond: set[int] = field(default_factory=set)
-    yielded: int = 0
-    meta: Any = None  # the metadata of the latest batch received (iterable datasets)
-    done: bool = False  # the iterator reached the end of the epoch
-    failures: Failures | None = None  # the epoch's failure budget (None without max_failures)
-
-    def __post_init__(self) -> None:
-        self.prefix = self.skip.prefix
-        self.beyond = set(self.skip.delivered)
-        self.yielded = self.prefix + len(self.beyond)
-
-    def received(self, number: int, meta: Any = None) -> None:
-        self.yielded += 1
-        self.meta = meta
-        if number != self.prefix:
-            self.beyond.add(number)
-            return
-        prefix = number + 1
-        beyond = self.beyond
-        while prefix in beyond:
-            beyond.discard(prefix)
-            prefix += 1
-        self.prefix = prefix
-
-    @property
-    def at_end(self) -> bool:
-        """The epoch has ended (its iterator said so): a state is the next epoch's start.
-        After its last batch and before that, a state is this epoch's empty rest, as
-        torchdata's: a loop that saves the loader's state with its epoch number inside the
-        epoch resumes that epoch, not the next one."""
-        return self.done
 
 
 def _check_process_limit(num_workers: int) -> None:
@@ -698,16 +636,7 @@ class DataLoader(Generic[T_co]):
             return self._resume_seed, False
         return draw_seed(self._rng), True
 
-    # Checkpoints -----------------------------------------------------------------------------
-    def _kind_name(self) -> str:
-        return "map" if isinstance(self._kind, MapEpochs) else "iterable"
-
-    def _dataset_length(self) -> int | None:
-        try:
-            return len(self.dataset)
-        except TypeError:
-            return None
-
+    # Checkpoints (aloader.loader._checkpoint) ------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """A checkpoint of where the consumer is: JSON builtins (``json`` and ``pickle`` take
         it), without sample data, costing well under a millisecond whatever the dataset.
@@ -737,48 +666,7 @@ class DataLoader(Generic[T_co]):
         generator when torch is imported): the state records that generator's state, and
         :meth:`load_state_dict` sets it (torch's global generator included).
         """
-        pending = self._resume_state
-        if pending is not None:
-            return cast(dict[str, Any], _json_copy(pending))
-        record = self._record
-        if record is None or record.at_end:
-            pool = self._pool
-            seed = self._resume_seed
-            if pool is not None and pool.persistent and not (pool.closed or pool.broken):
-                seed = int(pool.setup.base_seed)
-            epoch = self._epochs_started if record is None else record.epoch + 1
-            progress = Progress(epoch, 0, frozenset(), None, True)
-            rng: dict[str, Any] = rng_state(self._rng)
-        else:
-            seed = record.base_seed
-            progress = Progress(record.epoch, record.yielded, frozenset(record.beyond),
-                                record.meta, False)
-            rng = cast(dict[str, Any], _json_copy(record.rng))
-        failures: dict[str, Any] = {"count": 0, "indices": []}
-        if record is not None and not record.at_end and record.failures is not None:
-            failures = record.failures.state(with_indices=isinstance(self._kind, MapEpochs))
-        kind = self._kind_name()
-        if isinstance(self._kind, MapEpochs):
-            sub = self._kind.state_dict(progress)
-        else:
-            sub = cast(Any, self._kind).state_dict(progress)
-        return {
-            "format": STATE_FORMAT,
-            "version": STATE_VERSION,
-            "kind": kind,
-            "epoch": progress.epoch,
-            "yielded": progress.yielded,
-            "loader": {
-                "rng": rng,
-                "base_seed": seed,
-                "sample_seed": self.sample_seed,
-                "batch_size": self.batch_size,
-                "drop_last": self.drop_last,
-                "dataset_length": self._dataset_length(),
-            },
-            kind: _json_copy(sub),
-            "failures": failures,
-        }
+        return state_of(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from a :meth:`state_dict`: the next epoch (``async for`` or ``for``) yields
@@ -799,113 +687,7 @@ class DataLoader(Generic[T_co]):
                 more indices than its count, or indices for an iterable dataset.
             TypeError: a field has the wrong type.
         """
-        if not isinstance(state, Mapping):
-            raise TypeError(f"state should be a dict, but got {type(state).__name__}")
-        kind = self._kind_name()
-        expected = {"format": STATE_FORMAT, "version": STATE_VERSION, "kind": kind}
-        for name, value in expected.items():
-            if state.get(name) != value:
-                raise ValueError(f"state field {name!r} differs: the state has "
-                                 f"{state.get(name)!r}, this loader expects {value!r}")
-        for name in ("epoch", "yielded"):
-            value = state.get(name)
-            if not _is_int(value):
-                raise TypeError(f"state field {name!r} should be an int, but got {value!r}")
-            if value < 0:
-                raise ValueError(f"state field {name!r} should be non-negative, "
-                                 f"but got {value}")
-        loader = state.get("loader")
-        if not isinstance(loader, Mapping):
-            raise TypeError(f"state field 'loader' should be a dict, "
-                            f"but got {type(loader).__name__}")
-        mine = {"batch_size": self.batch_size, "drop_last": self.drop_last,
-                "dataset_length": self._dataset_length()}
-        for name, value in mine.items():
-            if name not in loader:
-                raise ValueError(f"state field 'loader.{name}' is missing")
-            if loader[name] != value or type(loader[name]) is not type(value):
-                raise ValueError(f"state field 'loader.{name}' differs: the state has "
-                                 f"{loader[name]!r}, this loader has {value!r}")
-        seed = loader.get("base_seed")
-        if seed is not None and not (_is_int(seed) and seed >= 0):
-            raise TypeError(f"state field 'loader.base_seed' should be None or a "
-                            f"non-negative int, but got {seed!r}")
-        sample_seed = loader.get("sample_seed")
-        if not (_is_int(sample_seed) and sample_seed >= 0):
-            raise TypeError(f"state field 'loader.sample_seed' should be a non-negative int, "
-                            f"but got {sample_seed!r}")
-        try:
-            restore_rng(self._rng, loader.get("rng"), apply=False)
-        except ValueError as exc:
-            raise ValueError(f"state field 'loader.rng': {exc}") from None
-        failed = self._check_failures(state.get("failures"))
-        if kind not in state:
-            raise ValueError(f"state field {kind!r} is missing")
-        sub = _json_copy(state[kind])
-        skip: Skip | None = None
-        if isinstance(self._kind, MapEpochs):
-            if isinstance(sub, dict):
-                delivered = sub.get("delivered")
-                prefix = sub.get("prefix")
-                if (_is_int(prefix) and isinstance(delivered, list)
-                        and prefix + len(delivered) != state["yielded"]):
-                    raise ValueError(
-                        f"state field 'yielded' ({state['yielded']}) differs from the map "
-                        f"part's prefix and delivered batches ({prefix} + {len(delivered)})"
-                    )
-            # Checks all of its part before applying any.
-            self._kind.load_state_dict(sub, self.num_workers)
-            skip = self._kind.loaded_skip
-        else:
-            self._kind.load_state_dict(sub, self.num_workers, self.persistent_workers)
-            # The batches already received: the resumed epoch's count goes on from them.
-            skip = Skip(state["yielded"])
-        # Everything is checked: apply. Live persistent workers have the old seeds.
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
-        restore_rng(self._rng, loader["rng"])
-        self.sample_seed = sample_seed
-        self._resume_seed = seed
-        self._epochs_started = state["epoch"]
-        self._resume_skip = skip
-        self._resume_failures = failed
-        self._record = None
-        copy = cast(dict[str, Any], _json_copy(dict(state)))
-        self._resume_state = copy
-
-    def _check_failures(self, failures: Any) -> tuple[int, list[Any]] | None:
-        """A state's ``"failures"`` entry, checked: (count, indices), or None when there is
-        nothing to restore (none recorded, or this loader has no budget: its epochs raise the
-        first error, as torch's do). A state without the entry recorded none."""
-        if failures is None:
-            return None
-        if not isinstance(failures, Mapping):
-            raise TypeError(f"state field 'failures' should be a dict, "
-                            f"but got {type(failures).__name__}")
-        count, indices = failures.get("count"), failures.get("indices")
-        if not (_is_int(count) and count >= 0):
-            raise TypeError(f"state field 'failures.count' should be a non-negative int, "
-                            f"but got {count!r}")
-        if not isinstance(indices, list):
-            raise TypeError(f"state field 'failures.indices' should be a list, "
-                            f"but got {type(indices).__name__}")
-        for index in indices:
-            try:
-                if json_index(index) != index or isinstance(index, tuple):
-                    raise ValueError(f"{index!r} is not in its JSON form")
-            except ValueError as exc:
-                raise TypeError(f"state field 'failures.indices' should hold JSON builtins: "
-                                f"{exc}") from None
-        if len(indices) > count:
-            raise ValueError(f"state field 'failures.indices' has {len(indices)} indices, "
-                             f"more than 'failures.count' ({count})")
-        if indices and not isinstance(self._kind, MapEpochs):
-            raise ValueError("state field 'failures.indices' should be empty for an iterable "
-                             f"dataset (its failures are counted only), but has {len(indices)}")
-        if not self.max_failures or not count:
-            return None
-        return count, list(indices)
+        load_state(self, state)
 
     def _remote(self, base_seed: int, epoch: int) -> PoolEpoch:
         """This epoch's use of the worker processes: the persistent pool when it is free."""
@@ -958,43 +740,10 @@ class DataLoader(Generic[T_co]):
         )
 
 
-def _require_torch(what: str) -> Any:
-    try:
-        import torch
-    except ImportError:
-        raise RuntimeError(
-            f"{what} needs torch, which is not installed; install it with "
-            "`pip install 'aloader[torch]'`, or leave pin_memory=False"
-        ) from None
-    return torch
-
-
-def _pin_memory_transform(loader: DataLoader[Any]) -> Callable[[Any], Any] | None:
-    if not loader.pin_memory:
-        return None
-    torch = _require_torch("pin_memory=True")
-    if loader.pin_memory_device:
-        warnings.warn(
-            "pin_memory_device is deprecated, the current accelerator will be used as the "
-            f"device,ignore pin_memory_device='{loader.pin_memory_device}'.",
-            stacklevel=3,
-        )
-    if not torch.accelerator.is_available():
-        warnings.warn(
-            "'pin_memory' argument is set as true but no accelerator is found, "
-            "then device pinned memory won't be used.",
-            stacklevel=3,
-        )
-        return None
-    from torch.utils.data._utils.pin_memory import pin_memory
-
-    return cast(Callable[[Any], Any], pin_memory)
-
-
 class AsyncDataLoaderIter(Generic[T_co]):
     """One epoch of a :class:`DataLoader`, consumed with ``async for`` (``loader.__aiter__()``).
 
-    The background pipeline (``aloader.pipeline._pipeline``) holds no reference to this object, so
+    The background pipeline (``aloader.pipeline._epoch``) holds no reference to this object, so
     dropping it (``break``, an exception in the loop body) lets ``__del__`` cancel every fetch
     at once; ``aclose()`` does the same and waits until they have ended.
 
@@ -1063,7 +812,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
     def _start_here(self) -> bool:
         """Start the epoch now, on this thread, when it needs no event loop at all, and say
         whether it did: an inline epoch (an in-memory dataset without workers, see
-        :attr:`~aloader.pipeline._pipeline.MapEpoch.loopless`) with plain keys and collate and no
+        :attr:`~aloader.pipeline._epoch.MapEpoch.loopless`) with plain keys and collate and no
         ``timeout`` never awaits a real event, so the sync facade drives :meth:`__anext__`
         on the consumer's thread. An inline epoch starts no task, so one started here whose
         keys turn out to be async still runs on an event loop (the caller's choice). So does
@@ -1107,7 +856,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
 
     def _lead(self, plan: FetchPlan | None) -> int | None:
         """How far ahead of torch's count a user's sampler is drawn (see
-        :class:`aloader.pipeline._pipeline.PacedKeys`), or None to draw it as the pipeline reads it.
+        :class:`aloader.pipeline._keys.PacedKeys`), or None to draw it as the pipeline reads it.
 
         With workers 0: torch's schedule exactly. Without, an epoch in this process reads
         its keys on the consumer's call when it is inline (torch's schedule, nothing ahead);
