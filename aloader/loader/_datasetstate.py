@@ -133,7 +133,7 @@ class DatasetStates:
         # batch taken last), or as the epoch began.
         states = [None] * begin["num_workers"] if meta is None else list(meta[1])
         remote = self._remote
-        live = None if remote is None else remote.delivered.states
+        live = None if remote is None else remote.delivered.starts
         if live is not None and len(live) == len(states):
             states = [s if s is not None else x for s, x in zip(states, live, strict=True)]
         if len(begin["states"]) == len(states):

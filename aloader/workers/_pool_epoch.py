@@ -648,17 +648,20 @@ class Delivered:
     rest of an epoch saved without workers).
     """
 
-    __slots__ = ("got", "local", "states", "turn")
+    __slots__ = ("got", "local", "starts", "states", "turn")
 
     def __init__(self, states: list[Any], turn: int, local: bool = False) -> None:
         self.got: dict[int, tuple[int, Any]] = {}
         self.states = states
+        self.starts: list[Any] = list(states)  # each worker's state as it started
         self.turn = turn
         self.local = local
 
     def started(self, lane: int, state: Any) -> None:
         """Worker ``lane`` started with ``state`` (a map-style dataset's): its state until
-        the consumer takes one of its batches."""
+        the consumer takes one of its batches (kept apart: the states above may be ahead of
+        the consumer, taken by a pump that runs ahead of it)."""
+        self.starts[lane] = state
         if self.states[lane] is None:
             self.states[lane] = state
 

@@ -9,6 +9,7 @@ checks are ours: a resumed run equals the uninterrupted one, batch for batch."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -339,6 +340,28 @@ def test_a_map_style_datasets_state_is_kept_per_copy(workers: int, shuffle: bool
         datasets = state["map"]["datasets"]
         assert datasets["num_workers"] == workers
         assert len(datasets["states"]) == max(1, workers)
+
+
+def test_a_workers_state_is_the_consumers_not_the_prefetchers() -> None:
+    """With workers, batches are taken from them ahead of the consumer (the sync `for`'s
+    pump): a worker none of whose batches the consumer has yet is as it started, not as the
+    batch taken ahead of the consumer left it."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(Drawing(40), batch_size=2, num_workers=4, collate_fn=as_list)
+
+    full = list(make())
+    for k in (1, 2, 5):
+        loader = make()
+        it = iter(loader)
+        got = [next(it) for _ in range(k)]
+        threading.Event().wait(0.2)  # the pump takes the next batches meanwhile
+        state = roundtrip(loader.state_dict())
+        it.close()
+        resumed = make()
+        resumed.load_state_dict(state)
+        assert got + list(resumed) == full, k
+        for one in (loader, resumed):
+            one.close()
 
 
 @pytest.mark.parametrize("workers", [0, 2])
