@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 from ..data._random import restore_rng, rng_state
 from ..pipeline._failures import Failures, json_index
-from ._epochs import MapEpochs, Progress, Skip
+from ._epochs import MapEpochs, Progress, Skip, StateTypeError
 
 if TYPE_CHECKING:
     from ._dataloader import DataLoader
@@ -152,7 +152,7 @@ def load_state(dataloader: DataLoader[Any], state: Mapping[str, Any]) -> None:
     """``dataloader.load_state_dict(state)`` (see :meth:`DataLoader.load_state_dict`):
     everything is checked before anything is applied."""
     if not isinstance(state, Mapping):
-        raise TypeError(f"state should be a dict, but got {type(state).__name__}")
+        raise StateTypeError(f"state should be a dict, but got {type(state).__name__}")
     kind = kind_name(dataloader)
     expected = {"format": STATE_FORMAT, "version": STATE_VERSION, "kind": kind}
     for name, value in expected.items():
@@ -160,15 +160,19 @@ def load_state(dataloader: DataLoader[Any], state: Mapping[str, Any]) -> None:
             raise ValueError(f"state field {name!r} differs: the state has "
                              f"{state.get(name)!r}, this loader expects {value!r}")
     for name in ("epoch", "yielded"):
+        if name not in state:
+            raise ValueError(f"state field {name!r} is missing")
         value = state.get(name)
         if not _is_int(value):
-            raise TypeError(f"state field {name!r} should be an int, but got {value!r}")
+            raise StateTypeError(f"state field {name!r} should be an int, but got {value!r}")
         if value < 0:
             raise ValueError(f"state field {name!r} should be non-negative, "
                              f"but got {value}")
+    if "loader" not in state:
+        raise ValueError("state field 'loader' is missing")
     loader = state.get("loader")
     if not isinstance(loader, Mapping):
-        raise TypeError(f"state field 'loader' should be a dict, "
+        raise StateTypeError(f"state field 'loader' should be a dict, "
                         f"but got {type(loader).__name__}")
     mine = {"batch_size": dataloader.batch_size, "drop_last": dataloader.drop_last,
             "dataset_length": dataset_length(dataloader)}
@@ -180,11 +184,11 @@ def load_state(dataloader: DataLoader[Any], state: Mapping[str, Any]) -> None:
                              f"{loader[name]!r}, this loader has {value!r}")
     seed = loader.get("base_seed")
     if seed is not None and not (_is_int(seed) and seed >= 0):
-        raise TypeError(f"state field 'loader.base_seed' should be None or a "
+        raise StateTypeError(f"state field 'loader.base_seed' should be None or a "
                         f"non-negative int, but got {seed!r}")
     sample_seed = loader.get("sample_seed")
     if not (_is_int(sample_seed) and sample_seed >= 0):
-        raise TypeError(f"state field 'loader.sample_seed' should be a non-negative int, "
+        raise StateTypeError(f"state field 'loader.sample_seed' should be a non-negative int, "
                         f"but got {sample_seed!r}")
     try:
         restore_rng(dataloader._rng, loader.get("rng"), apply=False)
@@ -235,21 +239,21 @@ def _check_failures(dataloader: DataLoader[Any], failures: Any) -> tuple[int, li
     if failures is None:
         return None
     if not isinstance(failures, Mapping):
-        raise TypeError(f"state field 'failures' should be a dict, "
+        raise StateTypeError(f"state field 'failures' should be a dict, "
                         f"but got {type(failures).__name__}")
     count, indices = failures.get("count"), failures.get("indices")
     if not (_is_int(count) and count >= 0):
-        raise TypeError(f"state field 'failures.count' should be a non-negative int, "
+        raise StateTypeError(f"state field 'failures.count' should be a non-negative int, "
                         f"but got {count!r}")
     if not isinstance(indices, list):
-        raise TypeError(f"state field 'failures.indices' should be a list, "
+        raise StateTypeError(f"state field 'failures.indices' should be a list, "
                         f"but got {type(indices).__name__}")
     for index in indices:
         try:
             if json_index(index) != index or isinstance(index, tuple):
                 raise ValueError(f"{index!r} is not in its JSON form")
         except ValueError as exc:
-            raise TypeError(f"state field 'failures.indices' should hold JSON builtins: "
+            raise StateTypeError(f"state field 'failures.indices' should hold JSON builtins: "
                             f"{exc}") from None
     if len(indices) > count:
         raise ValueError(f"state field 'failures.indices' has {len(indices)} indices, "

@@ -680,12 +680,21 @@ class DataLoader(Generic[T_co]):
         the new count. A stream's state taken during an epoch resumes only on the same rank
         of the same world size (``ValueError`` naming ``'world'``); between epochs, on any.
 
+        Every number is checked against the dataset where it can be without reading it: a
+        map-style epoch's batches received against the epoch's length, a shard's position
+        against the shard (its identity: a file's size and modification time, a remote
+        object's size and ETag; its offset). What only reading can check (a shard with fewer
+        records than the position skips) raises ``ValueError`` naming the field when the
+        resumed epoch reaches it: never a shorter epoch.
+
         Raises:
             ValueError: the state is of another format or version, another kind of dataset,
                 another dataset length, batch size or ``drop_last`` (the message names the
-                field and both values), or does not fit the samplers; its ``failures`` has
-                more indices than its count, or indices for an iterable dataset.
-            TypeError: a field has the wrong type.
+                field and both values), a field is missing, has the wrong type (that error is
+                a ``TypeError`` too) or a number that does not fit the dataset, or the state
+                does not fit the samplers; its ``failures`` has more indices than its count,
+                or indices for an iterable dataset; a shard changed since the state was
+                saved (naming the shard).
         """
         load_state(self, state)
 

@@ -73,7 +73,12 @@ from ..workers._worker import ServeReplica, ServeTasks, replica_copy
 from ._datasetstate import DatasetStates
 
 __all__ = ("EpochKind", "InlineIterableEpoch", "IterableEpochs", "MapEpochs", "Progress", "Skip",
-           "VirtualReplicas")
+           "StateTypeError", "VirtualReplicas")
+
+
+class StateTypeError(ValueError, TypeError):
+    """A checkpoint field of the wrong type: a ``ValueError`` as every state that does not fit
+    the loader (a tampered or truncated one included), and a ``TypeError`` as it was."""
 
 
 @dataclass(frozen=True)
@@ -207,16 +212,16 @@ class MapEpochs:
             ValueError, TypeError: the state is malformed or does not fit this loader.
         """
         if not isinstance(sub, dict):
-            raise TypeError(f"state['map'] should be a dict, but got {type(sub).__name__}")
+            raise StateTypeError(f"state['map'] should be a dict, but got {type(sub).__name__}")
         prefix = sub.get("prefix")
         delivered = sub.get("delivered")
         if not isinstance(prefix, int) or isinstance(prefix, bool) or prefix < 0:
-            raise TypeError(f"state['map']['prefix'] should be a non-negative int, "
+            raise StateTypeError(f"state['map']['prefix'] should be a non-negative int, "
                             f"but got {prefix!r}")
         if not isinstance(delivered, list) or not all(
             isinstance(d, int) and not isinstance(d, bool) and d > prefix for d in delivered
         ):
-            raise TypeError("state['map']['delivered'] should be a list of batch numbers "
+            raise StateTypeError("state['map']['delivered'] should be a list of batch numbers "
                             f"after the prefix ({prefix}), but got {delivered!r}")
         state = sub.get("sampler")
         load_sampler_state(self.index_sampler, state, apply=False)
@@ -230,6 +235,12 @@ class MapEpochs:
             distributed is not None and isinstance(inner, dict)
             and inner.get("num_replicas") != distributed.num_replicas
         )
+        length = self.epoch_length()
+        if length is not None and not elastic and (
+                prefix > length or any(d >= length for d in delivered)):
+            raise ValueError(f"state['map'] says {prefix + len(delivered)} batches were "
+                             f"received (field 'prefix' {prefix}, 'delivered' {delivered}), "
+                             f"past this loader's epoch of {length} batches")
         load_sampler_state(self.index_sampler, state)
         if elastic:
             assert distributed is not None and isinstance(inner, dict)
