@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 from ..data._random import restore_rng, rng_state
-from ..pipeline._failures import Failures, json_index
+from ..pipeline._failures import Failures, is_skip_key, json_index
 from ._epochs import MapEpochs, Progress, Skip, StateTypeError
 
 if TYPE_CHECKING:
@@ -253,14 +253,15 @@ def _check_failures(dataloader: DataLoader[Any], failures: Any) -> tuple[int, li
             if json_index(index) != index or isinstance(index, tuple):
                 raise ValueError(f"{index!r} is not in its JSON form")
         except ValueError as exc:
-            raise StateTypeError(f"state field 'failures.indices' should hold JSON builtins: "
-                            f"{exc}") from None
+            raise StateTypeError(f"state field 'failures.indices' should hold JSON "
+                                 f"builtins: {exc}") from None
     if len(indices) > count:
         raise ValueError(f"state field 'failures.indices' has {len(indices)} indices, "
                          f"more than 'failures.count' ({count})")
-    if indices and not isinstance(dataloader._kind, MapEpochs):
-        raise ValueError("state field 'failures.indices' should be empty for an iterable "
-                         f"dataset (its failures are counted only), but has {len(indices)}")
+    if not isinstance(dataloader._kind, MapEpochs) and not all(map(is_skip_key, indices)):
+        raise ValueError("state field 'failures.indices' of an iterable dataset should hold "
+                         "only the records its sources skipped (['skipped', shard, offset]), "
+                         f"but has {indices!r}")
     if not dataloader.max_failures or not count:
         return None
     return count, list(indices)
