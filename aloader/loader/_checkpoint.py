@@ -9,7 +9,7 @@ as it was.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
@@ -62,6 +62,8 @@ class _EpochRecord:
     yielded: int = 0
     meta: Any = None  # the metadata of the latest batch received (iterable datasets)
     done: bool = False  # the iterator reached the end of the epoch
+    # Called once the epoch has ended for its consumer (see finish()).
+    on_done: Callable[[int], None] | None = None
     failures: Failures | None = None  # the epoch's failure budget (None without max_failures)
 
     def __post_init__(self) -> None:
@@ -81,6 +83,13 @@ class _EpochRecord:
             beyond.discard(prefix)
             prefix += 1
         self.prefix = prefix
+
+    def finish(self) -> None:
+        """The consumer reached the epoch's end."""
+        if not self.done:
+            self.done = True
+            if self.on_done is not None:
+                self.on_done(self.epoch)
 
     @property
     def at_end(self) -> bool:

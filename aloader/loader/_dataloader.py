@@ -784,6 +784,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         self._record = loader._record = _EpochRecord(
             self.epoch, start, None if drawn else self.base_seed,
             kind.epoch_length() if isinstance(kind, MapEpochs) else None, self._skip,
+            on_done=None if isinstance(kind, MapEpochs) else kind.ended,
         )
         # Batches of the epoch delivered so far, those before a resume included (torch's
         # iterator's count, which its length warning compares).
@@ -982,7 +983,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
             self._closed = True
             self._ended = True
             if not self._deferred:
-                self._record.done = True
+                self._record.finish()
             stats.asked_again(asked)
             stats.ended = _now()
             if not epoch.done.is_set():  # an inline epoch's is, and may run with no loop
@@ -1152,7 +1153,7 @@ class DataLoaderIter(Iterator[T_co]):
             item = next(sync)
         except StopIteration:
             if self._source._ended:  # every batch before the end was received
-                self._source._record.done = True
+                self._source._record.finish()
             raise
         if isinstance(sync, LocalIterator):
             return cast(T_co, item)  # the source recorded it: nothing runs ahead here

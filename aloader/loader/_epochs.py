@@ -520,6 +520,16 @@ class IterableEpochs:
         preludes, self.worker_preludes = self.worker_preludes, None
         return preludes
 
+    def ended(self, epoch: int) -> None:
+        """The consumer reached the end of the loader's epoch ``epoch``: a stream forgets what
+        its workers' readings of it counted (they report them, see
+        :class:`~aloader.streams._sourcestats.StatsReporter`), so that a state of that epoch
+        loaded now reads it again and counts it again, as without workers."""
+        readings = getattr(self.dataset, "_readings", None)
+        if isinstance(self.dataset, Stream) and readings:
+            for slot in [slot for slot in readings if slot != (0, 1)]:
+                del readings[slot]
+
     def _between(self) -> tuple[int | None, list[Any] | None]:
         """The dataset's own state between epochs, as ``(num_workers, replicas)``: whose it
         is (0: the loader's copy; W: each of W persistent workers') and their encoded final

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import secrets
 from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any, TypedDict, TypeVar
 
@@ -301,6 +302,9 @@ class ShardedSource(Stream[T_co]):
                     self._versions[url] = version
         self._objects.listed.clear()  # not carried to every worker
         self.stats = SourceStats()
+        # Names this source's tallies in an epoch's reading (see _counting) the same in every
+        # process: a worker's reading, carried to the loader, goes on in the next workers.
+        self._tally_key = secrets.token_hex(8)
         if self.even_ranks is not None:
             self._check_ranks()
 
@@ -405,7 +409,7 @@ class ShardedSource(Stream[T_co]):
         def passes(start: dict[str, Any] | None) -> AsyncGenerator[tuple[list[T_co], Any], None]:
             return self._shard_blocks(ctx, start, next(numbers))
 
-        repeated = _tally(ctx, (id(self), ctx.epoch, "repeated"),
+        repeated = _tally(ctx, (self._tally_key, ctx.epoch, "repeated"),
                           None if at is None else at["delivered"] + skip)[0]
         return _discard(_up_to(quota, passes, self.stats, where, at, repeated), skip)
 
@@ -422,7 +426,7 @@ class ShardedSource(Stream[T_co]):
             self._check_shard(at, names)
             resume = (at["offset"], at["counter"], at["records"], at["skip"],
                       at.get("identity"))
-        counted, new = _tally(ctx, (id(self), ctx.epoch, number),
+        counted, new = _tally(ctx, (self._tally_key, ctx.epoch, number),
                               None if at is None else at["records"] + at["skip"],
                               first, 0 if at is None else at["offset"])
         if at is None and new:

@@ -188,7 +188,12 @@ class Stream(IterableDataset[T_co]):
         return reading
 
     def _reading_done(self, slot: tuple[int, int], reading: dict[Any, Any]) -> None:
-        """``reading`` (of worker ``slot``) read its epoch to the end (see _reading_of)."""
+        """``reading`` (of worker ``slot``) read its epoch to the end (see _reading_of).
+
+        In a loader's worker it stays: the worker's pipeline reads ahead of the loader's
+        consumer, whose epoch is not over yet (the loader forgets it when it is)."""
+        if served_epoch() is not None:
+            return
         readings = self._readings
         if readings is not None:
             kept = readings.get(slot)
@@ -310,7 +315,11 @@ class Stream(IterableDataset[T_co]):
         # The latest iterator is this process's (and a weak reference does not pickle).
         state = self.__dict__.copy()
         state.pop("_live", None)
-        state.pop("_readings", None)  # what this process counted
+        # What each worker slot's reading counted of an epoch it did not read to the end
+        # goes along (small: a tally per pass), so that a copy resuming that epoch in the
+        # same slot (a loader's next workers) counts on from it, not again.
+        if state.get("_readings"):
+            state["_readings"] = dict(state["_readings"])
         return state
 
     def _worlds(self) -> list[list[int]]:

@@ -380,7 +380,7 @@ class PoolEpoch:
         if reply.stats is not None:
             if self._stats is None:
                 self._stats = source_stats(self.pool.setup.plan.dataset)
-            merge_stats(self._stats, reply.stats)
+            merge_stats(self._stats, reply.stats, self.pool.setup.plan.dataset)
         if reply.job == SETUP_JOB:
             if reply.status == Status.READY:
                 worker.ready = True
