@@ -648,7 +648,7 @@ class IterableEpochs:
             # (claimed by an epoch on workers; a local one applies the whole replica state).
             replica = parse(dataset, sub["replicas"][0], (0, 1))
             if replica is not None:
-                main = (*replica[1][:3], None)
+                main = (*replica[1][:3], None, *replica[1][4:])
         # Checked: apply.
         if main is not None:
             dataset._apply_state(main)  # the epoch counters (and the epoch under way)
