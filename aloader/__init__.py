@@ -17,6 +17,7 @@ from . import _public
 from ._exceptions import (
     AccessDeniedError,
     AloaderError,
+    BatchCostError,
     BatcherClosedError,
     BatcherTimeoutError,
     BatchResultError,
@@ -65,9 +66,15 @@ from .data._sampler import (
 )
 from .io._http import HttpOptions
 from .loader._dataloader import AsyncDataLoaderIter, DataLoader, DataLoaderIter
+from .loader._dcp import DistributedState
+from .loader._ranks import merge_rank_states
 from .pipeline._sample_rng import sample_rng
-from .serve._batcher import Batcher, BatcherMetrics, BatchMethod, LatencySummary, batch
+from .serve._batcher import Batcher
+from .serve._decorator import BatchMethod, batch
+from .serve._metrics import BatcherMetrics, LatencySummary
+from .serve._results import BatchStream
 from .sources._parquet import ParquetRows
+from .sources._ray import from_ray
 from .sources._sharded import ShardedSource, SourceOptions
 from .sources._sources import BinaryRecords, JsonLines, NpyRows, TextLines
 from .sources._tar import TarShards
@@ -82,10 +89,12 @@ __all__ = (
     "AsyncDataLoaderIter",
     "DataLoader",
     "DataLoaderIter",
+    "DistributedState",
     "LoaderStats",
     "StageStats",
     "WorkerInfo",
     "get_worker_info",
+    "merge_rank_states",
     "sample_rng",
     "Stateful",
     # datasets
@@ -125,17 +134,20 @@ __all__ = (
     "TarShards",
     "TextLines",
     "as_stream",
+    "from_ray",
     "interleave",
     "mix",
     # inference batching
     "Batcher",
     "BatcherMetrics",
     "BatchMethod",
+    "BatchStream",
     "LatencySummary",
     "batch",
     # errors
     "AccessDeniedError",
     "AloaderError",
+    "BatchCostError",
     "BatcherClosedError",
     "BatcherTimeoutError",
     "BatchResultError",

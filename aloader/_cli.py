@@ -14,7 +14,7 @@ import argparse
 import importlib.util
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -84,6 +84,19 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"should be a positive integer, but got {text}")
     return value
+
+
+def _one_of(choices: Sequence[str]) -> Callable[[str], str]:
+    """An argument type for each word of a ``nargs="*"`` list that must be one of
+    ``choices``. (``choices=`` itself checks the empty list's default as a whole before
+    Python 3.12: ``invalid choice: []`` for no word at all.)"""
+    def check(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice: {text!r} (choose from {', '.join(map(repr, choices))})")
+        return text
+
+    return check
 
 
 def _non_negative_float(text: str) -> float:
@@ -160,7 +173,7 @@ def _parser(workloads: Sequence[str] | None) -> argparse.ArgumentParser:
         bench.add_argument("workloads", nargs="*", metavar="WORKLOAD",
                            help="the workloads (needs a source checkout of aloader)")
     else:
-        bench.add_argument("workloads", nargs="*", choices=[*workloads, "all"],
+        bench.add_argument("workloads", nargs="*", type=_one_of([*workloads, "all"]),
                            metavar="WORKLOAD",
                            help=f"any of {', '.join([*workloads, 'all'])} (default all)")
     bench.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")

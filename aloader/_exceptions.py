@@ -20,6 +20,7 @@ derive from it, shown after the name), so code written against torch catches the
     +-- BatcherClosedError                   a Batcher is closed or closing
     +-- BatcherTimeoutError (TimeoutError)   a Batcher request was not served in time
     +-- BatchResultError    (ValueError)     a batch function returned the wrong results
+    +-- BatchCostError      (RuntimeError)   an item costs more than a whole batch may
 
 Errors raised by user code (a dataset, ``collate_fn``, a batch function) keep their own type
 and gain a note saying where they were raised; they are not wrapped in this tree.
@@ -30,6 +31,7 @@ from __future__ import annotations
 __all__ = (
     "AccessDeniedError",
     "AloaderError",
+    "BatchCostError",
     "BatchResultError",
     "BatcherClosedError",
     "BatcherTimeoutError",
@@ -194,3 +196,9 @@ class BatcherTimeoutError(AloaderError, TimeoutError):
 
 class BatchResultError(AloaderError, ValueError):
     """The batch function did not return one result per item of the batch."""
+
+
+class BatchCostError(AloaderError, RuntimeError):
+    """An item's cost alone exceeds what one batch may cost (``max_batch_cost``, or
+    ``max_batch_size`` measured by ``batch_size_fn``): it could never be batched, so it is
+    refused when submitted. Ray Serve raises a ``RuntimeError`` there; this is one too."""

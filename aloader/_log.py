@@ -1,7 +1,8 @@
 """Logging: aloader prints nothing; it logs to ``logging.getLogger("aloader")`` and children.
 
 The loggers: ``aloader.loader`` (skipped samples, a slow first batch, a failure budget
-exceeded), ``aloader.workers`` (worker deaths and restarts), ``aloader.http`` (HTTP retries).
+exceeded), ``aloader.workers`` (worker deaths and restarts), ``aloader.http`` (HTTP retries),
+``aloader.sources`` (a shard a rank leaves out of an epoch, as ``even_ranks=True`` asks).
 Like any library's, ``aloader`` has only a :class:`logging.NullHandler`, so that nothing is
 printed (not even by Python's last-resort handler) until the application configures logging:
 ``logging.basicConfig(level=logging.INFO)`` shows them all.
@@ -16,13 +17,15 @@ import logging
 import threading
 import time
 
-__all__ = ("SLOW_FIRST_BATCH", "RateLimited", "brief", "http_log", "loader_log", "worker_log")
+__all__ = ("SLOW_FIRST_BATCH", "RateLimited", "brief", "http_log", "loader_log", "source_log",
+           "worker_log")
 
 logging.getLogger("aloader").addHandler(logging.NullHandler())
 
 loader_log = logging.getLogger("aloader.loader")
 worker_log = logging.getLogger("aloader.workers")
 http_log = logging.getLogger("aloader.http")
+source_log = logging.getLogger("aloader.sources")
 
 # A first batch slower than this (seconds) is logged as a warning: a cold start or a stall.
 SLOW_FIRST_BATCH = 10.0

@@ -35,11 +35,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from operator import sub
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._exceptions import RecordError
+
+if TYPE_CHECKING:
+    from ._epoch_setup import EpochSetup
 
 __all__ = (
     "Collector",
@@ -250,11 +254,12 @@ class Collector:
         ready_limit: the most batches waiting for the consumer.
         epoch: the loader's epoch number.
         num_workers: worker processes (0: none).
+        sources: the counters of the dataset's streams, read at each snapshot.
     """
 
     def __init__(self, mode: str = "inline", in_flight_limit: int = 1, ready_limit: int = 1,
                  epoch: int = 0, num_workers: int = 0, kind: str = "map",
-                 auto_batch: bool = True) -> None:
+                 auto_batch: bool = True, sources: Iterable[Any] = ()) -> None:
         self.mode = mode
         self.kind = kind
         self.auto_batch = auto_batch
@@ -289,9 +294,17 @@ class Collector:
         # Samples failed within the failure budget, counted by the epoch's Failures (which
         # this does not hold: its errors' tracebacks would tie the loader to their frames).
         self.failed = 0
-        self.sources: list[Any] = []  # the streams' SourceStats, read at each snapshot
+        self.sources: list[Any] = list(sources)  # the streams' SourceStats
         # A worker's: what was reported already (see report()).
         self._reported: dict[str, tuple[int, int]] = {}
+
+    @classmethod
+    def for_epoch(cls, setup: EpochSetup, mode: str, in_flight_limit: int,
+                  auto_batch: bool) -> Collector:
+        """The statistics of the epoch ``setup`` describes, whose plan fetches in ``mode``
+        with at most ``in_flight_limit`` fetches in flight."""
+        return cls(mode, in_flight_limit, max(1, setup.prefetch_factor), setup.stats_epoch,
+                   setup.num_workers, setup.kind, auto_batch, setup.sources)
 
     def __reduce__(self) -> tuple[Any, ...]:  # a plan's travels to the workers: a fresh one
         return (Collector, (self.mode, self.in_flight_limit, self.ready_limit, 0, 0, self.kind,

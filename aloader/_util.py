@@ -4,7 +4,8 @@ It owns: :class:`Signal` (wake every task waiting for a change), :func:`is_async
 (whether calling something gives an awaitable to await), :func:`resolve` (await a value if it
 is awaitable), :func:`single_error` (the one error inside task-group exception groups),
 :func:`close_iterator` and :class:`Closing` (release a sync or async iterator's files and
-connections now, shielded from cancellation), and
+connections now, shielded from cancellation), :func:`taken` and :func:`ataken` (an iterator
+taken from a user's object, safe to loop over again without asking the object for another), and
 the argument checks :func:`check_int` and :func:`check_seconds`, whose messages name the
 argument and what it should be. It imports nothing from aloader but :mod:`aloader._backend`
 (which imports nothing from aloader), so any module may use it.
@@ -13,14 +14,16 @@ argument and what it should be. It imports nothing from aloader but :mod:`aloade
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import contextlib
 import functools
 import inspect
 import math
 import os
 import sys
-from collections.abc import AsyncGenerator, Callable
-from typing import Any
+import types
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -30,6 +33,7 @@ from ._backend import Waiter, current_backend, waiters
 
 __all__ = (
     "Signal",
+    "ataken",
     "check_int",
     "check_seconds",
     "close_iterator",
@@ -37,7 +41,11 @@ __all__ = (
     "is_awaitable",
     "resolve",
     "single_error",
+    "taken",
+    "user_stacklevel",
 )
+
+T = TypeVar("T")
 
 
 class Signal:
@@ -172,6 +180,82 @@ async def close_iterator(iterator: object, *, blocking: bool = True) -> None:
             await anyio.to_thread.run_sync(close)
     else:  # with no event loop, this is the consumer's own thread: it may block
         close()
+
+
+# An epoch takes its iterator from a user's object once (``iter(dataset)``, ``iter(sampler)``,
+# ``dataset.__aiter__()``), then pulls from it. ``for``, ``islice``, ``zip``, ``yield from``
+# and ``async for`` each take an iterator of what they are given, again: of a generator or a
+# list iterator that is itself, but a user's iterator runs its ``__iter__`` again, and one that
+# is its own dataset or sampler (``__iter__`` resets the position and returns ``self``, a
+# common pattern) starts over: batches cut with ``islice`` would repeat the first one forever.
+# Every such loop over a user's iterator goes through these two.
+_TAKEN_END: Any = object()
+_SELF_ITER = collections.abc.Iterator.__iter__
+
+
+def taken(iterator: Iterator[T]) -> Iterator[T]:
+    """``iterator`` (taken from a user's object) as an iterator whose ``iter()`` is itself,
+    to loop over without calling the object's ``__iter__`` again.
+
+    An iterator of a builtin type (generator, list or map iterator: ``__iter__`` is C's, which
+    returns itself), or one whose ``__iter__`` is ``collections.abc.Iterator``'s (``return
+    self``), is returned as is; any other is pulled through ``next()`` by a builtin iterator
+    (its end is its ``StopIteration``; other errors pass through, and it may be pulled on
+    after them).
+    """
+    method = getattr(type(iterator), "__iter__", None)
+    if isinstance(method, types.WrapperDescriptorType) or method is _SELF_ITER:
+        return iterator
+    step = getattr(type(iterator), "__next__", None)
+    if step is None:  # not an iterator: next() says so, at the first pull
+        return iter(functools.partial(next, iterator), _TAKEN_END)
+    # The class's __next__ bound to it is what next() calls (never an instance attribute),
+    # without next()'s own call on top: about half the cost per item of partial(next, ...).
+    return iter(types.MethodType(step, iterator), _TAKEN_END)
+
+
+class _ATaken(AsyncIterator[T]):
+    """An async iterator pulled by ``__anext__`` whose ``__aiter__`` is itself (see
+    :func:`ataken`); its other attributes (``aclose``, ``state_dict``) are the iterator's."""
+
+    __slots__ = ("_iterator",)
+
+    def __init__(self, iterator: AsyncIterator[T]) -> None:
+        self._iterator = iterator
+
+    def __aiter__(self) -> _ATaken[T]:
+        return self
+
+    def __anext__(self) -> Any:  # the iterator's awaitable itself: no frame of ours per item
+        return self._iterator.__anext__()
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_iterator":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self._iterator, name)
+
+
+def ataken(iterator: AsyncIterator[T]) -> AsyncIterator[T]:
+    """:func:`taken` for an async iterator: ``async for`` over the result never calls the
+    user's ``__aiter__`` again (an async generator is returned as is)."""
+    if isinstance(getattr(type(iterator), "__aiter__", None), types.WrapperDescriptorType):
+        return iterator
+    return _ATaken(iterator)
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes :func:`warnings.warn`, called by this function's caller,
+    blame the user's line: the first frame outside aloader, however deep the call came
+    (``for`` goes through more of aloader's frames than ``async for``)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 class Closing:

@@ -21,6 +21,16 @@ program once, on asyncio and on trio), best round of each program:
 * **overload**: the queue is full and the model busy; every further request must be refused.
   Rejection latency p99, and the memory held after an open-loop flood of 10k and of 50k
   requests (it must not grow with the flood).
+* **unbatched**: the same model called once per request (one model, one call at a time: a
+  device), against the batcher on the same load; the batch cost ``a + b*n`` grows sublinearly
+  per item, so batching should at least triple the throughput.
+* **token budget**: a mixed-length workload (90% of requests of 16-64 tokens, 10% of
+  512-1024) on a model whose memory holds ``TOKEN_BUDGET`` tokens per batch (a batch over it
+  swaps: ``SWAP_PENALTY`` times slower) and whose batch costs ``a + b*tokens``. Fixed-size
+  batching either stays safe for the longest requests (``TOKEN_BUDGET // 1024`` items) or
+  takes a common size (32) and sometimes swaps; the batcher's ``cost=`` /
+  ``max_batch_cost=`` fills every batch up to the budget. New tokens/s and p99 latency, in the
+  same run; Ray's ``batch_size_fn`` on the same budget beside them.
 
 Ray Serve is not a dependency of aloader. If ``ray[serve]`` is importable (e.g. run this with a
 venv's python where it is installed), ``@serve.batch`` runs on the same loads, standalone as a
@@ -37,6 +47,7 @@ import gc
 import math
 import os
 import platform
+import random
 import time
 import tracemalloc
 from collections.abc import Awaitable, Callable
@@ -142,6 +153,17 @@ async def batcher_rate(max_wait: float) -> tuple[float, float]:
     return rate, sum(k * v for k, v in hist.items()) / max(1, sum(hist.values()))
 
 
+def unbatched_model() -> Callable[[Any], Awaitable[Any]]:
+    """The model called once per request, one call at a time (one device)."""
+    lock = anyio.Lock()
+
+    async def call(x: Any) -> Any:
+        async with lock:
+            return (await sleepy_batch([x]))[0]
+
+    return call
+
+
 async def saturation_round(backend: str, serve: Any | None) -> dict[str, tuple[float, str]]:
     """One round of the saturation programs on one backend: name -> (requests/s, note)."""
     out: dict[str, tuple[float, str]] = {}
@@ -151,6 +173,10 @@ async def saturation_round(backend: str, serve: Any | None) -> dict[str, tuple[f
     )
     rate, mean = await batcher_rate(0.0)
     out[f"aloader Batcher (max_wait=0, {backend})"] = (rate, f"mean batch {mean:.1f}")
+    out[f"unbatched: one model call per request ({backend})"] = (
+        await saturate(unbatched_model(), SATURATION_SECONDS),
+        "one call at a time",
+    )
     if backend == "asyncio":
         rate, mean = await batcher_rate(0.01)
         out["aloader Batcher (max_wait=10 ms, asyncio)"] = (rate, f"mean batch {mean:.1f}")
@@ -362,6 +388,96 @@ async def bench_overload(serve: Any | None) -> dict[str, Any]:
     return out
 
 
+# -- token budget ------------------------------------------------------------------------------
+
+TOKEN_BUDGET = 4096  # tokens the model's memory holds in one batch
+SWAP_PENALTY = 4.0  # a batch over the budget runs this many times slower
+TOKEN_A_S = 0.005  # fixed cost of a batch (s)
+TOKEN_B_S = 4e-6  # cost per token (s)
+TOKEN_CALLERS = 128
+TOKEN_SECONDS = 2.0
+
+
+def mixed_lengths(n: int, seed: int = 0) -> list[int]:
+    """Request sizes in tokens: 90% short (16-64), 10% long (512-1024)."""
+    rng = random.Random(seed)
+    return [rng.randint(512, 1024) if rng.random() < 0.1 else rng.randint(16, 64) for _ in range(n)]
+
+
+class TokenModel:
+    """Costs ``a + b*tokens`` per batch, ``SWAP_PENALTY`` times more over ``TOKEN_BUDGET``."""
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    async def __call__(self, sizes: list[int]) -> list[int]:
+        total = sum(sizes)
+        self.batches.append(total)
+        cost = TOKEN_A_S + TOKEN_B_S * total
+        await anyio.sleep(cost * (SWAP_PENALTY if total > TOKEN_BUDGET else 1.0))
+        return sizes
+
+
+async def token_load(call: Callable[[int], Awaitable[int]]) -> tuple[float, float, float]:
+    """``TOKEN_CALLERS`` closed-loop callers over the mixed workload for ``TOKEN_SECONDS``:
+    (tokens/s, requests/s, p99 latency in s)."""
+    sizes = mixed_lengths(100_000)
+    next_size = iter(sizes)
+    tokens = 0
+    lat: list[float] = []
+    perf = time.perf_counter
+    stop = perf() + TOKEN_SECONDS
+
+    async def caller() -> None:
+        nonlocal tokens
+        while perf() < stop:
+            n = next(next_size)
+            t0 = perf()
+            await call(n)
+            lat.append(perf() - t0)
+            tokens += n
+
+    start = perf()
+    async with anyio.create_task_group() as group:
+        for _ in range(TOKEN_CALLERS):
+            group.start_soon(caller)
+    wall = perf() - start
+    return tokens / wall, len(lat) / wall, pct(lat, 0.99)
+
+
+TokenRow = tuple[float, float, float, int, int]  # tokens/s, requests/s, p99, max, over budget
+
+
+async def token_round(backend: str, serve: Any | None) -> dict[str, TokenRow]:
+    """One round of the token-budget programs (asyncio): name -> TokenRow."""
+    out: dict[str, TokenRow] = {}
+    programs: list[tuple[str, dict[str, Any]]] = [
+        (f"fixed size {TOKEN_BUDGET // 1024} (safe for the longest)",
+         {"max_batch_size": TOKEN_BUDGET // 1024}),
+        ("fixed size 32", {"max_batch_size": 32}),
+        (f"token budget: cost=len, max_batch_cost={TOKEN_BUDGET}",
+         {"max_batch_size": 1024, "cost": int, "max_batch_cost": TOKEN_BUDGET}),
+    ]  # fmt: skip
+    for name, options in programs:
+        model = TokenModel()
+        async with aloader.Batcher(model, max_queue=4 * TOKEN_CALLERS, **options) as batcher:
+            row = await token_load(batcher)
+        over = sum(total > TOKEN_BUDGET for total in model.batches)
+        out[f"aloader Batcher, {name}"] = (*row, max(model.batches), over)
+    if serve is not None:
+        model = TokenModel()
+        handle = ray_method(
+            serve, model, max_batch_size=TOKEN_BUDGET, batch_wait_timeout_s=0.0,
+            batch_size_fn=sum,
+        )  # fmt: skip
+        row = await token_load(handle)
+        over = sum(total > TOKEN_BUDGET for total in model.batches)
+        out[f"ray @serve.batch, batch_size_fn=sum, max_batch_size={TOKEN_BUDGET}"] = (
+            *row, max(model.batches), over,
+        )  # fmt: skip
+    return out
+
+
 # -- report --------------------------------------------------------------------------------------
 
 
@@ -402,7 +518,11 @@ def main() -> None:
     # Interleaved: every round runs every program once; each figure is its best round.
     sat: dict[str, tuple[float, str]] = {}
     low: dict[str, LowRow] = {}
+    tok: dict[str, TokenRow] = {}
     for _ in range(ROUNDS):
+        for name, row in run_on("asyncio", token_round, serve).items():
+            if name not in tok or row[0] > tok[name][0]:
+                tok[name] = row
         for backend in backends:
             for name, (rate, note) in run_on(backend, saturation_round, serve).items():
                 if name not in sat or rate > sat[name][0]:
@@ -436,6 +556,19 @@ def main() -> None:
         if handles != iterations:
             steps += f" / {handles:.2f}"
         print(f"| {name} | {p50 * 1e6:.1f} | {p99 * 1e6:.1f} | {cpu * 1e6:.1f} | {steps} |")
+
+    print(
+        f"\n## Token budget: mixed lengths (90% 16-64 tokens, 10% 512-1024), model memory "
+        f"{TOKEN_BUDGET} tokens per batch (x{SWAP_PENALTY:g} slower over it), batch cost "
+        f"{TOKEN_A_S * 1e3:g} ms + {TOKEN_B_S * 1e6:g} us x tokens, {TOKEN_CALLERS} callers, "
+        f"{TOKEN_SECONDS:g} s, asyncio\n"
+    )
+    print(
+        "| runner | tokens/s | requests/s | p99 ms | most tokens in a batch | batches over "
+        "the budget |\n|---|---:|---:|---:|---:|---:|"
+    )
+    for name, (tps, rps, p99, most, over_budget) in tok.items():
+        print(f"| {name} | {tps:,.0f} | {rps:,.0f} | {p99 * 1e3:.1f} | {most:,} | {over_budget} |")
 
     print("\n## Overload: queue full (max_queue 1,000), model busy\n")
     over = asyncio.run(bench_overload(serve))
@@ -472,7 +605,21 @@ def main() -> None:
             p50, p99 = low[name][:2]
             checks.append((f"{name}: low-load added p50 < 0.2 ms ({p50 * 1e6:.1f} us)", p50 < 2e-4))
             checks.append((f"{name}: low-load added p99 < 100 us ({p99 * 1e6:.1f} us)", p99 < 1e-4))
+        unbatched = sat[f"unbatched: one model call per request ({backend})"][0]
+        checks.append(
+            (
+                f"{backend}: batcher >= 3 x the unbatched model ({rate / unbatched:.1f} x)",
+                rate / unbatched >= 3,
+            )
+        )
+    budget = tok[f"aloader Batcher, token budget: cost=len, max_batch_cost={TOKEN_BUDGET}"]
+    safe = tok[f"aloader Batcher, fixed size {TOKEN_BUDGET // 1024} (safe for the longest)"]
     checks += [
+        (
+            f"token budget: tokens/s {budget[0] / safe[0]:.2f} x fixed-size safe, p99 "
+            f"{budget[2] * 1e3:.0f} ms vs {safe[2] * 1e3:.0f} ms, no batch over the budget",
+            budget[0] > safe[0] and budget[2] < safe[2] and budget[4] == 0,
+        ),
         ("rejection p99 < 1 ms", over["reject_p99"] < 0.001),
         (
             "memory bounded under overload",

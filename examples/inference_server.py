@@ -1,21 +1,25 @@
-"""A real HTTP inference server that batches concurrent requests with ``aloader.Batcher``.
+"""An HTTP inference server on FastAPI and uvicorn whose model sees batches (``aloader.Batcher``).
 
-The server speaks a tiny subset of HTTP/1.1 (keep-alive, ``Content-Length`` bodies) on
-127.0.0.1 with nothing but asyncio streams, and serves a numpy "model" (a two-layer MLP)
-through a :class:`aloader.Batcher`:
+The app's lifespan owns the batcher: it starts with the server and drains on shutdown (queued
+and running requests are answered before the process exits). Each request awaits its own
+result while the batcher groups concurrent requests into batches for a numpy "model" (a
+two-layer MLP):
 
-* ``POST /predict`` with ``{"x": [D floats]}`` -> ``{"y": [K floats]}``
+* ``POST /predict`` with ``{"x": [8 floats]}`` -> ``{"y": [4 floats]}``
 * ``GET /metrics`` -> the batcher's metrics as JSON
 * a full queue answers ``503`` with ``Retry-After``, a request past its deadline ``504``,
-  bad input ``400``.
+  an input of the wrong shape ``400`` (before batching: one bad request never fails a batch of
+  good ones), a model that fails its batch ``500``.
 
-By default the script starts the server, runs a load-generating client (``--concurrency``
-keep-alive connections sending ``--requests`` requests in total), prints throughput, latency
-and the batch sizes the batcher formed, then shuts the server down and exits::
+By default the script starts the server on 127.0.0.1, loads it with an HTTP client
+(``--concurrency`` keep-alive connections sending ``--requests`` requests), prints throughput,
+latency and the batch sizes the batcher formed, then shuts the server down::
 
+    pip install "aloader[serve]"  # FastAPI and uvicorn
     python examples/inference_server.py --requests 2000 --concurrency 64
     python examples/inference_server.py --serve-only --port 8000   # then:
-    curl -s -X POST localhost:8000/predict -d '{"x": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]}'
+    curl -s -X POST localhost:8000/predict -H 'content-type: application/json' \\
+        -d '{"x": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]}'
 """
 
 from __future__ import annotations
@@ -23,14 +27,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import numpy as np
+import uvicorn
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 import aloader
 
@@ -52,102 +60,86 @@ class NumpyModel:
         return np.tanh(x @ self.w1) @ self.w2
 
 
-# -- server --------------------------------------------------------------------------------------
-
-REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    404: "Not Found",
-    413: "Payload Too Large",
-    500: "Internal Server Error",
-    503: "Service Unavailable",
-    504: "Gateway Timeout",
-}
-MAX_BODY = 1 << 16
+class PredictRequest(BaseModel):
+    x: list[float]
 
 
-def http_response(status: int, body: object, extra_headers: str = "") -> bytes:
-    payload = json.dumps(body).encode()
-    head = (
-        f"HTTP/1.1 {status} {REASONS[status]}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
-        f"{extra_headers}\r\n"
-    )
-    return head.encode() + payload
+# -- the app -------------------------------------------------------------------------------------
 
 
-async def read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes] | None:
-    """Read one HTTP/1.1 request; ``None`` when the client closed the connection."""
-    try:
-        head = await reader.readuntil(b"\r\n\r\n")
-    except (asyncio.IncompleteReadError, ConnectionError):
-        return None
-    lines = head.decode("latin-1").split("\r\n")
-    method, path, _ = lines[0].split(" ", 2)
-    length = 0
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        if name.strip().lower() == "content-length":
-            length = int(value)
-    if length > MAX_BODY:
-        raise ValueError("body too large")
-    body = await reader.readexactly(length) if length else b""
-    return method, path, body
+def create_app(
+    model: Callable[[Any], Any] | None = None,
+    *,
+    max_batch_size: int = 32,
+    max_wait: float = 0.0,
+    max_queue: int = 1024,
+    timeout: float | None = 5.0,
+) -> FastAPI:
+    """The FastAPI app; its lifespan owns a :class:`aloader.Batcher` around ``model``."""
 
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with aloader.Batcher(
+            model if model is not None else NumpyModel(),
+            collate_fn=aloader.default_collate,  # stacks the (D,) inputs into one (n, D) array
+            max_batch_size=max_batch_size,
+            max_wait=max_wait,
+            max_queue=max_queue,
+            timeout=timeout,
+            to_thread=False,  # a small matmul: cheaper on the loop than a thread hop
+        ) as batcher:
+            app.state.batcher = batcher
+            yield  # the server runs; on shutdown the batcher drains, then closes
 
-class InferenceServer:
-    """Serves :class:`NumpyModel` through a :class:`aloader.Batcher` over HTTP."""
+    app = FastAPI(title="aloader inference server", lifespan=lifespan)
 
-    def __init__(self, batcher: aloader.Batcher[np.ndarray, np.ndarray]) -> None:
-        self.batcher = batcher
-
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    @app.post("/predict")
+    async def predict(body: PredictRequest, request: Request) -> Any:
+        x = np.asarray(body.x, dtype=np.float32)
+        if x.shape != (IN_FEATURES,):
+            raise HTTPException(400, f"x should hold {IN_FEATURES} numbers, got {x.shape[0]}")
+        batcher: aloader.Batcher[np.ndarray, np.ndarray] = request.app.state.batcher
         try:
-            while True:
-                try:
-                    request = await read_request(reader)
-                except (ValueError, asyncio.LimitOverrunError):
-                    writer.write(http_response(413, {"error": "request too large"}))
-                    break
-                if request is None:
-                    break
-                writer.write(await self.respond(*request))
-                await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
-
-    async def respond(self, method: str, path: str, body: bytes) -> bytes:
-        if method == "GET" and path == "/metrics":
-            return http_response(200, self.batcher.metrics())
-        if method != "POST" or path != "/predict":
-            return http_response(404, {"error": f"no route {method} {path}"})
-        try:
-            x = np.asarray(json.loads(body)["x"], dtype=np.float32)
-            if x.shape != (IN_FEATURES,):
-                raise ValueError(f"x should hold {IN_FEATURES} numbers, got shape {x.shape}")
-        except (ValueError, KeyError, TypeError) as exc:
-            # Checked before batching: one bad request must not fail a batch of good ones.
-            return http_response(400, {"error": str(exc)})
-        try:
-            y = await self.batcher(x)
+            y = await batcher(x)
         except aloader.QueueFullError:
-            return http_response(503, {"error": "overloaded"}, "Retry-After: 1\r\n")
+            return JSONResponse({"error": "overloaded"}, 503, headers={"Retry-After": "1"})
         except aloader.BatcherClosedError:
-            return http_response(503, {"error": "shutting down"})
+            return JSONResponse({"error": "shutting down"}, 503)
         except TimeoutError:
-            return http_response(504, {"error": "deadline exceeded"})
+            return JSONResponse({"error": "deadline exceeded"}, 504)
         except Exception as exc:
             # The model failed this request's batch (or returned a bad result): answer 500 and
             # keep serving. KeyboardInterrupt and SystemExit are no Exception: they stop us.
-            return http_response(500, {"error": f"{type(exc).__name__}: {exc}"})
-        return http_response(200, {"y": y.tolist()})
+            return JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, 500)
+        return {"y": np.asarray(y).tolist()}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Any:
+        return request.app.state.batcher.metrics()
+
+    return app
 
 
-# -- client --------------------------------------------------------------------------------------
+@contextlib.asynccontextmanager
+async def serving(app: Any, port: int = 0) -> AsyncIterator[int]:
+    """Run ``app`` under uvicorn on 127.0.0.1 in this event loop; yield its port, then shut
+    it down gracefully (in-flight requests finish, then the lifespan's batcher drains)."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():  # the lifespan or the bind failed: say why
+            await task
+            raise RuntimeError("uvicorn stopped before it started")
+        await asyncio.sleep(0.005)
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        await task
+
+
+# -- the load generator ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -157,6 +149,7 @@ class LoadReport:
     requests: int = 0
     statuses: dict[int, int] = field(default_factory=dict)
     latencies: list[float] = field(default_factory=list)
+    wrong: int = 0
     wall: float = 0.0
 
     def percentile(self, q: float) -> float:
@@ -164,103 +157,59 @@ class LoadReport:
         return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else float("nan")
 
 
-async def client_worker(
-    port: int, next_index: list[int], total: int, report: LoadReport, seed: int
-) -> None:
-    """One keep-alive connection sending requests until ``total`` have been sent."""
-    rng = np.random.default_rng(seed)
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        while next_index[0] < total:
-            next_index[0] += 1
-            body = json.dumps({"x": rng.standard_normal(IN_FEATURES).tolist()}).encode()
+async def load(port: int, requests: int, concurrency: int) -> LoadReport:
+    """``concurrency`` keep-alive connections send ``requests`` requests in total; every
+    answer is checked against the model run on its own."""
+    report = LoadReport()
+    reference = NumpyModel()
+    left = [requests]
+
+    async def worker(client: aiohttp.ClientSession, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        while left[0] > 0:
+            left[0] -= 1
+            x = rng.standard_normal(IN_FEATURES).astype(np.float32)
             start = time.perf_counter()
-            writer.write(
-                b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                b"Content-Type: application/json\r\nContent-Length: "
-                + str(len(body)).encode()
-                + b"\r\n\r\n"
-                + body
-            )
-            await writer.drain()
-            head = await reader.readuntil(b"\r\n\r\n")
-            status = int(head.split(b" ", 2)[1])
-            length = 0
-            for line in head.split(b"\r\n")[1:]:
-                if line.lower().startswith(b"content-length:"):
-                    length = int(line.split(b":", 1)[1])
-            payload = json.loads(await reader.readexactly(length))
+            async with client.post("/predict", json={"x": x.tolist()}) as response:
+                answer = await response.json()
             report.latencies.append(time.perf_counter() - start)
-            report.statuses[status] = report.statuses.get(status, 0) + 1
+            report.statuses[response.status] = report.statuses.get(response.status, 0) + 1
             report.requests += 1
-            if status == 200 and len(payload["y"]) != OUT_FEATURES:
-                raise AssertionError(f"bad answer {payload}")
-    finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
+            if response.status == 200:
+                expected = reference(x[None])[0]
+                if not np.allclose(answer["y"], expected, rtol=1e-5, atol=1e-5):
+                    report.wrong += 1
 
-
-async def get_json(port: int, path: str) -> Any:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
-        await writer.drain()
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next(
-            int(line.split(b":", 1)[1])
-            for line in head.split(b"\r\n")
-            if line.lower().startswith(b"content-length:")
-        )
-        return json.loads(await reader.readexactly(length))
-    finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
-
-
-# -- main ----------------------------------------------------------------------------------------
-
-
-def make_batcher(args: argparse.Namespace) -> aloader.Batcher[np.ndarray, np.ndarray]:
-    return aloader.Batcher(
-        NumpyModel(),
-        collate_fn=aloader.default_collate,  # stacks the (D,) inputs into one (n, D) array
-        max_batch_size=args.max_batch_size,
-        max_wait=args.max_wait,
-        max_queue=args.max_queue,
-        timeout=args.timeout,
-        to_thread=False,  # a small matmul: cheaper on the loop than a thread hop
-    )
+    # aiohttp's client: httpx's connection pool serializes under many concurrent requests.
+    async with aiohttp.ClientSession(
+        f"http://127.0.0.1:{port}", connector=aiohttp.TCPConnector(limit=concurrency)
+    ) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(client, seed) for seed in range(concurrency)))
+        report.wall = time.perf_counter() - start
+    return report
 
 
 async def run_demo(args: argparse.Namespace) -> LoadReport:
     """Start the server, load it with the client, print the figures, shut down."""
-    async with make_batcher(args) as batcher:
-        server = InferenceServer(batcher)
-        tcp = await asyncio.start_server(server.handle, "127.0.0.1", args.port)
-        port = tcp.sockets[0].getsockname()[1]
-        report = LoadReport()
-        async with tcp:
-            start = time.perf_counter()
-            next_index = [0]
-            await asyncio.gather(
-                *(
-                    client_worker(port, next_index, args.requests, report, seed)
-                    for seed in range(args.concurrency)
-                )
-            )
-            report.wall = time.perf_counter() - start
-            metrics = await get_json(port, "/metrics")
-        tcp.close()
-        await tcp.wait_closed()
+    app = create_app(
+        max_batch_size=args.max_batch_size, max_wait=args.max_wait, max_queue=args.max_queue,
+        timeout=args.timeout,
+    )  # fmt: skip
+    async with serving(app, args.port) as port:
+        report = await load(port, args.requests, args.concurrency)
+        async with (
+            aiohttp.ClientSession(f"http://127.0.0.1:{port}") as client,
+            client.get("/metrics") as response,
+        ):
+            metrics = await response.json()
     hist = {int(k): v for k, v in metrics["batch_size_histogram"].items()}
     mean_batch = sum(k * v for k, v in hist.items()) / max(1, sum(hist.values()))
     ok = report.statuses.get(200, 0)
     rejected = report.statuses.get(503, 0)
     print(
         f"served on 127.0.0.1:{port}: requests={report.requests} ok={ok} "
-        f"rejected={rejected} other={report.requests - ok - rejected}"
+        f"rejected={rejected} other={report.requests - ok - rejected} wrong={report.wrong}"
     )
     print(
         f"throughput {report.requests / report.wall:,.0f} requests/s with "
@@ -269,14 +218,6 @@ async def run_demo(args: argparse.Namespace) -> LoadReport:
     )
     print(f"batches: {metrics['batches']}, mean size {mean_batch:.1f}, histogram {hist}")
     return report
-
-
-async def serve_forever(args: argparse.Namespace) -> None:
-    async with make_batcher(args) as batcher:
-        tcp = await asyncio.start_server(InferenceServer(batcher).handle, "127.0.0.1", args.port)
-        print(f"serving on http://127.0.0.1:{tcp.sockets[0].getsockname()[1]} (Ctrl-C stops)")
-        async with tcp:
-            await tcp.serve_forever()
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -296,11 +237,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; returns the process exit status (0 when every request succeeded)."""
     args = parse_args(argv)
     if args.serve_only:
-        with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(serve_forever(args))
+        app = create_app(
+            max_batch_size=args.max_batch_size, max_wait=args.max_wait,
+            max_queue=args.max_queue, timeout=args.timeout,
+        )  # fmt: skip
+        uvicorn.run(app, host="127.0.0.1", port=args.port)
         return 0
     report = asyncio.run(run_demo(args))
-    return 0 if report.statuses.get(200, 0) == args.requests else 1
+    return 0 if report.statuses.get(200, 0) == args.requests and not report.wrong else 1
 
 
 if __name__ == "__main__":

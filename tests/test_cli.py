@@ -86,6 +86,18 @@ def test_bad_arguments_exit_2(args: list[str], capsys: pytest.CaptureFixture[str
     assert "error:" in capsys.readouterr().err
 
 
+def test_bench_without_workloads_parses_as_all(capsys: pytest.CaptureFixture[str]) -> None:
+    from aloader._cli import _parser
+
+    parser = _parser(_engine.WORKLOADS)
+    assert parser.parse_args(["bench"]).workloads == []  # (Python 3.11: "invalid choice: []")
+    assert parser.parse_args(["bench", "io", "all"]).workloads == ["io", "all"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "io", "nosuch"])
+    assert "argument WORKLOAD: invalid choice: 'nosuch' (choose from 'io'" in (
+        capsys.readouterr().err)
+
+
 def test_bench_io_quick() -> None:
     result = run("-m", "aloader", "bench", "io", "--quick")
     assert result.returncode == 0, result.stderr

@@ -36,6 +36,7 @@ TREE: dict[str, tuple[str, type[BaseException] | None]] = {
     "BatcherClosedError": ("AloaderError", None),
     "BatcherTimeoutError": ("AloaderError", TimeoutError),
     "BatchResultError": ("AloaderError", ValueError),
+    "BatchCostError": ("AloaderError", RuntimeError),
 }
 
 # The classes aloader/_exceptions.py defines, read from its source (their ``__module__`` says

@@ -284,3 +284,82 @@ def test_pull_sync_takes_exactly_a_batch() -> None:
     assert _pull_sync(iter(range(3)), 2) == ([0, 1], False)
     short = iter(range(1))
     assert _pull_sync(short, 2) == ([0], True)
+
+
+def test_taken_iterators_are_iterated_again_without_their_objects_iter() -> None:
+    import collections.abc
+    import itertools
+
+    from aloader._util import taken
+
+    class Resetting:
+        def __init__(self) -> None:
+            self.i, self.calls = 0, 0
+
+        def __iter__(self) -> Resetting:
+            self.calls += 1
+            self.i = 0
+            return self
+
+        def __next__(self) -> int:
+            self.i += 1
+            if self.i == 3:
+                raise ValueError("a bad sample")  # it may be pulled on after it
+            if self.i > 5:
+                raise StopIteration
+            return self.i
+
+    class Plain(collections.abc.Iterator[int]):
+        def __next__(self) -> int:
+            raise StopIteration
+
+    for kept in (iter([1]), (x for x in [1]), map(int, "1"), Plain()):
+        assert taken(kept) is kept  # their __iter__ returns themselves, with no side effect
+    data = Resetting()
+    items = taken(iter(data))
+    got = list(itertools.islice(items, 2))
+    with pytest.raises(ValueError, match="a bad sample"):
+        next(items)
+    got += list(items)
+    assert got == [1, 2, 4, 5] and data.calls == 1
+
+
+def test_ataken_iterators_keep_their_attributes() -> None:
+    import asyncio
+
+    from aloader._util import ataken
+
+    class Resetting:
+        def __init__(self) -> None:
+            self.i, self.calls, self.closed = 0, 0, False
+
+        def __aiter__(self) -> Resetting:
+            self.calls += 1
+            self.i = 0
+            return self
+
+        async def __anext__(self) -> int:
+            self.i += 1
+            if self.i > 3:
+                raise StopAsyncIteration
+            return self.i
+
+        async def aclose(self) -> None:
+            self.closed = True
+
+    async def run() -> list[int]:
+        data = Resetting()
+        items = ataken(data.__aiter__())
+        got = [item async for item in items]
+        got += [item async for item in items]  # ended: never started over
+        await items.aclose()  # type: ignore[attr-defined]
+        assert data.calls == 1 and data.closed
+        return got
+
+    assert asyncio.run(run()) == [1, 2, 3]
+
+    async def agen() -> Any:
+        yield 1
+
+    generator = agen()
+    assert ataken(generator) is generator

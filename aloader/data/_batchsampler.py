@@ -12,7 +12,7 @@ import itertools
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sized
 from typing import Any, cast
 
-from .._util import close_iterator
+from .._util import ataken, close_iterator, taken
 from ._indices import (
     _fast_path_matches_iter,
     _iter_chunks,
@@ -141,7 +141,7 @@ class BatchSampler(_Stateful, Sampler[list[int]]):
         try:
             sampler_iter = iter(cast("Iterable[int]", self.sampler))
             if skip:
-                sampler_iter = itertools.islice(sampler_iter, skip, None)
+                sampler_iter = itertools.islice(taken(sampler_iter), skip, None)
         except TypeError:
             if isinstance(self.sampler, AsyncIterable):
                 raise TypeError(
@@ -149,15 +149,20 @@ class BatchSampler(_Stateful, Sampler[list[int]]):
                     "async iteration; iterate the BatchSampler with `async for`"
                 ) from None
             raise
-        # torch's loops: the drop_last one zips batch_size references to the same iterator.
+        # torch's loops: the drop_last one zips batch_size references to the same iterator
+        # (zip takes iter() of each at once: a sampler whose __iter__ returns itself is asked
+        # batch_size more times before the first index, as torch's is, then never again).
+        # torch's other loop cuts each batch with islice, which asks such a sampler again per
+        # batch: it would start over (a reset) forever. Its iterator is taken once here.
         if self.drop_last:
             for batch_droplast in zip(*([sampler_iter] * self.batch_size), strict=False):
                 yield [*batch_droplast]
         else:
-            batch = [*itertools.islice(sampler_iter, self.batch_size)]
+            indices = taken(sampler_iter)
+            batch = [*itertools.islice(indices, self.batch_size)]
             while batch:
                 yield batch
-                batch = [*itertools.islice(sampler_iter, self.batch_size)]
+                batch = [*itertools.islice(indices, self.batch_size)]
 
     async def __aiter__(self) -> AsyncIterator[list[int]]:
         """Asynchronously iterate over one epoch of batches (sync or async inner sampler)."""
@@ -173,7 +178,7 @@ class BatchSampler(_Stateful, Sampler[list[int]]):
         it = aiter(self.sampler)
         try:
             batch: list[int] = []
-            async for index in it:
+            async for index in ataken(it):
                 batch.append(index)
                 if len(batch) == self.batch_size:
                     yield batch

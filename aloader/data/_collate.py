@@ -455,6 +455,8 @@ def collate_numpy_array_fn(
         # A later element promoted the batch to strings or objects: torch's as_tensor of an
         # object that is no array, number or string (None...) is its RuntimeError.
         odd = [v for v in batch if not isinstance(v, np.ndarray)]
+        if odd and type(odd[0]) is int:  # beyond int64, where torch's as_tensor overflows
+            raise ValueError("Overflow when unpacking long long")
         if odd and _cannot_infer(odd[0]):
             raise _non_number_error(odd[0])
         raise TypeError(default_collate_err_msg_format.format(_first_str_obj_dtype(batch, out)))
@@ -470,10 +472,15 @@ def collate_numpy_array_fn(
 
 
 def _stacked_dtype(batch: Sequence[Any]) -> np.dtype[Any] | None:
-    """The dtype ``torch.stack`` gives arrays of these dtypes (None: a kind torch lacks)."""
+    """The dtype ``torch.stack`` gives arrays of these dtypes (None: a kind torch lacks).
+
+    A number after the first array (a python float beside a 0-d array) counts as the tensor
+    torch's ``as_tensor`` makes of it: of its default dtype (float32 for a float)."""
     result: np.dtype[Any] | None = None
-    for dtype in dict.fromkeys(value.dtype for value in batch):
-        if dtype.kind not in _NUMERIC_KINDS:
+    dtypes = (value.dtype if isinstance(value, np.ndarray) else _number_dtype(value)
+              for value in batch)
+    for dtype in dict.fromkeys(dtypes):
+        if dtype is None or dtype.kind not in _NUMERIC_KINDS:
             return None
         result = dtype if result is None else _promote(result, dtype, tensors=True)
     return result

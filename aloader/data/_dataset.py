@@ -28,14 +28,22 @@ from collections.abc import (
     Iterator,
     Sequence,
 )
-from typing import Any, Generic, Literal, TypeAlias, TypeVar, cast
+from typing import Any, Generic, TypeAlias, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from .._util import close_iterator, is_async_callable
+from .._util import close_iterator, is_async_callable, taken
 from ._collate import ColumnBatch
-from ._fetch import fetch_many, fetch_many_sync, fetch_one, gather, getitems_of, index_list
+from ._fetch import (
+    DatasetFetchMode,
+    fetch_many,
+    fetch_many_sync,
+    fetch_one,
+    gather,
+    getitems_of,
+    index_list,
+)
 from ._random import GeneratorLike, as_generator, permutation
 
 __all__ = (
@@ -43,7 +51,6 @@ __all__ = (
     "ChainDataset",
     "ConcatDataset",
     "Dataset",
-    "FetchMode",
     "IterableDataset",
     "StackDataset",
     "Subset",
@@ -58,7 +65,6 @@ __all__ = (
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
-FetchMode: TypeAlias = Literal["async", "inline", "thread"]
 IndicesLike: TypeAlias = Sequence[int] | npt.NDArray[np.integer[Any]]
 
 # One child's share of a batch: (child, positions in the batch or None for all, child indices).
@@ -169,7 +175,7 @@ def _inspect_async(dataset: object) -> bool:
     return getitems_async
 
 
-def fetch_mode(dataset: object) -> FetchMode:
+def fetch_mode(dataset: object) -> DatasetFetchMode:
     """How the loader should call ``dataset``'s ``__getitem__``/``__getitems__``.
 
     Reads the optional ``_async_fetch`` and ``_inline_fetch`` attributes first; without
@@ -210,7 +216,8 @@ def _overridden(obj: object, base: type, names: tuple[str, ...]) -> list[Any]:
     return out
 
 
-def _wrapper_modes(obj: object, base: type, child_modes: Iterable[FetchMode]) -> tuple[bool, bool]:
+def _wrapper_modes(obj: object, base: type, child_modes: Iterable[DatasetFetchMode]
+                   ) -> tuple[bool, bool]:
     """(async, inline) for a wrapper dataset, unless a subclass took over fetching itself."""
     own = _overridden(obj, base, ("__getitem__", "__getitems__"))
     if own:
@@ -431,7 +438,8 @@ class StackDataset(Dataset[Any]):
             return self._agetitem(children, modes, index)
         return self._assemble([dataset[index] for dataset in children])
 
-    async def _agetitem(self, children: list[Any], modes: list[FetchMode], index: Any) -> Any:
+    async def _agetitem(self, children: list[Any], modes: list[DatasetFetchMode],
+                        index: Any) -> Any:
         calls = [
             functools.partial(fetch_one, d, index, m) for d, m in zip(children, modes, strict=True)
         ]
@@ -455,7 +463,7 @@ class StackDataset(Dataset[Any]):
         return self._transpose(columns, len(indices))
 
     async def _agetitems(
-        self, children: list[Any], modes: list[FetchMode], indices: IndicesLike
+        self, children: list[Any], modes: list[DatasetFetchMode], indices: IndicesLike
     ) -> Any:
         index_list = indices.tolist() if isinstance(indices, np.ndarray) else list(indices)
         calls = [
@@ -526,7 +534,7 @@ class ConcatDataset(Dataset[T_co]):
                 raise AssertionError("ConcatDataset does not support IterableDataset")
         self.cumulative_sizes = self.cumsum(self.datasets)
         # Computed once, like cumulative_sizes: per-item fetches must not scan every child.
-        self._child_modes: list[FetchMode] = [fetch_mode(d) for d in self.datasets]
+        self._child_modes: list[DatasetFetchMode] = [fetch_mode(d) for d in self.datasets]
         # torch's ConcatDataset has no __getitems__: its loader fetches a batch index by index,
         # in the batch's order, through __getitem__, never a child's __getitems__. A batch is
         # fetched per child at once only where that cannot tell: children that run no code of
@@ -789,7 +797,7 @@ class ChainDataset(IterableDataset[T_co]):
             else:
                 sync_iterator: Any = iter(cast(Iterable[T_co], dataset))
                 try:
-                    for item in sync_iterator:
+                    for item in taken(sync_iterator):
                         yield item
                 finally:
                     await close_iterator(sync_iterator, blocking=False)

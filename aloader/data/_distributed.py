@@ -63,6 +63,12 @@ def _env_int(name: str, default: int) -> int:
         ) from None
 
 
+def _slice_index(value: Any) -> None:
+    """Raise what slicing a list with ``value`` raises when it is not an integer."""
+    if not hasattr(type(value), "__index__"):
+        raise TypeError("slice indices must be integers or None or have an __index__ method")
+
+
 class DistributedSampler(_Stateful, Sampler[int]):
     """Sampler that restricts data loading to one rank's share of the dataset.
 
@@ -152,6 +158,7 @@ class DistributedSampler(_Stateful, Sampler[int]):
     def _epoch_chunks(self) -> Iterator[IndexArray]:
         """This epoch's shard as consecutive int64 arrays; the order is drawn now."""
         n = len(self.dataset)
+        self._check_numbers(n)
         total = self.total_size
         # The length torch's truncated (or cyclically padded) list reaches; torch asserts that
         # it is total_size.
@@ -170,6 +177,31 @@ class DistributedSampler(_Stateful, Sampler[int]):
             return self._elastic(order, n, remaining)
         return self._shard(order, n)
 
+    def _check_numbers(self, n: int) -> None:
+        """Raise, at the epoch's start, the error torch's ``__iter__`` raises where
+        ``num_replicas`` or ``rank`` is not an integer (``2.5``, ``inf``, ``5e-324`` of an empty
+        dataset): torch accepts them until it pads and slices its list of indices with them.
+        Its steps are followed on lengths only, so that the first one that fails gives
+        torch's type and message, with a note naming the arguments."""
+        world, rank, total = self.num_replicas, self.rank, self.total_size
+        if all(hasattr(type(value), "__index__") for value in (world, rank, total)):
+            return
+        try:
+            if self.drop_last:
+                _slice_index(total)  # indices[:total_size]
+            else:
+                padding = total - n
+                # indices * ceil(padding / n) when padding > n, then [:padding]
+                if not padding <= n and n * math.ceil(padding / n) > sys.maxsize:
+                    raise OverflowError("cannot fit 'int' into an index-sized integer")
+                _slice_index(padding)
+            for value in (rank, total, world):  # indices[rank:total_size:num_replicas]
+                _slice_index(value)
+        except Exception as exc:
+            exc.add_note(f"DistributedSampler: num_replicas={world!r} and rank={rank!r} should "
+                         f"be integers")
+            raise
+
     def _elastic_size(self, remaining: dict[str, Any]) -> int:
         """This rank's share of an elastic resume's rest of the epoch."""
         m = int(remaining["size"])
@@ -178,17 +210,28 @@ class DistributedSampler(_Stateful, Sampler[int]):
             return max(0, math.ceil((m - world) / world))
         return math.ceil(m / world)
 
-    def _elastic(self, order: IndexArray | None, n: int, remaining: dict[str, Any]
-                 ) -> Iterator[IndexArray]:
+    @staticmethod
+    def _rest_positions(remaining: dict[str, Any]) -> IndexArray:
+        """The global order's positions left of an elastic resume's epoch: ``[start,
+        stop)`` without the ``excluded`` ranges of the old ranks' shards (``[a, b]``: the
+        shard positions ``a`` to ``b - 1`` of every old rank; ``[a, b, r]``: of rank ``r``)."""
         world0 = int(remaining["num_replicas"])
         positions = np.arange(int(remaining["start"]), int(remaining["stop"]), dtype=np.int64)
         excluded = remaining["excluded"]
         if excluded:
             done = np.zeros(len(positions), dtype=bool)
             rank_pos = positions // world0
-            for a, b in excluded:
-                done |= (rank_pos >= a) & (rank_pos < b)
+            for a, b, *rank in excluded:
+                hit = (rank_pos >= a) & (rank_pos < b)
+                if rank:
+                    hit &= positions % world0 == rank[0]
+                done |= hit
             positions = positions[~done]
+        return positions
+
+    def _elastic(self, order: IndexArray | None, n: int, remaining: dict[str, Any]
+                 ) -> Iterator[IndexArray]:
+        positions = self._rest_positions(remaining)
         rest = positions if order is None else order[positions]
         m = len(rest)
         size = self._elastic_size(remaining)
@@ -230,26 +273,30 @@ class DistributedSampler(_Stateful, Sampler[int]):
             self.epoch = state["epoch"]
             self._remaining = None if remaining is None else dict(remaining)
 
-    def _resume_elastic(self, state: dict[str, Any], consumed: int,
+    def _resume_elastic(self, state: dict[str, Any], consumed: int | list[int | None],
                         excluded: list[list[int]]) -> None:
         """Make the next epoch the rest of the epoch a job on ``state["num_replicas"]`` ranks
-        was in, each of its ranks having consumed ``consumed`` indices and the ranges
-        ``excluded`` of its shard (see the class docstring)."""
+        was in, each of its ranks having consumed ``consumed`` indices (or rank ``r``
+        ``consumed[r]``, None: all of its shard) and the ranges ``excluded`` of its shard
+        (``[a, b]``, or ``[a, b, r]`` of rank ``r`` alone; see the class docstring)."""
         world0 = int(state["num_replicas"])
         n = len(self.dataset)
         if state["drop_last"] and n % world0 != 0:
             total0 = math.ceil((n - world0) / world0) * world0
         else:
             total0 = math.ceil(n / world0) * world0
+        excluded = [[int(v) for v in entry] for entry in excluded]
+        if isinstance(consumed, list):  # each rank's own progress (merged ranks' states)
+            counts = [total0 // world0 if c is None else c for c in consumed]
+            low = min(counts)
+            excluded += [[low, c, r] for r, c in enumerate(counts) if c > low]
+            consumed = low
         start = min(consumed * world0, n)
         stop = min(n, total0)
         start = min(start, stop)
-        size = stop - start
-        for a, b in excluded:
-            lo, hi = max(a * world0, start), min(b * world0, stop)
-            size -= max(0, hi - lo)
         self._remaining = {"num_replicas": world0, "start": start, "stop": stop,
-                           "excluded": [[int(a), int(b)] for a, b in excluded], "size": size}
+                           "excluded": excluded, "size": 0}
+        self._remaining["size"] = len(self._rest_positions(self._remaining))
 
     def _shard(self, order: IndexArray | None, n: int) -> Iterator[IndexArray]:
         for start, size in _blocks(self.num_samples):

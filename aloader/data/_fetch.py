@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import anyio
 import anyio.to_thread
@@ -29,6 +29,7 @@ import numpy as np
 from .._util import resolve, single_error
 
 __all__ = (
+    "DatasetFetchMode",
     "InThread",
     "fetch_many",
     "fetch_many_sync",
@@ -38,9 +39,10 @@ __all__ = (
     "index_list",
 )
 
-# "async", "inline" or "thread" (see aloader.data._dataset.FetchMode); a plan's "process" mode
-# fetches in the worker processes, never here.
-Mode: TypeAlias = str
+# How a dataset's own fetches run (see aloader.data._dataset.fetch_mode): awaited on the event
+# loop ("async"), called on it ("inline": fast, in memory) or in a worker thread ("thread":
+# blocking). A plan may fetch otherwise (aloader.pipeline._plan.FetchMode: in worker processes).
+DatasetFetchMode: TypeAlias = Literal["async", "inline", "thread"]
 # Runs ``fn(*args)`` in a worker thread from async code: ``in_thread(fn, *args)``.
 InThread: TypeAlias = Callable[..., Awaitable[Any]]
 Getitems: TypeAlias = "Callable[[Any], Any] | None"
@@ -77,7 +79,7 @@ async def fetch_many(
     dataset: Any,
     getitems: Getitems,
     indices: Any,
-    mode: Mode,
+    mode: DatasetFetchMode,
     in_thread: InThread = anyio.to_thread.run_sync,
 ) -> Any:
     """The samples at ``indices``, fetched as ``mode`` says, from async code.
@@ -96,7 +98,7 @@ async def fetch_many(
 
 
 async def fetch_one(
-    dataset: Any, index: Any, mode: Mode, in_thread: InThread = anyio.to_thread.run_sync
+    dataset: Any, index: Any, mode: DatasetFetchMode, in_thread: InThread = anyio.to_thread.run_sync
 ) -> Any:
     """The sample at ``index``, fetched as ``mode`` says, from async code."""
     if mode == "thread":

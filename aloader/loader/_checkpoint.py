@@ -13,14 +13,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
+from ..data._distributed import default_place
 from ..data._random import restore_rng, rng_state
 from ..pipeline._failures import Failures, is_skip_key, json_index
-from ._epochs import MapEpochs, Progress, Skip, StateTypeError
+from ..streams._stream import Stream
+from ._epochs import AlreadyDelivered, MapEpochs, Progress, StateTypeError
 
 if TYPE_CHECKING:
     from ._dataloader import DataLoader
 
-__all__ = ("STATE_FORMAT", "STATE_VERSION", "load_state", "state_of")
+__all__ = ("STATE_FORMAT", "STATE_VERSION", "load_state", "place_of", "state_of")
 
 STATE_FORMAT = "aloader.DataLoader"
 STATE_VERSION = 1
@@ -36,6 +38,22 @@ def _json_copy(value: Any) -> Any:
             return list(value)
         return [_json_copy(item) for item in value]
     return value
+
+
+def place_of(loader: DataLoader[Any]) -> tuple[int, int]:
+    """``(rank, world_size)`` of ``loader``'s share of the data: those its data is split for
+    (its ``DistributedSampler``'s, its sharded stream's: a data-parallel group of a larger
+    job has its own), else torch.distributed's initialized process group's, else
+    ``RANK``/``WORLD_SIZE`` (torchrun's), else ``(0, 1)``."""
+    kind = getattr(loader, "_kind", None)
+    sampler = kind._distributed() if isinstance(kind, MapEpochs) else None
+    if sampler is not None:
+        return sampler.rank, sampler.num_replicas
+    dataset = loader.dataset
+    worlds = dataset._worlds() if isinstance(dataset, Stream) else []
+    if worlds:
+        return worlds[0][0], worlds[0][1]
+    return default_place(None, None)
 
 
 def _is_int(value: Any) -> TypeGuard[int]:
@@ -56,7 +74,7 @@ class _EpochRecord:
     rng: dict[str, Any]  # the loader generator's state before this epoch drew anything
     base_seed: int | None  # the epoch's base seed when not drawn (persistent workers' one)
     length: int | None  # the epoch's batches (map-style), or None
-    skip: Skip  # what a resumed epoch leaves out
+    skip: AlreadyDelivered  # what a resumed epoch leaves out
     prefix: int = 0
     beyond: set[int] = field(default_factory=set)
     yielded: int = 0
@@ -142,6 +160,7 @@ def state_of(dataloader: DataLoader[Any]) -> dict[str, Any]:
         "format": STATE_FORMAT,
         "version": STATE_VERSION,
         "kind": kind,
+        "rank": list(place_of(dataloader)),  # which part of a job's data (merge_rank_states)
         "epoch": progress.epoch,
         "yielded": progress.yielded,
         "loader": {
@@ -207,7 +226,7 @@ def load_state(dataloader: DataLoader[Any], state: Mapping[str, Any]) -> None:
     if kind not in state:
         raise ValueError(f"state field {kind!r} is missing")
     sub = _json_copy(state[kind])
-    skip: Skip | None = None
+    skip: AlreadyDelivered | None = None
     if isinstance(dataloader._kind, MapEpochs):
         if isinstance(sub, dict):
             delivered = sub.get("delivered")
@@ -225,7 +244,7 @@ def load_state(dataloader: DataLoader[Any], state: Mapping[str, Any]) -> None:
         dataloader._kind.load_state_dict(sub, dataloader.num_workers,
                                          dataloader.persistent_workers)
         # The batches already received: the resumed epoch's count goes on from them.
-        skip = Skip(state["yielded"])
+        skip = AlreadyDelivered(state["yielded"])
     # Everything is checked: apply. Live persistent workers have the old seeds.
     if dataloader._pool is not None:
         dataloader._pool.shutdown()

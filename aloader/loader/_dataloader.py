@@ -6,9 +6,11 @@ what kind of epochs it runs (:class:`~aloader.loader._epochs.MapEpochs` or
 (``async for``) or :class:`DataLoaderIter` (``for``, through :mod:`aloader._facade`) decides
 once whether workers fetch, asks :meth:`~aloader.pipeline._plan.FetchPlan.for_dataset` how,
 and consumes the pipeline (:mod:`aloader.pipeline._epoch`), handing out batches with torch's
-timeout and errors. Checkpoints are :mod:`aloader.loader._checkpoint`'s, ``pin_memory``
-:mod:`aloader.loader._pin_memory`'s. (The loader and its iterators name each other in their
-public signatures, which resolve at runtime: they live in one module.)
+timeout and errors. torch's argument checks are :mod:`aloader.loader._arguments`'s,
+checkpoints :mod:`aloader.loader._checkpoint`'s, the worker processes
+:mod:`aloader.loader._workers`'s, ``pin_memory`` :mod:`aloader.loader._pin_memory`'s. (The
+loader and its iterators name each other in their public signatures, which resolve at runtime:
+they live in one module.)
 
 Invariant: the attributes torch freezes (``batch_size``, ``sampler``, ``dataset``...) cannot be
 set once the loader is built; what an epoch needs is decided when it starts, so
@@ -18,8 +20,6 @@ pipeline holds no reference to an iterator, so dropping one stops its epoch.
 
 from __future__ import annotations
 
-import math
-import operator
 import threading
 import time
 import warnings
@@ -31,18 +31,19 @@ import anyio
 import numpy as np
 
 from .._backend import current_backend
+from .._epoch_setup import EpochSetup
 from .._exceptions import FailureBudgetExceeded, LoaderTimeoutError
 from .._facade import LocalIterator, PrivateLoop, SyncIterator, forbid_running_loop, loop_of
-from .._log import SLOW_FIRST_BATCH, loader_log, worker_log
+from .._log import SLOW_FIRST_BATCH, loader_log
 from .._stats import Collector, LoaderStats
-from .._util import usable_cpus
+from .._util import user_stacklevel
 from ..data._batchsampler import BatchSampler
 from ..data._collate import default_collate, default_convert
 from ..data._dataset import is_iterable_dataset
 from ..data._random import as_generator, draw_seed, rng_state
 from ..data._sampler import RandomSampler, SequentialSampler
 from ..pipeline._epoch import Epoch, MapEpoch
-from ..pipeline._failures import Failures, KnownFailed, check_max_failures
+from ..pipeline._failures import Failures, KnownFailed
 from ..pipeline._plan import FetchPlan
 from ..pipeline._results import Results
 from ..pipeline._sample_rng import seed_of
@@ -51,10 +52,12 @@ from ..streams._stream import Stream
 from ..workers._context import default_context, prepare_context, resolve_context
 from ..workers._pool_epoch import PoolEpoch
 from ..workers._processes import WorkerPool
-from ..workers._worker import WorkerSetup
+from ._arguments import check_batching, check_loading, warn_worker_number
 from ._checkpoint import _EpochRecord, _is_int, load_state, state_of
-from ._epochs import EpochKind, IterableEpochs, MapEpochs, Skip
+from ._epochs import AlreadyDelivered, EpochKind, IterableEpochs, MapEpochs
 from ._pin_memory import _pin_memory_transform, _require_torch
+from ._ranks import RANKS_FORMAT, rank_part
+from ._workers import pool_epoch
 
 __all__ = ("AsyncDataLoaderIter", "DataLoader", "DataLoaderIter")
 
@@ -62,25 +65,7 @@ _now = time.perf_counter_ns
 
 T_co = TypeVar("T_co", covariant=True)
 
-DEFAULT_PREFETCH_FACTOR = 2
-
 _FROZEN = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
-
-
-def _check_process_limit(num_workers: int) -> None:
-    """Refuse more workers than this user may run processes (``ulimit -u``): starting them
-    would fail only after creating as many as the system allows, one by one (torch only
-    warns, then does that)."""
-    try:
-        import resource
-    except ImportError:  # not on this platform
-        return
-    limit = resource.getrlimit(resource.RLIMIT_NPROC)[0]
-    if limit != resource.RLIM_INFINITY and num_workers > limit:
-        raise ValueError(
-            f"num_workers={num_workers} is more worker processes than this user may run "
-            f"(RLIMIT_NPROC, `ulimit -u`: {limit})"
-        )
 
 
 class DataLoader(Generic[T_co]):
@@ -299,25 +284,9 @@ class DataLoader(Generic[T_co]):
         max_failures: int | float = 0,
         snapshot_every_n_steps: int | None = 1,
     ) -> None:
-        if num_workers < 0:
-            raise ValueError(
-                "num_workers option should be non-negative; "
-                "use num_workers=0 to disable multiprocessing."
-            )
-        # torch raises these (its range() calls) at the first iteration; here, at once.
-        operator.index(num_workers)
-        _check_process_limit(num_workers)
-        if timeout < 0:
-            raise ValueError("timeout option should be non-negative")
-        # Unlike torch, prefetch_factor means something without workers (the loop prefetches).
-        if prefetch_factor is None:
-            prefetch_factor = DEFAULT_PREFETCH_FACTOR
-        elif prefetch_factor < 0:
-            raise ValueError("prefetch_factor option should be non-negative")
-        else:
-            operator.index(prefetch_factor)
-        if persistent_workers and num_workers == 0:
-            raise ValueError("persistent_workers option needs num_workers > 0")
+        prefetch_factor, max_failures = check_loading(
+            num_workers, timeout, prefetch_factor, persistent_workers, max_concurrency,
+            max_failures)
         if snapshot_every_n_steps is not None and (
             not _is_int(snapshot_every_n_steps) or snapshot_every_n_steps < 0
         ):
@@ -325,16 +294,6 @@ class DataLoader(Generic[T_co]):
                 "snapshot_every_n_steps should be a non-negative integer or None, "
                 f"but got snapshot_every_n_steps={snapshot_every_n_steps!r}"
             )
-        if max_concurrency is not None and (
-            isinstance(max_concurrency, bool)
-            or not isinstance(max_concurrency, int)
-            or max_concurrency <= 0
-        ):
-            raise ValueError(
-                "max_concurrency should be a positive integer or None, "
-                f"but got max_concurrency={max_concurrency!r}"
-            )
-
         self.dataset = dataset
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
@@ -347,45 +306,11 @@ class DataLoader(Generic[T_co]):
         # whenever it is taken (it travels with each batch), so it changes nothing.
         self.snapshot_every_n_steps = snapshot_every_n_steps
         self.max_concurrency = max_concurrency
-        self.max_failures: int | float = check_max_failures(max_failures)
+        self.max_failures: int | float = max_failures
 
         iterable = is_iterable_dataset(dataset)
-        if iterable:
-            if shuffle not in {False, None}:
-                raise ValueError(
-                    "DataLoader with IterableDataset: expected unspecified shuffle option, "
-                    f"but got shuffle={shuffle}"
-                )
-            if sampler is not None:
-                raise ValueError(
-                    "DataLoader with IterableDataset: expected unspecified sampler option, "
-                    f"but got sampler={sampler}"
-                )
-            if batch_sampler is not None:
-                raise ValueError(
-                    "DataLoader with IterableDataset: expected unspecified batch_sampler "
-                    f"option, but got batch_sampler={batch_sampler}"
-                )
-        else:
-            shuffle = bool(shuffle)
-
-        if sampler is not None and shuffle:
-            raise ValueError("sampler option is mutually exclusive with shuffle")
-
-        if batch_sampler is not None:
-            if batch_size != 1 or shuffle or sampler is not None or drop_last:
-                raise ValueError(
-                    "batch_sampler option is mutually exclusive "
-                    "with batch_size, shuffle, sampler, and "
-                    "drop_last"
-                )
-            batch_size = None
-            drop_last = False
-        elif batch_size is None and drop_last:
-            raise ValueError(
-                "batch_size=None option disables auto-batching "
-                "and is mutually exclusive with drop_last"
-            )
+        batch_size, shuffle, drop_last = check_batching(
+            iterable, batch_size, shuffle, sampler, batch_sampler, drop_last)
 
         # One Generator for the loader: it seeds the random sampler and every base_seed.
         self.generator = generator
@@ -428,14 +353,15 @@ class DataLoader(Generic[T_co]):
         # Checkpoints: the latest epoch's record, and a loaded state the next epoch resumes.
         self._record: _EpochRecord | None = None
         self._resume_state: dict[str, Any] | None = None
-        self._resume_skip: Skip | None = None
+        self._resume_skip: AlreadyDelivered | None = None
         self._resume_seed: int | None = None  # the persistent workers' seed of a resumed run
         self._resume_failures: tuple[int, list[Any]] | None = None  # its failures so far
         self._stats: Collector | None = None  # the statistics of the latest epoch
         self._stats_epochs = 0
         if num_workers > 0:
             prepare_context(self._context(), warm=True)
-        self._check_worker_number(stacklevel=3)  # torch warns here too, and at each epoch
+        self._warned_workers = 0  # the num_workers warned about (see _check_worker_number)
+        self._check_worker_number()
         self.__initialized = True
 
     # torch's guards --------------------------------------------------------------------------
@@ -518,31 +444,16 @@ class DataLoader(Generic[T_co]):
         forbid_running_loop("DataLoader", "batch in loader")
         return DataLoaderIter(self)
 
-    def _check_worker_number(self, stacklevel: int = 3) -> None:
-        """torch's warning when a loader is built, or an epoch is to start, with more workers
-        than there are CPUs (``stacklevel``: the caller's frame to blame, as for
-        :func:`warnings.warn`)."""
+    def _check_worker_number(self) -> None:
+        """torch's warning when a loader is built with more workers than there are CPUs, at
+        the user's line; once per loader (torch warns again at each epoch, at lines of its
+        own, which Python's filter then shows once each): again at an epoch only after
+        ``num_workers`` was changed."""
         workers = self.num_workers
-        if workers == 0 or (self.persistent_workers and self._pool is not None):
+        if workers == 0 or workers == self._warned_workers:
             return
-        cpus, cpuset = usable_cpus()
-        if cpus is not None and workers <= cpus:
-            return
-        if cpus is None:
-            suggestion = ("DataLoader is not able to compute a suggested max number of worker "
-                          "in current system.")
-        else:
-            suggestion = (f"Our suggested max number of worker in current system is {cpus}"
-                          f"{'' if cpuset else ' (`cpuset` is not taken into account)'}, which "
-                          "is smaller than what this DataLoader is going to create.")
-        warnings.warn(
-            f"This DataLoader will create {workers} worker processes in total. {suggestion} "
-            "Please be aware that excessive worker creation might get DataLoader running slow "
-            "or even freeze, lower the worker number to avoid potential slowness/freeze if "
-            "necessary.",
-            # The `async for` (the synchronous facade's loop for `for`), or the construction.
-            stacklevel=stacklevel,
-        )
+        self._warned_workers = workers
+        warn_worker_number(workers)
 
     async def aclose(self) -> None:
         """Stop every epoch in progress and wait until their fetches have ended; stop workers.
@@ -595,9 +506,11 @@ class DataLoader(Generic[T_co]):
 
     # The epoch's plan ------------------------------------------------------------------------
     def _plan(self, transform: Callable[[Any], Any] | None, remote: PoolEpoch | None = None,
-              epoch: int = 0, here: bool = False) -> FetchPlan:
+              setup: EpochSetup | None = None, here: bool = False) -> FetchPlan:
         """The plan of an epoch in this process (or a worker's), or whose jobs go to ``remote``;
-        ``here``: one on the sync ``for``'s own thread (see :meth:`FetchPlan.for_dataset`)."""
+        ``setup``: the epoch it is for, which its statistics and failure budget are built from
+        too (None: a plan asked what it would decide, or the workers'); ``here``: one on the
+        sync ``for``'s own thread (see :meth:`FetchPlan.for_dataset`)."""
         return FetchPlan.for_dataset(
             self.dataset,
             iterable=isinstance(self._kind, IterableEpochs),
@@ -610,7 +523,7 @@ class DataLoader(Generic[T_co]):
             num_workers=self.num_workers,
             prefetch_factor=self.prefetch_factor,
             seed=None if isinstance(self._kind, IterableEpochs) else self.sample_seed,
-            epoch=epoch,
+            setup=setup,
             here=here,
         )
 
@@ -624,13 +537,18 @@ class DataLoader(Generic[T_co]):
             return self.dataset._claim_epoch()
         return count
 
+    def _workers_live(self) -> bool:
+        """Whether persistent workers from an earlier epoch are alive to serve the next."""
+        pool = self._pool
+        return pool is not None and not (pool.closed or pool.broken)
+
     def _base_seed(self) -> tuple[int, bool]:
         """This epoch's ``base_seed``, and whether it was drawn: drawn from the generator,
         except by an epoch that the live persistent workers will serve, which keep their first
         epoch's seeds; torch resets its one iterator then and draws nothing, so the sampler's
         draws stay torch's. A run resumed from persistent workers' epoch keeps their seed."""
         pool = self._pool
-        if pool is not None and not (pool.closed or pool.broken):
+        if pool is not None and self._workers_live():
             return int(pool.setup.base_seed), False
         if self._resume_seed is not None:
             return self._resume_seed, False
@@ -679,6 +597,8 @@ class DataLoader(Generic[T_co]):
         ``num_workers=0``), in the saved run's batch order, and the later epochs are split by
         the new count. A stream's state taken during an epoch resumes only on the same rank
         of the same world size (``ValueError`` naming ``'world'``); between epochs, on any.
+        The states of a job's ranks merged by :func:`aloader.merge_rank_states` load on
+        every rank of any world size, each taking its part of the interrupted epoch.
 
         Every number is checked against the dataset where it can be without reading it: a
         map-style epoch's batches received against the epoch's length, a shard's position
@@ -694,53 +614,20 @@ class DataLoader(Generic[T_co]):
                 a ``TypeError`` too) or a number that does not fit the dataset, or the state
                 does not fit the samplers; its ``failures`` has more indices than its count,
                 or indices for an iterable dataset; a shard changed since the state was
-                saved (naming the shard).
+                saved (naming the shard); merged states that cannot be split over this world
+                size (see :func:`aloader.merge_rank_states`).
         """
+        if isinstance(state, Mapping) and state.get("format") == RANKS_FORMAT:
+            state = rank_part(self, state)  # the ranks' states merged: this rank's part
         load_state(self, state)
 
-    def _remote(self, base_seed: int, epoch: int) -> PoolEpoch:
-        """This epoch's use of the worker processes: the persistent pool when it is free."""
-        pool = self._pool
-        if pool is not None and (pool.closed or pool.broken):
-            if pool.broken:
-                worker_log.warning("restarting the persistent workers after an earlier error")
-            pool.shutdown()
-            pool = self._pool = None
-        # The workers' budget (none, or the unlimited one they report under) is fixed at their
-        # start: a budget turned on or off between epochs needs other workers (a free pool is
-        # restarted, keeping its seed; a busy one is left to its epoch).
-        stale = pool is not None and (pool.setup.plan.failures is None) == bool(
-            self.max_failures)
-        if pool is not None and stale and pool.holder is None:
-            worker_log.info("restarting the persistent workers: max_failures is now %r",
-                            self.max_failures)
-            pool.shutdown()
-            pool = self._pool = None
-        if pool is not None and not stale and (pool.holder is None or pool.holder.stopping):
-            return self._kind.pool_epoch(pool, epoch)
-        plan = self._plan(None)
-        plan.stats = Collector(plan.mode, auto_batch=plan.auto_batch)  # the workers' items
-        if self.max_failures:  # a worker reports its failures; the budget is counted here
-            plan.failures = Failures(math.inf)
-            plan.failures.sources_of = source_stats
-        setup = WorkerSetup(
-            plan=plan,
-            serve=self._kind.serve,
-            base_seed=base_seed,
-            num_workers=self.num_workers,
-            worker_init_fn=self.worker_init_fn,
-            prefetch=self.prefetch_factor,
-            preludes=self._kind.take_preludes(),
-        )
-        context = self._context()
-        prepare_context(context, warm=False)
-        # A second epoch while the persistent pool serves a live one gets workers of its own.
-        persistent = self.persistent_workers and pool is None
-        pool = WorkerPool(setup, context, persistent=persistent)
-        if persistent:
-            self._pool = pool
-            weakref.finalize(self, pool.shutdown)
-        return self._kind.pool_epoch(pool, epoch)
+    def _started(self, epoch: Epoch) -> None:
+        """``epoch`` has started: its statistics are the loader's latest, and closing the
+        loader stops it."""
+        self._stats_epochs += 1
+        self._stats = epoch.plan.stats
+        self._epochs = {e for e in self._epochs if not e.done.is_set()}
+        self._epochs.add(epoch)
 
     def __repr__(self) -> str:
         return (
@@ -764,6 +651,10 @@ class AsyncDataLoaderIter(Generic[T_co]):
             samples, the last ``errors``), or None without ``max_failures``.
     """
 
+    # Until __init__ completes: an epoch whose making raised (a sampler's __len__) has
+    # nothing to stop, and its __del__ must not look for what was never set.
+    _closed = True
+
     def __init__(self, loader: DataLoader[T_co]) -> None:
         self._loader = loader
         # Explicit epoch state, so that a resume can restore it: the RNG state this epoch
@@ -773,11 +664,13 @@ class AsyncDataLoaderIter(Generic[T_co]):
         kind = loader._kind
         if isinstance(kind, MapEpochs):
             kind.begin(loader.num_workers)  # what the epoch is drawn from, before it draws
+            if loader.num_workers > 0 and not loader._workers_live():
+                kind.new_workers()  # before the base seed's draw, as torch's __init__
         self.rng_state: Mapping[str, Any] = loader._rng.bit_generator.state
         start = rng_state(loader._rng)
         base_seed, drawn = loader._base_seed()
         self.base_seed: int = base_seed
-        self._skip = loader._resume_skip or Skip(0)
+        self._skip = loader._resume_skip or AlreadyDelivered(0)
         self._resumed_failures = loader._resume_failures
         loader._resume_skip = loader._resume_failures = None
         loader._resume_state = None
@@ -880,7 +773,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         if loader.num_workers > 0:
             return 0
         if plan is None:
-            plan = loader._plan(None, epoch=self.epoch)
+            plan = loader._plan(None)
         if plan.mode == "inline":
             return 0
         return 2 * plan.window + max(1, loader.prefetch_factor)
@@ -901,57 +794,54 @@ class AsyncDataLoaderIter(Generic[T_co]):
         if self._asked is not None:
             self._asked(self._calls + self._ahead())
 
+    def _setup(self) -> EpochSetup:
+        """What this epoch is built from, decided as it starts (see
+        :class:`~aloader._epoch_setup.EpochSetup`)."""
+        loader = self._loader
+        resumed = self._resumed_failures  # the budget goes on where the checkpoint left it
+        return EpochSetup(
+            epoch=self.epoch,
+            base_seed=self.base_seed,
+            kind="iterable" if isinstance(loader._kind, IterableEpochs) else "map",
+            num_workers=loader.num_workers,
+            prefetch_factor=loader.prefetch_factor,
+            stats_epoch=loader._stats_epochs,
+            max_failures=loader.max_failures,
+            samples=loader._epoch_samples() if loader.max_failures else None,
+            resumed_failures=None if resumed is None else (resumed[0], tuple(resumed[1])),
+            sources=tuple(source_stats(loader.dataset)),
+            sources_of=source_stats,
+        )
+
     def _start(self, here: bool = False) -> Epoch:
         """Start the epoch (with ``here``, an iterable one on the consumer's call: see
-        :meth:`_start_here`)."""
+        :meth:`_start_here`): its plan, and through it its statistics and failure budget, are
+        built from one :meth:`_setup`."""
         loader = self._loader
         kind = loader._kind
         results = Results(loader.prefetch_factor, loader.in_order)
         transform = _pin_memory_transform(loader)
+        setup = self._setup()
         # Workers or not: decided here, once per epoch (num_workers may change between epochs).
-        resumed = self._resumed_failures
-        if isinstance(kind, IterableEpochs):
-            kind.base_seed = self.base_seed  # the seeds a resumed epoch's replicas see
         epoch: Epoch
         if loader.num_workers > 0:
-            remote = loader._remote(self.base_seed, loader._claim_epoch(self.epoch))
             # The batches the consumer took (the sync facade's pump runs ahead of it).
             record, before = self._record, self._record.yielded
-            remote.taken = lambda: record.yielded - before
-            plan = loader._plan(transform, remote, self.epoch)
+            remote = pool_epoch(loader, self.base_seed, loader._claim_epoch(self.epoch),
+                                lambda: record.yielded - before)
+            plan = loader._plan(transform, remote, setup)
             epoch = (kind.on_workers(plan, results, remote, self._draw())
                      if isinstance(kind, MapEpochs) else kind.on_workers(plan, results, remote))
         else:
-            remote = None
-            plan = loader._plan(transform, epoch=self.epoch, here=here)
+            plan = loader._plan(transform, setup=setup, here=here)
             epoch = (kind.local(plan, results, self._draw(plan)) if isinstance(kind, MapEpochs)
-                     else kind.local(plan, results, here=here))
-        plan = epoch.plan
-        if loader.max_failures:
-            self.failures = plan.failures = Failures(loader.max_failures,
-                                                     loader._epoch_samples())
-            self.failures.sources_of = source_stats
-            if resumed is not None:  # the budget goes on where the checkpoint left it
-                self.failures.restore(*resumed)
-            self._record.failures = self.failures
-            if remote is not None:
-                remote.failures = self.failures
-        stats = self._stats = plan.stats = Collector(
-            plan.mode, plan.concurrency if plan.granularity == "item" else plan.window,
-            max(1, loader.prefetch_factor), loader._stats_epochs, loader.num_workers,
-            "iterable" if isinstance(kind, IterableEpochs) else "map", plan.auto_batch,
-        )
-        stats.sources = source_stats(loader.dataset)
-        if self.failures is not None:
-            self.failures.stats = stats
-            stats.failed = self.failures.count  # a resumed epoch's, from the checkpoint
-        loader._stats_epochs += 1
-        loader._stats = stats
-        if remote is not None:
-            remote.stats = stats
+                     else kind.local(plan, results, here=here, base_seed=self.base_seed))
+        # The iterator's own view of its epoch; the record (what a checkpoint says of the
+        # epoch, which the iterator keeps up to date) holds the budget for state_dict().
+        self.failures = self._record.failures = epoch.plan.failures
+        self._stats = epoch.plan.stats
         epoch.start()
-        loader._epochs = {e for e in loader._epochs if not e.done.is_set()}
-        loader._epochs.add(epoch)
+        loader._started(epoch)
         return epoch
 
     async def __anext__(self) -> T_co:
@@ -1024,23 +914,26 @@ class AsyncDataLoaderIter(Generic[T_co]):
         if yielded == self._first and now - stats.started > SLOW_FIRST_BATCH * 1e9:
             loader_log.warning("the first batch took %.1f s (a cold start, or a stall: "
                                "see DataLoader.stats())", (now - stats.started) / 1e9)
-        if self._len_called is not None:  # only an iterable's epoch may outrun its length
-            self._warn_length()
+        if self._len_called is not None and not self._deferred:
+            self._warn_length(yielded)  # (the pump's batches: when DataLoaderIter hands them)
         batch: T_co = value  # typed by assignment: a cast() is a call per batch
         return batch
 
-    def _warn_length(self) -> None:
+    def _warn_length(self, handed: int) -> None:
+        """torch's warning, in the consumer's call that receives batch number ``handed`` (from
+        1) of an iterable's epoch, past the dataset's ``len()`` read before the epoch began
+        (only an iterable's epoch may outrun its length), at the consumer's line."""
         length = self._len_called
-        if length is not None and self.num_yielded > length:
+        if length is not None and handed > length:
             warnings.warn(
                 f"Length of IterableDataset {self._loader.dataset} was reported to be {length}"
-                f"(when accessing len(dataloader)), but {self.num_yielded} samples have been "
+                f"(when accessing len(dataloader)), but {handed} samples have been "
                 "fetched. " + (
                     "For multiprocessing data-loading, this could be caused by not properly "
                     "configuring the IterableDataset replica at each worker. Please see "
                     "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
                     "for examples." if self._loader.num_workers > 0 else ""),
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
 
     @property
@@ -1116,6 +1009,9 @@ class DataLoaderIter(Iterator[T_co]):
         # then its iterator's, as torchdata's).
         self._sync: LocalIterator[Any] | SyncIterator[Any] | None = None
         self._closed = False
+        # Batches handed to the consumer (the pump runs ahead of them), a resumed epoch's
+        # before the resume included (torch's count, which its length warning compares).
+        self._handed = source._record.yielded
         if loader.num_workers > 0 or isinstance(loader._kind, IterableEpochs):
             self._open()
 
@@ -1158,7 +1054,11 @@ class DataLoaderIter(Iterator[T_co]):
         if isinstance(sync, LocalIterator):
             return cast(T_co, item)  # the source recorded it: nothing runs ahead here
         value, receipt = item  # only a batch, not an error, has a receipt
-        self._source._record.received(*receipt)
+        source = self._source
+        source._record.received(*receipt)
+        self._handed += 1
+        if source._len_called is not None:
+            source._warn_length(self._handed)
         return cast(T_co, value)
 
     def close(self) -> None:

@@ -42,12 +42,12 @@ from typing import Any, ClassVar, TypeAlias, cast
 import anyio
 
 from .._facade import run_here
-from .._util import close_iterator, is_async_callable
+from .._util import ataken, close_iterator, is_async_callable, taken
 from .._workerinfo import WorkerInfo, as_replica
 from ..data._batchsampler import BatchSampler, epoch_batches, torch_epoch
 from ..data._dataset import aiter_of
 from ..data._distributed import DistributedSampler
-from ..data._indices import epoch_indices
+from ..data._indices import _owner, epoch_indices
 from ..data._sampler import load_sampler_state, sampler_state
 from ..pipeline._epoch import _NO_LIMITER, Epoch, IterableEpoch, MapEpoch
 from ..pipeline._errors import _batch_error
@@ -58,11 +58,13 @@ from ..pipeline._pull import _NOTHING
 from ..pipeline._results import Results
 from ..streams._positions import check_field
 from ..streams._resume import (
+    adopt_world,
     encode,
     open_replica,
     parse,
     prelude,
     protocol_state,
+    saved_world,
     snapshotter,
     start_snapshot,
 )
@@ -72,8 +74,8 @@ from ..workers._pool_epoch import Delivered, MapPoolEpoch, PoolEpoch, ReplicaPoo
 from ..workers._worker import ServeReplica, ServeTasks, replica_copy
 from ._datasetstate import DatasetStates
 
-__all__ = ("EpochKind", "InlineIterableEpoch", "IterableEpochs", "MapEpochs", "Progress", "Skip",
-           "StateTypeError", "VirtualReplicas")
+__all__ = ("AlreadyDelivered", "EpochKind", "InlineIterableEpoch", "IterableEpochs", "MapEpochs",
+           "Progress", "StateTypeError", "VirtualReplicas")
 
 
 class StateTypeError(ValueError, TypeError):
@@ -104,7 +106,7 @@ class Progress:
 
 
 @dataclass(frozen=True)
-class Skip:
+class AlreadyDelivered:
     """The batches a resumed map-style epoch leaves out: its first ``prefix`` ones and those
     numbered in ``delivered``."""
 
@@ -124,13 +126,39 @@ class Skip:
         return number
 
 
-def _without(keys: Iterator[Any], skip: Skip) -> Iterator[Any]:
+def _checked_progress(ranks: Any, sampler: Any) -> list[tuple[int | None, list[int]]] | None:
+    """A map part's ``"ranks"`` (each saved rank's ``[prefix, delivered]``, prefix None for
+    all of its batches: the part a rank of another world size takes of merged states),
+    checked against the saved sampler state (``sampler``; None when the world is the same,
+    where it must be absent)."""
+    if ranks is None:
+        return None
+    where = "cannot load this state: field 'map.ranks'"
+    if sampler is None:
+        raise ValueError(f"{where} is for a DistributedSampler on another world size")
+    if not (isinstance(ranks, list) and len(ranks) == sampler.get("num_replicas")):
+        raise ValueError(f"{where} should list the {sampler.get('num_replicas')} saved ranks' "
+                         f"progress, but is {ranks!r}")
+    out: list[tuple[int | None, list[int]]] = []
+    for entry in ranks:
+        ok = isinstance(entry, list) and len(entry) == 2
+        prefix, done = (entry[0], entry[1]) if ok else (None, None)
+        if not ok or not (prefix is None or (type(prefix) is int and prefix >= 0)) \
+                or not isinstance(done, list) or not all(
+                    type(d) is int and prefix is not None and d > prefix for d in done):
+            raise ValueError(f"{where} holds {entry!r}, not [batches received (None: all), "
+                             "batch numbers received beyond them]")
+        out.append((prefix, list(done)))
+    return out
+
+
+def _without(keys: Iterator[Any], skip: AlreadyDelivered) -> Iterator[Any]:
     for number, key in enumerate(keys, skip.prefix):
         if number not in skip.delivered:
             yield key
 
 
-async def _askip(keys: AsyncIterator[Any], skip: Skip) -> AsyncIterator[Any]:
+async def _askip(keys: AsyncIterator[Any], skip: AlreadyDelivered) -> AsyncIterator[Any]:
     number = 0
     async for key in keys:
         if number >= skip.prefix and number not in skip.delivered:
@@ -158,10 +186,10 @@ class MapEpochs:
         self.serve = ServeTasks()
         # What the latest epoch was drawn from (taken by begin()), and the next epoch's skip.
         self._start_state: Any = None
-        self.resume: Skip | None = None
+        self.resume: AlreadyDelivered | None = None
         # A resumed epoch's failed samples, left out of its keys (see aloader.pipeline._failures).
         self.known_failed: KnownFailed | None = None
-        self.loaded_skip: Skip | None = None
+        self.loaded_skip: AlreadyDelivered | None = None
         # Set by keys(): where the consumer tells an epoch drawn as torch's sampler draws it
         # (aloader.data._sampler.TorchDraws), or drawn on its calls
         # (aloader.pipeline._keys.PacedKeys),
@@ -176,6 +204,20 @@ class MapEpochs:
         and where the dataset's copies start (``num_workers`` of them, or the loader's)."""
         self._start_state = sampler_state(self.index_sampler)
         self.datasets.epoch_begins(num_workers)
+
+    def new_workers(self) -> None:
+        """An epoch starts new workers: what torch's iterator does then before its epoch,
+        ``iter()`` of the index sampler once, dropped (its ``__init__`` takes one, its
+        ``_reset`` the epoch's). A user's sampler whose ``__iter__`` draws at once (a new
+        order from the global generator, a count of epochs) draws once more, as under torch,
+        so its orders are torch's. aloader's own samplers and the builtin sequences draw
+        nothing until iterated (as torch's, whose ``__iter__`` are generators): left alone."""
+        sampler = self.index_sampler
+        owner = _owner(type(sampler), "__iter__")
+        if owner is None or owner.__module__.split(".")[0] in ("aloader", "builtins"):
+            return
+        if aiter_of(sampler) is None:
+            iter(sampler)
 
     def epoch_length(self) -> int | None:
         """Batches in the next epoch, or None when the index sampler has no length."""
@@ -226,7 +268,7 @@ class MapEpochs:
         state = sub.get("sampler")
         load_sampler_state(self.index_sampler, state, apply=False)
         datasets = self.datasets.check(sub.get("datasets"), num_workers)
-        skip = Skip(prefix, frozenset(delivered))
+        skip = AlreadyDelivered(prefix, frozenset(delivered))
         distributed = self._distributed()
         inner = state.get("sampler") if self.auto_collation and isinstance(state, dict) else (
             state
@@ -241,14 +283,21 @@ class MapEpochs:
             raise ValueError(f"state['map'] says {prefix + len(delivered)} batches were "
                              f"received (field 'prefix' {prefix}, 'delivered' {delivered}), "
                              f"past this loader's epoch of {length} batches")
+        ranks = _checked_progress(sub.get("ranks"), inner if elastic else None)
         load_sampler_state(self.index_sampler, state)
         if elastic:
             assert distributed is not None and isinstance(inner, dict)
             size = cast(BatchSampler, self.index_sampler).batch_size if self.auto_collation else 1
-            distributed._resume_elastic(
-                inner, prefix * size, [[d * size, (d + 1) * size] for d in sorted(delivered)]
-            )
-            skip = Skip(0)
+            if ranks is None:  # one rank's state: the ranks went in lockstep
+                distributed._resume_elastic(
+                    inner, prefix * size,
+                    [[d * size, (d + 1) * size] for d in sorted(delivered)])
+            else:  # each rank's own progress (aloader.loader._ranks)
+                distributed._resume_elastic(
+                    inner, [None if p is None else p * size for p, _ in ranks],
+                    [[d * size, (d + 1) * size, r] for r, (_, done) in enumerate(ranks)
+                     for d in done])
+            skip = AlreadyDelivered(0)
         self.loaded_skip = skip
         self.datasets.apply(datasets, num_workers)
 
@@ -305,7 +354,8 @@ class MapEpochs:
         if not skip.delivered:
             return keys
         if isinstance(keys, AsyncIterator):
-            return _askip(keys, Skip(0, frozenset(d - skip.prefix for d in skip.delivered)))
+            return _askip(keys, AlreadyDelivered(
+                0, frozenset(d - skip.prefix for d in skip.delivered)))
         return _without(keys, skip)
 
     def _keys(self, skip: int) -> Iterator[Any] | AsyncIterator[Any]:
@@ -330,9 +380,10 @@ class MapEpochs:
         # Async samplers (and batch samplers over them) are walked with async iteration.
         aiter_ = getattr(sampler, "__aiter__", None)
         if aiter_ is not None:
-            keys = cast(AsyncIterator[Any], aiter_())
-            return keys if not skip else _askip(keys, Skip(skip))
-        return itertools.islice(cast(Iterator[Any], iter(sampler)), skip, None)
+            # Taken once: every loop over them (skips, failure filters) is over this.
+            keys = ataken(cast(AsyncIterator[Any], aiter_()))
+            return keys if not skip else _askip(keys, AlreadyDelivered(skip))
+        return itertools.islice(taken(cast(Iterator[Any], iter(sampler))), skip, None)
 
     def local(self, plan: FetchPlan, results: Results, keys: Iterator[Any] | AsyncIterator[Any]
               ) -> Epoch:
@@ -390,9 +441,6 @@ class IterableEpochs:
         self.auto_collation = batch_size is not None
         self.serve = ServeReplica(batch_size, drop_last)
         self._len_called: int | None = None
-        #: This epoch's ``base_seed`` (set by the loader as each epoch starts): the virtual
-        #: replicas of an epoch resumed here see the seeds of the workers they stand for.
-        self.base_seed = 0
 
     def length(self) -> int:
         """torch's length of an iterable loader: the dataset's length in batches.
@@ -421,17 +469,20 @@ class IterableEpochs:
         saved replicas of a run with workers."""
         dataset, pending = self.dataset, self._pending
         plain = dataset._loopless() if isinstance(dataset, Stream) else aiter_of(dataset) is None
-        return (plain and (pending is None or pending["num_workers"] == 0)
+        return (plain and (pending is None or (pending["num_workers"] == 0
+                                                 and pending["lanes"] is None))
                 and not is_async_callable(collate_fn))
 
-    def local(self, plan: FetchPlan, results: Results, *, here: bool = False) -> Epoch:
+    def local(self, plan: FetchPlan, results: Results, *, here: bool = False,
+              base_seed: int = 0) -> Epoch:
         """An epoch iterating the dataset in this process (from a loaded state, if any; one
-        saved with workers runs its replicas here, see :class:`VirtualReplicas`); with
-        ``here`` (only where :meth:`loopless` says so), one made on the consumer's call with
-        no event loop (:class:`InlineIterableEpoch`)."""
+        saved with workers runs its replicas here, see :class:`VirtualReplicas`, which see
+        the seeds of the workers they stand for: ``base_seed + id``); with ``here`` (only
+        where :meth:`loopless` says so), one made on the consumer's call with no event loop
+        (:class:`InlineIterableEpoch`)."""
         pending = self._pending
-        if pending is not None and pending["num_workers"] > 0:
-            return self._virtual_local(plan, results, pending)
+        if pending is not None and (pending["num_workers"] > 0 or pending["lanes"] is not None):
+            return self._virtual_local(plan, results, pending, base_seed)
         parsed = None if pending is None else parse(self.dataset, pending["replicas"][0], (0, 1))
         source, snapshot = open_replica(self.dataset, parsed)
         self._holder = ("local", source)
@@ -441,30 +492,35 @@ class IterableEpochs:
                                        self.batch_size, self.drop_last, snapshot)
         return IterableEpoch(plan, results, source, self.batch_size, self.drop_last, snapshot)
 
-    def _virtual_local(self, plan: FetchPlan, results: Results, pending: dict[str, Any]
-                       ) -> Epoch:
+    def _virtual_local(self, plan: FetchPlan, results: Results, pending: dict[str, Any],
+                       base_seed: int) -> Epoch:
         count, turn, states = pending["num_workers"], pending["turn"], pending["replicas"]
         dataset = self.dataset
         # The epoch the saved workers served: a stream's own copy claims it (as when its
         # workers iterate it), other datasets count the loader's epochs.
         epoch = dataset._claim_epoch() if isinstance(dataset, Stream) else plan.epoch
-        begin = self._begin_of(states, epoch, count)
+        slots = _slots(pending)
+        begin = self._begin_of(states, epoch, count, slots)
         lanes = []
-        for w, state in enumerate(states):
+        for (w, seed), state in zip(slots, states, strict=True):
             replica = replica_copy(dataset)
-            info = WorkerInfo(id=w, num_workers=count, seed=self.base_seed + w,
-                              dataset=replica)
-            lanes.append(_Lane(replica, parse(replica, state, (w, count)), info, epoch))
-        self._began(("workers", tuple(begin), turn), plan.epoch)
+            adopt_world(replica, state)  # a replica of another rank: on that rank's shards
+            info = None if count == 0 else WorkerInfo(
+                id=w, num_workers=count, seed=base_seed + w if seed is None else seed,
+                dataset=replica)
+            lanes.append(_Lane(replica, parse(replica, state, (w, count) if count else (0, 1)),
+                               info, epoch if count else None))
+        self._began(("workers", tuple(begin), turn), plan.epoch, pending)
         self._holder = None  # the replicas are copies: the loader's own is as it was
         return VirtualReplicas(plan, results, lanes, turn, begin, self.batch_size,
                                self.drop_last)
 
-    def _begin_of(self, states: list[Any], epoch: int, count: int) -> list[Any]:
+    def _begin_of(self, states: list[Any], epoch: int, count: int,
+                  slots: list[tuple[int, int | None]]) -> list[Any]:
         """The replicas' snapshots until they deliver (``count`` 0: the loader's one)."""
         return [("encoded", state) if state is not None else
                 start_snapshot(self.dataset, epoch, (w, count) if count else (0, 1))
-                for w, state in enumerate(states)]
+                for (w, _), state in zip(slots, states, strict=True)]
 
     def on_workers(self, plan: FetchPlan, results: Results, remote: PoolEpoch) -> Epoch:
         """An epoch asking the workers' replicas for batches (``remote`` is a
@@ -476,8 +532,12 @@ class IterableEpochs:
         saved = count if pending is None else pending["num_workers"]
         turn = 0 if pending is None else pending["turn"]
         states = [None] * count if pending is None else pending["replicas"]
-        begin = self._begin_of(states, remote.loader_epoch, saved)
-        remote.resume(turn, states, begin, None if saved == count else saved)
+        named = None if pending is None else pending["lanes"]
+        slots: list[tuple[int, int | None]] = (
+            _slots(pending) if pending is not None else [(w, None) for w in range(count)])
+        begin = self._begin_of(states, remote.loader_epoch, saved, slots)
+        remote.resume(turn, states, begin,
+                      None if saved == count and named is None else saved, named)
         # torch's workers after a break, for what torch runs: a plain iterable, from its start
         # (a stream's extra reads would count in its statistics; see ReplicaPoolEpoch).
         dataset = self.dataset
@@ -485,7 +545,8 @@ class IterableEpochs:
                           and not isinstance(dataset, Stream) and aiter_of(dataset) is None)
         results.metas = remote.delivered
         self._holder = ("pool", remote)
-        self._began(begin[0] if saved == 0 else ("workers", tuple(begin), turn), plan.epoch)
+        self._began(begin[0] if saved == 0 and named is None else ("workers", tuple(begin), turn),
+                    plan.epoch, pending)
         return MapEpoch(plan, results, remote.keys())
 
     # Resume (see aloader.streams._resume)
@@ -496,9 +557,20 @@ class IterableEpochs:
     # Stream (None for other datasets)}. "num_workers" is the count whose split the epoch's
     # replicas follow: the saved run's, also when a state is taken in an epoch resumed with
     # another count (its replicas are still the saved ones).
+    #
+    # "lanes" (only in a state taken during an epoch that finishes other ranks' replicas, and
+    # in this rank's part of a merged state: see aloader.loader._ranks): which saved replicas
+    # the entries of "replicas" are, [worker id, base seed of its rank or None] each (None:
+    # this loader's), each on the ranks its state names ("world", see
+    # aloader.streams._resume.adopt_world). Without it, replica w is worker w of this rank.
 
     _begin: Any = None  # the snapshot of the epoch begun last, before its first batch
     _begin_epoch: int | None = None  # the loader's epoch that _begin is the start of
+    # The lanes of the epoch begun last, and the ranks ("world") of each; None: this rank's.
+    _lanes: list[list[Any]] | None = None
+    _lanes_count = 0  # the saved run's num_workers, which the lanes' worker ids are of
+    _lanes_epoch: int | None = None  # the stream's epoch they finish (for a rank with none)
+    _lane_worlds: list[Any] | None = None
     _pending: dict[str, Any] | None = None  # a loaded sub-state, for the next epoch
     # Who holds the dataset's own state after the latest epoch: ("local", its iterator) for
     # the loader's copy, ("pool", the pool epoch) for workers (their replicas' final states
@@ -509,10 +581,17 @@ class IterableEpochs:
     #: loader for the next pool it starts.
     worker_preludes: list[Any] | None = None
 
-    def _began(self, begin: Any, epoch: int) -> None:
-        """An epoch's replicas are open: ``begin`` is where it starts (a loaded sub-state is
-        spent)."""
+    def _began(self, begin: Any, epoch: int, pending: dict[str, Any] | None = None) -> None:
+        """An epoch's replicas are open: ``begin`` is where it starts (a loaded sub-state,
+        ``pending``, is spent)."""
         self._begin, self._begin_epoch = begin, epoch
+        lanes = None if pending is None else pending["lanes"]
+        self._lanes = lanes
+        self._lanes_count = 0 if pending is None else pending["num_workers"]
+        counters = None if pending is None else pending["stream"]
+        self._lanes_epoch = counters.get("epoch") if isinstance(counters, dict) else None
+        self._lane_worlds = None if lanes is None else [
+            saved_world(state) for state in pending["replicas"]]  # type: ignore[index]
         self._pending = None
 
     def take_preludes(self) -> list[Any] | None:
@@ -558,7 +637,8 @@ class IterableEpochs:
     def state_dict(self, progress: Any) -> dict[str, Any]:
         """The ``"iterable"`` entry of the loader's state for ``progress`` (see _loader)."""
         if self._pending is not None:
-            return dict(self._pending)
+            return {key: value for key, value in self._pending.items()
+                    if key != "lanes" or value is not None}
         dataset = self.dataset
         counters = dataset._state_from(None) if isinstance(dataset, Stream) else None
         meta = getattr(progress, "batch_meta", None)
@@ -575,6 +655,16 @@ class IterableEpochs:
             _, replicas, turn = meta
             if counters is not None:
                 counters["epoch"] = self._epoch_of(replicas)
+            lanes = self._lanes if self._begin_epoch == progress.epoch else None
+            if lanes is not None:
+                worlds = self._lane_worlds
+                assert worlds is not None
+                if counters is not None and not replicas:  # this rank was dealt none
+                    counters["epoch"] = self._lanes_epoch
+                return {"mode": "workers", "num_workers": self._lanes_count, "turn": turn,
+                        "replicas": [encode(dataset, r, world=world)
+                                     for r, world in zip(replicas, worlds, strict=True)],
+                        "lanes": [list(lane) for lane in lanes], "stream": counters}
             return {"mode": "workers", "num_workers": len(replicas), "turn": turn,
                     "replicas": [encode(dataset, r) for r in replicas], "stream": counters}
         return {"mode": "local", "num_workers": 0, "turn": 0,
@@ -623,13 +713,14 @@ class IterableEpochs:
             count = check_field(sub, "num_workers", int, where)
             turn = check_field(sub, "turn", int, where)
             replicas = check_field(sub, "replicas", list, where)
-            if len(replicas) != max(1, count) or (count and turn >= count) or (
-                    mode != "between" and (mode == "local") != (count == 0)):
-                raise ValueError(f"cannot load this state: fields 'num_workers' ({count}), "
-                                 f"'turn' ({turn}) and 'replicas' ({len(replicas)}) disagree")
-            parsed = [parse(dataset, replica, (w, count) if count else (0, 1))
-                      for w, replica in enumerate(replicas)]
+            lanes = sub.get("lanes")
             if mode == "between":
+                if len(replicas) != max(1, count) or turn or lanes is not None:
+                    raise ValueError(f"cannot load this state: fields 'num_workers' ({count}), "
+                                     f"'turn' ({turn}) and 'replicas' ({len(replicas)}) "
+                                     "disagree")
+                parsed = [parse(dataset, replica, (w, count) if count else (0, 1))
+                          for w, replica in enumerate(replicas)]
                 if any(p is not None and (p[0] != "protocol" or not p[-1]) for p in parsed):
                     raise ValueError("cannot load this state: field 'replicas' of a state "
                                      "between epochs holds datasets' final states only")
@@ -640,9 +731,24 @@ class IterableEpochs:
                         f"cannot load this state: field 'replicas' holds the dataset states "
                         f"of {count} persistent workers, which differ: it resumes with "
                         f"num_workers={count} and persistent_workers=True only")
+            elif lanes is None:
+                if len(replicas) != max(1, count) or (mode == "local") != (count == 0) \
+                        or (count and turn >= count):
+                    raise ValueError(f"cannot load this state: fields 'num_workers' ({count}), "
+                                     f"'turn' ({turn}) and 'replicas' ({len(replicas)}) "
+                                     "disagree")
+                for w, replica in enumerate(replicas):
+                    parse(dataset, replica, (w, count) if count else (0, 1))
             else:
+                lanes = _checked_lanes(lanes, mode, count, turn, len(replicas))
+                # Each replica checked on its saved ranks, in one copy put on each in turn.
+                copy = replica_copy(dataset) if isinstance(dataset, Stream) else dataset
+                for (w, _), replica in zip(lanes, replicas, strict=True):
+                    adopt_world(copy, replica)
+                    parse(copy, replica, (w, count) if count else (0, 1))
+            if mode != "between":
                 pending = {"mode": mode, "num_workers": count, "turn": turn,
-                           "replicas": replicas, "stream": counters}
+                           "replicas": replicas, "lanes": lanes, "stream": counters}
         if main is not None and mode == "local":
             # The replica is the loader's copy itself: its counters, and the epoch under way
             # (claimed by an epoch on workers; a local one applies the whole replica state).
@@ -661,6 +767,32 @@ class IterableEpochs:
         self._pending = pending
         self._begin = None
         self._holder = None
+
+
+def _slots(pending: dict[str, Any]) -> list[tuple[int, int | None]]:
+    """The lanes of a loaded sub-state: (worker id, base seed or None) of each replica."""
+    lanes = pending["lanes"]
+    if lanes is None:
+        return [(w, None) for w in range(len(pending["replicas"]))]
+    return [(w, seed) for w, seed in lanes]
+
+
+def _checked_lanes(lanes: Any, mode: str, count: int, turn: int, replicas: int
+                   ) -> list[list[Any]]:
+    """A sub-state's ``"lanes"``, checked against its other fields."""
+    where = "cannot load this state: field 'lanes'"
+    if mode != "workers" or not isinstance(lanes, list) or len(lanes) != replicas:
+        raise ValueError(f"{where} should be a list as long as 'replicas' ({replicas}) in mode "
+                         f"'workers', but is {lanes!r} in mode {mode!r}")
+    for lane in lanes:
+        if not (isinstance(lane, list) and len(lane) == 2 and type(lane[0]) is int
+                and 0 <= lane[0] < max(1, count)
+                and (lane[1] is None or (type(lane[1]) is int and lane[1] >= 0))):
+            raise ValueError(f"{where} holds {lane!r}, not [worker id below 'num_workers' "
+                             f"({count}), base seed or None]")
+    if turn >= max(1, replicas):
+        raise ValueError(f"{where}: 'turn' ({turn}) is not one of its {replicas} replicas")
+    return [list(lane) for lane in lanes]
 
 
 class InlineIterableEpoch(IterableEpoch):

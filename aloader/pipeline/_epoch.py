@@ -40,9 +40,9 @@ admission until its batch is collated, and a batch is collated only once it has 
 
 With a failure budget (the plan's ``failures``, see :mod:`aloader.pipeline._failures`), a sample
 whose fetch raises is left out of its batch instead (marked ``_FAILED`` until the job collates;
-a job left with no sample publishes :data:`~aloader.pipeline._results.SKIP`), until the budget
+a job left with no sample publishes :data:`~aloader.pipeline._results.NO_BATCH`), until the budget
 is exceeded. A resumed epoch's job whose samples all failed before the checkpoint has the key
-``KNOWN_FAILED`` and publishes ``SKIP`` unfetched. Every epoch records its statistics into the
+``KNOWN_FAILED`` and publishes ``NO_BATCH`` unfetched. Every epoch records its statistics into the
 plan's ``stats`` (see :mod:`aloader._stats`): a timestamp pair per job, or per item where items
 are fetched one by one.
 
@@ -75,7 +75,7 @@ from ._failures import _FAILED, KNOWN_FAILED
 from ._keys import PacedKeys, _Keys
 from ._plan import FetchPlan, Remote
 from ._pull import _NOTHING, _pull, _pull_sync, _pull_sync_tolerant, _pull_tolerant
-from ._results import SKIP, Results
+from ._results import NO_BATCH, Results
 from ._sample_rng import IDLE, FrameScope, fetch_var, scope_var
 from ._schedule import (
     _AWAIT_THREADS,
@@ -278,7 +278,7 @@ class MapEpoch(Epoch):
             finally:
                 self.results.last = seq
                 self.results.taken += 1
-            if batch is not SKIP:
+            if batch is not NO_BATCH:
                 if self.results.snapshot is not None:
                     self.results.meta = self.results.snapshot()
                 break
@@ -486,13 +486,13 @@ class MapEpoch(Epoch):
         window.release()
 
     def _samples_of(self, job: _Job) -> Any:
-        """The samples to collate: SKIP for a job failed before a resume, those that did not
-        fail within the budget (SKIP if none is left)."""
-        samples: Any = job.samples if job.key is not KNOWN_FAILED else SKIP
-        if samples is not SKIP and self.plan.failures is not None and job.error is None and any(
+        """The samples to collate: NO_BATCH for a job failed before a resume, those that did not
+        fail within the budget (NO_BATCH if none is left)."""
+        samples: Any = job.samples if job.key is not KNOWN_FAILED else NO_BATCH
+        if samples is not NO_BATCH and self.plan.failures is not None and job.error is None and any(
             sample is _FAILED for sample in samples  # not `in`: arrays compare elementwise
         ):
-            samples = [sample for sample in samples if sample is not _FAILED] or SKIP
+            samples = [sample for sample in samples if sample is not _FAILED] or NO_BATCH
         return samples
 
 

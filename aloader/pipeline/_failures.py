@@ -50,11 +50,15 @@ import logging
 import math
 import threading
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from .._exceptions import FailureBudgetExceeded
 from .._log import RateLimited, brief, loader_log
+
+if TYPE_CHECKING:
+    from .._epoch_setup import EpochSetup
+    from .._stats import Collector
 
 __all__ = (
     "KEEP_ERRORS",
@@ -108,7 +112,7 @@ class _KnownFailedKey:
         return "KNOWN_FAILED"
 
 
-#: The key of a job whose every sample failed before a resume: it publishes SKIP unfetched
+#: The key of a job whose every sample failed before a resume: it publishes NO_BATCH unfetched
 #: (it keeps its place, and its batch number, as the uninterrupted epoch's skipped batch).
 KNOWN_FAILED: Any = _KnownFailedKey()
 
@@ -237,9 +241,15 @@ class Failures:
         samples: the epoch's samples, when known (a fraction's base); None: the fraction
             applies to the samples attempted so far (:meth:`attempted`), once they number at
             least ``1 / fraction``.
+        sources_of: finds the counters of a dataset's streams, whose skipped records count
+            against the budget (:meth:`watch_sources`); None: no source is watched.
+        stats: the epoch's statistics, which count the failures too (None: a worker's budget,
+            which reports them instead).
     """
 
-    def __init__(self, budget: int | float, samples: int | None = None) -> None:
+    def __init__(self, budget: int | float, samples: int | None = None, *,
+                 sources_of: Callable[[object], list[Any]] | None = None,
+                 stats: Collector | None = None) -> None:
         self.budget: int | float = budget
         self.samples = samples
         self.count: int = 0
@@ -253,8 +263,8 @@ class Failures:
         # A worker's failures since its last answer: (index, error).
         self.unreported: list[tuple[Any, BaseException]] = []
         self._reported_seen = 0
-        self.sources_of: Callable[[object], list[Any]] | None = None
-        self.stats: Any = None  # the epoch's statistics (a Collector), counting failures too
+        self.sources_of = sources_of
+        self.stats = stats
         self._sources: list[Any] = []  # the streams' SourceStats whose skips count here
         self._skipped = 0
         # The records the watched sources read, skipped ones included, at the last check: a
@@ -265,6 +275,17 @@ class Failures:
         # Records the sources skipped before a checkpoint this epoch resumes (skip_key):
         # counted then, and not again when read again.
         self._counted_skips: set[tuple[Any, ...]] = set()
+
+    @classmethod
+    def for_epoch(cls, setup: EpochSetup, stats: Collector) -> Failures:
+        """The budget of the epoch ``setup`` describes (which has one: ``max_failures``),
+        counting into ``stats``, and going on from the failures of the checkpoint it
+        resumes, if any."""
+        failures = cls(setup.max_failures, setup.samples, sources_of=setup.sources_of,
+                       stats=stats)
+        if setup.resumed_failures is not None:
+            failures.restore(*setup.resumed_failures)
+        return failures
 
     @property
     def limit(self) -> float:
@@ -355,7 +376,7 @@ class Failures:
                 index for index in self.indices[:count] if is_skip_key(index)]
         return {"count": count, "indices": [json_index(index) for index in indices]}
 
-    def restore(self, count: int, indices: list[Any]) -> None:
+    def restore(self, count: int, indices: Iterable[Any]) -> None:
         """Start from a checkpoint's failures: ``count`` absorbed, ``indices`` among them
         (a source's skipped records among them are not counted again when read again)."""
         self.count = self.absorbed = count
@@ -428,5 +449,5 @@ class Failures:
         return {"budget": self.budget, "samples": self.samples, "sources_of": self.sources_of}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["budget"], state["samples"])  # type: ignore[misc]
-        self.sources_of = state["sources_of"]
+        self.__init__(  # type: ignore[misc]
+            state["budget"], state["samples"], sources_of=state["sources_of"])

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 
 import anyio
 import numpy as np
@@ -25,19 +25,25 @@ from .._stats import Collector
 from .._util import is_async_callable, is_awaitable, resolve
 from ..data._collate import ColumnBatch, default_collate
 from ..data._dataset import aiter_of, fetch_mode
+from ..data._fetch import DatasetFetchMode
 from ._errors import _note
 from ._failures import KNOWN_FAILED, Failures
 from ._pull import _NOTHING, _pull_sync, _pull_sync_tolerant
-from ._results import SKIP
+from ._results import NO_BATCH
 from ._sample_rng import BATCH, Scope, scope_var
 from ._threads import _Abandon
+
+if TYPE_CHECKING:
+    from .._epoch_setup import EpochSetup
 
 __all__ = ("DEFAULT_MAX_CONCURRENCY", "FetchPlan", "Remote", "window_for")
 
 # Fetches in flight for async datasets when max_concurrency is not given.
 DEFAULT_MAX_CONCURRENCY = 64
 
-FetchMode = Literal["async", "inline", "thread", "process"]
+# How a plan fetches: as its dataset's own fetches run (an "inline" plan may also be a
+# "thread" dataset's on the consumer's thread), or in worker processes ("process").
+FetchMode: TypeAlias = DatasetFetchMode | Literal["process"]
 # How a job's data is fetched: one call per job, or one call per item with items overlapping.
 Granularity = Literal["job", "item"]
 
@@ -53,10 +59,12 @@ class Remote(Protocol):
     from it ends the epoch with that error. ``stop`` is called (from any thread) when the epoch
     is asked to stop, and ``close`` once the epoch has ended. ``fetch`` gets the job's
     sequence number in the epoch with its key, so that where and when the job runs may depend
-    on its place in the epoch rather than on the order its task wakes up in.
+    on its place in the epoch rather than on the order its task wakes up in, and the plan's
+    statistics and failure budget, into which it records what the workers counted.
     """
 
-    async def fetch(self, key: Any, seq: int) -> Any: ...
+    async def fetch(self, key: Any, seq: int, stats: Collector,
+                    failures: Failures | None) -> Any: ...
 
     async def serve(self) -> None: ...
 
@@ -124,7 +132,7 @@ class FetchPlan:
         num_workers: int = 0,
         prefetch_factor: int = 2,
         seed: int | None = None,
-        epoch: int = 0,
+        setup: EpochSetup | None = None,
         here: bool = False,
     ) -> FetchPlan:
         """The one place that decides how an epoch fetches: mode, granularity, concurrency, window.
@@ -146,6 +154,10 @@ class FetchPlan:
         With ``remote`` (``num_workers`` worker processes): ``"process"``, whole jobs, at
         most ``prefetch_factor`` per worker in flight.
 
+        An epoch's plan is built from its ``setup``, as are its statistics and its failure
+        budget (which the plan holds); without one (a plan asked only what it would decide,
+        or the workers' plan), the statistics count nothing for anyone and there is no budget.
+
         Args:
             dataset: the dataset.
             iterable: whether it is an iterable dataset (see
@@ -159,11 +171,13 @@ class FetchPlan:
             num_workers: how many worker processes ``remote`` has.
             prefetch_factor: the loader's ``prefetch_factor``.
             seed: the loader's sample seed (see :mod:`aloader.pipeline._sample_rng`), or None.
-            epoch: the loader's epoch number.
+            setup: the epoch the plan is for (see :mod:`aloader._epoch_setup`), or None.
             here: the plan of a sync ``for`` on its consumer's thread.
         """
+        epoch = 0 if setup is None else setup.epoch
         if remote is not None:
             window = max(1, prefetch_factor) * num_workers
+            stats, failures = _recorders(setup, "process", window, auto_batch)
             return cls(
                 dataset=dataset,
                 mode="process",
@@ -176,6 +190,8 @@ class FetchPlan:
                 remote=remote,
                 seed=seed,
                 epoch=epoch,
+                failures=failures,
+                stats=stats,
             )
         on_consumer = False
         if iterable:
@@ -209,6 +225,8 @@ class FetchPlan:
             window = concurrency = 1 if max_concurrency is None else window_for(
                 max_concurrency, per_job
             )
+        stats, failures = _recorders(setup, mode, concurrency if item_level else window,
+                                     auto_batch)
         return cls(
             dataset=dataset,
             mode=mode,
@@ -221,6 +239,8 @@ class FetchPlan:
             transform=transform,
             seed=seed,
             epoch=epoch,
+            failures=failures,
+            stats=stats,
             on_consumer=on_consumer,
         )
 
@@ -313,9 +333,9 @@ class FetchPlan:
     # Synchronous halves, run inline on the loop or in a worker thread.
     def fetch_sync(self, key: Any) -> Any:
         """The samples of ``key``; with a failure budget, those that did not fail (a failing
-        batch call retried item by item), or :data:`SKIP` when none is left."""
+        batch call retried item by item), or :data:`NO_BATCH` when none is left."""
         if key is KNOWN_FAILED:
-            return SKIP
+            return NO_BATCH
         if self.failures is None:
             return self._fetch_sync(key)
         try:
@@ -329,14 +349,14 @@ class FetchPlan:
                 samples.append(self._fetch_sync([index])[0])
             except Exception as exc:
                 self._absorbed(index, exc)
-        return samples if samples else SKIP
+        return samples if samples else NO_BATCH
 
     def _absorbed(self, index: Any, error: Exception) -> Any:
-        """:data:`SKIP` when the budget absorbs ``error``; else raise the job's error."""
+        """:data:`NO_BATCH` when the budget absorbs ``error``; else raise the job's error."""
         final = self.absorb(index, _note(error, f"raised while fetching index {index!r}"))
         if final is not None:
             raise final
-        return SKIP
+        return NO_BATCH
 
     def _fetch_sync(self, key: Any) -> Any:
         scope = self._scope()
@@ -358,8 +378,8 @@ class FetchPlan:
             scope_var.reset(token)
 
     def collate_sync(self, samples: Any) -> Any:
-        if samples is SKIP:  # every sample failed within the budget
-            return SKIP
+        if samples is NO_BATCH:  # every sample failed within the budget
+            return NO_BATCH
         started = _now()
         batch = self._call_collate(samples)
         batch = batch if self.transform is None else self.transform(batch)
@@ -402,11 +422,11 @@ class FetchPlan:
             in_flight = self.stats.in_flight
             in_flight.change(1, _now())
             try:
-                return await self.remote.fetch(key, seq)
+                return await self.remote.fetch(key, seq, self.stats, self.failures)
             finally:
                 in_flight.change(-1, _now())
         if key is KNOWN_FAILED:
-            return SKIP
+            return NO_BATCH
         if self.failures is None:
             return await self._fetch(key, limiter)
         try:
@@ -420,7 +440,7 @@ class FetchPlan:
                 samples.append((await self._fetch([index], limiter))[0])
             except Exception as exc:
                 self._absorbed(index, exc)
-        return samples if samples else SKIP
+        return samples if samples else NO_BATCH
 
     async def _fetch(self, key: Any, limiter: anyio.CapacityLimiter) -> Any:
         started = _now()
@@ -479,10 +499,10 @@ class FetchPlan:
         return self._collate_plain is True
 
     def collate_now(self, samples: Any) -> Any:
-        """:meth:`collate` without an await: for SKIP, a remote's batch, or where the plan
+        """:meth:`collate` without an await: for NO_BATCH, a remote's batch, or where the plan
         :attr:`collates_on_loop`."""
-        if samples is SKIP:  # every sample failed within the budget, or none came
-            return SKIP
+        if samples is NO_BATCH:  # every sample failed within the budget, or none came
+            return NO_BATCH
         if self.remote is not None:  # collated by the worker
             batch = samples
         else:
@@ -502,7 +522,7 @@ class FetchPlan:
         stage before, when the caller has one)."""
         if self.collate_in_thread:
             return await self.in_thread(self.collate_sync, samples, limiter=limiter)
-        if samples is SKIP or self.remote is not None:
+        if samples is NO_BATCH or self.remote is not None:
             return self.collate_now(samples)
         if started is None:
             started = _now()
@@ -515,6 +535,16 @@ class FetchPlan:
         self.stats.collated(samples, _now() - started)
         return batch if self.transform is None else self.transform(batch)
 
+
+
+def _recorders(setup: EpochSetup | None, mode: FetchMode, in_flight_limit: int,
+               auto_batch: bool) -> tuple[Collector, Failures | None]:
+    """The statistics and the failure budget of the epoch ``setup`` describes, for a plan
+    that fetches in ``mode`` with at most ``in_flight_limit`` fetches in flight."""
+    if setup is None:
+        return Collector(), None
+    stats = Collector.for_epoch(setup, mode, in_flight_limit, auto_batch)
+    return stats, Failures.for_epoch(setup, stats) if setup.max_failures else None
 
 
 def window_for(concurrency: int, batch_size: int | None) -> int:

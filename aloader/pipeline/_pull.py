@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
+from .._util import taken
 from ._failures import resumable
 
 if TYPE_CHECKING:
@@ -31,7 +32,9 @@ def _pull_sync(source: Any, size: int | None) -> tuple[Any, bool]:
     # islice pulls at C speed (a Python loop's append and len per sample were ~40% of an
     # in-memory iterable's batch); it stops after exactly ``size`` samples, so it never
     # draws one sample more than the batch, and an error of the source propagates as is.
-    samples = list(islice(source, size))
+    # It takes iter() of what it is given: of the epoch's iterator as taken (a dataset whose
+    # __iter__ resets and returns self would start over at every batch).
+    samples = list(islice(taken(source), size))
     return (samples if samples else _NOTHING), len(samples) < size
 
 

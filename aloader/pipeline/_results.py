@@ -3,7 +3,7 @@
 Invariant: at most ``capacity`` collated batches wait for the consumer, and the head of the
 line can always publish (see :class:`Results`), so memory stays bounded whatever the consumer
 does and the pipeline never deadlocks on its own output. A job that turned out to have no
-batch publishes :data:`SKIP`: it keeps its place in the order and the consumer passes it over.
+batch publishes :data:`NO_BATCH`: it keeps its place in the order and the consumer passes it over.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Any
 from .._exceptions import LoaderClosedError
 from .._util import Signal
 
-__all__ = ("SKIP", "Results")
+__all__ = ("NO_BATCH", "Results")
 
 # Published by a job that turned out to have no batch (a worker's exhausted iterable replica):
 # it keeps its place in the order and is passed over by the consumer.
-SKIP: Any = object()
+NO_BATCH: Any = object()
 
 _CLOSED = LoaderClosedError()  # never raised itself: a fresh one is, without a traceback
 
@@ -62,7 +62,7 @@ class Results:
     def __init__(self, capacity: int, in_order: bool, skips: bool = False) -> None:
         self._capacity = max(1, capacity)
         self._in_order = in_order
-        self._skips = skips  # hand over SKIP too (a worker answers every job)
+        self._skips = skips  # hand over NO_BATCH too (a worker answers every job)
         self._ready: dict[int, tuple[Any, BaseException | None]] = {}
         self._fifo: deque[tuple[Any, BaseException | None]] = deque()
         self._fifo_seqs: deque[int] = deque()  # the jobs of _fifo's batches, in _fifo's order
@@ -162,7 +162,7 @@ class Results:
             elif self._deferred_fifo:
                 self._reserved += 1
                 self._deferred_fifo.popleft()()
-            if item[0] is not SKIP or self._skips:
+            if item[0] is not NO_BATCH or self._skips:
                 return item
 
     async def take(self) -> tuple[Any, BaseException | None]:

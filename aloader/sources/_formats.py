@@ -493,6 +493,9 @@ class NpyDecoder(Decoder[Any]):
         self._dtype: np.dtype[Any] = np.dtype(np.uint8)
         self._row_shape: tuple[int, ...] = ()
         self._row_bytes = 0
+        # A shard shorter than its header says: the rows it holds whole, then the error.
+        self._intact: int | None = None
+        self._truncation: tuple[str, int] = ("", 0)
 
     def _fail(self, what: str, offset: int) -> None:
         self._dead = True
@@ -560,8 +563,10 @@ class NpyDecoder(Decoder[Any]):
     def _check_size(self) -> bool:
         """Whether the header's promise fits the shard's known size (else the error is set).
 
-        A header is untrusted input: a count of rows far beyond the data must fail at once,
-        not after reading the shard to its end (or after allocating for what it promises).
+        A header is untrusted input: a count of rows far beyond the data must never be read
+        for (nor allocated for). A shard that holds fewer rows than promised delivers those
+        it holds whole, then fails where the data ends (as a truncated file is read anywhere
+        else: the records before the damage, then the error).
         """
         if self.size is None or self._rows_total < 0:
             return True
@@ -572,12 +577,23 @@ class NpyDecoder(Decoder[Any]):
         rows = data // self._row_bytes if self._row_bytes else 0
         promise = (f"the header promises {self._rows_total} rows of {self._row_bytes} bytes, "
                    f"{promised} bytes after its {self._offset}, but the shard holds {data}")
+        if promised > data and self._row_bytes:
+            self._intact = rows
+            self._truncation = (f"truncated array: the shard ends after {rows} of "
+                                f"{self._rows_total} rows ({promise})",
+                                self._offset + (rows - self._rows_done) * self._row_bytes)
+            return self._truncated() if rows <= self._rows_done else True
         if promised > data:
             self._fail(f"truncated array: the shard ends after {rows} of {self._rows_total} "
-                       f"rows ({promise})", self._offset + rows * self._row_bytes)
+                       f"rows ({promise})", self._offset)
         else:
             self._fail(f"unexpected bytes after the last row ({promise})",
                        self._offset + promised)
+        return False
+
+    def _truncated(self) -> bool:
+        """Fail with the truncation :meth:`_check_size` found, its whole rows delivered."""
+        self._fail(*self._truncation)
         return False
 
     def set_size(self, size: int) -> None:
@@ -606,10 +622,12 @@ class NpyDecoder(Decoder[Any]):
                            f"({self._rows_total} rows of shape {self._row_shape})",
                            self._offset)
             return []  # the rows go out at the end, from finish()
-        left = self._rows_total - self._rows_done
-        count = min(len(self._buffer) // self._row_bytes, left)
+        last = self._rows_total if self._intact is None else self._intact
+        count = min(len(self._buffer) // self._row_bytes, last - self._rows_done)
         records = self._rows(count) if count else []
-        if self._rows_done == self._rows_total and self._buffer:
+        if self._rows_done == self._intact:
+            self._truncated()
+        elif self._rows_done == self._rows_total and self._buffer:
             self._fail(f"unexpected bytes after the last row ({self._rows_total} rows)",
                        self._offset)
         return records

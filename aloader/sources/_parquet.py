@@ -4,12 +4,10 @@ Invariant: every epoch, the *units* of the dataset (whole files when there are a
 many files as consumers, else single row groups) are ordered as the epoch's shard order (see
 :mod:`aloader.sources._sharding`) and split round-robin across the ``world_size * num_workers``
 consumers with :func:`~aloader.sources._sharding.assign_shards`: each unit, hence each row, is read
-by
-exactly one consumer. All consumers see the same list of files and, in row-group mode, read the
-same footers, so they agree on the units without talking to each other. With the ranks evened
-out (``even_ranks``, on by default when ``world_size > 1``), the units are what each rank
-reads the same number of, and what a rank drops one of in turn (see
-:mod:`aloader.sources._sharding`).
+by exactly one consumer. All consumers see the same list of files and, in row-group mode, read
+the same footers, so they agree on the units without talking to each other. With the ranks
+evened out (``even_ranks=True``), the units are what each rank reads the same number of, and
+what a rank drops one of in turn (see :mod:`aloader.sources._sharding`).
 
 pyarrow (the extra ``aloader[parquet]``) is imported when a :class:`ParquetRows` is made, not
 with aloader. Its reads block, so each batch is read in a worker thread (and, as column
@@ -420,11 +418,12 @@ class ParquetRows(ShardedSource[Any]):
             else ``RANK``, else 0).
         world_size: number of ranks (default: the process group's, else ``WORLD_SIZE``,
             else 1).
-        even_ranks: every rank reads the same number of units (files, or row groups when
-            there are fewer files than consumers) per epoch (None: on when ``world_size >
-            1``); see :class:`ShardedSource`. With it on, fewer row groups in all than ranks
-            is a ``ValueError`` at construction (the footers are read to count them when
-            there are fewer files than ranks).
+        even_ranks: ``True``: every rank reads the same number of units (files, or row
+            groups when there are fewer files than consumers) per epoch, leaving one out in
+            turn where needed (off by default: every unit read once, a warning when the
+            ranks' shares differ); see :class:`ShardedSource`. With it on, fewer row groups
+            in all than ranks is a ``ValueError`` at construction (the footers are read to
+            count them when there are fewer files than ranks).
         records_per_rank: exactly this many rows (or, with ``as_batches``, batches) per
             rank and epoch, as :class:`ShardedSource` does it.
         concurrency: remote files read at once (read-ahead); local ones are read one at a
@@ -575,6 +574,19 @@ class ParquetRows(ShardedSource[Any]):
             plan.append(_Unit(file, self.shards[file], groups, counts[file] - 1 in groups))
         return plan, len(units)
 
+    def _units(self, num_units: int) -> str:
+        return "files" if num_units == len(self.shards) else "row groups"
+
+    def _unit_name(self, unit: int, num_units: int) -> str:
+        if num_units == len(self.shards):
+            return f"file {unit} ({self.shards[unit]})"
+        number = unit
+        for file, count in enumerate(self._row_groups or ()):  # (None: a footer was bad)
+            if number < count:
+                return f"row group {number} of file {file} ({self.shards[file]})"
+            number -= count
+        return f"row group {unit} of the epoch"
+
     async def _planned(self, ctx: _Context, skipped: list[RecordError] | None = None
                        ) -> tuple[list[_Unit], int]:
         """:meth:`_plan` of the epoch: in a thread when it reads footers (row groups), else
@@ -644,7 +656,7 @@ class ParquetRows(ShardedSource[Any]):
             bad = BadRecords(True, self.stats)
             for error in skipped:
                 bad(error)
-            self._count_dropped(ctx, num_units)
+            self._note_shares(ctx, num_units)
         # Local files one at a time (see the module's description), in one thread of their
         # own; remote ones in anyio's threads (their reads run on the loop from there).
         if not plan:

@@ -27,8 +27,8 @@ def even_mode(even_ranks: bool | None, records_per_rank: int | None, world_size:
             raise ValueError("records_per_rank gives every rank the same records: it cannot be "
                              "combined with even_ranks=False")
         return "records"
-    if even_ranks is None:
-        even_ranks = world_size > 1
+    # Off unless asked: every record is read exactly once per epoch (torch's
+    # DistributedSampler drops nothing by default either); unequal shares are warned about.
     return "shards" if even_ranks else None
 
 

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import os
 import secrets
+import warnings
 from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any, TypedDict, TypeVar
 
+from .._log import source_log
 from .._stats import SourceStats
 from .._util import Closing, check_int, check_seconds
 from .._workerinfo import worker_slot
@@ -64,7 +67,9 @@ from ._sharding import (
     check_ranks,
     expand_shards,
     is_url,
+    rank_share,
     resolve_world,
+    uneven_shares,
 )
 
 __all__ = ("ShardedSource", "SourceOptions")
@@ -123,16 +128,18 @@ class ShardedSource(Stream[T_co]):
             group's, else the ``RANK`` environment variable, else 0.
         world_size: number of ranks; defaults to the process group's, else ``WORLD_SIZE``,
             else 1.
-        even_ranks: give every rank the same number of shards per epoch, so that a
-            distributed job does not hang on a rank that ran out of batches (None, the
-            default: on when ``world_size > 1``). Each rank reads ``len(shards) //
-            world_size`` shards: a rank whose share holds one more drops one of its shards
-            that epoch, in turn (see :mod:`aloader.sources._sharding`), counted in
-            ``stats.shards_dropped``. Equal shard counts mean equal batches only when the
-            shards hold equal numbers of records; ``records_per_rank`` makes them exact.
-            With it on, fewer shards than ranks is a ``ValueError`` at construction (a rank
-            would read nothing). Off (``False``), every shard is read exactly once across
-            the ranks, and the ranks may get different numbers of records.
+        even_ranks: ``True``: give every rank the same number of shards per epoch, so that
+            a distributed job does not hang on a rank that ran out of batches. Each rank
+            reads ``len(shards) // world_size`` shards: a rank whose share holds one more
+            drops one of its shards that epoch, in turn (see
+            :mod:`aloader.sources._sharding`), logged at INFO on ``aloader.sources`` and
+            counted in ``stats.shards_dropped``. Equal shard counts mean equal batches only
+            when the shards hold equal numbers of records; ``records_per_rank`` makes them
+            exact. With it on, fewer shards than ranks is a ``ValueError`` at construction
+            (a rank would read nothing). Off (None or ``False``, the default), every shard is
+            read exactly once per epoch across the ranks, and the ranks may get different
+            numbers of records: when their numbers of shards differ, rank 0 warns once per
+            epoch (a ``UserWarning`` naming the imbalance and these two remedies).
         records_per_rank: deliver exactly this many records per epoch on every rank: each
             consumer stops at its part of it and, if its shards hold fewer, reads them again
             from the start (a new pass; the records read again are counted in
@@ -233,6 +240,7 @@ class ShardedSource(Stream[T_co]):
     world_size: int
     even_ranks: EvenRanks
     records_per_rank: int | None
+    _even_arg: bool | None
     concurrency: int
     chunk_size: int
     max_record_bytes: int
@@ -276,6 +284,7 @@ class ShardedSource(Stream[T_co]):
         self.shuffle_shards = bool(shuffle_shards)
         self.seed = seed
         self.rank, self.world_size = resolve_world(rank, world_size)
+        self._even_arg = even_ranks  # what even_ranks follows from on another world size
         self.even_ranks = even_mode(even_ranks, records_per_rank, self.world_size)
         self.records_per_rank = records_per_rank
         self.concurrency = check_int("concurrency", concurrency)
@@ -337,15 +346,54 @@ class ShardedSource(Stream[T_co]):
         epoch = self._resume_epoch if self._resume_epoch is not None else self.epoch
         return epoch, worker_slot()
 
+    def _world(self) -> list[int]:
+        # records_per_rank is part of the split: each consumer's quota follows from it.
+        world = [self.rank, self.world_size]
+        return world if self.records_per_rank is None else [*world, self.records_per_rank]
+
+    def _set_world(self, world: list[int]) -> None:
+        rank, size, *quota = world
+        self.rank, self.world_size = resolve_world(rank, size)
+        self.records_per_rank = quota[0] if quota else None
+        self.even_ranks = even_mode(self._even_arg, self.records_per_rank, size)
+
     def _check_ranks(self) -> None:
         """Refuse, at construction, a rank that would read nothing (ranks evened out)."""
         check_ranks(len(self.shards), rank=self.rank, world_size=self.world_size)
 
-    def _count_dropped(self, ctx: _Context, num_units: int) -> None:
-        """Count the shard this rank drops at the start of an epoch (once, by its worker 0)."""
-        if self.even_ranks == "shards" and ctx.worker_id == 0 \
-                and self.rank < num_units % self.world_size:
-            self.stats.shards_dropped += 1
+    def _note_shares(self, ctx: _Context, num_units: int) -> None:
+        """At the start of an epoch (once per rank: by its worker 0), say what the ranks'
+        shares are when they differ: the unit this rank drops because ``even_ranks=True``
+        asked (logged at INFO, counted), or, with nothing dropped, a warning from rank 0
+        naming the imbalance and the remedies."""
+        extra = num_units % self.world_size
+        if ctx.worker_id != 0 or not extra:
+            return
+        if self.even_ranks == "shards":
+            if self.rank < extra:
+                self.stats.shards_dropped += 1
+                if not source_log.isEnabledFor(logging.INFO):
+                    return
+                _, dropped = rank_share(num_units, rank=self.rank, world_size=self.world_size,
+                                        epoch=ctx.epoch, seed=self.seed,
+                                        shuffle=self.shuffle_shards, even="shards")
+                assert dropped is not None
+                source_log.info(
+                    "epoch %d: rank %d of %d leaves out %s (even_ranks=True: every rank reads "
+                    "%d of the %d %s this epoch)", ctx.epoch, self.rank, self.world_size,
+                    self._unit_name(dropped, num_units), num_units // self.world_size,
+                    num_units, self._units(num_units))
+        elif self.even_ranks is None and self.rank == 0:
+            warnings.warn(uneven_shares(ctx.epoch, num_units, self.world_size,
+                                        self._units(num_units)), UserWarning, stacklevel=2)
+
+    def _units(self, num_units: int) -> str:
+        """What the ``num_units`` units of an epoch are, in :meth:`_note_shares`'s words."""
+        return "shards"
+
+    def _unit_name(self, unit: int, num_units: int) -> str:
+        """Unit number ``unit`` of an epoch of ``num_units``, in :meth:`_note_shares`'s words."""
+        return f"shard {unit} ({self.shards[unit]})"
 
     def _decoder(self, name: str, bad: BadRecords) -> Decoder[T_co]:
         raise NotImplementedError
@@ -430,7 +478,7 @@ class ShardedSource(Stream[T_co]):
                               None if at is None else at["records"] + at["skip"],
                               first, 0 if at is None else at["offset"])
         if at is None and new:
-            self._count_dropped(ctx, len(self.shards))
+            self._note_shares(ctx, len(self.shards))
         # An inline epoch reads one shard after another in the consumer's task (or thread):
         # with no task of its own, nothing could read ahead.
         slots = 1 if ctx.inline else min(self.concurrency, len(names) - first)

@@ -45,6 +45,7 @@ __all__ = (
     "is_url",
     "rank_share",
     "resolve_world",
+    "uneven_shares",
 )
 
 ShardsLike: TypeAlias = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
@@ -189,6 +190,35 @@ def check_ranks(num_units: int, *, rank: int, world_size: int, what: str = "shar
             f"every epoch of theirs would be empty (this process is rank {rank}); give at "
             f"least {world_size} {what}s (more, smaller shards) or run fewer ranks"
         )
+
+
+def uneven_shares(epoch: int, num_units: int, world_size: int, units: str = "shards") -> str:
+    """The warning for an epoch whose ``num_units`` cannot be split evenly over the ranks
+    (none dropped): who reads how many, why it matters, and the two remedies."""
+    each, extra = divmod(num_units, world_size)
+
+    def some(count: int) -> str:
+        return f"{count} {units[:-1] if count == 1 else units}"  # (units: a plural noun)
+
+    def ranks(first: int, last: int, count: int) -> str:
+        what = some(count) if count else "nothing"
+        if first == last:
+            return f"rank {first} reads {what}"
+        return f"ranks {first} to {last} read {what}" + (" each" if count else "")
+
+    shares = (f"epoch {epoch}: {num_units} {units} over {world_size} ranks: "
+              f"{ranks(0, extra - 1, each + 1)}, {ranks(extra, world_size - 1, each)}. Every "
+              f"record is read once, but the ranks get different numbers of records and of "
+              f"batches, and a distributed job whose ranks must take the same number of steps "
+              f"hangs when one runs out.")
+    if not each:  # even_ranks and records_per_rank refuse a rank with nothing to read
+        return (f"{shares} Give at least {world_size} {units} (more, smaller ones) or run "
+                f"fewer ranks, then pass even_ranks=True or records_per_rank=N to even the "
+                f"ranks out.")
+    return (f"{shares} Pass even_ranks=True (every rank reads {some(each)}, those with one "
+            f"more leave one out each epoch, in turn) or records_per_rank=N (exactly N "
+            f"records on every rank, its {units} read again from the start where they hold "
+            f"fewer).")
 
 
 def assign_shards(

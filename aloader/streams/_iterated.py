@@ -8,7 +8,7 @@ from typing import Any
 
 import anyio.lowlevel
 
-from .._util import close_iterator
+from .._util import ataken, close_iterator, taken
 from ._context import _BLOCK, _Context
 from ._stream import Stream
 
@@ -31,16 +31,17 @@ class _Iterated(Stream[Any]):
         if aiter_ is not None:
             iterator = source.__aiter__()
             try:
-                async for item in iterator:
+                async for item in ataken(iterator):
                     yield [item]
             finally:
                 await close_iterator(iterator)
             return
         sync_iterator = iter(source)
+        items = taken(sync_iterator)  # a `for` per block: never the source's __iter__ again
         try:
             while True:
                 block = []
-                for item in sync_iterator:
+                for item in items:
                     block.append(item)
                     if len(block) == _BLOCK:
                         break

@@ -33,6 +33,7 @@ import anyio
 import numpy as np
 
 from .._util import Closing
+from ..data._dataset import is_stream_class
 from ..data._random import GeneratorLike, as_generator, draw_seed
 from ._context import _Context
 from ._interleave import _Interleaved
@@ -217,6 +218,24 @@ def _check_weights(weights: object, count: int) -> list[float]:
     return values
 
 
+def _scaled(weights: Sequence[float]) -> np.ndarray[Any, np.dtype[np.float64]]:
+    """The weights as an array whose sums neither overflow nor lose the uniforms' precision.
+
+    ``[1e308, 1e308]`` sum to infinity (every pick would map to the last source) and
+    ``[5e-324, 5e-324]`` to a subnormal (``u * total`` rounds most uniforms to one end): such
+    weights are divided by the largest (the shares are the same). Others are kept as they are,
+    so that a seed gives the same sequence as it always has."""
+    array = np.array(weights, dtype=np.float64)
+    total = sum(weights)  # left to right, as the cumulative sums: inf where they overflow
+    if _TINY < total < _HUGE:
+        return array
+    return array / float(array.max())
+
+
+# Sums of weights kept as they are (see _scaled): far from overflow and from the subnormals.
+_TINY, _HUGE = 2.0 ** -900, 2.0 ** 900
+
+
 class _Mixed(Stream[Any]):
     def __init__(
         self,
@@ -250,7 +269,7 @@ class _Mixed(Stream[Any]):
     async def _blocks(self, ctx: _Context) -> AsyncGenerator[list[Any], None]:
         rng = ctx.rng(self.seed)
         inputs = [_Input(stream, ctx) for stream in self.streams]
-        weights = np.array(self.weights, dtype=np.float64)
+        weights = _scaled(self.weights)
         live = weights > 0  # a source of weight 0 is never picked, hence never read
         stop = self.stop
         position = MixPosition(0, [0] * len(inputs), [0] * len(inputs), [False] * len(inputs))
@@ -436,12 +455,12 @@ def interleave(
 
     Raises:
         ValueError: no stream, or bad weights.
-        TypeError: weights that are not numbers, or a list (or tuple) of streams given as one
-            argument (``interleave([a, b])``, the way :func:`mix` takes them), which would be
-            one input whose items are the streams themselves.
+        TypeError: weights that are not numbers, or a list (or tuple) of streams (or iterable
+            datasets) given as one argument (``interleave([a, b])``, the way :func:`mix` takes
+            them), which would be one input whose items are the streams themselves.
     """
     for given in streams:
-        if isinstance(given, (list, tuple)) and any(isinstance(s, Stream) for s in given):
+        if isinstance(given, (list, tuple)) and any(is_stream_class(s) for s in given):
             raise TypeError("interleave takes the streams as separate arguments, "
                             "interleave(a, b) or interleave(*streams), but got a "
                             f"{type(given).__name__} of streams as one of them")

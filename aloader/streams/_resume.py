@@ -31,14 +31,15 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from types import GeneratorType
 from typing import Any
 
+from .._util import ataken, taken
 from ..data._dataset import iterate
 from ..data._sampler import is_stateful
 from ._positions import check_field
 from ._runtime import _StreamIterator
 from ._stream import Stream
 
-__all__ = ("encode", "open_replica", "parse", "prelude", "protocol_state", "resume",
-           "snapshotter", "start_snapshot")
+__all__ = ("adopt_world", "encode", "open_replica", "parse", "prelude", "promises_equal_ranks",
+           "protocol_state", "resume", "saved_world", "snapshotter", "start_snapshot")
 
 
 def protocol_state(dataset: Any) -> Any:
@@ -98,20 +99,73 @@ def start_snapshot(dataset: Any, epoch: int, slot: tuple[int, int]) -> Any:
     return None
 
 
-def encode(dataset: Any, snapshot: Any, counters: Any = None) -> dict[str, Any] | None:
-    """A snapshot as JSON builtins (None stays None: the replica's start)."""
+def encode(dataset: Any, snapshot: Any, counters: Any = None,
+           world: list[list[int]] | None = None) -> dict[str, Any] | None:
+    """A snapshot as JSON builtins (None stays None: the replica's start); ``world``: the
+    ranks of a replica that finishes another rank's epoch (:func:`adopt_world`), in place of
+    ``dataset``'s."""
     if snapshot is None:
         return None
     kind = snapshot[0]
     if kind == "encoded":  # a resumed replica that has delivered nothing since
         return snapshot[1]  # type: ignore[no-any-return]
     if kind == "stream":
-        return {"kind": "stream", "state": dataset._state_from(
-            snapshot[1], counters=counters, at_end=True)}
+        state = dataset._state_from(snapshot[1], counters=counters, at_end=True)
+        if world is not None:
+            state["world"] = world
+        return {"kind": "stream", "state": state}
     if kind == "protocol":
         return {"kind": "protocol", "dataset": snapshot[1], "iterator": snapshot[2],
                 "ended": snapshot[3]}
     return {"kind": "count", "drawn": snapshot[1], "ended": snapshot[2]}
+
+
+# Another world size. A stream's replica state names the ranks its sharded sources were on
+# (``world``: ``[rank, world_size]`` each); a rank of another world size finishes it in a copy
+# of its own stream put on those ranks (its sources then read the shards that rank read, from
+# the saved position), so the rest of the saved epoch is made exactly as the saved rank would
+# have made it. aloader.loader._ranks decides which rank finishes which replica.
+
+
+def saved_world(state: Any) -> list[list[int]] | None:
+    """The ``world`` of an encoded stream replica state (None for any other)."""
+    if not (isinstance(state, dict) and state.get("kind") == "stream"):
+        return None
+    inner = state.get("state")
+    world = inner.get("world") if isinstance(inner, dict) else None
+    return world if isinstance(world, list) else None
+
+
+def adopt_world(replica: Any, state: Any) -> None:
+    """Put ``replica`` (a copy of the loader's stream) on the ranks the replica ``state`` was
+    saved on, where they differ from its own.
+
+    Raises:
+        ValueError: the saved ``world`` does not fit the stream's sharded sources.
+    """
+    world = saved_world(state)
+    if world is None or not isinstance(replica, Stream):
+        return
+    mine = replica._worlds()
+    if world == mine:
+        return
+    if len(world) != len(mine) or not all(
+            isinstance(w, list) and len(w) in (2, 3) and all(type(v) is int for v in w)
+            and 0 <= w[0] < w[1] and (len(w) == 2 or w[2] > 0) for w in world):
+        raise ValueError(f"cannot load this stream state: field 'world' is {world!r}, which "
+                         f"does not fit this stream's sharded sources ({mine!r}: [rank, "
+                         "world_size] each, and records_per_rank where set)")
+    replica._set_worlds([list(w) for w in world])
+
+
+def promises_equal_ranks(dataset: Any) -> bool:
+    """Whether ``dataset`` is a stream with a source that gives every rank the same records
+    per epoch (``records_per_rank``)."""
+    if not isinstance(dataset, Stream):
+        return False
+    if getattr(dataset, "records_per_rank", None) is not None:
+        return True
+    return any(promises_equal_ranks(upstream) for upstream in dataset._upstreams())
 
 
 def parse(dataset: Any, state: Any, slot: tuple[int, int]) -> Any:
@@ -186,7 +240,7 @@ def _skip(source: Iterator[Any], count: int, ended: bool) -> Iterator[Any]:
     for _ in range(count):
         if next(source, _END) is _END:
             return
-    yield from source
+    yield from taken(source)
 
 
 async def _skip_async(source: AsyncIterator[Any], count: int, ended: bool
@@ -198,7 +252,7 @@ async def _skip_async(source: AsyncIterator[Any], count: int, ended: bool
             await source.__anext__()
         except StopAsyncIteration:
             return
-    async for item in source:
+    async for item in ataken(source):
         yield item
 
 

@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from .._util import Closing, check_int
 from ..data._random import GeneratorLike, as_generator, draw_seed, permutation
@@ -90,7 +91,9 @@ class ShuffleStage(Generic[T_co]):
             discard = at["skip"]
             checkpoints.append((ingested, (_Encoded(at["upstream"]), at["rng"], dummies, 0,
                                            ingested)))
-        ids = np.full(size, ingested, dtype=np.int64)
+        # Grown with the buffer (up to ``size``), never allocated for the size it may reach:
+        # ``shuffle(10**12)`` over a short stream holds only what the stream holds.
+        ids = np.full(max(len(buffer), min(size, _BLOCK)), ingested, dtype=np.int64)
         every = max(_BLOCK, size)  # input items between checkpoints
         oldest = ingested  # a lower bound of the oldest buffered item's number
         upstream = self.upstream._blocks_at(ctx, None if at is None else at["upstream"])
@@ -125,6 +128,8 @@ class ShuffleStage(Generic[T_co]):
                 room = size - len(buffer)
                 if room > 0:
                     taken = block[:room]
+                    if len(buffer) + len(taken) > len(ids):
+                        ids = _grown(ids, len(buffer) + len(taken), size)
                     ids[len(buffer) : len(buffer) + len(taken)] = np.arange(
                         ingested, ingested + len(taken))
                     buffer.extend(taken)
@@ -175,6 +180,13 @@ class ShuffleStage(Generic[T_co]):
         except (TypeError, ValueError, KeyError) as exc:
             raise _bad_state("shuffle", "rng", f"is not a PCG64 state: {exc}") from None
         _check_upstream(self.upstream, at, slot)
+
+
+def _grown(ids: npt.NDArray[np.int64], need: int, size: int) -> npt.NDArray[np.int64]:
+    """``ids`` with room for at least ``need`` (doubling, at most ``size``)."""
+    grown = np.empty(min(size, max(need, 2 * len(ids))), dtype=np.int64)
+    grown[: len(ids)] = ids
+    return grown
 
 
 _PLACEHOLDER: Any = object()  # a buffered item of a resumed shuffle, emitted before the resume

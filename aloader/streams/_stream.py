@@ -322,7 +322,8 @@ class Stream(IterableDataset[T_co]):
         world = check_field(state, "world", list, where)
         if position is not None and world != self._worlds():
             raise _bad_state(where, "world", f"is {world!r} ([rank, world_size] of each "
-                             f"sharded source), but this stream's is {self._worlds()!r}: a "
+                             "sharded source, and its records_per_rank where set), but this "
+                             f"stream's is {self._worlds()!r}: a "
                              "state taken during an epoch resumes only on the same rank of "
                              "the same world size (one taken between epochs, on any)")
         if position is not None:
@@ -351,15 +352,34 @@ class Stream(IterableDataset[T_co]):
         return state
 
     def _worlds(self) -> list[list[int]]:
-        """``[rank, world_size]`` of every sharded source of this stream, inputs first to
-        last: a position inside an epoch belongs to that split of the shards."""
+        """The split of every sharded source of this stream (:meth:`_world`), inputs first
+        to last: a position inside an epoch belongs to that split of the shards."""
         worlds = []
-        rank, size = getattr(self, "rank", None), getattr(self, "world_size", None)
-        if type(rank) is int and type(size) is int:
-            worlds.append([rank, size])
+        own = self._world()
+        if own is not None:
+            worlds.append(own)
         for upstream in self._upstreams():
             worlds.extend(upstream._worlds())
         return worlds
+
+    def _world(self) -> list[int] | None:
+        """This stage's split of its shards, ``[rank, world_size]`` (None: it has none)."""
+        rank, size = getattr(self, "rank", None), getattr(self, "world_size", None)
+        return [rank, size] if type(rank) is int and type(size) is int else None
+
+    def _set_worlds(self, worlds: list[list[int]]) -> None:
+        """Put every sharded source of this stream on the split of ``worlds``, in
+        :meth:`_worlds`' order (it takes them off the front): a copy made to finish an epoch
+        another rank of another world size began (see aloader.streams._resume)."""
+        if self._world() is not None:
+            self._set_world(worlds.pop(0))
+        for upstream in self._upstreams():
+            upstream._set_worlds(worlds)
+
+    def _set_world(self, world: list[int]) -> None:
+        # A stage of your own that splits by its rank and world_size attributes (_world);
+        # not declared on Stream, which has neither.
+        vars(self).update(rank=world[0], world_size=world[1])
 
     def _apply_state(self, parsed: tuple[Any, ...]) -> None:
         self._next_epoch, self._fixed_epoch, self._resume_epoch, self._resume_at = parsed[:4]

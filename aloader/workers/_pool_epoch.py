@@ -39,7 +39,7 @@ from .._stats import Collector
 from .._util import Signal
 from ..pipeline._failures import Failures
 from ..pipeline._keys import PacedKeys
-from ..pipeline._results import SKIP
+from ..pipeline._results import NO_BATCH
 from ..streams._sourcestats import merge_stats, source_stats
 from . import _shm, _spawn
 from ._processes import _FRAME, WorkerPool, _WorkerHandle, exit_message
@@ -84,7 +84,8 @@ class PoolEpoch:
     into the loader's dataset here.
     """
 
-    def __init__(self, pool: WorkerPool, loader_epoch: int = 0) -> None:
+    def __init__(self, pool: WorkerPool, loader_epoch: int = 0,
+                 taken: Callable[[], int] | None = None) -> None:
         self.pool = pool
         self.epoch = next(pool.epochs)  # tells this epoch's tasks from the pool's earlier ones
         self.loader_epoch = loader_epoch  # the epoch a stream in a worker iterates
@@ -102,10 +103,8 @@ class PoolEpoch:
         self._exhausted: set[int] = set()  # lanes (replicas) that have ended
         self._sent = [0] * pool.num_workers  # each lane's next ticket to send
         self._stats: list[Any] | None = None  # the loader's sources, found at the first report
-        self.failures: Failures | None = None  # the epoch's failure budget, set by the loader
-        self.stats: Collector | None = None  # the epoch's statistics, set by the loader
-        #: Batches the consumer has taken (set by the loader): None turns settling off.
-        self.taken: Callable[[], int] | None = None
+        #: Batches the consumer has taken (the loader's count): None turns settling off.
+        self.taken = taken
         self._window = self._limit * pool.num_workers  # torch's tasks sent before a take
         #: What came with the batches (positions, datasets' states) as the consumer takes
         #: them (Results.metas, where the loader asks for it).
@@ -146,11 +145,13 @@ class PoolEpoch:
             pool.broken = True
             raise failure
 
-    async def fetch(self, key: Any, seq: int) -> Any:
+    async def fetch(self, key: Any, seq: int, stats: Collector | None = None,
+                    failures: Failures | None = None) -> Any:
         """The collated batch of ``key`` (map-style), or the next batch of worker ``key``.
 
         ``seq`` is the job's sequence number in the epoch: it decides the worker (map-style)
-        and the place of the task among that worker's (see the class docstring).
+        and the place of the task among that worker's (see the class docstring). What the
+        worker counted besides its sources goes into the epoch's ``stats`` and ``failures``.
         """
         worker_id, lane, ticket, kind, payload = self.route(key, seq)
         workers = self.pool.workers
@@ -163,19 +164,19 @@ class PoolEpoch:
         ) and lane not in self._exhausted:
             await self._changed.wait()
         if lane in self._exhausted:  # its replica has ended: no need to ask
-            return SKIP
+            return NO_BATCH
         self._sent[lane] += 1
         self._changed.notify()  # the worker's next ticket may go once this one is sent
         reply = await self._call(workers[worker_id], kind, payload, self.mark(seq))
         if reply.extra is not None:
-            self._absorb(worker_id, reply.status, reply.extra)
+            self._absorb(worker_id, reply.status, reply.extra, stats, failures)
             if reply.extra[3]:  # every sample failed within the failure budget
-                return SKIP
+                return NO_BATCH
         if reply.status == Status.END:
             self.note_end(lane, reply.meta)
             self._exhausted.add(lane)
             self._changed.notify()  # its later requests need not wait for their turn
-            return SKIP
+            return NO_BATCH
         if reply.status == Status.ERROR:
             raise reply.value.rebuild()
         if reply.meta is not None:
@@ -208,19 +209,21 @@ class PoolEpoch:
         """The tasks torch had sent worker ``worker_id`` once it had sent ``due`` in turn."""
         return max(0, -(-(due - worker_id) // self.pool.num_workers))
 
-    def _absorb(self, worker_id: int, status: Status, extra: Any) -> None:
-        """Record what a worker counted besides its sources: failed samples, timings (a
-        report every few answers), this answer's transfer."""
+    @staticmethod
+    def _absorb(worker_id: int, status: Status, extra: Any, stats: Collector | None,
+                failures: Failures | None) -> None:
+        """Record what a worker counted besides its sources into ``stats`` and ``failures``:
+        failed samples, timings (a report every few answers), this answer's transfer."""
         failed, attempted, timings, empty, sent = extra
-        if self.stats is not None:
+        if stats is not None:
             if timings is not None:
-                self.stats.merge(worker_id, timings)
+                stats.merge(worker_id, timings)
             if status == Status.OK and not empty:
-                self.stats.transferred(sent)
-        if self.failures is not None:
-            self.failures.attempted(attempted)
+                stats.transferred(sent)
+        if failures is not None:
+            failures.attempted(attempted)
             for index, error in failed:
-                self.failures.record(index, error.rebuild())
+                failures.record(index, error.rebuild())
 
     def stop(self) -> None:
         """The epoch is stopping (any thread): a next epoch may wait for this one to let go."""
@@ -440,8 +443,9 @@ class MapPoolEpoch(PoolEpoch):
     :class:`ReplicaPoolEpoch`).
     """
 
-    def __init__(self, pool: WorkerPool, loader_epoch: int = 0) -> None:
-        super().__init__(pool, loader_epoch)
+    def __init__(self, pool: WorkerPool, loader_epoch: int = 0,
+                 taken: Callable[[], int] | None = None) -> None:
+        super().__init__(pool, loader_epoch, taken)
         #: The epoch's batch number of job 0 (a resumed epoch's first batch), modulo the
         #: workers: batch ``k`` of the epoch goes to worker ``k % num_workers``, resumed or
         #: not, as torchdata resumes its workers' cycle (each worker's own state goes on).
@@ -526,8 +530,8 @@ class ReplicaPoolEpoch(PoolEpoch):
 
     Its jobs' keys (:meth:`keys`) are requests for the next batch of one replica, assigned in
     turn over the replicas not yet known to be exhausted; a request answered "exhausted"
-    yields :data:`~aloader.pipeline._results.SKIP` (so does one assigned to a replica since found
-    exhausted), and the epoch ends once every replica is exhausted. Timing only decides how
+    yields :data:`~aloader.pipeline._results.NO_BATCH` (so does one assigned to a replica since
+    found exhausted), and the epoch ends once every replica is exhausted. Timing only decides how
     many requests an exhausted replica is sent; the batches that remain interleave the live
     replicas in turn whatever it is.
 
@@ -550,12 +554,16 @@ class ReplicaPoolEpoch(PoolEpoch):
     torch's later requests skip it then depends on when its end was seen.
     """
 
-    def __init__(self, pool: WorkerPool, loader_epoch: int = 0) -> None:
-        super().__init__(pool, loader_epoch)
+    def __init__(self, pool: WorkerPool, loader_epoch: int = 0,
+                 taken: Callable[[], int] | None = None) -> None:
+        super().__init__(pool, loader_epoch, taken)
         count = pool.num_workers
         self._turn = 0
         self._lanes = count  # replicas
         self._saved: int | None = None  # the saved run's num_workers (virtual replicas)
+        # Each virtual replica's [worker id, base seed or None] where a state names them
+        # (replicas of other ranks, see aloader.loader._ranks); None: worker r's is replica r.
+        self._slots: list[list[Any]] | None = None
         self._assigned = [0] * count  # requests assigned to each replica
         self._requests = 0  # requests assigned in all
         self._tickets: dict[int, int] = {}  # job sequence number -> ticket
@@ -569,19 +577,22 @@ class ReplicaPoolEpoch(PoolEpoch):
         self.finals: list[Any] = [None] * count
 
     def resume(self, turn: int, states: list[Any], begin: list[Any],
-               saved: int | None = None) -> None:
+               saved: int | None = None, slots: list[list[Any]] | None = None) -> None:
         """Start where a saved epoch was: replica ``turn`` is asked first, and replica ``r``
         resumes from ``states[r]`` (None: its start); ``begin`` are the replicas' positions
         until they deliver. ``saved``: the saved run's ``num_workers`` when it differs from
-        the pool's (its ``max(1, saved)`` replicas run as virtual replicas)."""
+        the pool's (its ``max(1, saved)`` replicas run as virtual replicas), or when
+        ``slots`` name the replicas ([worker id, base seed or None] each: those of other
+        ranks, all run as virtual replicas)."""
         lanes = len(states)
         self._turn = turn
         self._lanes = lanes
         self._saved = saved
+        self._slots = slots
         self._assigned = [0] * lanes
         self._sent = [0] * lanes
         self._resume_states = list(states)
-        self.delivered = Delivered(list(begin), turn, local=saved == 0)
+        self.delivered = Delivered(list(begin), turn, local=saved == 0 and slots is None)
 
     def note_end(self, lane: int, meta: Any) -> None:
         if self._saved is None:  # a worker's own replica (not a virtual one)
@@ -592,8 +603,9 @@ class ReplicaPoolEpoch(PoolEpoch):
         state = self._resume_states[key] if ticket == 0 else None
         if self._saved is None:
             return key, key, ticket, Kind.NEXT, state
+        worker, seed = (key, None) if self._slots is None else self._slots[key]
         return key % self.pool.num_workers, key, ticket, Kind.NEXT, (
-            "replica", key, self._saved, state)
+            "replica", key, (worker, self._saved, seed), state)
 
     def mark(self, seq: int) -> tuple[int, int] | None:
         if not self.settles or self.taken is None:

@@ -315,9 +315,13 @@ class WorkerPool:
         fork = self._message is None
         mine, theirs = self.context.Pipe(duplex=True)
         inherited = sorted(_LOADER_FDS | {mine.fileno()}) if fork else []
+        # A forked worker inherits this process as it is now; any other is a child of a server
+        # (the template, a fork server) started earlier: it gets the environment of now.
+        environ = None if fork else dict(os.environ)
         process = self.context.Process(  # type: ignore[attr-defined]
             target=worker_main,
-            args=(theirs, worker_id, self.shm_owner, self.setup if fork else None, inherited),
+            args=(theirs, worker_id, self.shm_owner, self.setup if fork else None, inherited,
+                  environ),
             name=f"aloader-worker-{worker_id}",
             daemon=True,
         )

@@ -46,6 +46,7 @@ import struct
 import sys
 import tempfile
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -281,6 +282,30 @@ def _reduce_unshared_tensor(obj: Any) -> Any:
     return _reduce_tensor(obj)
 
 
+def _by_value_pickler() -> type[pickle.Pickler]:
+    """cloudpickle's pickler, keeping the file name of the code it ships by value.
+
+    cloudpickle names every such code object's file ``<dynamic-code>`` (for payloads that do
+    not depend on where the code lives); a worker's traceback through a class or function of
+    the user's script would then show no file and no source line, where torch's (forked)
+    workers show both. The line numbers travel either way."""
+    import cloudpickle
+    from cloudpickle import cloudpickle as internals
+
+    code_reduce = internals._code_reduce
+
+    def reduce_code(code: types.CodeType) -> Any:
+        rebuild, args = code_reduce(code)
+        at = args.index("<dynamic-code>")  # co_filename's place, whatever the Python version
+        return rebuild, (*args[:at], code.co_filename, *args[at + 1:])
+
+    class Pickler(cloudpickle.CloudPickler):  # type: ignore[misc]
+        dispatch_table = collections.ChainMap(  # noqa: RUF012 - read by the C pickler
+            {types.CodeType: reduce_code}, cloudpickle.CloudPickler.dispatch_table)
+
+    return Pickler
+
+
 _TensorReducer = Callable[[Any], Any]
 _picklers: dict[tuple[_TensorReducer | None, bool], type[pickle.Pickler]] = {}
 
@@ -293,12 +318,7 @@ def _pickler(reduce_tensor: _TensorReducer | None, by_value: bool) -> type[pickl
     key = (reduce_tensor, by_value)
     pickler = _picklers.get(key)
     if pickler is None:
-        if by_value:
-            import cloudpickle
-
-            pickler = cloudpickle.CloudPickler
-        else:
-            pickler = _Pickler
+        pickler = _by_value_pickler() if by_value else _Pickler
         if reduce_tensor is not None:
             reduce, base = reduce_tensor, pickler
             # cloudpickle's own reducer_override handles what the tensor reducer passes up.

@@ -88,8 +88,8 @@ from .._workerinfo import WorkerInfo, _set_worker_info, get_worker_info
 from ..data._sampler import is_stateful
 from ..pipeline._epoch import IterableEpoch, MapEpoch
 from ..pipeline._plan import FetchPlan
-from ..pipeline._results import SKIP, Results
-from ..streams._resume import open_replica, parse, prelude
+from ..pipeline._results import NO_BATCH, Results
+from ..streams._resume import adopt_world, open_replica, parse, prelude
 from ..streams._sourcestats import StatsReporter, source_stats
 from . import _shm, _spawn
 
@@ -437,7 +437,7 @@ class _WorkerServer:
         return self.working() or bool(self._readable.poll(0))
 
     def send(self, job: int, status: Status, value: Any, meta: Any = None) -> None:
-        empty = value is SKIP  # every sample failed within the budget: no batch
+        empty = value is NO_BATCH  # every sample failed within the budget: no batch
         if empty:
             value = None
         self._unreported += 1
@@ -617,17 +617,17 @@ class _WorkerServer:
                 if epoch is not None:
                     epoch.stop()
 
-    def _lane(self, key: Any) -> tuple[int, Any, tuple[int, int] | None]:
+    def _lane(self, key: Any) -> tuple[int, Any, tuple[int, int, int | None] | None]:
         """A NEXT request's (lane, saved state or None, the saved worker slot of a virtual
-        replica: (id, num_workers), or (0, 0) for the loader's process; None for this
-        worker's own replica)."""
+        replica: (id, num_workers, base seed or None for this loader's), num_workers 0 for
+        the loader's process; None for this worker's own replica)."""
         if isinstance(key, tuple) and key and key[0] == "replica":
-            _, lane, saved, state = key
-            return lane, state, (lane, saved)
+            _, lane, slot, state = key
+            return lane, state, slot
         return self.id, key, None
 
     def _open_replica(self, serve: ServeReplica, lane: int, state: Any,
-                      slot: tuple[int, int] | None, loader_epoch: int,
+                      slot: tuple[int, int, int | None] | None, loader_epoch: int,
                       before_draw: Callable[[int], None] | None = None) -> IterableEpoch:
         """Start a replica's epoch: this worker's own, or a virtual replica (a copy of the
         dataset that sees worker ``slot`` of the saved run, see aloader._workerinfo)."""
@@ -641,9 +641,11 @@ class _WorkerServer:
             epoch.start()
             return epoch
         replica = replica_copy(dataset)
-        lane_id, saved = slot
+        adopt_world(replica, state)  # a replica of another rank: on that rank's shards
+        lane_id, saved, seed = slot
         info = None if saved == 0 else WorkerInfo(
-            id=lane_id, num_workers=saved, seed=setup.base_seed + lane_id, dataset=replica)
+            id=lane_id, num_workers=saved,
+            seed=setup.base_seed + lane_id if seed is None else seed, dataset=replica)
         with _workerinfo.as_replica(info, None if info is None else loader_epoch):
             parsed = parse(replica, state, (lane_id, saved) if saved else (0, 1))
             source, snapshot = open_replica(replica, parsed)
@@ -684,12 +686,22 @@ def replica_copy(dataset: Any) -> Any:
         raise
 
 
+def _adopt_environ(environ: dict[str, str]) -> None:
+    """Make ``os.environ`` (and the C environment under it) exactly ``environ``."""
+    for key in [key for key in os.environ if key not in environ]:
+        del os.environ[key]
+    for key, value in environ.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
 def worker_main(
     conn: Connection,
     worker_id: int,
     owner: str,
     setup: WorkerSetup | None,
     inherited_fds: list[int],
+    environ: dict[str, str] | None = None,
 ) -> None:
     """The worker process's target: set up, report, then serve tasks until told to stop.
 
@@ -701,7 +713,14 @@ def worker_main(
             first message (the default, spawn, forkserver).
         inherited_fds: the loader's ends of its workers' socket pairs, inherited by a forked
             worker; closed here so that the loader's death reads as EOF everywhere.
+        environ: the loader's ``os.environ`` when it started this worker (None: forked from
+            it, so already its own). A worker forked from a server started earlier (the
+            template, a fork server) would otherwise see the environment of that moment, not
+            credentials or endpoints set since, as torch's forked workers do. (The working
+            directory travels with multiprocessing's own preparation data.)
     """
+    if environ is not None:
+        _adopt_environ(environ)
     for fd in inherited_fds:
         with contextlib.suppress(OSError):
             os.close(fd)

@@ -107,3 +107,24 @@ def test_numbers_mixed_with_zero_d_arrays_like_torch(batch: list[Any]) -> None:
     theirs = _outcome(tud.default_collate, batch)
     assert theirs[0] != "raised"
     assert _outcome(aloader.default_collate, batch) == theirs
+
+
+@pytest.mark.parametrize("batch", [
+    [np.array(1, np.int32), 5e16],
+    [np.array(1, np.int32), 5.5],
+    [np.array(1, np.int32), 3],
+    [np.array(1.5, np.float32), 5e16],
+    [np.array(1, np.int8), 300],
+    [np.array(1, np.int32), 2**40],
+    [np.array(1, np.int32), True],
+    [np.array(1, np.int64), 1 + 2j],
+    [np.array(1, np.uint16), 3],
+    [np.array(1, np.int32), 2**70],
+    [np.array([1, 2], np.int32), 5.0],
+    [np.array(1, np.int32), np.float64(2.5)],
+    [np.array(2**40 + 1), 1.0],
+], ids=repr)
+def test_an_array_then_python_numbers_like_torch(batch: list[Any]) -> None:
+    """After a first (0-d) array, torch's ``as_tensor`` makes each python number a tensor of
+    its default dtype (float32 for a float), then stacks them with its promotion."""
+    assert _outcome(aloader.default_collate, batch) == _outcome(tud.default_collate, batch)

@@ -320,3 +320,31 @@ def test_two_loaders_side_by_side_over_several_epochs(workers: int) -> None:
         return out
 
     assert run(aloader) == run(tud)
+
+
+def _stages(module: Any, n: int, world: Any, rank: Any, drop_last: bool) -> tuple[Any, ...]:
+    """Where torch's DistributedSampler fails (construction, len, iteration), and how."""
+    try:
+        sampler = module.DistributedSampler(range(n), world, rank, drop_last=drop_last)
+    except Exception as exc:
+        return "init", type(exc).__name__, str(exc)
+    try:
+        length = len(sampler)
+    except Exception as exc:
+        return "len", type(exc).__name__, str(exc)
+    try:
+        return "ok", length, list(sampler)
+    except Exception as exc:
+        return "iter", length, type(exc).__name__, str(exc)
+
+
+@pytest.mark.hostile
+@pytest.mark.parametrize(("world", "rank"), [(5e-324, 0), (1e-300, 0), (0.5, 0), (2.5, 0),
+                                             (3.0, 1), (2, 0.5), (2, 1.0), (float("inf"), 0),
+                                             (float("nan"), 0), (1e300, 0)], ids=repr)
+@pytest.mark.parametrize("n", [0, 10])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_distributed_sampler_of_numbers_that_are_not_integers_fails_as_torchs(
+        world: Any, rank: Any, n: int, drop_last: bool) -> None:
+    ours = _stages(aloader, n, world, rank, drop_last)
+    assert ours == _stages(tud, n, world, rank, drop_last)

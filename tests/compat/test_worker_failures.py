@@ -264,3 +264,45 @@ async def test_stop_iteration_in_a_worker_reads_as_without_workers(anyio_backend
         assert alone == ([[0, 1], [2, 3], [4, 5]],
                          "the dataset raised StopIteration while loading a batch", StopIteration)
         assert await run(2) == alone
+
+
+_SCRIPT = '''\
+import {module} as data
+
+
+class Data(data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        if index == 2:
+            raise ValueError("bad sample 2")
+        return index
+
+
+for batch in data.DataLoader(Data(), batch_size=2, num_workers=2):
+    pass
+'''
+
+
+def test_a_worker_traceback_names_the_scripts_file_and_line_like_torch(tmp_path: Path) -> None:
+    """A class of the user's script reaches aloader's workers by value (cloudpickle), which
+    renames its code's file ``<dynamic-code>``: the traceback must still show the file, the
+    line and its source, as torch's forked workers' does."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    frames = {}
+    for module in ("aloader", "torch.utils.data"):
+        script = tmp_path / "train.py"
+        script.write_text(_SCRIPT.format(module=module))
+        result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                                timeout=120, cwd=tmp_path,
+                                env=dict(os.environ, PYTHONPATH=str(root)))
+        assert result.returncode != 0
+        assert "<dynamic-code>" not in result.stderr
+        lines = result.stderr.splitlines()
+        at = lines.index(f'  File "{script}", line 10, in __getitem__')
+        frames[module] = lines[at:at + 2]
+    assert frames["aloader"] == frames["torch.utils.data"]
+    assert frames["aloader"][1].strip() == 'raise ValueError("bad sample 2")'

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import random
+import sys
 import threading
 import warnings
 from collections.abc import AsyncIterator, Iterator
@@ -1039,3 +1040,26 @@ async def test_break_closes_an_async_source_at_once(anyio_backend: str) -> None:
         async for _ in loader:
             break
     assert closed.is_set()
+
+
+def test_an_epoch_whose_making_raised_is_collected_quietly() -> None:
+    class NoLength:
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(3))
+
+        def __len__(self) -> int:
+            raise RuntimeError("no length today")
+
+    loader = DataLoader(list(range(3)), sampler=NoLength())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an unraisable error in __del__ would show here
+        with pytest.raises(RuntimeError, match="no length today"):
+            iter(loader)
+        unraisable: list[Any] = []
+        hook = sys.unraisablehook
+        sys.unraisablehook = unraisable.append
+        try:
+            gc.collect()
+        finally:
+            sys.unraisablehook = hook
+    assert unraisable == []

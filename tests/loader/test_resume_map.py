@@ -28,7 +28,7 @@ from aloader import (
     WeightedRandomSampler,
 )
 from aloader.loader._checkpoint import _EpochRecord
-from aloader.loader._epochs import Skip
+from aloader.loader._epochs import AlreadyDelivered
 
 N = 23
 BS = 4  # 6 batches, the last one of 3
@@ -412,7 +412,7 @@ def test_in_order_false_loses_and_repeats_nothing() -> None:
 
 
 def test_record_and_skip_bookkeeping() -> None:
-    record = _EpochRecord(0, {}, None, 10, Skip(2, frozenset({4, 6})))
+    record = _EpochRecord(0, {}, None, 10, AlreadyDelivered(2, frozenset({4, 6})))
     assert (record.prefix, record.beyond, record.yielded) == (2, {4, 6}, 4)
     record.received(3)
     assert (record.prefix, record.beyond) == (2, {3, 4, 6})
@@ -421,7 +421,7 @@ def test_record_and_skip_bookkeeping() -> None:
     record.received(7)
     record.received(5)
     assert (record.prefix, record.beyond, record.yielded) == (8, set(), 8)
-    skip = Skip(2, frozenset({4, 6}))
+    skip = AlreadyDelivered(2, frozenset({4, 6}))
     assert [skip.global_number(j) for j in range(5)] == [2, 3, 5, 7, 8]
 
 

@@ -9,11 +9,8 @@ trio and synchronise on events, never on elapsed time.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -29,11 +26,13 @@ from aloader import (
     AloaderError,
     Batcher,
     BatcherClosedError,
+    BatcherTimeoutError,
+    BatchMethod,
+    BatchResultError,
     QueueFullError,
     batch,
     default_collate,
 )
-from aloader.serve._batcher import BatcherTimeoutError, BatchMethod, BatchResultError
 
 # -- helpers -----------------------------------------------------------------------------------
 
@@ -853,7 +852,7 @@ class Model:
         self.batches.append(list(items))
         return [self.scale * x for x in items]
 
-    @batch
+    @batch(to_thread=True)
     def predict_sync(self, items: list[int]) -> list[int]:
         return [self.scale + x for x in items]
 
@@ -905,27 +904,32 @@ def test_batch_decorator_errors() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("kwargs", "error", "message"),
     [
-        ({"max_batch_size": 0}, "max_batch_size should be a positive integer"),
-        ({"max_batch_size": 2.0}, "max_batch_size"),
-        ({"max_batch_size": True}, "max_batch_size"),
-        ({"max_wait": -1}, "max_wait should be non-negative"),
-        ({"max_wait": float("nan")}, "max_wait"),
-        ({"max_wait": None}, "max_wait"),
-        ({"max_concurrent_batches": 0}, "max_concurrent_batches"),
-        ({"max_queue": 0}, "max_queue"),
-        ({"timeout": 0}, "timeout should be positive"),
-        ({"close_timeout": -1}, "close_timeout"),
-        ({"metrics_window": 0}, "metrics_window"),
-        ({"preferred_batch_sizes": [0]}, "preferred_batch_sizes"),
-        ({"preferred_batch_sizes": [64]}, "larger than max_batch_size"),
-        ({"preferred_batch_sizes": []}, "should not be empty"),
+        ({"max_batch_size": 0}, ValueError, "max_batch_size must be an integer >= 1"),
+        ({"max_batch_size": 2.5}, TypeError, "max_batch_size must be an integer >= 1, got 2.5"),
+        ({"max_batch_size": True}, TypeError, "max_batch_size"),
+        ({"max_wait": -1}, ValueError, "max_wait must be a float >= 0"),
+        ({"max_wait": float("nan")}, ValueError, "max_wait"),
+        ({"max_wait": None}, TypeError, "max_wait"),
+        ({"max_concurrent_batches": 0}, ValueError, "max_concurrent_batches"),
+        ({"max_queue": 0}, ValueError, "max_queue"),
+        ({"timeout": 0}, ValueError, "timeout should be positive"),
+        ({"queue_timeout": 0}, ValueError, "queue_timeout should be positive"),
+        ({"close_timeout": -1}, ValueError, "close_timeout"),
+        ({"metrics_window": 0}, ValueError, "metrics_window"),
+        ({"preferred_batch_sizes": [0]}, ValueError, "preferred_batch_sizes"),
+        ({"preferred_batch_sizes": [64]}, ValueError, "larger than max_batch_size"),
+        ({"preferred_batch_sizes": []}, ValueError, "should not be empty"),
     ],
 )
-def test_bad_arguments(kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
         Batcher(lambda items: items, **kwargs)
+
+
+def test_an_integral_float_is_a_batch_size_as_in_ray() -> None:
+    assert Batcher(lambda items: items, max_batch_size=4.0).max_batch_size == 4
 
 
 def test_non_callables_are_refused() -> None:
@@ -1036,28 +1040,3 @@ def test_every_item_is_answered_once_in_bounded_fifo_batches(
     if max_concurrent == 1:
         flat = [x for batch in recorder.batches for x in batch]
         assert flat == sorted(flat)
-
-
-# -- the example server --------------------------------------------------------------------------
-
-
-def _load_example() -> Any:
-    path = Path(__file__).resolve().parents[2] / "examples" / "inference_server.py"
-    spec = importlib.util.spec_from_file_location("aloader_example_inference_server", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[spec.name]
-        raise
-    return module
-
-
-def test_example_inference_server_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    example = _load_example()
-    assert example.main(["--requests", "60", "--concurrency", "6", "--max-batch-size", "4"]) == 0
-    out = capsys.readouterr().out
-    assert "requests/s" in out
-    assert "ok=60" in out

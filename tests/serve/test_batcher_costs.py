@@ -17,8 +17,7 @@ import anyio
 import pytest
 
 import aloader
-from aloader import Batcher, BatcherClosedError
-from aloader.serve._batcher import BatcherTimeoutError
+from aloader import Batcher, BatcherClosedError, BatcherTimeoutError
 
 
 class StepCounter:

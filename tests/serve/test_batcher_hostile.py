@@ -9,6 +9,7 @@ metrics add up, and no request (waiter) or timer outlives its call.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import random
 import threading
@@ -18,9 +19,17 @@ import anyio
 import pytest
 import trio
 import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from aloader import Batcher, BatcherClosedError, BatchResultError
-from aloader.serve._batcher import BatcherTimeoutError, _Request
+from aloader import (
+    BatchCostError,
+    Batcher,
+    BatcherClosedError,
+    BatcherTimeoutError,
+    BatchResultError,
+)
+from aloader.serve._request import _Request
 
 pytestmark = pytest.mark.hostile
 
@@ -253,3 +262,207 @@ async def test_queued_requests_drain_at_once_when_closed(anyio_backend: str) -> 
             group.start_soon(batcher.aclose)
     assert sorted(got) == list(range(10))
     assert sorted(x for batch in batches for x in batch) == list(range(10))
+
+
+# -- budgets, priorities, deadlines and streams under attack -------------------------------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    calls=st.lists(
+        st.tuples(
+            st.sampled_from([0.0, 0.0, 0.3, 1.0]),  # gap before the call
+            st.integers(0, 12),  # cost (12 > the budget: refused unless allowed)
+            st.integers(-2, 2),  # priority
+            st.sampled_from([None, None, 0.5, 3.0]),  # queue_timeout
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+    budget=st.sampled_from([5, 10]),
+    max_batch_size=st.integers(1, 6),
+    max_wait=st.sampled_from([0.0, 0.5]),
+    promote_after=st.sampled_from([None, 0.0, 1.0]),
+    allow_oversized=st.booleans(),
+    duration=st.sampled_from([0.0, 0.4, 1.5]),
+)
+def test_every_request_is_answered_once_and_no_batch_exceeds_a_budget(
+    calls: list[tuple[float, int, int, float | None]],
+    budget: int,
+    max_batch_size: int,
+    max_wait: float,
+    promote_after: float | None,
+    allow_oversized: bool,
+    duration: float,
+) -> None:
+    """Random arrivals, costs, priorities and queue deadlines on a MockClock: every call ends
+    once (served with its own result, refused for its cost, or dropped by its deadline), no
+    batch holds more than max_batch_size items or costs more than the budget (an oversized
+    item, where allowed, alone), and requests of one priority that are served are served in
+    the order they came."""
+    costs = {i: cost for i, (_, cost, _, _) in enumerate(calls)}
+    batches: list[list[int]] = []
+    outcome: dict[int, str] = {}
+
+    async def model(items: list[int]) -> list[int]:
+        batches.append(list(items))
+        await trio.sleep(duration)
+        return [-i for i in items]
+
+    async def call(
+        b: Batcher[int, int], i: int, priority: int, queue_timeout: float | None
+    ) -> None:
+        try:
+            result = await b(i, priority=priority, queue_timeout=queue_timeout)
+            outcome[i] = "served" if result == -i else f"wrong {result}"
+        except BatchCostError:
+            outcome[i] = "refused"
+        except BatcherTimeoutError:
+            outcome[i] = "dropped"
+
+    async def main() -> None:
+        async with (
+            Batcher(
+                model, max_batch_size=max_batch_size, max_wait=max_wait, cost=costs.__getitem__,
+                max_batch_cost=budget, allow_oversized=allow_oversized,
+                promote_after=promote_after, max_queue=len(calls),
+            ) as b,
+            trio.open_nursery() as nursery,
+        ):
+            for i, (gap, _, priority, queue_timeout) in enumerate(calls):
+                await trio.sleep(gap)
+                nursery.start_soon(call, b, i, priority, queue_timeout)
+                await trio.testing.wait_all_tasks_blocked()
+        metrics = b.metrics()
+        assert metrics["dropped"] == sum(v == "dropped" for v in outcome.values())
+        assert metrics["queued"] == 0 and not b._queue.fifo and not b._queue.levels
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert set(outcome) == set(range(len(calls)))
+    assert not [v for v in outcome.values() if v.startswith("wrong")]
+    flat = [i for batch in batches for i in batch]
+    assert sorted(flat) == sorted(i for i, v in outcome.items() if v == "served")
+    for batch in batches:
+        assert 1 <= len(batch) <= max_batch_size
+        total = sum(costs[i] for i in batch)
+        assert total <= budget or (allow_oversized and len(batch) == 1)
+    for i, v in outcome.items():
+        assert (v == "refused") == (costs[i] > budget and not allow_oversized)
+    for priority in range(-2, 3):  # promotion goes by age: it keeps this order too
+        same = [i for i in flat if calls[i][2] == priority]
+        assert same == sorted(same)
+
+
+@pytest.mark.anyio
+async def test_a_flood_of_distinct_priorities_is_served_highest_first(anyio_backend: str) -> None:
+    served: list[int] = []
+    gate = anyio.Event()
+
+    async def model(items: list[int]) -> list[int]:
+        await gate.wait()
+        served.extend(items)
+        return items
+
+    priorities = list(range(500))
+    random.Random(1).shuffle(priorities)
+    async with (
+        Batcher(model, max_batch_size=7, max_queue=1000, promote_after=None) as b,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(b, -1)
+        await anyio.wait_all_tasks_blocked()
+        for p in priorities:
+            tg.start_soon(functools.partial(b, p, priority=p))
+        await anyio.wait_all_tasks_blocked()
+        assert len(b._queue.order) == 500
+        gate.set()
+    assert served == [-1, *range(499, -1, -1)]
+    assert not b._queue.order and not b._queue.levels
+
+
+@pytest.mark.anyio
+async def test_a_batch_size_fn_that_fails_on_some_mixes_fails_the_item_that_mixed(
+    anyio_backend: str,
+) -> None:
+    """The sizes raise only when "x" and "y" share a batch, and do not grow monotonically:
+    the item whose addition raised fails alone, and no batch ever measures over the limit."""
+    batches: list[list[str]] = []
+    gate = anyio.Event()
+
+    def size(items: list[str]) -> int:
+        if "x" in items and "y" in items:
+            raise RuntimeError("x and y do not mix")
+        return 7 if len(items) == 3 else len(items) * 2  # non-monotone at 3
+
+    async def model(items: list[str]) -> list[str]:
+        await gate.wait()
+        batches.append(list(items))
+        return items
+
+    outcomes: dict[str, Any] = {}
+
+    async def call(b: Batcher[str, str], item: str) -> None:
+        try:
+            outcomes[item] = await b(item)
+        except RuntimeError as exc:
+            outcomes[item] = str(exc)
+
+    async with (
+        Batcher(model, max_batch_size=8, batch_size_fn=size, max_wait=0.0) as b,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(call, b, "held")
+        await anyio.wait_all_tasks_blocked()
+        for item in ("x", "a", "y", "b", "c"):
+            tg.start_soon(call, b, item)
+            await anyio.wait_all_tasks_blocked()
+        gate.set()
+    assert outcomes["y"] == "x and y do not mix"
+    served = {k: v for k, v in outcomes.items() if k != "y"}
+    assert served == {k: k for k in ("held", "x", "a", "b", "c")}
+    assert all(size(batch) <= 8 for batch in batches)
+    assert sorted(i for batch in batches for i in batch) == sorted(["held", "x", "a", "b", "c"])
+
+
+@pytest.mark.anyio
+async def test_a_base_exception_in_a_streaming_batch_reaches_its_readers(
+    anyio_backend: str,
+) -> None:
+    async def steps(items: list[int]) -> Any:
+        yield items
+        if 1 in items:
+            raise KeyboardInterrupt
+
+    async with Batcher(steps, max_batch_size=2) as b:
+        first, second = b.stream(1), b.stream(2)
+        assert await first.__anext__() == 1
+        with pytest.raises(KeyboardInterrupt):
+            await first.__anext__()
+        assert await second.__anext__() == 2
+        with pytest.raises(KeyboardInterrupt):
+            await second.__anext__()
+        assert [x async for x in b.stream(3)] == [3]  # the dispatcher goes on
+
+
+@pytest.mark.anyio
+async def test_streams_that_time_out_or_are_dropped_end_with_a_timeout(anyio_backend: str) -> None:
+    release = anyio.Event()
+
+    async def steps(items: list[int]) -> Any:
+        yield items
+        await release.wait()
+        yield items
+
+    async with Batcher(steps, max_batch_size=1) as b:
+        slow = b.stream(1, timeout=0.01)
+        queued = b.stream(2, queue_timeout=0.01)  # behind the held batch
+        assert await slow.__anext__() == 1
+        with pytest.raises(BatcherTimeoutError, match="not served within"):
+            await slow.__anext__()
+        with pytest.raises(BatcherTimeoutError, match="dropped"):
+            await queued.__anext__()
+        with pytest.raises(StopAsyncIteration):
+            await queued.__anext__()
+        release.set()
+        assert [x async for x in b.stream(3)] == [3, 3]
+    assert b.metrics()["dropped"] == 1 and b.metrics()["timed_out"] == 1

@@ -27,7 +27,7 @@ import trio.testing
 
 from aloader import Batcher, BatcherTimeoutError
 from aloader.serve import _batcher
-from aloader.serve._batcher import _Request
+from aloader.serve._request import _Request
 
 
 def run_mock(fn: Callable[[], Any]) -> Any:
@@ -268,7 +268,7 @@ def test_the_deadline_heap_stays_bounded_and_keeps_its_deadlines() -> None:
                     await trio.sleep(0)
                     sizes.append(len(heap))
                 await trio.sleep(0.5)
-                assert sum(r.state < 2 for _, _, r in heap) == 300  # all waiting, all there
+                assert sum(r.state < 2 for _, _, r, _ in heap) == 300  # all waiting, all there
             gate.open()
         assert not heap  # the dispatcher's end clears it
         return got, sizes
@@ -320,7 +320,7 @@ def test_the_heap_keeps_no_answer() -> None:
             assert len(heap) == 11
             gc.collect()
             assert [ref() for ref in refs] == [None] * 5
-            held = [r for _, _, r in heap]
+            held = [r for _, _, r, _ in heap]
             assert all(type(r) is _Request for r in held)
             assert all(r.result is None and r.error is None and r.tb is None for r in held)
             gate.set()

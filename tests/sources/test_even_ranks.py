@@ -1,9 +1,14 @@
-"""Even ranks: every rank gets the same work per epoch, so a distributed job cannot hang on a
-rank that ran out of batches; a rank with nothing to read is refused at construction."""
+"""Ranks: by default every record is read exactly once per epoch across the ranks, with a
+warning (rank 0, once per epoch) when their shares differ; evened out on request
+(``even_ranks=True``, ``records_per_rank``), every rank gets the same work per epoch, so a
+distributed job cannot hang on a rank that ran out of batches, a shard left out is logged at
+INFO, and a rank with nothing to read is refused at construction."""
 
 from __future__ import annotations
 
 import json
+import logging
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -43,12 +48,12 @@ async def per_rank(tmp_path: Path, world: int, workers: int, epoch: int = 0,
 
 @pytest.mark.parametrize(("world", "workers"), [(2, 1), (2, 2), (3, 1), (3, 2), (2, 3)])
 @pytest.mark.parametrize("shuffle", [False, True])
-async def test_same_number_of_shards_by_default(tmp_path: Path, anyio_backend: str,
-                                                world: int, workers: int,
-                                                shuffle: bool) -> None:
+async def test_same_number_of_shards_with_even_ranks(tmp_path: Path, anyio_backend: str,
+                                                     world: int, workers: int,
+                                                     shuffle: bool) -> None:
     write_uneven(tmp_path)
     for epoch in range(3):
-        ranks, sources = await per_rank(tmp_path, world, workers, epoch,
+        ranks, sources = await per_rank(tmp_path, world, workers, epoch, even_ranks=True,
                                         shuffle_shards=shuffle, seed=2)
         shards = [{i // 100 for i in ids} for ids in ranks]
         assert [len(s) for s in shards] == [5 // world] * world
@@ -59,13 +64,64 @@ async def test_same_number_of_shards_by_default(tmp_path: Path, anyio_backend: s
         assert sum(s.stats.shards_dropped for s in sources) == 5 % world
 
 
+@pytest.mark.parametrize(("world", "workers"), [(2, 1), (3, 2), (2, 3)])
+@pytest.mark.parametrize("shuffle", [False, True])
+async def test_every_record_once_by_default(tmp_path: Path, anyio_backend: str, world: int,
+                                            workers: int, shuffle: bool) -> None:
+    """torch's DistributedSampler drops nothing unless asked: neither does a source. Unequal
+    shares are warned about by rank 0 (its worker 0), once per epoch, with both remedies."""
+    ids = write_uneven(tmp_path)
+    for epoch in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ranks, sources = await per_rank(tmp_path, world, workers, epoch,
+                                            shuffle_shards=shuffle, seed=2)
+        assert sorted(i for rank in ranks for i in rank) == ids
+        assert sum(s.stats.shards_dropped for s in sources) == 0
+        messages = [str(w.message) for w in caught if w.category is UserWarning]
+        assert len(messages) == 1
+        shares = {2: "rank 0 reads 3 shards, rank 1 reads 2 shards.",
+                  3: "ranks 0 to 1 read 2 shards each, rank 2 reads 1 shard."}[world]
+        assert messages[0].startswith(f"epoch {epoch}: 5 shards over {world} ranks: {shares}")
+        assert "even_ranks=True" in messages[0] and "records_per_rank=N" in messages[0]
+
+
+async def test_seven_shards_on_three_ranks_read_all_seventy(tmp_path: Path,
+                                                            anyio_backend: str) -> None:
+    ids = write_uneven(tmp_path, [10] * 7)
+    with pytest.warns(UserWarning, match=r"rank 0 reads 3 shards, ranks 1 to 2 read 2 shards "
+                                         r"each"):
+        ranks, _ = await per_rank(tmp_path, 3, 1)
+    assert sorted(i for rank in ranks for i in rank) == ids
+
+
+async def test_equal_shares_warn_nothing(tmp_path: Path, anyio_backend: str) -> None:
+    write_uneven(tmp_path, [3, 5, 8, 2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ranks, _ = await per_rank(tmp_path, 2, 2)
+    assert sum(len(rank) for rank in ranks) == 18
+
+
+async def test_shard_left_out_on_request_is_logged(tmp_path: Path, anyio_backend: str,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    write_uneven(tmp_path)
+    with caplog.at_level(logging.INFO, logger="aloader.sources"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # asked for: no warning
+        await per_rank(tmp_path, 2, 2, epoch=1, even_ranks=True)
+    lines = [r.getMessage() for r in caplog.records if r.name == "aloader.sources"]
+    assert len(lines) == 1  # rank 0 (by its worker 0); rank 1 leaves nothing out
+    assert lines[0].startswith("epoch 1: rank 0 of 2 leaves out shard 2 (")
+    assert "s2.jsonl" in lines[0] and "every rank reads 2 of the 5 shards" in lines[0]
+
+
 async def test_dropped_shard_rotates(tmp_path: Path, anyio_backend: str) -> None:
     """Without shuffling, a rank keeps its own shards and drops each of them in turn: over
     len(share) epochs each is dropped once, so over 2 epochs every shard is read."""
     write_uneven(tmp_path)
     read: list[set[int]] = []
     for epoch in range(3):
-        ranks, _ = await per_rank(tmp_path, 2, 1, epoch)
+        ranks, _ = await per_rank(tmp_path, 2, 1, epoch, even_ranks=True)
         read.append({i // 100 for ids in ranks for i in ids})
         assert {i // 100 for i in ranks[1]} == {1, 3}  # rank 1: its share, nothing dropped
     # rank 0's share is shards 0, 2, 4: drops 0, then 2, then 4
@@ -90,8 +146,10 @@ async def test_records_per_rank_exact(tmp_path: Path, anyio_backend: str, world:
                                       workers: int, per: int) -> None:
     write_uneven(tmp_path)
     for epoch in range(2):
-        ranks, sources = await per_rank(tmp_path, world, workers, epoch, shuffle_shards=True,
-                                        seed=1, records_per_rank=per)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # evened out: nothing to warn about
+            ranks, sources = await per_rank(tmp_path, world, workers, epoch,
+                                            shuffle_shards=True, seed=1, records_per_rank=per)
         assert [len(ids) for ids in ranks] == [per] * world
         assert sum(s.stats.shards_dropped for s in sources) == 0
         for ids in ranks:
@@ -126,21 +184,24 @@ async def test_workers_of_a_rank_exactly_once(tmp_path: Path, anyio_backend: str
     records as the rank read by one worker."""
     write_uneven(tmp_path, [4, 4, 4, 4, 4, 4, 4])
     for epoch in range(2):
-        alone, _ = await per_rank(tmp_path, 2, 1, epoch, shuffle_shards=True, seed=3)
-        split, _ = await per_rank(tmp_path, 2, workers, epoch, shuffle_shards=True, seed=3)
+        alone, _ = await per_rank(tmp_path, 2, 1, epoch, shuffle_shards=True, seed=3,
+                                  even_ranks=True)
+        split, _ = await per_rank(tmp_path, 2, workers, epoch, shuffle_shards=True, seed=3,
+                                  even_ranks=True)
         for one, many in zip(alone, split, strict=True):
             assert sorted(one) == sorted(many)
             assert len(many) == 12
 
 
-async def test_world_size_env_turns_it_on(tmp_path: Path, anyio_backend: str,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_world_size_env_leaves_it_off(tmp_path: Path, anyio_backend: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     write_uneven(tmp_path)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     source = JsonLines(str(tmp_path))
-    assert source.even_ranks == "shards"
-    assert len(source.shards_for(0)) == 2  # of 3 in its share
+    assert source.even_ranks is None
+    assert len(source.shards_for(0)) == 3  # its whole share
+    assert len(JsonLines(str(tmp_path), even_ranks=True).shards_for(0)) == 2  # of 3
     monkeypatch.setenv("WORLD_SIZE", "1")
     single = JsonLines(str(tmp_path))
     assert single.even_ranks is None
@@ -153,11 +214,12 @@ def test_rank_without_a_shard_is_refused(tmp_path: Path) -> None:
     write_uneven(tmp_path, [3, 3])
     with pytest.raises(ValueError, match=r"2 shards for world_size 3: rank 2 would read no "
                                          r"shard.*this process is rank 0"):
-        JsonLines(str(tmp_path), rank=0, world_size=3)
+        JsonLines(str(tmp_path), rank=0, world_size=3, even_ranks=True)
     with pytest.raises(ValueError, match=r"ranks 2 to 4"):
         JsonLines(str(tmp_path), rank=1, world_size=5, records_per_rank=4)
-    # opting out keeps the old split, empty ranks included
+    # by default (or opting out) every shard is read, some ranks reading none
     assert JsonLines(str(tmp_path), rank=2, world_size=3, even_ranks=False).shards_for(0) == []
+    assert JsonLines(str(tmp_path), rank=2, world_size=3).shards_for(0) == []
 
 
 def test_bad_options(tmp_path: Path) -> None:
@@ -208,9 +270,12 @@ async def test_parquet_even_ranks(tmp_path: Path, anyio_backend: str) -> None:
         rows = await collect(ParquetRows(paths, rank=rank, world_size=2, records_per_rank=6))
         counts.append(len(rows))
     assert counts == [6, 6]
-    dropped = [ParquetRows(paths, rank=rank, world_size=2) for rank in range(2)]
+    dropped = [ParquetRows(paths, rank=rank, world_size=2, even_ranks=True)
+               for rank in range(2)]
     files = [len(await collect(s)) for s in dropped]
     assert files in ([8, 5], [3, 5])  # rank 0 reads one of f0, f2; rank 1 reads f1
     assert [s.stats.shards_dropped for s in dropped] == [1, 0]
     with pytest.raises(ValueError, match="row groups for world_size 3"):
-        ParquetRows(paths[:1], rank=0, world_size=3)
+        ParquetRows(paths[:1], rank=0, world_size=3, even_ranks=True)
+    with pytest.warns(UserWarning, match="3 files over 2 ranks: rank 0 reads 2 files"):
+        assert len(await collect(ParquetRows(paths, rank=0, world_size=2))) == 11

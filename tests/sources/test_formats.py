@@ -229,20 +229,24 @@ def npy_with_rows(rows: int, array: np.ndarray[Any, Any]) -> bytes:
     return buffer.getvalue() + array.tobytes()
 
 
-async def test_npy_promising_huge_rows_fails_at_once(tmp_path: Path, anyio_backend: str) -> None:
+async def test_npy_promising_huge_rows_delivers_its_rows_then_fails(tmp_path: Path,
+                                                                    anyio_backend: str) -> None:
     path = tmp_path / "huge.npy"
-    path.write_bytes(npy_with_rows(10**12, np.zeros((20_000, 4))))
+    rows = np.arange(80_000.0).reshape(20_000, 4)
+    path.write_bytes(npy_with_rows(10**12, rows))
     source = NpyRows(path, chunk_size=4096)
-    with pytest.raises(RecordError, match=r"huge\.npy: byte offset \d+: truncated array: the "
-                                          r"shard ends after 20000 of 1000000000000 rows "
+    got: list[Any] = []
+    with pytest.raises(RecordError, match=r"huge\.npy: byte offset 640128: truncated array: "
+                                          r"the shard ends after 20000 of 1000000000000 rows "
                                           r"\(the header promises") as info:
-        await collect(source)
-    assert info.value.source == str(path)
-    # At once: from the first chunk, not after reading the shard to its end.
-    assert source.stats.records == 0 and source.stats.bytes <= 4096
+        async for row in source:
+            got.append(row)
+    assert info.value.source == str(path) and info.value.offset == 640128
+    # The rows the shard holds (as a truncated text shard's lines), nothing read beyond it.
+    assert np.array_equal(np.stack(got), rows) and source.stats.records == 20_000
 
     skipping = NpyRows(path, skip_errors=True)
-    assert await collect(skipping) == [] and skipping.stats.skipped == 1
+    assert len(await collect(skipping)) == 20_000 and skipping.stats.skipped == 1
 
 
 async def test_npy_extra_data_fails_at_once(tmp_path: Path, anyio_backend: str) -> None:

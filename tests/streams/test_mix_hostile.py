@@ -4,6 +4,8 @@ way ``mix`` takes them), which must not hand on the streams themselves as items.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 from pathlib import Path
 
@@ -69,3 +71,16 @@ def test_interleave_of_a_list_of_streams_is_refused(inputs: list[str],
     with pytest.raises(TypeError, match="separate arguments"):
         interleave(tuple(sources(inputs)))
     assert list(interleave([1, 2], [3, 4])) == [1, 3, 2, 4]  # lists of items stay inputs
+
+
+@pytest.mark.parametrize("weights", [[1e308, 1e308], [5e-324, 5e-324], [1e308, 0.0, 1e308],
+                                     [1.7e308, 1.7e308, 1.7e308]], ids=repr)
+def test_weights_at_the_ends_of_the_floats_keep_their_shares(weights: list[float]) -> None:
+    """Equal weights whose sum overflows (every pick went to the last source) or is
+    subnormal (a 1:3 split) give every source of positive weight its equal share."""
+    sources = [[index] * 4000 for index in range(len(weights))]
+    picks = collections.Counter(itertools.islice(mix(sources, weights, seed=0), 4000))
+    live = [index for index, weight in enumerate(weights) if weight > 0]
+    assert sorted(picks) == live
+    share = 4000 / len(live)
+    assert all(abs(picks[index] - share) < 0.1 * share for index in live), picks

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,30 @@ async def test_shuffle_buffer_bounded(anyio_backend: str) -> None:
     # Items leave the buffer in a spread: the first output comes from the first 256+37 items.
     small = as_stream(range(10)).shuffle(1000, seed=0)
     assert sorted(await collect(small)) == list(range(10))
+
+
+async def test_shuffle_buffer_allocated_as_it_fills(anyio_backend: str) -> None:
+    """A buffer of 10**12 items over a short stream holds what the stream holds (its
+    bookkeeping too: it was a 7.28 TiB array at the start), and resumes."""
+    tracemalloc.start()
+    try:
+        huge = as_stream(range(3000)).shuffle(10**12, seed=0)
+        out = await collect(huge)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert sorted(out) == list(range(3000)) and peak < 8 << 20, peak
+    loader = DataLoader(as_stream(range(3000)).shuffle(10**12, seed=0), batch_size=100,
+                        collate_fn=list)
+    epoch = loader.__aiter__()
+    head = [await epoch.__anext__() for _ in range(3)]
+    state = loader.state_dict()
+    await epoch.aclose()
+    resumed = DataLoader(as_stream(range(3000)).shuffle(10**12, seed=0), batch_size=100,
+                         collate_fn=list)
+    resumed.load_state_dict(state)
+    rest = [batch async for batch in resumed]
+    assert sorted(i for batch in head + rest for i in batch) == list(range(3000))
 
 
 async def test_shuffle_mixes_within_window(anyio_backend: str) -> None:

@@ -156,7 +156,7 @@ async def test_sharded_stream_order_is_the_seeds_with_workers(
         for worker_id in range(workers):
             mine = assign_shards(13, rank=rank, world_size=world, worker_id=worker_id,
                                  num_workers=workers, epoch=0, seed=4, shuffle=True,
-                                 even="shards")
+                                 even=None)  # the default: every shard read
             records = [(s, r) for s in mine for r in range(5)]
             replicas.append([records[i : i + batch_size]
                              for i in range(0, len(records), batch_size)])

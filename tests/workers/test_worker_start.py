@@ -342,3 +342,39 @@ def test_workers_may_use_multiprocessing_shared_memory(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[[0, 1], [2, 3]]"
     assert "resource_tracker" not in done.stderr, done.stderr
+
+
+class _Surroundings:
+    """A sample: what the worker sees of its process (an environment variable, the working
+    directory)."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> tuple[str | None, str | None, str]:
+        return (os.environ.get("ALOADER_TEST_LATER"), os.environ.get("ALOADER_TEST_GONE"),
+                os.getcwd())
+
+
+def _seen(loader: Any) -> set[tuple[str | None, str | None, str]]:
+    return {tuple(sample) for sample in loader}
+
+
+def test_workers_see_the_environment_and_directory_of_their_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import aloader
+
+    monkeypatch.setenv("ALOADER_TEST_GONE", "set before")
+    monkeypatch.delenv("ALOADER_TEST_LATER", raising=False)
+    loader = aloader.DataLoader(_Surroundings(), batch_size=None, num_workers=2,
+                                collate_fn=tuple)
+    assert _seen(loader) == {(None, "set before", os.getcwd())}  # the template runs now
+    monkeypatch.setenv("ALOADER_TEST_LATER", "set after")  # credentials, an endpoint...
+    monkeypatch.delenv("ALOADER_TEST_GONE")
+    monkeypatch.chdir(tmp_path)
+    now = {("set after", None, str(tmp_path))}
+    assert _seen(loader) == now  # the next epoch's workers
+    again = aloader.DataLoader(_Surroundings(), batch_size=None, num_workers=2,
+                               collate_fn=tuple, persistent_workers=True)
+    assert _seen(again) == now
+    again.close()

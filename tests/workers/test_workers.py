@@ -18,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -325,6 +326,32 @@ def test_worker_number_warning() -> None:
     cpus = len(os.sched_getaffinity(0))
     with pytest.warns(UserWarning, match=f"will create {cpus + 1} worker processes in total"):
         assert len(list(DataLoader(Squares(4), batch_size=2, num_workers=cpus + 1))) == 2
+
+
+def test_worker_number_warning_once_at_the_users_lines() -> None:
+    cpus = len(os.sched_getaffinity(0))
+
+    async def epoch(loader: DataLoader[Any]) -> int:
+        return len([batch async for batch in loader])
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = DataLoader(Squares(4), batch_size=2, num_workers=cpus + 1)
+        built = sys._getframe().f_lineno - 1
+        for _ in range(2):
+            assert len(list(loader)) == 2  # no warning at the epochs
+            assert anyio.run(epoch, loader) == 2
+        loader.num_workers = cpus + 2  # torch warns at the next epoch: so does aloader, once
+        for _ in range(2):
+            assert len(list(loader)) == 2
+        again = sys._getframe().f_lineno - 1
+        assert anyio.run(epoch, loader) == 2
+        loader.num_workers = cpus + 3
+        assert anyio.run(epoch, loader) == 2
+        loader.close()
+    where = [(w.filename, w.lineno) for w in caught if "worker processes" in str(w.message)]
+    assert where == [(__file__, built), (__file__, again),
+                     (__file__, epoch.__code__.co_firstlineno + 1)]
 
 
 # Batches -----------------------------------------------------------------------------------------
