@@ -17,6 +17,7 @@ from ..data._distributed import default_place
 from ..data._random import restore_rng, rng_state
 from ..pipeline._failures import Failures, is_skip_key, json_index
 from ..streams._stream import Stream
+from ..workers._rngs import check_rngs, rngs_to_json
 from ._epochs import AlreadyDelivered, MapEpochs, Progress, StateTypeError
 
 if TYPE_CHECKING:
@@ -173,7 +174,43 @@ def state_of(dataloader: DataLoader[Any]) -> dict[str, Any]:
         },
         kind: _json_copy(sub),
         "failures": failures,
+        **_workers_entry(dataloader, record is None or record.at_end),
     }
+
+
+def _workers_entry(dataloader: DataLoader[Any], between: bool) -> dict[str, Any]:
+    """Between epochs of live persistent workers, each one's global generators as the next
+    epoch will find them (``{"workers": {"num_workers": W, "rngs": [...]}}``, see
+    :mod:`aloader.workers._rngs`); else nothing."""
+    pool = dataloader._pool
+    if not between or pool is None or not pool.persistent or pool.closed or pool.broken \
+            or any(rng is None for rng in pool.rngs):
+        return {}
+    return {"workers": {"num_workers": pool.num_workers,
+                        "rngs": [rngs_to_json(rng) for rng in pool.rngs]}}
+
+
+def _check_workers(dataloader: DataLoader[Any], entry: Any) -> list[Any] | None:
+    """A state's ``"workers"`` entry, checked: the generators to give the next persistent
+    workers, or None (none saved, or this loader's workers are not as many persistent ones:
+    they start as seeded)."""
+    if entry is None:
+        return None
+    if not isinstance(entry, Mapping):
+        raise StateTypeError(f"state field 'workers' should be a dict, "
+                             f"but got {type(entry).__name__}")
+    count, rngs = entry.get("num_workers"), entry.get("rngs")
+    if not (_is_int(count) and count > 0):
+        raise StateTypeError(f"state field 'workers.num_workers' should be a positive int, "
+                             f"but got {count!r}")
+    if not isinstance(rngs, list) or len(rngs) != count:
+        raise ValueError(f"state field 'workers.rngs' should list {count} workers' "
+                         f"generators, but is {type(rngs).__name__}")
+    for rng in rngs:
+        check_rngs(rng, "workers.rngs")
+    if not dataloader.persistent_workers or dataloader.num_workers != count:
+        return None
+    return list(rngs)
 
 
 def load_state(dataloader: DataLoader[Any], state: Mapping[str, Any]) -> None:
@@ -223,6 +260,7 @@ def load_state(dataloader: DataLoader[Any], state: Mapping[str, Any]) -> None:
     except ValueError as exc:
         raise ValueError(f"state field 'loader.rng': {exc}") from None
     failed = _check_failures(dataloader, state.get("failures"))
+    rngs = _check_workers(dataloader, state.get("workers"))
     if kind not in state:
         raise ValueError(f"state field {kind!r} is missing")
     sub = _json_copy(state[kind])
@@ -255,6 +293,7 @@ def load_state(dataloader: DataLoader[Any], state: Mapping[str, Any]) -> None:
     dataloader._epochs_started = state["epoch"]
     dataloader._resume_skip = skip
     dataloader._resume_failures = failed
+    dataloader._resume_rngs = rngs
     dataloader._record = None
     copy = cast(dict[str, Any], _json_copy(dict(state)))
     dataloader._resume_state = copy

@@ -356,6 +356,9 @@ class DataLoader(Generic[T_co]):
         self._resume_skip: AlreadyDelivered | None = None
         self._resume_seed: int | None = None  # the persistent workers' seed of a resumed run
         self._resume_failures: tuple[int, list[Any]] | None = None  # its failures so far
+        # The persistent workers' generators of a state taken between epochs (JSON, per
+        # worker: see aloader.workers._rngs), for the next persistent pool's workers.
+        self._resume_rngs: list[Any] | None = None
         self._stats: Collector | None = None  # the statistics of the latest epoch
         self._stats_epochs = 0
         if num_workers > 0:

@@ -170,6 +170,8 @@ class PoolEpoch:
         reply = await self._call(workers[worker_id], kind, payload, self.mark(seq))
         if reply.extra is not None:
             self._absorb(worker_id, reply.status, reply.extra, stats, failures)
+            if reply.extra[5] is not None:  # a persistent worker's generators, idle now
+                self.pool.rngs[worker_id] = reply.extra[5]
             if reply.extra[3]:  # every sample failed within the failure budget
                 return NO_BATCH
         if reply.status == Status.END:
@@ -214,7 +216,7 @@ class PoolEpoch:
                 failures: Failures | None) -> None:
         """Record what a worker counted besides its sources into ``stats`` and ``failures``:
         failed samples, timings (a report every few answers), this answer's transfer."""
-        failed, attempted, timings, empty, sent = extra
+        failed, attempted, timings, empty, sent, _ = extra
         if stats is not None:
             if timings is not None:
                 stats.merge(worker_id, timings)

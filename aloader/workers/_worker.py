@@ -30,7 +30,7 @@ The protocol (every message a :class:`Request` or a :class:`Reply`):
   :class:`RemoteError`, ``stats`` is what the worker's sources counted since its previous
   report (:class:`~aloader.sources._sources.StatsReporter`), or None, ``meta`` where the iterable
   replica was once the batch was drawn (:mod:`aloader.streams._resume`), or None, and ``extra`` what
-  else the worker counted: ``(failures, attempted, timings, empty, sent)``: the samples that
+  else the worker counted: ``(failures, attempted, timings, empty, sent, rngs)``: the samples that
   failed within the failure budget as ``[(index, RemoteError), ...]`` and the samples of an
   iterable replica attempted since its previous answer (see :mod:`aloader.pipeline._failures`), the
   worker's stage timings since its previous report (:meth:`aloader._stats.Collector.report`)
@@ -92,6 +92,7 @@ from ..pipeline._results import NO_BATCH, Results
 from ..streams._resume import adopt_world, open_replica, parse, prelude
 from ..streams._sourcestats import StatsReporter, source_stats
 from . import _shm, _spawn
+from ._rngs import rngs_from_json
 
 __all__ = (
     "FRAME",
@@ -317,6 +318,12 @@ class WorkerSetup:
     prefetch: int
     owner: str = field(default_factory=_shm.owner)
     preludes: list[Any] | None = None
+    #: Persistent workers send their global generators' states with an answer after which
+    #: they are idle (see aloader.workers._rngs).
+    persistent: bool = False
+    #: Per worker, the generators' states (JSON, see aloader.workers._rngs) it starts with,
+    #: after worker_init_fn: a resumed state's; None: as seeded.
+    rngs: list[Any] | None = None
 
 
 def seed_worker(base_seed: int, worker_id: int) -> int:
@@ -425,11 +432,11 @@ class _WorkerServer:
         #: Whether a request received is still being worked on (the async loop's jobs).
         self.working: Callable[[], bool] = bool
 
-    def _extra(self, empty: bool, timings: Any) -> Any:
+    def _extra(self, empty: bool, timings: Any, rngs: Any = None) -> Any:
         report = None if self.failures is None else self.failures.take_unreported()
         failed, seen = report or ([], 0)
         return ([(index, RemoteError.capture(_strip_pipeline_notes(error), self.where))
-                 for index, error in failed], seen, timings, empty, _now())
+                 for index, error in failed], seen, timings, empty, _now(), rngs)
 
     def _more(self) -> bool:
         """Whether another answer is known to follow: a request waits in the socket, or one
@@ -442,11 +449,15 @@ class _WorkerServer:
             value = None
         self._unreported += 1
         stats = timings = None
-        if status != Status.OK or self._unreported >= _REPORT_EVERY or not self._more():
+        idle = not self._more()
+        if status != Status.OK or self._unreported >= _REPORT_EVERY or idle:
             self._unreported = 0
             stats = self.stats.report()
             timings = self.setup.plan.stats.report()
-        extra = self._extra(empty, timings)
+        # A persistent worker idle after this answer (the last of an epoch always is): its
+        # generators as the next epoch starts drawing from them, for a state between epochs.
+        extra = self._extra(empty, timings,
+                            rng_state() if idle and self.setup.persistent else None)
         try:
             # By value only what plain pickling cannot take (a class the setup brought by
             # value): what is importable by name resolves to the loader's own object.
@@ -749,6 +760,8 @@ def worker_main(
             dataset = setup.plan.dataset
             prelude(dataset, parse(dataset, setup.preludes[worker_id],
                                    (worker_id, setup.num_workers)))
+        if setup.rngs is not None and setup.rngs[worker_id] is not None:
+            set_rng_state(rngs_from_json(setup.rngs[worker_id]))
         # A map-style dataset's state as this worker starts, as torchdata's workers report
         # theirs: what a checkpoint says of a worker that has delivered nothing yet.
         start = state_of(setup.plan.dataset)() if isinstance(setup.serve, ServeTasks) else None

@@ -8,7 +8,9 @@ checks are ours: a resumed run equals the uninterrupted one, batch for batch."""
 
 from __future__ import annotations
 
+import copy
 import json
+import random
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -469,4 +471,53 @@ def test_yielded_goes_on_across_a_resume(workers: int, kind: str) -> None:
     assert it.num_yielded == 8
     it.close()
     for one in (loader, resumed):
+        one.close()
+
+
+class GlobalDraws(Dataset[float]):
+    """Draws from the worker's global numpy generator (torch's workers keep theirs going
+    across the epochs of persistent workers)."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> float:
+        return index + float(np.random.random())
+
+
+class GlobalDrawsIterable(IterableDataset[float]):
+    def __iter__(self) -> Iterator[float]:
+        info = aloader.get_worker_info()
+        wid, count = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(wid, 12, count):
+            yield i + random.random()
+
+
+@pytest.mark.parametrize("kind", ["map", "iterable"])
+def test_persistent_workers_generators_are_kept_between_epochs(kind: str) -> None:
+    """A state between epochs of persistent workers: their global generators were reseeded on
+    resume, so every later epoch's augmentations differed from the uninterrupted run's."""
+    dataset: Any = GlobalDraws() if kind == "map" else GlobalDrawsIterable()
+
+    def make(workers: int = 2, persistent: bool = True) -> DataLoader[Any]:
+        return DataLoader(dataset, batch_size=3, num_workers=workers, generator=5,
+                          persistent_workers=persistent, collate_fn=as_list)
+
+    ref = make()
+    epochs = [list(ref) for _ in range(3)]
+    loader = make()
+    list(loader)
+    state = roundtrip(loader.state_dict())
+    assert len(state["workers"]["rngs"]) == 2
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [list(resumed), list(resumed)] == epochs[1:]
+    other = make(3)  # another count: seeded as new workers, as it was
+    other.load_state_dict(state)
+    assert sorted(int(x) for b in other for x in b) == list(range(12))
+    bad = copy.deepcopy(state)
+    bad["workers"]["rngs"][1] = [[3, [1, 2], None], None, None]
+    with pytest.raises(ValueError, match="'workers.rngs'"):
+        make().load_state_dict(bad)
+    for one in (ref, loader, resumed, other):
         one.close()
