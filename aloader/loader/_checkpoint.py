@@ -190,15 +190,21 @@ def _workers_entry(dataloader: DataLoader[Any], between: bool) -> dict[str, Any]
                         "rngs": [rngs_to_json(rng) for rng in pool.rngs]}}
 
 
+def _entry(entry: Any, name: str) -> Mapping[str, Any] | None:
+    """A state's optional entry ``name``: None when absent, else a dict (a StateTypeError)."""
+    if entry is not None and not isinstance(entry, Mapping):
+        raise StateTypeError(f"state field {name!r} should be a dict, "
+                             f"but got {type(entry).__name__}")
+    return entry
+
+
 def _check_workers(dataloader: DataLoader[Any], entry: Any) -> list[Any] | None:
     """A state's ``"workers"`` entry, checked: the generators to give the next persistent
     workers, or None (none saved, or this loader's workers are not as many persistent ones:
     they start as seeded)."""
+    entry = _entry(entry, "workers")
     if entry is None:
         return None
-    if not isinstance(entry, Mapping):
-        raise StateTypeError(f"state field 'workers' should be a dict, "
-                             f"but got {type(entry).__name__}")
     count, rngs = entry.get("num_workers"), entry.get("rngs")
     if not (_is_int(count) and count > 0):
         raise StateTypeError(f"state field 'workers.num_workers' should be a positive int, "
@@ -303,11 +309,9 @@ def _check_failures(dataloader: DataLoader[Any], failures: Any) -> tuple[int, li
     """A state's ``"failures"`` entry, checked: (count, indices), or None when there is
     nothing to restore (none recorded, or this loader has no budget: its epochs raise the
     first error, as torch's do). A state without the entry recorded none."""
+    failures = _entry(failures, "failures")
     if failures is None:
         return None
-    if not isinstance(failures, Mapping):
-        raise StateTypeError(f"state field 'failures' should be a dict, "
-                        f"but got {type(failures).__name__}")
     count, indices = failures.get("count"), failures.get("indices")
     if not (_is_int(count) and count >= 0):
         raise StateTypeError(f"state field 'failures.count' should be a non-negative int, "
