@@ -35,6 +35,7 @@ from ._exceptions import (
     WorkerError,
 )
 from ._stats import LoaderStats, SourceStats, StageStats
+from ._trace import Trace
 from ._workerinfo import WorkerInfo, get_worker_info
 from .data._batchsampler import BatchSampler
 from .data._collate import (
@@ -92,6 +93,7 @@ __all__ = (
     "DistributedState",
     "LoaderStats",
     "StageStats",
+    "Trace",
     "WorkerInfo",
     "get_worker_info",
     "merge_rank_states",

@@ -158,6 +158,9 @@ def _parser(workloads: Sequence[str] | None) -> argparse.ArgumentParser:
                          help="e.g. examples/profile_factory.py:make_loader")
     profile.add_argument("--batches", type=_positive_int, default=None,
                          help="stop after this many batches (default: the whole epoch)")
+    profile.add_argument("--trace", metavar="PATH", default=None,
+                         help="also write the epoch's timings to PATH as a Chrome trace "
+                              "(open it in https://ui.perfetto.dev or chrome://tracing)")
 
     bench = commands.add_parser(
         "bench",
@@ -208,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "profile":
         from ._demo._profile import main as profile_main
 
-        return profile_main(args.target, batches=args.batches)
+        return profile_main(args.target, batches=args.batches, trace=args.trace)
     if engine is None:
         print(f"python -m aloader bench: the benchmarks are not installed with the package; "
               f"run it from a source checkout of aloader (`pip install -e .` there), where "

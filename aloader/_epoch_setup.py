@@ -37,6 +37,7 @@ class EpochSetup:
             epoch it resumes, or None.
         sources: the dataset's streams' counters (:class:`aloader.SourceStats`).
         sources_of: finds the counters of a dataset's streams (the failure budget watches them).
+        in_order: whether batches are delivered in the sampler's order.
     """
 
     epoch: int
@@ -50,3 +51,4 @@ class EpochSetup:
     resumed_failures: tuple[int, tuple[Any, ...]] | None = None
     sources: tuple[Any, ...] = ()
     sources_of: Callable[[object], list[Any]] | None = None
+    in_order: bool = True

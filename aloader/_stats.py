@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from operator import sub
 from typing import TYPE_CHECKING, Any
 
 from ._exceptions import RecordError
+from ._util import usable_cpus
 
 if TYPE_CHECKING:
     from ._epoch_setup import EpochSetup
@@ -180,7 +180,8 @@ class LoaderStats:
             few batches prefetched and never delivered).
         batches: batches delivered (to the ``for`` facade's loop, which may be a batch or two
             ahead of the code consuming it).
-        failures: samples that failed within the failure budget.
+        failures: samples that failed within the failure budget (once it is exceeded, the
+            count its :class:`~aloader.FailureBudgetExceeded` names).
         items_per_second: ``items / elapsed``.
         mode: how the epoch fetched: ``async``, ``inline``, ``thread`` or ``process``.
         kind: ``map`` (a map-style dataset) or ``iterable``.
@@ -195,11 +196,15 @@ class LoaderStats:
             verdict leaves out).
         workers: per worker process: ``{"batches": n, "busy": seconds}``.
         sources: the streaming sources' counters (records, bytes, retries, skipped...; with
-            ``cache_dir``, also cache_hits, cache_misses, cache_bytes and cache_evicted),
+            ``cache_dir``, also cache_hits, cache_misses, cache_bytes, cache_evicted and
+            cache_corrupt),
             cumulative over the loader's epochs, each epoch's content counted once (an epoch
             interrupted and continued, or resumed by this loader from its own state, counts
             what the uninterrupted one does; see :class:`~aloader.SourceStats`).
         bottleneck: the limiting stage, in one sentence with the change that would help.
+        cores: the CPUs this process may run on (0: unknown): the verdict never advises more
+            worker processes than that.
+        in_order: whether batches are delivered in the sampler's order (``in_order``).
     """
 
     epoch: int
@@ -221,6 +226,8 @@ class LoaderStats:
     workers: list[dict[str, float]] = field(default_factory=list)
     sources: list[dict[str, int]] = field(default_factory=list)
     bottleneck: str = ""
+    cores: int = 0
+    in_order: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         """The snapshot as JSON-serialisable builtins (dicts, lists, str, int, float, bool)."""
@@ -255,12 +262,15 @@ class Collector:
         epoch: the loader's epoch number.
         num_workers: worker processes (0: none).
         sources: the counters of the dataset's streams, read at each snapshot.
+        in_order: whether batches are delivered in the sampler's order.
     """
 
     def __init__(self, mode: str = "inline", in_flight_limit: int = 1, ready_limit: int = 1,
                  epoch: int = 0, num_workers: int = 0, kind: str = "map",
-                 auto_batch: bool = True, sources: Iterable[Any] = ()) -> None:
+                 auto_batch: bool = True, sources: Iterable[Any] = (),
+                 in_order: bool = True) -> None:
         self.mode = mode
+        self.in_order = in_order
         self.kind = kind
         self.auto_batch = auto_batch
         self.in_flight_limit = in_flight_limit
@@ -304,11 +314,11 @@ class Collector:
         """The statistics of the epoch ``setup`` describes, whose plan fetches in ``mode``
         with at most ``in_flight_limit`` fetches in flight."""
         return cls(mode, in_flight_limit, max(1, setup.prefetch_factor), setup.stats_epoch,
-                   setup.num_workers, setup.kind, auto_batch, setup.sources)
+                   setup.num_workers, setup.kind, auto_batch, setup.sources, setup.in_order)
 
     def __reduce__(self) -> tuple[Any, ...]:  # a plan's travels to the workers: a fresh one
         return (Collector, (self.mode, self.in_flight_limit, self.ready_limit, 0, 0, self.kind,
-                            self.auto_batch))
+                            self.auto_batch, (), self.in_order))
 
     def _fold(self) -> None:
         """Fold what was appended (the caller holds the lock; see the module docstring).
@@ -445,6 +455,8 @@ class Collector:
             first_wait=self.first_wait / 1e9,
             workers=[{"batches": b, "busy": busy / 1e9} for b, busy in self.workers],
             sources=sources,
+            cores=usable_cpus()[0] or 0,
+            in_order=self.in_order,
         )
         return _with_verdict(stats)
 
@@ -455,16 +467,52 @@ def _with_verdict(stats: LoaderStats) -> LoaderStats:
     return replace(stats, bottleneck=verdict(stats))
 
 
+def _workers_advice(stats: LoaderStats, verb: str = "use") -> str:
+    """The advice to run (more) worker processes, never beyond the cores this process may
+    use: ``use num_workers (up to N, the cores here)``, or that the CPU is the limit."""
+    workers, cores = len(stats.workers), stats.cores
+    if not cores:
+        return f"{verb} num_workers"
+    if workers >= cores or cores == 1:
+        return (f"the CPU is the limit: {workers or 1} process{'es' if workers > 1 else ''} "
+                f"on {cores} core{'s' if cores > 1 else ''}; make each sample cheaper to load, "
+                "or use a machine with more cores")
+    return f"{verb} num_workers (up to {cores}, the cores here)"
+
+
+def _stragglers(stats: LoaderStats, waited: float) -> str | None:
+    """The verdict for a few slow fetches holding back the batches behind them, if that is
+    what the measurements show: batches delivered in order, fetch latencies with a long tail
+    (p99 at least 10x p50), the fetches far from their limit (the window stands still
+    behind its slowest fetch) and the consumer waiting."""
+    fetch = stats.stages["fetch"]
+    limit = stats.in_flight_limit
+    if (not stats.in_order or stats.mode not in ("async", "thread") or limit < 2
+            or stats.kind == "iterable" or fetch.count < 20):
+        return None
+    if fetch.p99 < 10 * fetch.p50 or fetch.p99 < 1e-3:
+        return None
+    if stats.in_flight >= 0.5 * limit or waited < 0.25:
+        return None
+    return (f"stragglers: a few slow fetches (p99 {fetch.p99 * 1e3:.0f} ms, p50 "
+            f"{fetch.p50 * 1e3:.1f} ms) hold back the batches behind them ({stats.in_flight:.1f} "
+            f"of {limit} fetches in flight); pass in_order=False to deliver each batch as soon "
+            f"as it is ready, if their order does not matter; the consumer waited "
+            f"{waited:.0%} of the time")
+
+
 def verdict(stats: LoaderStats) -> str:
     """The limiting stage of an epoch, in one sentence with the change that would help.
 
     Derived from the measurements, in this order: a consumer that never waits is the
     bottleneck; else (the consumer waits for the loader) one worker much slower than the
-    others; a map-style dataset's fetches filling their limit; ``collate_fn`` busy most of the
-    time; a synchronous dataset busy on the CPU (the GIL); an iterable dataset's iterator busy
-    most of the time (one pull at a time: no limit to raise); a map-style dataset blocking one
+    others; a few slow fetches holding back the batches behind them (``in_order=False``); a
+    map-style dataset's fetches filling their limit; ``collate_fn`` busy most of the time; a
+    synchronous dataset busy on the CPU (the GIL); an iterable dataset's iterator busy most
+    of the time (one pull at a time: no limit to raise); a map-style dataset blocking one
     call at a time; the transfer from the workers; the workers all busy; else the busiest
-    stage.
+    stage. Advice to use worker processes never goes beyond the cores the process may run
+    on (``stats.cores``): with as many workers as cores, it says the CPU is the limit.
     """
     if stats.batches == 0:
         return "no batch delivered yet"
@@ -492,6 +540,9 @@ def verdict(stats: LoaderStats) -> str:
             return (f"one slow worker: worker {worker} takes {slowest * 1e3:.0f} ms per batch, "
                     f"the others {typical * 1e3:.0f} ms; look at what it loads (its shards, "
                     "its samples) or at its host")
+    stragglers = _stragglers(stats, waited)
+    if stragglers is not None:
+        return stragglers
     limit = stats.in_flight_limit
     busiest = max(("fetch", "collate", "transfer", "sampling"),
                   key=lambda name: stages[name].busy)
@@ -501,8 +552,10 @@ def verdict(stats: LoaderStats) -> str:
                 "max_concurrency")
     collate = stages["collate"].busy / elapsed
     if collate >= 0.5 and stats.mode != "process":
-        return (f"collate: {collate:.0%} of one core, pass num_workers or a cheaper "
-                "collate_fn")
+        advice = _workers_advice(stats, "pass")
+        return (f"collate: {collate:.0%} of one core, {advice} or a cheaper collate_fn"
+                if advice.startswith("pass") else f"collate: {collate:.0%} of one core; "
+                f"{advice}, or a cheaper collate_fn")
     fetch = stages["fetch"].busy / elapsed
     # CPU per second of fetching: near 1 for a dataset computing (holding the GIL), near 0
     # for one blocked on I/O (a wake-up's microseconds per call: about 1%); on a loaded
@@ -514,13 +567,14 @@ def verdict(stats: LoaderStats) -> str:
     on_cpu = stats.fetch_cpu / max(1e-9, stages["fetch"].busy) if threaded else 1.0
     if not iterable and stats.mode in ("inline", "thread") and fetch >= 0.5 and on_cpu >= 0.05:
         return (f"GIL-bound sync dataset: its fetches take {fetch:.0%} of the time, "
-                f"{on_cpu:.0%} of it on the CPU in the loader's process; use num_workers")
+                f"{on_cpu:.0%} of it on the CPU in the loader's process; "
+                f"{_workers_advice(stats)}")
     if iterable and fetch >= 0.5:
         # One pull at a time: more than all of the time is the first pull, in the start-up.
         return (f"the dataset's iterator: pulling its samples took {min(fetch, 1.0):.0%} of the "
                 "time and "
                 f"the consumer waited {waited:.0%}; make its __next__ cheaper, let it read "
-                "further ahead (a source's concurrency) or use num_workers")
+                f"further ahead (a source's concurrency) or {_workers_advice(stats)}")
     if threaded and fetch >= 0.5:
         if limit <= 1:
             return ("blocking sync fetches, one batch call at a time: pass max_concurrency "
@@ -533,9 +587,11 @@ def verdict(stats: LoaderStats) -> str:
             return ("transfer from workers: batches take long to come back; return smaller "
                     "batches or numpy arrays (they cross in shared memory)")
         if stats.in_flight >= 0.75 * limit:
+            advice = _workers_advice(stats, "raise")
+            if advice.startswith("raise"):
+                advice += " (or max_concurrency for an async dataset)"
             return (f"the workers: {stats.in_flight:.0f} of {limit} batches in flight on "
-                    f"{len(stats.workers)} workers; raise num_workers (or max_concurrency for "
-                    "an async dataset)")
+                    f"{len(stats.workers)} workers; {advice}")
     share = stages[busiest].busy / elapsed
     return (f"{busiest}: the busiest stage ({share:.0%} of the epoch's time); the consumer "
             f"waited {waited:.0%} of the time")
@@ -547,12 +603,30 @@ def _source_counts(source: Any) -> dict[str, int]:
               "skipped": source.skipped, "retries": source.retries}
     if source.cache_hits or source.cache_misses:
         counts.update(cache_hits=source.cache_hits, cache_misses=source.cache_misses,
-                      cache_bytes=source.cache_bytes, cache_evicted=source.cache_evicted)
+                      cache_bytes=source.cache_bytes, cache_evicted=source.cache_evicted,
+                      cache_corrupt=source.cache_corrupt)
     return counts
 
 
 # Errors kept for inspection when bad records are skipped (the count is exact regardless).
 _KEEP_ERRORS = 100
+
+
+class _RecentErrors(list[RecordError]):
+    """A list that keeps only its last ``_KEEP_ERRORS`` items: appending beyond drops the
+    oldest. A plain list otherwise (``len``, indexing, slicing, iteration, equality)."""
+
+    __slots__ = ()
+
+    def append(self, error: RecordError) -> None:
+        super().append(error)
+        if len(self) > _KEEP_ERRORS:
+            del self[0]
+
+    def extend(self, errors: Iterable[RecordError]) -> None:
+        super().extend(errors)
+        if len(self) > _KEEP_ERRORS:
+            del self[: len(self) - _KEEP_ERRORS]
 
 
 @dataclass
@@ -595,7 +669,13 @@ class SourceStats:
         cache_bytes: bytes read from the local cache.
         cache_evicted: cached shards this source's reads evicted to stay under
             ``cache_limit``.
-        skipped_errors: the errors of the last skipped records (up to 100).
+        cache_corrupt: cached copies found damaged (a block that does not match the checksum
+            recorded when it was downloaded, a wrong length, a symlink) and dropped, or
+            downloads whose bytes did not match the store's checksum (not kept); their
+            records came from the store instead.
+        skipped_errors: the errors (:class:`~aloader.RecordError`) of the last skipped
+            records, oldest first: a list of at most 100, the oldest dropped as new ones come
+            (``stats.skipped_errors[-5:]``, ``len(...)``; the count is ``skipped``).
     """
 
     shards: int = 0
@@ -609,16 +689,16 @@ class SourceStats:
     cache_misses: int = 0
     cache_bytes: int = 0
     cache_evicted: int = 0
-    skipped_errors: deque[RecordError] = field(
-        default_factory=lambda: deque(maxlen=_KEEP_ERRORS)
-    )
+    cache_corrupt: int = 0
+    skipped_errors: list[RecordError] = field(default_factory=_RecentErrors)
 
     def counts(self) -> tuple[int, ...]:
         """The counters (shards, records, bytes, skipped, retries, shards_dropped, repeated,
-        cache_hits, cache_misses, cache_bytes, cache_evicted), to diff against later."""
+        cache_hits, cache_misses, cache_bytes, cache_evicted, cache_corrupt), to diff
+        against later."""
         return (self.shards, self.records, self.bytes, self.skipped, self.retries,
                 self.shards_dropped, self.repeated, self.cache_hits, self.cache_misses,
-                self.cache_bytes, self.cache_evicted)
+                self.cache_bytes, self.cache_evicted, self.cache_corrupt)
 
     def since(self, before: tuple[int, ...]) -> tuple[Any, ...] | None:
         """What was counted since ``counts()`` returned ``before``, or None if nothing.
@@ -632,13 +712,13 @@ class SourceStats:
             return None
         increments = tuple(a - b for a, b in zip(now, before, strict=True))
         new = min(increments[3], len(self.skipped_errors))
-        errors = list(self.skipped_errors)[len(self.skipped_errors) - new :] if new else []
+        errors = self.skipped_errors[len(self.skipped_errors) - new :] if new else []
         return (*increments, errors)
 
     def add(self, delta: tuple[Any, ...]) -> None:
         """Count what :meth:`since` returned (a worker's counts, in the loader's process)."""
         (shards, records, size, skipped, retries, dropped, repeated, hits, misses, cached,
-         evicted, errors) = delta
+         evicted, corrupt, errors) = delta
         self.shards += shards
         self.records += records
         self.bytes += size
@@ -650,4 +730,5 @@ class SourceStats:
         self.cache_misses += misses
         self.cache_bytes += cached
         self.cache_evicted += evicted
+        self.cache_corrupt += corrupt
         self.skipped_errors.extend(errors)

@@ -147,14 +147,15 @@ def write(tmp_path: Path, name: str, data: bytes) -> str:
 
 
 def open_handles(directory: Path) -> int:
-    """File descriptors of this process open on files under ``directory``."""
+    """File descriptors of this process open on files under ``directory`` (not on the
+    directory itself: the shard cache keeps its directory open)."""
     count = 0
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        if target.startswith(str(directory)):
+        if target.startswith(str(directory)) and target != str(directory):
             count += 1
     return count
 

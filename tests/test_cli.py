@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 import tomllib
@@ -244,6 +245,16 @@ def test_profile_the_example_factory() -> None:
     assert "bottleneck: fetch latency: 4 of 4 fetches in flight, raise max_concurrency" in out
 
 
+def test_profile_writes_a_trace(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"
+    result = run("-m", "aloader", "profile", "examples/profile_factory.py:make_loader",
+                 "--trace", str(path))
+    assert result.returncode == 0, result.stderr
+    assert f"trace: {path}" in result.stdout
+    events = json.loads(path.read_text())["traceEvents"]
+    assert sum(1 for e in events if e["name"] == "wait") == 25
+
+
 def test_profile_by_module_name_and_batches(tmp_path: Path) -> None:
     (tmp_path / "my_loader.py").write_text(
         "import aloader\n"
@@ -259,9 +270,19 @@ def test_profile_by_module_name_and_batches(tmp_path: Path) -> None:
     assert "30 items, 3 batches, 0 failed" in result.stdout
 
 
-def test_profile_bad_target() -> None:
-    with pytest.raises(ValueError, match="expected module:factory"):
-        main(["profile", "no_colon"])
+@pytest.mark.parametrize(("target", "said"), [
+    ("no_colon", "expected module:factory (a function returning a DataLoader), but got "
+                 "'no_colon'"),
+    ("examples/profile_factory.py:make_loadr",
+     "no function 'make_loadr' in examples/profile_factory.py; did you mean 'make_loader'?"),
+    ("no_such_module:make", "no module named 'no_such_module'"),
+    ("examples/no_such_file.py:make", "no file examples/no_such_file.py"),
+])
+def test_profile_a_mistyped_target_says_so_in_one_line(target: str, said: str) -> None:
+    result = run("-m", "aloader", "profile", target)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2
+    assert len(lines) == 1 and lines[0].startswith(f"aloader profile: {said}"), result.stderr
 
 
 def test_demo_s3_part_without_moto_says_skipped_and_succeeds() -> None:

@@ -42,11 +42,16 @@ def test_skipped_samples_are_rate_limited(caplog: pytest.LogCaptureFixture) -> N
                               max_failures=100))
     assert sum(map(len, got)) == 100
     records = [r for r in caplog.records if r.name == "aloader.loader"]
-    # The first 10 in full, then a summary (at once, then at most every 30 s).
-    assert len(records) == 11
+    # The first 10 in full, then a summary (at once, then at most every 30 s), and the
+    # epoch's summary at its end: the count, the budget, the first and last errors.
+    assert len(records) == 12
     assert records[0].getMessage() == "skipped sample 0: ValueError: bad sample 0"
     assert records[10].getMessage().startswith("skipped 1 more samples; the last: skipped "
                                                "sample 20")
+    assert records[11].getMessage() == (
+        "the epoch ended with 100 failed samples, within the failure budget "
+        "(max_failures=100); the first: ValueError: bad sample 0; the last: ValueError: bad "
+        "sample 198")
 
 
 def test_rate_limited_summaries() -> None:
@@ -85,7 +90,10 @@ def test_worker_samples_logged_in_the_loader(caplog: pytest.LogCaptureFixture) -
         list(DataLoader(Sync({5}), batch_size=4, collate_fn=list, max_failures=1,
                         num_workers=2))
     messages = [r.getMessage() for r in caplog.records if r.name == "aloader.loader"]
-    assert messages == ["skipped sample 5: ValueError: bad sample 5"]
+    assert messages == ["skipped sample 5: ValueError: bad sample 5",
+                        "the epoch ended with 1 failed sample, within the failure budget "
+                        "(max_failures=1); the first: ValueError: bad sample 5; the last: "
+                        "ValueError: bad sample 5"]
 
 
 class Dying:

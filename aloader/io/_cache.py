@@ -3,19 +3,30 @@
 A remote shard (``http(s)://``, ``s3://``, ``gs://``, ``az://``) read with a cache is kept on
 local disk, so a later epoch reads it at local-file speed; the least recently used shards are
 evicted to keep the cache's total size under ``cache_limit`` bytes. Several processes of one
-machine (ranks, loader workers, other jobs) may share one directory.
+machine (ranks, loader workers, other jobs, other users) may share one directory. Its files
+are handled by :mod:`aloader.io._cachedir`: relative to the directory's descriptor, never
+through a symlink, new files with ``O_EXCL``; a directory that every user may write into is
+worth one warning (they cannot make aloader write elsewhere, but may change what it reads:
+the checksums find an accident, not a forger).
 
 Invariants:
 
 * A file under its final name is a complete copy of one version of one object: it is written
   under a temporary name in the same directory and moved into place (``os.replace``) only
-  when the download ended without error and its length is the object's size. A truncated or
-  failed download, or one whose reader stopped early, is deleted, never committed; a crashed
-  downloader's temporary file is never read (readers only open final names) and is removed by
-  the next process that downloads that URL or makes room in the cache. A final file whose
-  length is not its version's (a machine's crash before the bytes reached the disk, a hand)
-  is removed when it is looked up, never read; one of the right length whose bytes changed
-  cannot be told (no checksum is kept).
+  when the download ended without error, its length is the object's size and its bytes match
+  the checksums the store gave (GCS's crc32c, S3's ``x-amz-checksum-*`` or single-part ETag:
+  see :mod:`aloader.io._checksums`). A truncated or failed download, or one whose reader
+  stopped early, is deleted, never committed; a crashed downloader's temporary file is never
+  read (readers only open final names) and is removed by the next process that downloads that
+  URL or makes room in the cache.
+* No copy is served unchecked: the CRC of every 64 KiB block of a copy is recorded as it is
+  downloaded (``<copy>.sum``, in place before the copy) and each block is checked before its
+  bytes are handed on (one read of the copy, no bytes used before their check). A copy of the
+  wrong length, without its checksums, not a regular file, or with a block that does not
+  match (a disk's or a hand's change, a crash before the bytes reached the disk) is dropped,
+  counted in ``stats.cache_corrupt`` and logged once; the read goes on from the store at the
+  byte where the copy failed (nothing handed on twice, nothing skipped), and the object is
+  downloaded again (at once when the first block failed, else by the next read).
 * One download per object version at a time, machine-wide: a downloader holds the URL's lock
   (``flock`` on ``<key>.lock``, released by the kernel if the process dies) from its request
   to its commit. Another process wanting that URL meanwhile waits for the lock (polling, so
@@ -33,6 +44,10 @@ Invariants:
   reserves its whole size (its temporary file is sized up front) and is never evicted. A
   reader that has a file open keeps reading it after its eviction (POSIX unlink semantics). A
   shard larger than what the limit leaves free is streamed without being kept.
+* A write error (a file size limit, a full disk, a lock or note that cannot be made) stops
+  keeping that shard, never reading it: its temporary files are removed, it streams from the
+  store, and one warning says why. A directory that cannot be written at all is an error when
+  the source is made.
 
 Which version a source reads: a source pins an object's version when it first sees it: at
 construction, from the listing of an object store prefix or pattern, else from the first
@@ -47,41 +62,49 @@ the waiting began).
 What is kept: the bytes as the store sends them (a compressed shard stays compressed, and is
 decompressed as it is read). Not kept: a body without a known length (an HTTP response with a
 ``Content-Encoding`` or without ``Content-Length``), and a shard resumed from the middle that
-is not cached yet (it is read from the store from that offset, as without a cache). A write
-error (a full disk) stops keeping that shard, not reading it.
+is not cached yet (it is read from the store from that offset, as without a cache).
 
-Files in the directory: ``<url hash>-<version hash>.shard`` (committed copies),
-``....tmp-<pid>-<random>`` (downloads in progress), ``<url hash>.json`` (the version last
-found for the URL and when), ``<url hash>.lock`` and ``.lru.lock`` (locks, left in place).
+Files in the directory: ``<url hash>-<version hash>.shard`` (committed copies) and
+``....shard.sum`` (their checksums), ``....tmp-<pid>-<random>`` (downloads in progress),
+``<url hash>.json`` (the version last found for the URL and when), ``<url hash>.lock`` and
+``.lru.lock`` (locks, left in place).
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
 import functools
 import hashlib
 import json
 import os
-import secrets
+import stat
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import anyio
+from typing import TYPE_CHECKING, Any
 
 from .._exceptions import FetchError
 from .._facade import PrivateLoop, SyncIterator
-from .._log import http_log
 from .._util import Closing
-from ._files import file_chunks
+from ._cachedir import (
+    SUMS,
+    TEMP,
+    CopyReader,
+    Damaged,
+    Directory,
+    Lock,
+    Writer,
+    warn_once,
+    write_failed,
+)
+from ._checksums import BLOCK, StoreChecks
+from ._files import RandomAccessFile, file_chunks
+from ._resumable import FirstAnswer, split_chunks
 
 if TYPE_CHECKING:
     from .._stats import SourceStats
 
-__all__ = ("ShardCache", "Version", "make_version")
+__all__ = ("CopyFile", "ShardCache", "Version", "make_version")
 
 # (size in bytes, the ETag or ``lm:<Last-Modified>`` or None): what identifies an object's
 # version. Only comparable values: a listing's Last-Modified is finer than a GET's.
@@ -91,16 +114,13 @@ OnVersion = Callable[[int | None, str | None, str | None], None]
 Fetch = Callable[[Callable[[int], None], OnVersion, int], AsyncGenerator[bytes, None]]
 
 _SUFFIX = ".shard"
-_TEMP = ".tmp-"
 _LRU_LOCK = ".lru.lock"
-# Waiting for a lock: the first poll after 2 ms, then doubling up to 50 ms.
-_FIRST_POLL = 0.002
-_LAST_POLL = 0.05
 # A waiter gives up waiting for a download that shows no progress for this many seconds (a
 # holder stalled by its own consumer, which may wait for the waiter: ranks in a collective),
-# and reads from the store itself. The holder stamps its lock every _BEAT seconds at most.
+# and reads from the store itself.
 _PATIENCE = 10.0
-_BEAT = 0.5
+# The longest note read (a note is ~200 bytes: a longer file is not one).
+_NOTE_LIMIT = 1 << 16
 
 
 def make_version(size: int | None, etag: str | None, last_modified: str | None
@@ -121,165 +141,14 @@ def _hash(text: str, length: int) -> str:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _copy_path(directory: str, url: str, version: Version) -> str:
+def _copy_name(url: str, version: Version) -> str:
     # Remembered: a cached epoch looks its copies up twice per shard (ShardedSource._loopless,
     # then the read), two hashes and a JSON encoding each time otherwise.
-    base = os.path.join(directory, _hash(url, 32))
-    return f"{base}-{_hash(json.dumps(version), 16)}{_SUFFIX}"
+    return f"{_hash(url, 32)}-{_hash(json.dumps(version), 16)}{_SUFFIX}"
 
 
 class _Gone(Exception):
     """The cached file was evicted between its lookup and its opening: look it up again."""
-
-
-# The URL locks this process holds, by path: another reader of the URL in this process does
-# not wait for one (the holder may be waiting for that very reader's consumer: two sources
-# over the same shards interleaved), it reads from the store without the cache.
-_HELD: dict[str, int] = {}
-
-
-def _forget_held() -> None:
-    # A forked child shares its parent's locks (the same open files): close its copies, so
-    # that the parent's release frees them.
-    for fd in _HELD.values():
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _HELD.clear()
-
-
-os.register_at_fork(after_in_child=_forget_held)
-
-
-class _Lock:
-    """An exclusive ``flock`` on a file, acquired by polling (cancellable), released once.
-
-    A URL lock's holder stamps the file's modification time as its download goes on
-    (:meth:`beat`); a waiter that sees no stamp for ``patience`` seconds gives up waiting.
-    """
-
-    def __init__(self, fd: int, path: str | None) -> None:
-        self._fd: int | None = fd
-        self._path = path
-        self._beat = time.monotonic()
-        if path is not None:
-            _HELD[path] = fd
-            os.utime(fd)
-
-    @classmethod
-    async def acquire(cls, path: str, patience: float | None = None) -> _Lock | None:
-        """The lock, or None when ``patience`` (seconds) is given and the holder went that
-        long without progress, or when this process holds it (URL locks, which are the ones
-        with a patience)."""
-        url_lock = patience is not None
-        if url_lock and path in _HELD:
-            return None
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            delay = _FIRST_POLL
-            seen = os.fstat(fd).st_mtime_ns
-            changed = time.monotonic()
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    return cls(fd, path if url_lock else None)
-                except BlockingIOError:
-                    pass
-                if patience is not None:
-                    now = time.monotonic()
-                    stamp = os.fstat(fd).st_mtime_ns
-                    if stamp != seen:
-                        seen, changed = stamp, now
-                    elif now - changed > patience or path in _HELD:
-                        os.close(fd)
-                        return None
-                await anyio.sleep(delay)
-                delay = min(delay * 2, _LAST_POLL)
-        except BaseException:
-            os.close(fd)
-            raise
-
-    @staticmethod
-    def free(path: str) -> bool:
-        """Whether nobody holds the lock at ``path`` now (another descriptor of this process
-        holding it counts as somebody)."""
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return True
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        finally:
-            os.close(fd)  # releases the lock, if taken
-        return True
-
-    def beat(self) -> None:
-        """Show the processes waiting that the download goes on (a stamp every ``_BEAT``
-        seconds at most)."""
-        now = time.monotonic()
-        if self._fd is not None and now - self._beat >= _BEAT:
-            self._beat = now
-            os.utime(self._fd)
-
-    def release(self) -> None:
-        if self._fd is not None:
-            if self._path is not None:
-                _HELD.pop(self._path, None)
-            os.close(self._fd)  # closing the only descriptor releases the flock
-            self._fd = None
-
-
-class _Writer:
-    """The temporary file of one download: written as the bytes stream, committed if whole."""
-
-    def __init__(self, temp: str, final: str, version: Version) -> None:
-        self.temp = temp
-        self.final = final
-        self.version = version
-        self.size = size = version[0]
-        self.written = 0
-        self.fd: int | None = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                                      0o644)
-        # Sized up front: the reservation the other processes' accounting sees.
-        os.ftruncate(self.fd, size)
-
-    def write(self, data: bytes) -> None:
-        """Append ``data``; on a write error (a full disk), stop keeping the shard."""
-        if self.fd is None:
-            return
-        try:
-            # Straight to the page cache in the event loop: cheaper than a thread hop per
-            # chunk, and the bytes were just received, so the loop is not waiting on disk.
-            view = memoryview(data)
-            while view:
-                done = os.write(self.fd, view)
-                view = view[done:]
-            self.written += len(data)
-        except OSError as exc:
-            http_log.warning("not caching %s: %s", self.final, exc)
-            self.discard()
-
-    def commit(self) -> bool:
-        """Move the file into place if it holds the whole object; else delete it."""
-        if self.fd is None:
-            return False
-        if self.written != self.size:
-            self.discard()
-            return False
-        os.close(self.fd)
-        self.fd = None
-        os.replace(self.temp, self.final)
-        now = time.time_ns()
-        os.utime(self.final, ns=(now, now))
-        return True
-
-    def discard(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.temp)
 
 
 @dataclass(frozen=True)
@@ -289,6 +158,9 @@ class ShardCache:
     Attributes:
         directory: the cache directory (created if missing).
         limit: the most bytes kept, or None for no limit.
+
+    Raises:
+        OSError: the directory cannot be made, or written into (``EACCES``).
     """
 
     directory: str
@@ -296,55 +168,72 @@ class ShardCache:
 
     def __post_init__(self) -> None:
         os.makedirs(self.directory, exist_ok=True)
+        if not os.access(self.directory, os.W_OK | os.X_OK):  # a permission, a read-only disk
+            raise PermissionError(errno.EACCES, "cannot create files in it", self.directory)
+        if self._dir().others_may_write():
+            warn_once(("others", self.directory),
+                      "cache_dir %s is writable by every user: they cannot make aloader write "
+                      "outside it (it follows no symlink there), but they can change what it "
+                      "reads (the checksums catch accidents, not forgeries); give each user "
+                      "or group a directory of its own", self.directory)
+
+    def _dir(self) -> Directory:
+        return Directory.of(self.directory)
 
     # Names -----------------------------------------------------------------------------
     def _base(self, url: str) -> str:
-        return os.path.join(self.directory, _hash(url, 32))
+        """The name every file of ``url`` starts with (in the directory)."""
+        return _hash(url, 32)
 
     def path(self, url: str, version: Version) -> str:
         """Where the copy of ``url`` at ``version`` is kept."""
-        return _copy_path(self.directory, url, version)
+        return os.path.join(self.directory, _copy_name(url, version))
 
     def kept(self, url: str, version: Version) -> str | None:
         """The committed copy's path, stamped as just used, or None if there is none.
 
         A copy whose length is not its version's (cut by a crash of the machine before its
-        bytes reached the disk, or by a hand) is never served: it is removed, and the object
-        downloaded again. A copy of the right length whose bytes were altered cannot be told.
+        bytes reached the disk, or by a hand), or that is not a regular file, is never
+        served: it is removed, and the object downloaded again. Its bytes are checked as it
+        is read (:meth:`chunks`, :class:`CopyFile`). A stamp refused (a directory gone
+        read-only) is a write error: said once, the copy served all the same.
         """
-        path = self.path(url, version)
-        now = time.time_ns()
+        directory = self._dir()
+        name = _copy_name(url, version)
         try:
-            if os.stat(path).st_size != version[0]:
-                os.unlink(path)  # a new download commits another file in its place
+            info = directory.lstat(name)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != version[0]:
+                _drop(directory, name)  # a new download commits another file in its place
                 return None
-            os.utime(path, ns=(now, now))
+            directory.stamp(name, time.time_ns())
         except FileNotFoundError:
             return None
-        return path
+        except OSError as exc:  # the stamp refused: eviction sees an older last use
+            write_failed(directory, url, exc)
+        return directory.full(name)
 
     def holds(self, url: str, version: Version | None) -> bool:
         """Whether a copy of ``url`` at ``version`` is committed now. Not stamped as used: a
         look ahead of the reads (which stamp it), that another process's eviction may still
         overtake."""
-        return version is not None and os.path.exists(self.path(url, version))
+        return version is not None and self._dir().is_file(_copy_name(url, version))
 
     def _note(self, url: str, version: Version) -> None:
         """Record ``version`` as the one of ``url`` just committed or found committed (the
         store named it), for the processes waiting for the URL's lock."""
-        base = self._base(url)
-        temp = f"{base}.json{_TEMP}{os.getpid()}-{secrets.token_hex(4)}"
-        with open(temp, "w") as out:
-            json.dump({"url": url, "version": list(version), "at": time.time()}, out)
-        os.replace(temp, f"{base}.json")
+        note = json.dumps({"url": url, "version": list(version), "at": time.time()})
+        directory = self._dir()
+        try:
+            directory.write_atomically(f"{self._base(url)}.json", note.encode())
+        except OSError as exc:  # a full disk: the waiters ask the store themselves
+            write_failed(directory, url, exc)
 
     def _recent(self, url: str, since: float) -> Version | None:
         """The version another process committed or found committed for ``url`` at or after
         ``since`` (when this one started waiting for the URL's lock), if any."""
         try:
-            with open(f"{self._base(url)}.json") as source:
-                note = json.load(source)
-        except (FileNotFoundError, ValueError):  # none, or cut (a crash) or zeroed
+            note = json.loads(self._dir().read(f"{self._base(url)}.json", _NOTE_LIMIT))
+        except (OSError, ValueError):  # none, not a file, or cut (a crash) or zeroed
             return None
         # A note of another shape (another release's, a hand's) is no note.
         match note:
@@ -354,52 +243,78 @@ class ShardCache:
         return None
 
     # Room --------------------------------------------------------------------------------
-    async def _writer(self, url: str, version: Version, stats: SourceStats) -> _Writer | None:
+    async def _writer(self, url: str, version: Version, stats: SourceStats,
+                      checks: StoreChecks) -> Writer | None:
         """A temporary file for ``url`` at ``version``, after evicting what must go to keep
-        the total under the limit; None if the shard cannot fit."""
+        the total under the limit; None if the shard cannot fit, or the directory cannot
+        take it (a write error: said once)."""
+        directory = self._dir()
+        try:
+            return await self._make_room(directory, url, version, stats, checks)
+        except OSError as exc:
+            write_failed(directory, url, exc)
+            return None
+
+    async def _make_room(self, directory: Directory, url: str, version: Version,
+                         stats: SourceStats, checks: StoreChecks) -> Writer | None:
         size = version[0]
-        base = self._base(url)
-        temp = f"{self.path(url, version)}{_TEMP}{os.getpid()}-{secrets.token_hex(4)}"
-        final = self.path(url, version)
+        final = _copy_name(url, version)
         # This process holds the URL's lock: any temporary file of the URL is a leftover.
-        prefix = os.path.basename(base) + "-"
-        for entry in os.scandir(self.directory):
-            if entry.name.startswith(prefix) and _TEMP in entry.name:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
+        prefix = self._base(url) + "-"
+        for entry in directory.entries():
+            if entry.name.startswith(prefix) and TEMP in entry.name:
+                directory.remove(entry.name)
         if self.limit is None:
-            return _Writer(temp, final, version)
+            return Writer(directory, url, final, size, checks)
         if size > self.limit:
             return None
-        lock = await _Lock.acquire(os.path.join(self.directory, _LRU_LOCK))
+        lock = await Lock.acquire(directory, _LRU_LOCK)
         assert lock is not None  # no patience: waits for as long as it takes
         try:
-            kept: list[tuple[int, int, str]] = []  # (last use, size, path) of committed files
+            # (last use, size with its checksums, name) of committed copies
+            kept: dict[str, list[int]] = {}
+            sums: dict[str, int] = {}  # checksum files by their copy's name
             total = 0
-            for entry in os.scandir(self.directory):
+            for entry in directory.entries():
+                name = entry.name
                 try:
-                    if entry.name.endswith(_SUFFIX):
-                        info = entry.stat()
-                        kept.append((info.st_mtime_ns, info.st_size, entry.path))
+                    if not entry.is_file(follow_symlinks=False) or name.startswith("."):
+                        continue
+                    if name.endswith(_SUFFIX):
+                        info = entry.stat(follow_symlinks=False)
+                        kept[name] = [info.st_mtime_ns, info.st_size]
                         total += info.st_size
-                    elif _TEMP in entry.name and not entry.name.startswith("."):
-                        owner = entry.name.partition("-")[0].partition(".")[0]
-                        if _Lock.free(os.path.join(self.directory, owner + ".lock")):
-                            os.unlink(entry.path)  # a crashed downloader's leftover
+                    elif name.endswith(_SUFFIX + SUMS):
+                        sums[name.removesuffix(SUMS)] = entry.stat(follow_symlinks=False).st_size
+                    elif TEMP in name:
+                        owner = name.partition("-")[0].partition(".")[0]
+                        if Lock.free(directory, owner + ".lock"):
+                            directory.remove(name)  # a crashed downloader's leftover
                         else:
-                            total += entry.stat().st_size  # a reservation
+                            total += entry.stat(follow_symlinks=False).st_size  # reserved
                 except FileNotFoundError:
                     continue  # evicted or committed meanwhile by another process
-            kept.sort()
-            while total + size > self.limit and kept:
-                _, old_size, old = kept.pop(0)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(old)
+            for copy, length in sums.items():
+                if copy in kept:
+                    kept[copy][1] += length
+                    total += length
+                elif Lock.free(directory, copy.partition("-")[0] + ".lock"):
+                    directory.remove(copy + SUMS)  # a copy's dropped or evicted: orphaned
+                else:
+                    total += length  # a download's, about to commit its copy
+            order = sorted((used, length, name) for name, (used, length) in kept.items())
+            while total + size > self.limit and order:
+                _, old_size, old = order.pop(0)
+                try:
+                    os.unlink(old, dir_fd=directory.fd)
                     stats.cache_evicted += 1
+                except FileNotFoundError:
+                    pass
+                directory.remove(old + SUMS)
                 total -= old_size
             if total + size > self.limit:
                 return None  # the downloads in progress take the room
-            return _Writer(temp, final, version)
+            return Writer(directory, url, final, size, checks)
         finally:
             lock.release()
 
@@ -419,23 +334,24 @@ class ShardCache:
         cache as they stream), as the module describes.
 
         A copy of the version this source pinned is read as a local file is (one
-        :func:`~aloader.io._files.file_chunks` and the counting of its bytes, nothing else per
-        chunk): a cached epoch costs what an epoch over local files does, plus a stamp of
-        each copy's last use. Only without one does the read go through the locks and the
+        :func:`~aloader.io._files.file_chunks`, each block's check and the counting of its
+        bytes): a cached epoch costs what an epoch over local files does, plus a stamp of
+        each copy's last use (on its descriptor) and the CRC of its bytes (its checksums are
+        read once per process). Only without one does the read go through the locks and the
         store.
 
         With ``blocking`` the reader awaits nothing (a chain with no event loop, a sync
         ``for``'s: see ``_streams._LocalPairs``): the copy is read on this thread, and a read
-        that needs the store after all (no copy, or one evicted before it was opened) runs on
-        an event loop of its own (:func:`_on_own_loop`), so ``fetch`` must need no client of
-        the caller's loop.
+        that needs the store after all (no copy, or one evicted or damaged) runs on an event
+        loop of its own (:func:`_on_own_loop`), so ``fetch`` must need no client of the
+        caller's loop.
 
         Args:
             url: the shard's URL (its name in the cache).
             fetch: ``fetch(on_size, on_version, start)`` reads the object from the store.
             versions: the versions this source pinned, by URL (updated here).
-            stats: counts hits, misses, cached bytes read and evictions.
-            chunk_size: bytes per read of a cached file.
+            stats: counts hits, misses, cached bytes read, evictions and damaged copies.
+            chunk_size: bytes per read of a cached file (in whole 64 KiB blocks at least).
             on_size: called with the shard's size before its first chunk.
             start: the byte to start at.
             blocking: read with no event loop (see above).
@@ -445,35 +361,40 @@ class ShardCache:
             OSError: the cache directory cannot be used (with a note naming the URL and the
                 directory).
         """
+
+        def read(begin: int) -> AsyncGenerator[bytes, None]:
+            inner = functools.partial(self._chunks, url, fetch, versions, stats, chunk_size,
+                                      on_size, begin)
+            return _on_own_loop(inner) if blocking else inner()
+
         version = versions.get(url)
-        read: Callable[[], AsyncGenerator[bytes, None]] = functools.partial(
-            self._chunks, url, fetch, versions, stats, chunk_size, on_size, start)
-        if blocking:
-            read = functools.partial(_on_own_loop, read)
-        if version is not None:
-            try:
-                path = self.kept(url, version)
-            except OSError as exc:  # the directory cannot be used (a stamp refused, ...)
-                self._noted(exc, url)
-                raise
-            if path is not None:
-                return self._local(path, stats, chunk_size, on_size, start, (url, read),
-                                   blocking)
-        return read()
+        if version is None:
+            return read(start)
+        # The copy itself, looked up by opening it (no stat first): one that is not there
+        # (never kept, evicted) is read(start) instead, one damaged read(offset).
+        return self._copy(url, version, stats, chunk_size, on_size, start, blocking, read)
 
-    async def _local(
-        self, path: str, stats: SourceStats, chunk_size: int,
-        on_size: Callable[[int], None] | None, start: int,
-        instead: tuple[str, Callable[[], AsyncGenerator[bytes, None]]] | None = None,
-        blocking: bool = False,
+    async def _copy(
+        self, url: str, version: Version, stats: SourceStats, chunk_size: int,
+        on_size: Callable[[int], None] | None, start: int, blocking: bool = False,
+        instead: Callable[[int], AsyncGenerator[bytes, None]] | None = None,
     ) -> AsyncGenerator[bytes, None]:
-        """A cached file's bytes; :class:`_Gone` if it vanished before it was opened (evicted).
+        """A copy's bytes from ``start``, each block checked before it is handed on (with
+        ``blocking``, opened and read on this thread).
 
-        With ``instead`` (``(url, read)``: a read outside :meth:`_chunks`, which notes the
-        errors), a copy evicted before it was opened is ``read()`` instead, and the errors of
-        the copy are noted as :meth:`_chunks` notes them. With ``blocking``, the file is
-        opened and read on this thread (:func:`~aloader.io._files.file_chunks`'s).
+        With ``instead`` (a read outside :meth:`_chunks`, which notes the errors), a copy
+        evicted before it was opened, or damaged, is followed by ``instead(offset)``'s bytes
+        from where it stopped, and the errors of the copy are noted as :meth:`_chunks` notes
+        them.
+
+        Raises:
+            _Gone: (without ``instead``) it vanished before it was opened (evicted).
+            Damaged: (without ``instead``) it is damaged (dropped, counted and logged once):
+                nothing from ``offset`` on was handed on.
         """
+        directory = self._dir()
+        name = _copy_name(url, version)
+        reader = CopyReader(directory, url, name, version[0], start)
         opened = False
 
         def sized(size: int) -> None:
@@ -483,26 +404,41 @@ class ShardCache:
             if on_size is not None:
                 on_size(size)
 
+        # Whole blocks at a time (the source's chunk_size rounded up): each checked at once.
+        reads = -(-chunk_size // BLOCK) * BLOCK
         try:
-            async with Closing(file_chunks(path, chunk_size, sized, start,
-                                           blocking=blocking)) as pieces:
-                async for piece in pieces:
-                    stats.cache_bytes += len(piece)
-                    yield piece
+            async with Closing(file_chunks(name, reads, sized, reader.read_from,
+                                           blocking=blocking, opener=reader.open)) as chunks:
+                async for chunk in chunks:
+                    for piece in split_chunks(reader.checked(chunk), chunk_size):
+                        stats.cache_bytes += len(piece)
+                        yield piece
+            reader.end()
             return
         except FileNotFoundError as exc:
-            if instead is None:
+            if opened or instead is None:
+                if instead is not None:
+                    self._noted(exc, url)
+                    raise
                 if opened:
                     raise
                 raise _Gone from None
-            if opened:
-                self._noted(exc, instead[0])
+            begin = start
+        except Damaged as exc:
+            _drop(directory, name)
+            stats.cache_corrupt += 1
+            warn_once(("damaged", directory.full(name)),
+                      "the cached copy of %s (%s) is damaged: %s; it was dropped and the shard "
+                      "is read from its store%s", url, directory.full(name), exc.why,
+                      "" if not exc.offset else f" from byte {exc.offset}")
+            if instead is None:
                 raise
+            begin = start if exc.offset is None else exc.offset
         except OSError as exc:
             if instead is not None:
-                self._noted(exc, instead[0])
+                self._noted(exc, url)
             raise
-        async with Closing(instead[1]()) as pieces:
+        async with Closing(instead(begin)) as pieces:
             async for piece in pieces:
                 yield piece
 
@@ -520,6 +456,8 @@ class ShardCache:
                     return
                 except _Gone:
                     continue  # evicted before it was opened: nothing was handed on
+                except Damaged as exc:  # dropped: the rest from the store
+                    start = start if exc.offset is None else exc.offset
             async with Closing(_uncached(fetch, stats, on_size, start)) as pieces:
                 async for piece in pieces:
                     yield piece
@@ -536,54 +474,57 @@ class ShardCache:
         chunk_size: int, on_size: Callable[[int], None] | None, start: int,
     ) -> AsyncGenerator[bytes, None]:
         version = versions.get(url)
-        if version is not None and (path := self.kept(url, version)) is not None:
-            async with Closing(self._local(path, stats, chunk_size, on_size, start)) as pieces:
+        if version is not None and self.kept(url, version) is not None:
+            async with Closing(self._copy(url, version, stats, chunk_size, on_size,
+                                          start)) as pieces:
                 async for piece in pieces:
                     yield piece
             return
         asked = time.time()
-        lock = await _Lock.acquire(f"{self._base(url)}.lock", _PATIENCE)
+        directory = self._dir()
+        try:
+            lock = await Lock.acquire(directory, f"{self._base(url)}.lock", _PATIENCE)
+        except OSError as exc:  # the lock cannot be made (a full disk, ...): no caching
+            write_failed(directory, url, exc)
+            lock = None
         if lock is None:
-            # Another reader's download does not progress (or is this process's own): do not
-            # wait on it, read the store.
+            # Another reader's download does not progress (or is this process's own), or
+            # the lock cannot be made: do not wait on it, read the store.
             async with Closing(_uncached(fetch, stats, on_size, start)) as pieces:
                 async for piece in pieces:
                     yield piece
             return
-        writer: _Writer | None = None
+        writer: Writer | None = None
         try:
             found = self._recent(url, asked)
             if found is not None:
                 versions[url] = version = found
-            if version is not None and (path := self.kept(url, version)) is not None:
+            if version is not None and self.kept(url, version) is not None:
                 lock.release()
-                async with Closing(self._local(path, stats, chunk_size, on_size,
-                                               start)) as pieces:
+                async with Closing(self._copy(url, version, stats, chunk_size, on_size,
+                                              start)) as pieces:
                     async for piece in pieces:
                         yield piece
                 return
             sizes: list[int] = []
-            answer: list[Version | None] = []
-
-            def on_version(size: int | None, etag: str | None, modified: str | None) -> None:
-                if not answer:
-                    answer.append(make_version(size, etag, modified))
-
-            cached: str | None = None
-            async with Closing(fetch(sizes.append, on_version, start)) as pieces:
+            answer = FirstAnswer()
+            cached: Version | None = None
+            async with Closing(fetch(sizes.append, answer, start)) as pieces:
                 first = await anext(pieces, None)
-                new = answer[0] if answer else None
+                new = make_version(answer.size, answer.etag, answer.modified) \
+                    if answer.answered else None
                 if new is not None:
                     versions[url] = new
-                    cached = self.kept(url, new)
-                    if cached is not None:
+                    if self.kept(url, new) is not None:
+                        cached = new
                         self._note(url, new)
                 if cached is None:
                     if on_size is not None and sizes:
                         on_size(sizes[0])
                     stats.cache_misses += 1
                     if new is not None and start == 0:
-                        writer = await self._writer(url, new, stats)
+                        writer = await self._writer(url, new, stats,
+                                                    StoreChecks(answer.digests))
                     if writer is None:
                         lock.release()
                     if first is not None:
@@ -595,20 +536,116 @@ class ShardCache:
                                 writer.write(piece)
                                 lock.beat()
                             yield piece
-                    if writer is not None and writer.commit():
-                        self._note(url, writer.version)
+                    if writer is not None:
+                        refused = writer.commit()
+                        if refused is None:
+                            assert new is not None  # a writer is made for a version only
+                            self._note(url, new)
+                        elif refused:  # its bytes are not the store's: never kept
+                            stats.cache_corrupt += 1
+                            warn_once(("mismatch", url),
+                                      "not caching %s: the bytes received do not match the "
+                                      "store's checksum (%s)", url, refused)
                     writer = None
             if cached is not None:
                 # The store's answer named a version already cached: read the copy instead.
                 lock.release()
-                async with Closing(self._local(cached, stats, chunk_size, on_size,
-                                               start)) as local:
+                async with Closing(self._copy(url, cached, stats, chunk_size, on_size,
+                                              start)) as local:
                     async for piece in local:
                         yield piece
         finally:
             if writer is not None:
                 writer.discard()
             lock.release()
+
+    # Random access -----------------------------------------------------------------------
+    def open_copy(self, url: str, version: Version, stats: SourceStats,
+                  fallback: Callable[[], Any]) -> CopyFile | None:
+        """The committed copy of ``url`` at ``version`` as a blocking random-access file
+        whose reads are checked (see :class:`CopyFile`), or None if there is none."""
+        try:
+            return CopyFile(self._dir(), url, _copy_name(url, version), version[0], stats,
+                            fallback)
+        except FileNotFoundError:  # not kept, or evicted since
+            return None
+
+
+class CopyFile(RandomAccessFile):
+    """A committed copy as a blocking random-access file (for pyarrow): each read covers whole
+    64 KiB blocks, each checked before any of its bytes is returned. A damaged copy is
+    dropped (counted, logged once) and this read and every later one go to ``fallback()``,
+    the remote file itself (a random-access file too).
+
+    Raises:
+        FileNotFoundError: (opening) the copy is gone.
+    """
+
+    def __init__(self, directory: Directory, url: str, name: str, size: int,
+                 stats: SourceStats, fallback: Callable[[], Any]) -> None:
+        super().__init__()
+        self._directory = directory
+        self._url = url
+        self._name = name
+        self._size = size
+        self._stats = stats
+        self._fallback = fallback
+        self._remote: Any = None
+        reader = CopyReader(directory, url, name, size, 0)
+        self._fd: int | None = None
+        try:
+            self._fd = reader.open(name)
+            self._table = reader._table
+        except Damaged as exc:
+            self._damaged(exc)
+
+    def _damaged(self, exc: Damaged) -> None:
+        _drop(self._directory, self._name)
+        self._stats.cache_corrupt += 1
+        warn_once(("damaged", self._directory.full(self._name)),
+                  "the cached copy of %s (%s) is damaged: %s; it was dropped and the file is "
+                  "read from its store", self._url, self._directory.full(self._name), exc.why)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._remote = self._fallback()
+
+    def size(self) -> int:
+        return self._size
+
+    def _read(self, start: int, end: int) -> bytes:
+        if self._remote is None:
+            assert self._fd is not None and self._table is not None
+            first = start - start % BLOCK
+            data = os.pread(self._fd, min(self._size, -(-end // BLOCK) * BLOCK) - first,
+                            first)
+            try:
+                for at in range(0, len(data), BLOCK):
+                    index = (first + at) // BLOCK
+                    if not self._table.check(index, data[at : at + BLOCK]):
+                        raise Damaged(None, f"block {index} does not match its checksum")
+                if first + len(data) < end:
+                    raise Damaged(None, "shorter than its version")
+            except Damaged as exc:
+                self._damaged(exc)
+            else:
+                return data[start - first : end - first]
+        self._remote.seek(start)
+        return bytes(self._remote.read(end - start))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._remote is not None:
+            self._remote.close()
+        super().close()
+
+
+def _drop(directory: Directory, name: str) -> None:
+    """Remove a copy and its checksums (if they are there)."""
+    directory.remove(name)
+    directory.remove(name + SUMS)
 
 
 async def _uncached(fetch: Fetch, stats: SourceStats, on_size: Callable[[int], None] | None,
@@ -662,7 +699,8 @@ def check_cache(cache_dir: str | os.PathLike[str] | None, cache_limit: int | Non
     try:
         return ShardCache(os.fspath(cache_dir), cache_limit)
     except OSError as exc:
-        if exc.errno in (errno.EACCES, errno.EROFS, errno.ENOTDIR, errno.EEXIST):
+        if exc.errno in (errno.EACCES, errno.EROFS, errno.ENOTDIR, errno.EEXIST,
+                         errno.EPERM):
             raise ValueError(f"cache_dir={os.fspath(cache_dir)!r} cannot be used as a cache "
                              f"directory: {exc}") from None
         raise

@@ -19,15 +19,17 @@ no loop to keep responsive and gains nothing from a thread hop.
 from __future__ import annotations
 
 import errno
+import io
 import os
 import stat
 import threading
 from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
 import anyio
 import anyio.lowlevel
 
-__all__ = ("file_chunks",)
+__all__ = ("RandomAccessFile", "file_chunks")
 
 # Bytes asked for beyond the file's size at open, for a file that grows while it is read.
 _MARGIN = 1 << 16
@@ -80,7 +82,7 @@ def _open(path: str) -> int:
 
 async def file_chunks(
     path: str, chunk_size: int, on_size: Callable[[int], None] | None = None, start: int = 0,
-    *, blocking: bool = False,
+    *, blocking: bool = False, opener: Callable[[str], int] | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The bytes of the file at ``path``, ``chunk_size`` bytes at a time (a chunk read from
     the page cache may be shorter, when only its first bytes are cached).
@@ -91,13 +93,16 @@ async def file_chunks(
         on_size: called with the file's size once it is open, before the first chunk.
         start: the byte to start at (a positioned read: a resumed shard is not read again).
         blocking: open and read on this thread, never awaiting (no event loop is needed).
+        opener: opens ``path`` (a descriptor open for reading), where plain ``open`` will
+            not do (the shard cache's: relative to its directory, no symlinks followed).
     """
+    open_ = _open if opener is None else opener
     if blocking:
-        fd = _open(path)
+        fd = open_(path)
     else:
         # Shielded: a cancelled open could leave the file open in its thread, unreachable.
         with anyio.CancelScope(shield=True):
-            fd = await anyio.to_thread.run_sync(_open, path)
+            fd = await anyio.to_thread.run_sync(open_, path)
     try:
         info = os.fstat(fd)
         size = info.st_size
@@ -145,3 +150,51 @@ async def file_chunks(
     finally:
         # A read-only descriptor closes without waiting on the disk.
         os.close(fd)
+
+
+class RandomAccessFile(io.RawIOBase):
+    """A blocking random-access file (what pyarrow reads) made of ranged reads: a subclass
+    gives its :meth:`size` and :meth:`_read` (the bytes from ``start`` to ``end``); seeking,
+    ``read`` and ``readinto`` are here. The Parquet source's remote files and the shard
+    cache's checked copies are such files."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pos = 0
+
+    def size(self) -> int:
+        """The file's length."""
+        raise NotImplementedError
+
+    def _read(self, start: int, end: int) -> bytes:
+        raise NotImplementedError
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos}.get(whence)
+        target = (self.size() if base is None else base) + pos
+        if target < 0:
+            raise ValueError(f"negative seek position {target}")
+        self._pos = target
+        return target
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = self.size() if size is None or size < 0 else min(self.size(), self._pos + size)
+        if end <= self._pos:
+            return b""
+        data = self._read(self._pos, end)
+        self._pos += len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(memoryview(buffer).cast("B")))
+        memoryview(buffer).cast("B")[: len(data)] = data
+        return len(data)

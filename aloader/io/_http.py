@@ -70,15 +70,15 @@ from .._backend import current_backend
 from .._exceptions import FetchError
 from .._stats import SourceStats
 from .._util import Closing
+from ._checksums import store_digests
 from ._codecs import CodingError, Decoder, MissingPackage, Truncated, decoded, decoder
-from ._resumable import Part, Reading, Retry, resumable_chunks, split_chunks, where
+from ._resumable import Part, Reading, Retry, resumable_chunks, where
 
 if TYPE_CHECKING:
     import httpx
 
 __all__ = ("HttpClient", "HttpOptions", "HttpTransport", "Via", "env_configures_http",
-           "http_chunks", "make_client", "shares_one_pool",
-           "split_chunks")  # the sources import it from here (it is _resumable's)
+           "http_chunks", "make_client", "shares_one_pool")
 
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 # A 416's Content-Range: the body's length.
@@ -362,6 +362,11 @@ class Via:
         no connection could be made)."""
         raise NotImplementedError
 
+    def digests(self, headers: Mapping[str, str]) -> dict[str, str]:
+        """The store's checksums of the object that an answer's ``headers`` tell beyond
+        the standard ones (:func:`~aloader.io._checksums.store_digests`)."""
+        return {}
+
 
 # What a refused answer's body is read of (an S3 error document is well under it).
 _ERROR_BODY = 1 << 16
@@ -575,9 +580,14 @@ class HttpTransport:
             length = response.headers.get("Content-Length")
             if length is not None and length.isdigit():
                 total = int(length)
+        digests: dict[str, str] = {}
+        if not decoders:
+            digests = store_digests(response.headers, status == 200 and "Range" not in headers)
+            if via is not None:
+                digests.update(via.digests(response.headers))
         return Part(decoded(response.body, decoders) if decoders else response.body, skip,
                     total, response.headers.get("ETag"), response.headers.get("Last-Modified"),
-                    status, plain=not decoders)
+                    status, plain=not decoders, digests=digests)
 
     def gave_up(self, reading: Reading, last: Retry) -> FetchError:
         if self.via is not None:

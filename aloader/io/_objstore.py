@@ -74,7 +74,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -93,6 +93,7 @@ from .._exceptions import (
 )
 from .._stats import SourceStats
 from .._util import usable_cpus
+from ._checksums import etag_md5
 from ._http import HttpClient, HttpOptions, HttpTransport, Via, shares_one_pool
 from ._resumable import Part, Reading, Retry, resumable_chunks, retry_delay, where
 
@@ -113,7 +114,9 @@ _NO_LIMIT = timedelta(days=365)
 
 _STATUS = re.compile(r"status code: (\d{3})")
 _CODE = re.compile(r"<Code>([^<]+)</Code>")
-_TARGET = re.compile(r"Error performing \w+ (\S+)")
+# The first URL an error quotes: the endpoint's (obstore's "Error performing list request:
+# Error performing GET http://host/...", or "Error performing GET http://host/...").
+_TARGET = re.compile(r"\b(https?)://([^\s/?#]+)")
 _CONNECT = re.compile(r"error sending request|kind: Connect|onnection refused|dns error",
                       re.IGNORECASE)
 _BUCKET_MISSING = ("NoSuchBucket", "ContainerNotFound", "NoSuchContainer",
@@ -124,10 +127,13 @@ _THROTTLED = frozenset({"SlowDown", "Throttling", "ThrottlingException", "Reques
 # The process whose obstore runtime is started (None: not started in any process this one
 # was forked from).
 _RUNTIME_PID: int | None = None
-# Stores made from URLs in this process, by (scheme://bucket, timeout).
-_STORES: dict[tuple[str, float | None], Any] = {}
+# Stores made from URLs in this process, by _store_key: (scheme://bucket, timeout, and the
+# family's environment variables, so that a source made after the endpoint or credentials
+# changed gets a store of the new ones, as a worker started then does).
+_StoreKey = tuple[str, float | None, tuple[tuple[str, str], ...]]
+_STORES: dict[_StoreKey, Any] = {}
 # Whether each of those stores' objects are read through signed URLs (see _may_sign).
-_SIGNED: dict[tuple[str, float | None], bool] = {}
+_SIGNED: dict[_StoreKey, bool] = {}
 # The environment variables that leave an S3 store made from the environment reading
 # objects as a plain GET of a signed URL does: static credentials, region, endpoint, and the
 # AWS command line's own settings, which obstore does not read. Any other AWS_ variable may
@@ -221,6 +227,13 @@ def _may_sign(scheme: str, allow_http: bool) -> bool:
     host = (endpoint.hostname or "").lower()
     return endpoint.scheme.lower() == "https" and (host == "amazonaws.com"
                                                    or host.endswith(".amazonaws.com"))
+
+
+def _store_key(scheme: str, bucket: str, timeout: float | None) -> _StoreKey:
+    """The key of the store made for ``scheme://bucket`` from the current environment."""
+    family = _FAMILIES[scheme] + "_"
+    env = tuple(sorted(item for item in os.environ.items() if item[0].startswith(family)))
+    return f"{scheme}://{bucket}", timeout, env
 
 
 def _runtime_started() -> None:
@@ -346,18 +359,33 @@ def _answered(status: int, code: str, text: str, short: str) -> _Failure:
     return _Failure("transient" if transient else "fatal", status, short)
 
 
-def _endpoint(text: str) -> str:
+def _endpoint(text: str) -> str | None:
+    """The endpoint (``scheme://host:port``) an error's text quotes, if any."""
     match = _TARGET.search(text)
-    if match is None:
-        return "its endpoint"
-    parts = urlsplit(match.group(1))
-    return f"{parts.scheme}://{parts.netloc}"
+    return None if match is None else f"{match.group(1)}://{match.group(2)}"
+
+
+def _configured_endpoint(url: str, store: Any) -> str | None:
+    """The endpoint a store was given (``store=``'s config) or that the environment sets for
+    ``url``'s kind of store, if any: named when an error quotes none."""
+    config = getattr(store, "config", None)
+    if isinstance(config, dict):
+        for key in ("endpoint", "aws_endpoint", "endpoint_url"):
+            if isinstance(config.get(key), str) and "://" in config[key]:
+                return str(config[key])
+    family = _FAMILIES.get(_split(url)[0])
+    names = {"AWS": ("AWS_ENDPOINT_URL", "AWS_ENDPOINT"), "AZURE": ("AZURE_STORAGE_ENDPOINT",),
+             "GOOGLE": ("GOOGLE_CLOUD_STORAGE_ENDPOINT",)}.get(family or "", ())
+    for name in names:
+        if os.environ.get(name):
+            return os.environ[name]
+    return None
 
 
 def _error(url: str, failure: _Failure, offset: int | None = None,
            attempts: int = 1, endpoint: str | None = None) -> FetchError:
-    """The error raised for ``failure`` on ``url`` (``endpoint``: the store's, when
-    ``failure``'s text does not quote it)."""
+    """The error raised for ``failure`` on ``url`` (``endpoint``: the store's, named when
+    ``failure``'s text does not quote it: see :func:`_configured_endpoint`)."""
     _, bucket, key = _split(url)
     where = f" at byte offset {offset}" if offset else ""
     kwargs: dict[str, Any] = {"source": url, "offset": offset, "status_code": failure.status}
@@ -374,8 +402,9 @@ def _error(url: str, failure: _Failure, offset: int | None = None,
         return FetchError(f"{url}: the object changed in the store while it was being read"
                           f"{where} ({failure.text})", **kwargs)
     if failure.kind == "unreachable":
+        target = _endpoint(failure.text) or endpoint or "its endpoint"
         return EndpointUnreachableError(
-            f"{url}: cannot connect to {endpoint or _endpoint(failure.text)} after "
+            f"{url}: cannot connect to {target} after "
             f"{attempts} attempt{'s' if attempts > 1 else ''}{where} ({failure.text})", **kwargs)
     if failure.kind == "transient":
         return FetchError(f"{url}: giving up after {attempts} failed attempt"
@@ -464,6 +493,16 @@ class _Presigned(Via):
         failure = _Failure("unreachable" if connect else "transient", status, error)
         return _error(self.name, failure, offset, failures, self._endpoint)
 
+    def digests(self, headers: Mapping[str, str]) -> dict[str, str]:
+        # S3's ETag of a single-part upload is its MD5, unless the object is encrypted with
+        # a KMS key or the client's own (SSE-KMS, DSSE-KMS, SSE-C): their ETags are not.
+        encryption = headers.get("x-amz-server-side-encryption", "AES256").strip()
+        if encryption != "AES256" or "x-amz-server-side-encryption-customer-algorithm" in \
+                headers:
+            return {}
+        md5 = etag_md5(headers.get("ETag"))
+        return {} if md5 is None else {"md5": md5}
+
 
 @dataclass(frozen=True)
 class ObjectAccess:
@@ -487,7 +526,7 @@ class ObjectAccess:
         if self.store is not None:
             return self.store, key
         timeout = self.options.timeout
-        cache_key = (f"{scheme}://{bucket}", timeout)
+        cache_key = _store_key(scheme, bucket, timeout)
         store = _STORES.get(cache_key)
         if store is None:
             client: dict[str, Any] = {"timeout": _NO_LIMIT}
@@ -504,6 +543,9 @@ class ObjectAccess:
             except Exception as exc:
                 raise FetchError(f"{url}: cannot make a store for {scheme}://{bucket}: "
                                  f"{type(exc).__name__}: {_short(exc)}", source=url) from None
+            for stale in [key for key in _STORES if key[:2] == cache_key[:2]]:
+                del _STORES[stale]  # of an environment gone (rotated keys): one per bucket
+                _SIGNED.pop(stale, None)
             _STORES[cache_key] = store
             _SIGNED[cache_key] = _may_sign(scheme, bool(client.get("allow_http")))
         return store, key
@@ -518,7 +560,7 @@ class ObjectAccess:
             # obstore's threads (the benchmark's trio epoch: ~430 ms of CPU against ~320).
             return None
         scheme, bucket, _ = _split(url)
-        if not _SIGNED.get((f"{scheme}://{bucket}", self.options.timeout)):
+        if not _SIGNED.get(_store_key(scheme, bucket, self.options.timeout)):
             return None
         return _Presigned(url, obstore, store, path)
 
@@ -598,7 +640,8 @@ class ObjectAccess:
                 failures += 1
                 if (failure.kind not in ("transient", "unreachable")
                         or failures > self.options.retries):
-                    raise _error(spec, failure, attempts=failures) from None
+                    raise _error(spec, failure, attempts=failures,
+                                 endpoint=_configured_endpoint(spec, store)) from None
             time.sleep(retry_delay(self.options, failures))
 
     def chunks(
@@ -672,6 +715,41 @@ class _ObjectTransport:
     async def open(self, reading: Reading) -> AsyncIterator[Part | None]:
         if not self.ready:
             self._start()
+        try:
+            async with self._open(reading) as part:
+                yield part
+        except ObjectNotFoundError as exc:
+            hint = "" if type(exc) is not ObjectNotFoundError or reading.offset else \
+                await self._prefix_hint()
+            if not hint:
+                raise
+            raise ObjectNotFoundError(f"{exc}{hint}", source=exc.source, offset=exc.offset,
+                                      status_code=exc.status_code) from None
+
+    async def _prefix_hint(self) -> str:
+        """For a key that names no object but a prefix of some (``s3://bucket/data`` where
+        ``data/...`` exist): the suggestion of the prefix, with its ``/``."""
+        _, _, key = _split(self.url)
+        if not key or key.endswith("/"):
+            return ""
+        obstore = _obstore(self.url)
+        store, path = self.access._store(self.url, obstore)
+
+        def objects_under() -> bool:
+            try:
+                return any(len(chunk) for chunk in obstore.list(store, path, chunk_size=1))
+            except Exception:  # the hint is a courtesy: any error means none
+                return False
+            finally:
+                _runtime_started()
+
+        if not await anyio.to_thread.run_sync(objects_under, abandon_on_cancel=True):
+            return ""
+        return (f"; objects exist under {self.url}/: for the objects under that prefix, end "
+                "the URL with '/'")
+
+    @asynccontextmanager
+    async def _open(self, reading: Reading) -> AsyncIterator[Part | None]:
         if self.http is not None:
             async with self.http.open(reading) as part:
                 yield part
@@ -713,7 +791,8 @@ class _ObjectTransport:
             return self.http.gave_up(reading, last)
         failure = _Failure("unreachable" if last.connect else "transient", last.status,
                            str(last))
-        return _error(self.url, failure, reading.offset, reading.failures)
+        return _error(self.url, failure, reading.offset, reading.failures,
+                      _configured_endpoint(self.url, self.store))
 
     def changed(self, reading: Reading, what: str) -> FetchError:
         if self.http is not None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import random
 from collections.abc import AsyncGenerator, Callable, Iterable
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import anyio
@@ -44,8 +44,8 @@ from .._log import http_log
 from .._stats import SourceStats
 from .._util import Closing
 
-__all__ = ("Part", "Reading", "Retry", "RetryOptions", "Transport", "resumable_chunks",
-           "retry_delay", "split_chunks", "where")
+__all__ = ("FirstAnswer", "Part", "Reading", "Retry", "RetryOptions", "Transport",
+           "resumable_chunks", "retry_delay", "split_chunks", "where")
 
 
 class RetryOptions(Protocol):
@@ -123,6 +123,8 @@ class Part:
         plain: whether the body's bytes are the resource's own, which ``offset`` and
             ``total`` count (False: a body decoded from a content coding, whose length no
             answer tells).
+        digests: the store's checksums of the whole resource, ``{algorithm: base64}``
+            (see :func:`aloader.io._checksums.store_digests`).
     """
 
     body: AsyncGenerator[bytes, None]
@@ -132,6 +134,31 @@ class Part:
     modified: str | None = None
     status: int | None = None
     plain: bool = True
+    digests: dict[str, str] = field(default_factory=dict)
+
+
+class FirstAnswer:
+    """An ``on_version`` callback that keeps what the first answer told: the version
+    (length, ETag, Last-Modified) and the store's checksums of the resource (which
+    :func:`resumable_chunks` hands to this kind of callback only).
+
+    Attributes:
+        answered: whether an answer came.
+        size, etag, modified: what it told.
+        digests: the store's checksums, ``{algorithm: base64}``.
+    """
+
+    def __init__(self) -> None:
+        self.answered = False
+        self.size: int | None = None
+        self.etag: str | None = None
+        self.modified: str | None = None
+        self.digests: dict[str, str] = {}
+
+    def __call__(self, size: int | None, etag: str | None, modified: str | None) -> None:
+        if not self.answered:
+            self.answered = True
+            self.size, self.etag, self.modified = size, etag, modified
 
 
 class Transport(Protocol):
@@ -208,6 +235,8 @@ async def resumable_chunks(
                     if on_size is not None:
                         on_size(part.total)
                 if on_version is not None:
+                    if isinstance(on_version, FirstAnswer):
+                        on_version.digests = part.digests if part.plain else {}
                     on_version(reading.total if part.plain else None, part.etag,
                                part.modified)
                     on_version = None  # the first answer's: later ones resume the same body

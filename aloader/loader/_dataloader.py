@@ -20,6 +20,7 @@ pipeline holds no reference to an iterator, so dropping one stops its epoch.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import warnings
@@ -36,6 +37,7 @@ from .._exceptions import FailureBudgetExceeded, LoaderTimeoutError
 from .._facade import LocalIterator, PrivateLoop, SyncIterator, forbid_running_loop, loop_of
 from .._log import SLOW_FIRST_BATCH, loader_log
 from .._stats import Collector, LoaderStats
+from .._trace import Trace
 from .._util import user_stacklevel
 from ..data._batchsampler import BatchSampler
 from ..data._collate import default_collate, default_convert
@@ -361,6 +363,7 @@ class DataLoader(Generic[T_co]):
         self._resume_rngs: list[Any] | None = None
         self._stats: Collector | None = None  # the statistics of the latest epoch
         self._stats_epochs = 0
+        self._trace: Trace | None = None  # recording the epochs as they start (trace())
         if num_workers > 0:
             prepare_context(self._context(), warm=True)
         self._warned_workers = 0  # the num_workers warned about (see _check_worker_number)
@@ -419,6 +422,14 @@ class DataLoader(Generic[T_co]):
             except TypeError:
                 continue
         return None
+
+    def trace(self, path: str | os.PathLike[str], max_events: int = 1_000_000) -> Trace:
+        """Record the per-stage timings of the epochs that start from now on, and write them
+        to ``path`` as a Chrome trace (JSON: open it in https://ui.perfetto.dev or
+        ``chrome://tracing``) when the returned :class:`~aloader.Trace` stops: at the end of
+        a ``with`` block (``with loader.trace("epoch.json"): ...``) or at its ``stop()``.
+        See :mod:`aloader._trace`."""
+        return Trace(self, path, max_events)
 
     def stats(self) -> LoaderStats:
         """A snapshot of the statistics of the current or last epoch, with its verdict.
@@ -814,6 +825,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
             resumed_failures=None if resumed is None else (resumed[0], tuple(resumed[1])),
             sources=tuple(source_stats(loader.dataset)),
             sources_of=source_stats,
+            in_order=loader.in_order,
         )
 
     def _start(self, here: bool = False) -> Epoch:
@@ -843,6 +855,8 @@ class AsyncDataLoaderIter(Generic[T_co]):
         # epoch, which the iterator keeps up to date) holds the budget for state_dict().
         self.failures = self._record.failures = epoch.plan.failures
         self._stats = epoch.plan.stats
+        if loader._trace is not None:
+            loader._trace._attach(self._stats)
         epoch.start()
         loader._started(epoch)
         return epoch

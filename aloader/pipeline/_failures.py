@@ -255,6 +255,7 @@ class Failures:
         self.count: int = 0
         self.indices: list[Any] = []  # the failed samples' indices, in the order they failed
         self.errors: deque[BaseException] = deque(maxlen=KEEP_ERRORS)
+        self.first: BaseException | None = None  # the epoch's first failure (this process's)
         self.seen: int = 0  # samples attempted (iterable epochs without a length)
         self.absorbed: int = 0  # the failures recorded before the budget was exceeded
         self._lock = threading.Lock()
@@ -317,14 +318,19 @@ class Failures:
 
         Raises:
             FailureBudgetExceeded: the failures now exceed the budget (from ``error``); also
-                for any failure after that.
+                for any failure after that, which is not counted: the epoch's count stays
+                the one its error names (``stats().failures`` agrees with it).
         """
         with self._lock:
+            if self._exceeded is not None:  # a fetch in flight when the budget ran out
+                raise self._exceeded
             if self._counted_skips and is_skip_key(index):
                 key = tuple(index)
                 if key in self._counted_skips:
                     self._counted_skips.discard(key)  # counted before the checkpoint
                     return
+            if self.first is None:
+                self.first = error
             self.count += 1
             count = self.count
             if self.stats is not None:
@@ -341,18 +347,28 @@ class Failures:
                       summary="skipped %(count)d more samples; the last: %(last)s")
         if exceeded:
             self._exceeded = self._exceed(error)
-            loader_log.error("%s", self._exceeded)
+            loader_log.error("%s (%s)", self._exceeded, self._firsts())
         if self._exceeded is not None:
             raise self._exceeded
 
-    def _exceed(self, error: BaseException) -> FailureBudgetExceeded:
+    def _allowed(self) -> str:
+        """The budget, as messages name it."""
         budget = self.budget
         if isinstance(budget, float) and not math.isinf(budget):
             base = (f"the {self.tried} samples attempted" if self.samples is None
                     else f"{self.samples} samples")
-            allowed = f"max_failures={budget!r}: {self._limit(final=True):g} of {base}"
-        else:
-            allowed = f"max_failures={budget}"
+            return f"max_failures={budget!r}: {self._limit(final=True):g} of {base}"
+        return f"max_failures={budget}"
+
+    def _firsts(self) -> str:
+        """``the first: ...; the last: ...``, the epoch's first and last errors."""
+        last = brief(self.errors[-1]) if self.errors else "unknown"
+        first = brief(self.first) if self.first is not None else "before the resume"
+        return f"the first: {first}; the last: {last}"
+
+    def _exceed(self, error: BaseException) -> FailureBudgetExceeded:
+        budget = self.budget
+        allowed = self._allowed()
         exc = FailureBudgetExceeded(
             f"{self.count} samples failed in this epoch, more than the failure budget "
             f"({allowed}); the last error is the cause, the last {KEEP_ERRORS} are in .errors",
@@ -386,7 +402,9 @@ class Failures:
             self.stats.failed = count
 
     def finish(self) -> None:
-        """The epoch has ended: a fraction of samples only known now may be exceeded.
+        """The epoch has ended: a fraction of samples only known now may be exceeded; else,
+        with failures, a summary is logged (the rate-limited log of each failure may have
+        left most of them unsaid): their count, the budget, the first and last errors.
 
         Raises:
             FailureBudgetExceeded: the failures exceed the budget.
@@ -395,8 +413,12 @@ class Failures:
             exceeded = self._exceeded is None and self.count > self._limit(final=True)
         if exceeded and self.errors:
             self._exceeded = self._exceed(self.errors[-1])
-            loader_log.error("%s", self._exceeded)
+            loader_log.error("%s (%s)", self._exceeded, self._firsts())
             raise self._exceeded
+        if self.count and self._exceeded is None:
+            loader_log.warning("the epoch ended with %d failed sample%s, within the failure "
+                               "budget (%s); %s", self.count, "s" if self.count > 1 else "",
+                               self._allowed(), self._firsts())
 
     def watch_sources(self, dataset: object) -> None:
         """From now on, count the records that ``dataset``'s sources skip (``skip_errors``).

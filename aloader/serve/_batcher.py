@@ -38,7 +38,9 @@ The design answers the problems users report with Ray Serve's ``@serve.batch``:
   queued requests fail with :class:`BatcherClosedError` chained to it.
 * **Shutdown.** ``async with`` / :meth:`Batcher.aclose` stop admitting, drain running and queued
   requests within a timeout and fail what remains with :class:`BatcherClosedError`. No task is
-  left behind; an exception raised in the ``async with`` body leaves it as itself.
+  left behind; an exception raised in the ``async with`` body leaves it as itself. A batcher
+  that nobody holds any more (a batched method's, with its instance) is garbage collected, and
+  the dispatcher its first call started ends: an idle dispatcher holds its batcher weakly.
 * **Streaming.** An ``async def`` generator batch function yields one list of results per
   step; :meth:`Batcher.stream` gives each caller its own elements as an async iterator
   (:class:`~aloader.serve._results.BatchStream`).
@@ -72,8 +74,8 @@ with them formation walks the queue in order of service (:class:`_RequestQueue`)
 
 The wing's modules: this one is the batching policy (admission, batch formation, running a
 batch, answering its callers, shutdown); :mod:`._request` the requests and the queue's order;
-:mod:`._loop` which event loop the dispatcher lives on and the timeouts on trio;
-:mod:`._metrics` what :meth:`Batcher.metrics` reports; :mod:`._results` the checks of what a
+:mod:`._loop` which event loop the dispatcher lives on, its task's life and the timeouts on
+trio; :mod:`._metrics` what :meth:`Batcher.metrics` reports; :mod:`._results` the checks of what a
 batch function returns and the stream a caller reads; :mod:`._checks` the arguments;
 :mod:`._decorator` :func:`batch`, Ray Serve's decorator.
 """
@@ -81,10 +83,13 @@ batch function returns and the stream a caller reads; :mod:`._checks` the argume
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import sys
+import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from types import CoroutineType as _Coroutine
 from types import TracebackType
 from typing import Any, Generic, Protocol, TypeVar, overload
@@ -112,7 +117,14 @@ from ._checks import (
     is_async_gen_callable,
 )
 from ._formation import _Formation
-from ._loop import _cancel_is_ours, _current_loop, _leaf, _LoopBinding, _TrioTimeouts
+from ._loop import (
+    _cancel_is_ours,
+    _current_loop,
+    _leaf,
+    _LoopBinding,
+    _TrioTimeouts,
+    dispatcher_of,
+)
 from ._metrics import BatcherMetrics, _BatcherMetricsRecorder
 from ._request import (
     _ABANDONED,
@@ -143,6 +155,10 @@ C = TypeVar("C")
 
 _UNSET: Any = object()
 _NEVER = sys.maxsize
+
+# The batcher whose batch function runs in this context (its task, the tasks it starts, its
+# worker thread): a close from there cannot wait for the batch it is called from.
+_RUNNING_BATCH_OF: ContextVar[object] = ContextVar("aloader_running_batch_of", default=None)
 
 
 class _Results(Protocol[R_co]):
@@ -374,7 +390,7 @@ class Batcher(Generic[T, R]):
         self._plan_fill = _NEVER
 
         self._metrics = _BatcherMetricsRecorder(window)
-        self._trio_timeouts = _TrioTimeouts()
+        self._trio_timeouts = _TrioTimeouts(weakref.ref(self))
 
     # -- settings ------------------------------------------------------------------------------
 
@@ -576,13 +592,13 @@ class Batcher(Generic[T, R]):
                 )
             else:
                 # trio: the batcher's alarm task answers the late request.
-                self._trio_timeouts.add(request.enqueued + timeout, request, self._expire)
+                self._trio_timeouts.add(request.enqueued + timeout, request, Batcher._expire)
         if queue_timeout is not None:
             request.drop_at = request.enqueued + queue_timeout
             if binding.timers is not None:
                 request.drop_timer = binding.timers.call_at(request.drop_at, self._drop, request)
             else:
-                self._trio_timeouts.add(request.drop_at, request, self._drop)
+                self._trio_timeouts.add(request.drop_at, request, Batcher._drop)
         queue.push(request)
         metrics.submitted += 1
         if len(waiting) >= self._wake_at or queue.cost >= self._wake_cost:
@@ -597,8 +613,19 @@ class Batcher(Generic[T, R]):
                 timer.cancel()
         if request.state < _DONE:
             self._abandon(request)
-            if exc is not None and isinstance(exc, anyio.get_cancelled_exc_class()):
-                self._metrics.cancelled += 1
+            self._metrics.cancelled += 1  # cancelled, interrupted, or its stream closed
+
+    def _stream_dropped(self, request: _Request) -> None:
+        """The stream of ``request`` was collected before its end, on any thread: it leaves
+        on the loop (not within whatever the collection interrupted there)."""
+        call_soon = self._binding.call_soon
+        if call_soon is not None:
+            call_soon(functools.partial(self._leave_dropped, request))
+
+    def _leave_dropped(self, request: _Request) -> None:
+        if request.state == _QUEUED and request not in self._queue.fifo:
+            return  # left behind by an event loop that ended
+        self._leave(request, None)
 
     def _raise_timeout(self, request: _Request) -> None:
         if request.state == _DROPPED:
@@ -637,6 +664,10 @@ class Batcher(Generic[T, R]):
         :class:`BatcherClosedError` (a batch function still running in a worker thread is
         abandoned). Calling it again waits for the first call to finish.
 
+        Called from inside the batch function (a model that gives up), it cannot wait for
+        the batch it is called from: it starts the shutdown and returns at once (that batch
+        and the queued requests are still served).
+
         Args:
             timeout: Seconds to wait for the drain; default: the batcher's ``close_timeout``.
                 ``0`` fails everything pending at once; ``None`` waits as long as it takes.
@@ -651,6 +682,8 @@ class Batcher(Generic[T, R]):
         stopped = binding.stopped
         if stopped is None or not binding.alive:
             self._fail_queued()
+            return
+        if _RUNNING_BATCH_OF.get() is self:
             return
         try:
             with anyio.move_on_after(math.inf if timeout is None else timeout):
@@ -673,7 +706,7 @@ class Batcher(Generic[T, R]):
         task_group = anyio.create_task_group()
         await task_group.__aenter__()
         self._task_group = task_group
-        self._binding.start(_current_loop(), self._serve, task_group,
+        self._binding.start(_current_loop(), dispatcher_of(self), task_group,
                             name=f"aloader.Batcher({self._name}) dispatcher")
         return self
 
@@ -736,37 +769,7 @@ class Batcher(Generic[T, R]):
         self._wake_at = _NEVER
         self._wake_cost = math.inf
         self._plan_size = None
-        binding.start(loop, self._serve)
-
-    async def _serve(self) -> None:
-        binding = self._binding
-        stopped = binding.stopped
-        assert stopped is not None
-        try:
-            with anyio.CancelScope() as scope:
-                binding.scope = scope
-                if binding.timers is None:
-                    async with anyio.create_task_group() as alarm_group:
-                        alarm_group.start_soon(
-                            self._trio_timeouts.run,
-                            name=f"aloader.Batcher({self._name}) timeouts",
-                        )
-                        async with anyio.create_task_group() as task_group:
-                            await self._dispatch(task_group)
-                        alarm_group.cancel_scope.cancel()  # every batch has ended
-                else:
-                    async with anyio.create_task_group() as task_group:
-                        await self._dispatch(task_group)
-        except BaseException as exc:
-            # A cancellation (maybe inside a task-group wrapper), or a BaseException that no
-            # caller of its batch received.
-            cause = _leaf(exc)
-            self._stop(None if isinstance(cause, anyio.get_cancelled_exc_class()) else cause)
-            raise
-        else:
-            self._stop()
-        finally:
-            stopped.set()
+        binding.start(loop, dispatcher_of(self))
 
     def _stop(self, cause: BaseException | None = None) -> None:
         self._binding.stop()
@@ -794,13 +797,19 @@ class Batcher(Generic[T, R]):
         (a cancelled future on asyncio, a task-less waiter on trio) until the next start
         replaces it.
         """
+        waiter = self._arm(wake_at, wake_cost)
+        if deadline == math.inf:
+            return waiter
+        return self._sleep_until(waiter, deadline)
+
+    def _arm(self, wake_at: int, wake_cost: float = math.inf) -> Waiter:
+        """The waiter that :meth:`_wake_dispatcher` sets once ``wake_at`` requests are queued
+        (or ``wake_cost`` of them)."""
         waiter = self._binding.new_waiter()
         self._wake = waiter
         self._wake_at = wake_at
         self._wake_cost = wake_cost
-        if deadline == math.inf:
-            return waiter
-        return self._sleep_until(waiter, deadline)
+        return waiter
 
     async def _sleep_until(self, waiter: Waiter, deadline: float) -> None:
         try:
@@ -814,7 +823,9 @@ class Batcher(Generic[T, R]):
                 self._wake_at = _NEVER
                 self._wake_cost = math.inf
 
-    async def _dispatch(self, task_group: TaskGroup) -> None:
+    async def _dispatch(self, task_group: TaskGroup) -> Waiter | None:
+        """Form and start batches until none is queued; return the waiter to sleep on until
+        one is (None: the batcher is closing)."""
         queue = self._queue
         waiting = queue.fifo  # the same dict for the batcher's life (cleared, never replaced)
         formation = self._formation
@@ -825,9 +836,8 @@ class Batcher(Generic[T, R]):
             if not waiting:
                 self._plan_size = None  # nothing forms: the next batch takes new settings
                 if self._closing:
-                    return
-                await self._sleep(1)
-                continue
+                    return None
+                return self._arm(1)
             size = self._plan_size
             if size is None:
                 # A batch starts to form: its settings hold until it goes out (as Ray's).
@@ -851,7 +861,26 @@ class Batcher(Generic[T, R]):
                 # No other batch can start meanwhile: run inline, saving a task per batch.
                 await self._run_batch(batch, items)
             else:
-                task_group.start_soon(self._run_batch, batch, items)
+                task_group.start_soon(self._run_batch_task, batch, items)
+
+    async def _run_batch_task(self, batch: list[_Request], items: list[Any]) -> None:
+        """Run a batch in a task of its own, which starts a scheduler step after the batch was
+        formed: a caller that left in that step is not run (as Ray drops the cancelled requests
+        of a batch before calling the function), and a batch that all of them left never runs
+        (a streaming one would hold its slot until its first step)."""
+        if any(request.state != _RUNNING for request in batch):
+            kept = [i for i, request in enumerate(batch) if request.state == _RUNNING]
+            if not kept:
+                self._slot_freed()
+                return
+            batch = [batch[i] for i in kept]
+            items = [items[i] for i in kept]
+        await self._run_batch(batch, items)
+
+    def _slot_freed(self) -> None:
+        self._running -= 1
+        if self._wake is not None and self._wake_at == _NEVER:
+            self._wake_dispatcher()  # it waits for a free slot
 
     async def _run_batch(self, batch: list[_Request], items: list[Any]) -> None:
         """Run one batch (``items``, one per request of ``batch``) and answer every caller
@@ -869,6 +898,7 @@ class Batcher(Generic[T, R]):
         start = self._binding.now()
         self._metrics.batch_started(start, batch)
         n = len(batch)
+        running = _RUNNING_BATCH_OF.set(self)
         try:
             try:
                 if self._in_loop:
@@ -911,10 +941,9 @@ class Batcher(Generic[T, R]):
                 if not _fail_batch(batch, exc, exc.__traceback__, self._metrics):
                     raise
         finally:
+            _RUNNING_BATCH_OF.reset(running)
             self._metrics.batch_ended(self._binding.now() - start)
-            self._running -= 1
-            if self._wake is not None and self._wake_at == _NEVER:
-                self._wake_dispatcher()  # it waits for a free slot
+            self._slot_freed()
 
     async def _in_thread(self, items: list[Any]) -> Any:
         """The batch function (and its collate) called in a worker thread."""

@@ -115,7 +115,14 @@ def check_cost(value: Any, what: str) -> float:
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{what} must return a number, but returned {value!r}")
-    cost = float(value)
+    try:
+        cost = float(value)
+    except OverflowError:  # an int (or a Fraction) beyond a float's range
+        sign = "-" if value < 0 else ""
+        raise ValueError(
+            f"{what} must return a finite number >= 0, but returned {sign}a number too large "
+            "for a float"
+        ) from None
     if not 0 <= cost < math.inf:
         raise ValueError(f"{what} must return a finite number >= 0, but returned {value!r}")
     if isinstance(value, numbers.Integral):

@@ -194,6 +194,7 @@ class BatchMethod(Batcher[Any, Any]):
         self._method_fn = fn
         self._options = options
         self._attr = getattr(fn, "__name__", "batched")
+        self._key = f"__aloader_batcher_{self._attr}"  # an instance's batcher, in the instance
         self._owner: type[Any] | None = None
         self._bound = bound
         method = bound is not _UNBOUND
@@ -228,6 +229,7 @@ class BatchMethod(Batcher[Any, Any]):
 
     def __set_name__(self, owner: type[Any], name: str) -> None:
         self._attr = name
+        self._key = f"__aloader_batcher_{name}"
         self._owner = owner
 
     @overload
@@ -236,7 +238,7 @@ class BatchMethod(Batcher[Any, Any]):
     @overload
     def __get__(self, instance: object, owner: type[Any] | None = None) -> BatchMethod: ...
 
-    def __get__(self, instance: object | None, owner: type[Any] | None = None) -> BatchMethod:
+    def __get__(self, instance: object | None, owner: type[Any] | None = None) -> Any:
         if instance is None:
             return self
         try:
@@ -246,13 +248,40 @@ class BatchMethod(Batcher[Any, Any]):
                 f"@batch needs instances with a __dict__ to keep one Batcher per instance; "
                 f"{type(instance).__name__} has __slots__ without __dict__"
             ) from None
-        batcher = namespace.get(self._attr)
-        if not isinstance(batcher, BatchMethod):
-            batcher = BatchMethod(self._method_fn, self._options, bound=instance)
-            # Stored under the method's name: later lookups find it before this (non-data)
-            # descriptor, so the hot path costs one dict lookup.
-            namespace[self._attr] = batcher
+        batcher = namespace.get(self._key)
+        if batcher.__class__ is BatchMethod:
+            if batcher._bound is instance:
+                return batcher
+        elif batcher is not None and batcher is not _DETACHED:
+            return batcher  # the instance's own replacement (a test's fake)
+        # The first access, or a copy of an instance (copy.copy shares the original's
+        # attributes; a deep copy or an unpickled one holds _DETACHED): a batcher of its own.
+        # It is kept under a key of its own, not the method's name, which would shadow a
+        # subclass's override of the method; so this is a data descriptor, consulted at every
+        # access, which also checks which instance the batcher serves.
+        batcher = BatchMethod(self._method_fn, self._options, bound=instance)
+        namespace[self._key] = batcher
         return batcher
+
+    def __set__(self, instance: object, value: Any) -> None:
+        """Replace the method on one instance (``model.predict = fake``)."""
+        vars(instance)[self._key] = value
+
+    def __delete__(self, instance: object) -> None:
+        """Undo a replacement (the next access makes a batcher again)."""
+        try:
+            del vars(instance)[self._key]
+        except KeyError:
+            raise AttributeError(self._attr) from None
+
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        """A decorated function pickles by reference, as a function does; an instance's
+        batcher (its queue, its dispatcher) belongs to this process and loop, so a pickled or
+        deep-copied instance gets a batcher of its own when its method is first used."""
+        if self._bound is _UNBOUND:
+            qualname: str = getattr(self, "__qualname__", self._attr)  # update_wrapper's
+            return qualname
+        return (_detached, ())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Submit one call: the awaitable result, or the stream of an async generator's."""
@@ -272,6 +301,22 @@ class BatchMethod(Batcher[Any, Any]):
         if self._streaming:
             return self.stream(item, **options)
         return Batcher.__call__(self, item, **options)
+
+
+class _Detached:
+    """What a pickled or deep-copied instance holds in place of its batcher."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<batcher of a copied instance, made again on first use>"
+
+
+_DETACHED = _Detached()
+
+
+def _detached() -> _Detached:
+    return _DETACHED
 
 
 def _on_first(fn: Callable[[Any], Any], signature: _Signature) -> Callable[[_Call], Any]:

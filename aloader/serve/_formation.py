@@ -109,12 +109,15 @@ class _Formation:
                     f"max_batch_size={max_batch_size}"
                 )
         if oversized is not None and not self.allow_oversized:
-            raise BatchCostError(
-                f"batcher {self.name!r} refused an item: {oversized}; increase the budget, "
-                "check the cost function, or pass allow_oversized=True to run such an item in "
-                "a batch of its own"
-            )
+            raise self._refusal(oversized)
         return cost
+
+    def _refusal(self, oversized: str) -> BatchCostError:
+        return BatchCostError(
+            f"batcher {self.name!r} refused an item: {oversized}; increase the budget, "
+            "check the cost function, or pass allow_oversized=True to run such an item in "
+            "a batch of its own"
+        )
 
     def size_of(self, items: list[Any]) -> float:
         assert self.size_fn is not None
@@ -197,27 +200,36 @@ class _Formation:
         return batch
 
     def _fit_size(self, batch: list[_Request], size: int) -> list[_Request]:
-        """The longest head of ``batch`` that ``batch_size_fn`` measures at most ``size``
-        (its first request at least, which fit alone when submitted).
+        """The longest head of ``batch`` that ``batch_size_fn`` measures at most ``size``.
 
         Sizes grow with the items (a sum, a padded length), so the cut is found by bisection.
         A call that raises is retried item by item, and the item whose addition raised fails
-        its caller alone.
+        its caller alone. A first request that alone exceeds ``size`` (it fit when submitted,
+        under a larger ``max_batch_size`` or a size that changed) is refused here as when
+        submitted, or runs alone with ``allow_oversized``.
         """
         items = [request.item for request in batch]
         try:
             if self.size_of(items) <= size:
                 return batch
-            fits, too_big = 1, len(items)
+            fits, too_big = 0, len(items)
             while too_big - fits > 1:
                 middle = (fits + too_big) // 2
                 if self.size_of(items[:middle]) <= size:
                     fits = middle
                 else:
                     too_big = middle
-            return batch[:fits]
         except Exception:
             pass
+        else:
+            if fits or self.allow_oversized:
+                return batch[: fits or 1]
+            culprit = batch[0]
+            self.queue.remove(culprit)
+            self.fail(culprit, self._refusal(
+                f"size of item (by batch_size_fn) is greater than max_batch_size={size}"
+            ))  # fmt: skip
+            return []  # the dispatcher forms the next batch from the rest
         for n in range(1, len(items) + 1):
             try:
                 self.size_of(items[:n])
@@ -226,5 +238,5 @@ class _Formation:
                 self.queue.remove(culprit)
                 self.fail(culprit, exc)
                 return self._fit_size(batch[: n - 1], size) if n > 1 else []
-        return batch[:1]  # the sizes raise no more, and do not grow with the items
+        return self._fit_size(batch[:1], size)  # the sizes raise no more
 

@@ -1,26 +1,29 @@
-"""Where a batcher runs: the event loop its dispatcher is bound to, that loop's clock, and the
-per-request timeouts on trio.
+"""Where a batcher runs: the event loop its dispatcher is bound to, that loop's clock, the
+per-request timeouts on trio, and the dispatcher task's life.
 
 :class:`_LoopBinding` says which event loop the dispatcher task lives on and how a call from
 another loop is routed; :class:`_TrioTimeouts` times requests out on trio (one alarm task per
-batcher). The functions beside them identify the running loop and pick its clock.
+batcher); :func:`dispatcher_of` makes the dispatcher task's function, which holds its batcher
+weakly while idle. The functions beside them identify the running loop and pick its clock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import itertools
 import math
 import sys
 import time
+import weakref
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup
 
-from .._backend import Waiter, spawn_background, waiters
+from .._backend import Waiter, spawn_background, threadsafe_caller, waiters
 from ._request import _DONE, _Request
 
 __all__ = (
@@ -31,6 +34,7 @@ __all__ = (
     "_current_loop",
     "_leaf",
     "_loop_is_alive",
+    "dispatcher_of",
 )
 
 
@@ -46,25 +50,32 @@ class _TrioTimeouts:
     was last compacted (so it holds at most ``2 * waiting + 64`` entries: memory bound by the
     waiting requests, not by the traffic; a caller takes its answer out of its request, so an
     answered entry holds no result). The alarm task sleeps until ``alarm_at``, never later
-    than the earliest deadline of a waiting request, and then calls ``action(request)`` for
+    than the earliest deadline of a waiting request, and then calls ``action(owner, request)`` for
     each waiting request whose deadline has passed (a timeout, or a queue deadline that drops
     it: the action checks which still applies): it is answered, never cancelled, as on asyncio.
+    ``owner`` is the batcher, held weakly (the entries hold their actions unbound).
 
     Thread-safety: none needed; the bound trio run's tasks use it, one at a time.
     """
 
-    __slots__ = ("alarm_at", "compact_at", "heap", "now", "scope", "seq")
+    __slots__ = ("alarm_at", "compact_at", "heap", "now", "owner", "scope", "seq")
 
-    def __init__(self) -> None:
+    def __init__(self, owner: Callable[[], Any]) -> None:
+        # The batcher, weakly: an entry holds its action unbound (``action(owner, request)``),
+        # so a deadline left in the heap never keeps a batcher that nobody holds alive.
+        self.owner = owner
         self.now: Callable[[], float] = anyio.current_time  # trio's clock, from run()
-        self.heap: list[tuple[float, int, _Request, Callable[[_Request], None]]] = []
+        self.heap: list[tuple[float, int, _Request, Callable[[Any, _Request], None]]] = []
         self.alarm_at = math.inf
         self.compact_at = 64
         self.scope: Any = None  # the alarm task's trio.CancelScope while it sleeps
         self.seq = itertools.count()  # orders equal deadlines, never compares requests
 
-    def add(self, deadline: float, request: _Request, action: Callable[[_Request], None]) -> None:
-        """Call ``action(request)`` at ``deadline`` unless the request is answered first."""
+    def add(
+        self, deadline: float, request: _Request, action: Callable[[Any, _Request], None]
+    ) -> None:
+        """Call ``action(owner, request)`` at ``deadline`` unless the request is answered
+        first."""
         heap = self.heap
         # Answered requests on top go at once: under one timeout deadlines come in order, so
         # at low load the heap holds the one request in flight, and no compaction (a pause of
@@ -87,6 +98,9 @@ class _TrioTimeouts:
         top; return the next deadline to wake at (inf: none)."""
         heap = self.heap
         now = self.now()
+        owner = self.owner()
+        if owner is None:  # collected: nobody waits any more
+            heap.clear()
         while heap:
             deadline, _, request, action = heap[0]
             waiting = request.state < _DONE
@@ -94,7 +108,7 @@ class _TrioTimeouts:
                 return deadline
             heapq.heappop(heap)
             if waiting:
-                action(request)
+                action(owner, request)
         return math.inf
 
     async def run(self) -> None:
@@ -214,10 +228,16 @@ class _LoopBinding:
         managed: the dispatcher was started by ``async with`` (it stays so after the block).
         stopped: set when the latest dispatcher has ended (None before the first start).
         scope: the running dispatcher's cancel scope (a drain that times out cancels it).
+        idle: the waiter the dispatcher sleeps on while no request is queued (None while it
+            works). Then it holds its batcher weakly: :meth:`batcher_gone` (the callback of
+            that weak reference) wakes it, from whatever thread collected the batcher, and it
+            ends.
+        call_soon: runs a callback on the bound loop from any thread (:func:`threadsafe_caller`).
     """
 
     __slots__ = (
-        "alive", "loop", "managed", "new_waiter", "now", "scope", "stopped", "timers",
+        "alive", "call_soon", "idle", "loop", "managed", "new_waiter", "now", "scope",
+        "stopped", "timers",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -229,6 +249,8 @@ class _LoopBinding:
         self.managed = False
         self.stopped: anyio.Event | None = None
         self.scope: anyio.CancelScope | None = None
+        self.idle: Waiter | None = None
+        self.call_soon: Callable[[Callable[[], None]], None] | None = None
 
     def check_move(self, loop: object, name: str) -> None:
         """Raise unless a call from ``loop`` (not served now) may move the dispatcher there."""
@@ -257,14 +279,120 @@ class _LoopBinding:
         self.timers = loop if isinstance(loop, asyncio.AbstractEventLoop) else None
         self.alive = True
         self.stopped = anyio.Event()
+        self.idle = None
         if task_group is None:
-            spawn_background(serve)
+            self.call_soon = spawn_background(serve)
         else:
             self.managed = True
+            self.call_soon = threadsafe_caller()
             task_group.start_soon(serve, name=name)
 
     def stop(self) -> None:
         """The dispatcher ended: nothing is bound until the next start."""
         self.scope = None
         self.alive = False
+        self.idle = None
 
+    def batcher_gone(self, _ref: object = None) -> None:
+        """The batcher was collected (a weak reference's callback, on any thread): wake its
+        idle dispatcher, which then ends."""
+        call_soon = self.call_soon
+        if call_soon is not None:
+            call_soon(self._wake_idle)
+
+    def _wake_idle(self) -> None:
+        idle = self.idle
+        if idle is not None and not idle.done():
+            idle.set_result(None)
+
+
+
+# -- the dispatcher task --------------------------------------------------------------------------
+
+
+class _Dispatched(Protocol):
+    """The batcher's side of its dispatcher task (:class:`~aloader.serve._batcher.Batcher`)."""
+
+    _binding: _LoopBinding
+    _trio_timeouts: _TrioTimeouts
+    _name: str
+
+    async def _dispatch(self, task_group: TaskGroup) -> Waiter | None: ...
+
+    def _stop(self, cause: BaseException | None = None) -> None: ...
+
+
+def dispatcher_of(batcher: _Dispatched) -> Callable[[], Coroutine[Any, Any, None]]:
+    """The dispatcher task's function for ``batcher``. It holds the batcher weakly: while no
+    request is queued nothing of the dispatcher's keeps the batcher (and a batched method's
+    instance) alive, so one that nobody holds any more is collected, and its dispatcher ends
+    (the weak reference's callback wakes it)."""
+    ref = weakref.ref(batcher, batcher._binding.batcher_gone)
+    return functools.partial(_serve, ref)
+
+
+async def _serve(ref: weakref.ref[_Dispatched]) -> None:
+    batcher = ref()
+    if batcher is None:
+        return  # collected before its dispatcher started
+    binding = batcher._binding
+    timeouts = batcher._trio_timeouts
+    name = batcher._name
+    del batcher
+    stopped = binding.stopped
+    assert stopped is not None
+    try:
+        with anyio.CancelScope() as scope:
+            binding.scope = scope
+            if binding.timers is None:
+                async with anyio.create_task_group() as alarm_group:
+                    alarm_group.start_soon(timeouts.run, name=f"aloader.Batcher({name}) timeouts")
+                    async with anyio.create_task_group() as task_group:
+                        await _serve_batches(ref, task_group)
+                    alarm_group.cancel_scope.cancel()  # every batch has ended
+            else:
+                async with anyio.create_task_group() as task_group:
+                    await _serve_batches(ref, task_group)
+    except BaseException as exc:
+        # A cancellation (maybe inside a task-group wrapper), or a BaseException that no
+        # caller of its batch received.
+        cause = _leaf(exc)
+        cancelled = isinstance(cause, anyio.get_cancelled_exc_class())
+        _stopped(ref, binding, None if cancelled else cause)
+        if cancelled or cause is None or binding.managed:
+            raise  # `async with`'s exit unwraps it
+        # Lazily started: out of the event loop as itself, as from Ray's batch task (asyncio
+        # stops there for KeyboardInterrupt and SystemExit; in an exception group it would
+        # only be logged once the task is collected).
+        raise cause from cause.__cause__
+    else:
+        _stopped(ref, binding)
+    finally:
+        stopped.set()
+
+
+async def _serve_batches(ref: weakref.ref[_Dispatched], task_group: TaskGroup) -> None:
+    """Dispatch while there is work; in between, sleep on the idle waiter holding no strong
+    reference to the batcher (see :func:`dispatcher_of`)."""
+    while True:
+        batcher = ref()
+        if batcher is None:
+            return  # collected while idle: no caller, nothing queued
+        binding = batcher._binding
+        idle = await batcher._dispatch(task_group)
+        del batcher
+        if idle is None:
+            return  # closing
+        binding.idle = idle
+        await idle
+        binding.idle = None
+
+
+def _stopped(
+    ref: weakref.ref[_Dispatched], binding: _LoopBinding, cause: BaseException | None = None
+) -> None:
+    batcher = ref()
+    if batcher is None:
+        binding.stop()  # collected: nothing was queued
+    else:
+        batcher._stop(cause)

@@ -34,7 +34,8 @@ class BatcherMetrics(TypedDict):
     timed_out: int
     """Requests whose caller's timeout expired (queued or running)."""
     cancelled: int
-    """Requests whose caller was cancelled (queued or running)."""
+    """Requests whose caller left before its answer (queued or running): cancelled,
+    interrupted, or a stream closed before its end."""
     dropped: int
     """Requests dropped from the queue because their ``queue_timeout`` passed before their
     batch started (their callers got :class:`BatcherTimeoutError`)."""

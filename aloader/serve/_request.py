@@ -9,8 +9,10 @@ order and the running totals that formation and the dispatcher's wake-ups read.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections import OrderedDict, deque
 from collections.abc import Iterator
+from operator import neg
 from types import TracebackType
 from typing import Any
 
@@ -109,9 +111,10 @@ class _RequestQueue:
     the sum of the queued requests' costs (exactly 0 when the queue is empty, so float
     rounding never accumulates), ``deadlines`` how many of them have a ``drop_at``.
 
-    Cost: O(1) to add and to remove a request (O(number of levels) when a level appears or
-    empties); :meth:`ordered` yields each request once, O(1) each, plus O(promoted) for
-    skipping the promoted ones in their levels.
+    Cost: O(1) to add and to remove a request (O(log levels) compares when a level appears
+    or empties, and a move of the list's pointers: priorities used as deadlines make every
+    request a level); :meth:`ordered` yields each request once, O(1) each, plus O(promoted)
+    for skipping the promoted ones in their levels.
     """
 
     __slots__ = ("cost", "deadlines", "fifo", "levels", "order")
@@ -152,9 +155,20 @@ class _RequestQueue:
         level = levels.get(request.priority)
         if level is None:
             level = levels[request.priority] = OrderedDict()
-            self.order.append(request.priority)
-            self.order.sort(reverse=True)
+            insort(self.order, request.priority, key=neg)  # O(log levels) compares
         level[request] = None
+
+    def _leave_level(self, request: _Request) -> None:
+        """Take ``request`` out of its level (the levels exist), and the level once empty."""
+        levels = self.levels
+        assert levels is not None
+        priority = request.priority
+        level = levels[priority]
+        del level[request]
+        if not level:
+            del levels[priority]
+            order = self.order
+            del order[bisect_left(order, -priority, key=neg)]
 
     def remove(self, request: _Request) -> None:
         """Take ``request`` (queued) out of the queue."""
@@ -165,13 +179,8 @@ class _RequestQueue:
             self.cost = 0
         if request.drop_at != math.inf:
             self.deadlines -= 1
-        levels = self.levels
-        if levels is not None:
-            level = levels[request.priority]
-            del level[request]
-            if not level:
-                del levels[request.priority]
-                self.order.remove(request.priority)
+        if self.levels is not None:
+            self._leave_level(request)
 
     def pop_oldest(self) -> _Request:
         """Take the oldest request out (the order of service while there is one level)."""
@@ -183,11 +192,7 @@ class _RequestQueue:
         if request.drop_at != math.inf:
             self.deadlines -= 1
         if self.levels is not None:
-            level = self.levels[request.priority]
-            del level[request]
-            if not level:
-                del self.levels[request.priority]
-                self.order.remove(request.priority)
+            self._leave_level(request)
         return request
 
     def single_level(self) -> bool:

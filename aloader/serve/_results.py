@@ -52,6 +52,8 @@ class _StreamSource(Protocol):
 
     def _leave(self, request: _Request, exc: BaseException | None) -> None: ...
 
+    def _stream_dropped(self, request: _Request) -> None: ...
+
 # The C-level getter: a subclass may override __traceback__ with a property that raises.
 _traceback_of: Callable[[BaseException], Any] = vars(BaseException)["__traceback__"].__get__
 
@@ -265,8 +267,9 @@ class BatchStream(Generic[R]):
     Leaving early (:meth:`aclose`, a cancelled ``__anext__``) takes the request out of its
     queue or batch; once every caller of a streaming batch has left, the batch function's
     iteration is cancelled and closed, and its execution slot goes to the next batch. A
-    ``break`` out of ``async for`` closes nothing (as with any async iterator): read with
-    ``async with contextlib.aclosing(stream):`` to leave at the ``break``.
+    stream dropped before its end (a ``break`` out of ``async for``, a reader cancelled
+    between two results) leaves when it is collected, as an async generator is closed then;
+    read with ``async with contextlib.aclosing(stream):`` to leave at the ``break`` itself.
     """
 
     __slots__ = ("_batcher", "_over", "_reading", "_request")
@@ -338,6 +341,11 @@ class BatchStream(Generic[R]):
             if request.chunks is not None:
                 request.chunks.clear()  # what came and was never read goes now
             request.wake()
+
+    def __del__(self) -> None:
+        # Collected before its end, by whatever thread: the request leaves on the loop.
+        if not self._over and self._request.state < _DONE:
+            self._batcher._stream_dropped(self._request)
 
     def __repr__(self) -> str:
         state = "over" if self._over else ("answered" if self._request.state >= _DONE else "open")

@@ -570,13 +570,16 @@ class NpyDecoder(Decoder[Any]):
         """
         if self.size is None or self._rows_total < 0:
             return True
-        data = self.size - self._offset
+        # From the header's end, not from here: a size told again after some rows (an HTTP
+        # retry's answer, resumed from the byte where a cut body stopped) counts them too.
+        header = self._offset - self._rows_done * self._row_bytes
+        data = self.size - header
         promised = self._rows_total * self._row_bytes
         if promised == data:
             return True
         rows = data // self._row_bytes if self._row_bytes else 0
         promise = (f"the header promises {self._rows_total} rows of {self._row_bytes} bytes, "
-                   f"{promised} bytes after its {self._offset}, but the shard holds {data}")
+                   f"{promised} bytes after its {header}, but the shard holds {data}")
         if promised > data and self._row_bytes:
             self._intact = rows
             self._truncation = (f"truncated array: the shard ends after {rows} of "
@@ -587,8 +590,7 @@ class NpyDecoder(Decoder[Any]):
             self._fail(f"truncated array: the shard ends after {rows} of {self._rows_total} "
                        f"rows ({promise})", self._offset)
         else:
-            self._fail(f"unexpected bytes after the last row ({promise})",
-                       self._offset + promised)
+            self._fail(f"unexpected bytes after the last row ({promise})", header + promised)
         return False
 
     def _truncated(self) -> bool:

@@ -45,8 +45,8 @@ import concurrent.futures
 import contextlib
 import functools
 import gc
+import hashlib
 import importlib
-import io
 import itertools
 import os
 import queue
@@ -71,9 +71,12 @@ from .._backend import Waiter, threadsafe_caller, waiters
 from .._exceptions import FetchError, RecordError, SourceError
 from .._util import Closing, check_int
 from .._workerinfo import worker_slot
+from ..io._cache import Version
+from ..io._files import RandomAccessFile
 from ..io._http import http_chunks, make_client
 from ..io._objstore import is_object_url
 from ..streams._context import _Context
+from ..streams._positions import check_same
 from ..streams._stream import Stream
 from ._formats import BadRecords
 from ._quota import _up_to
@@ -96,35 +99,73 @@ DEFAULT_BATCH_ROWS = 65536  # pyarrow's own default for iter_batches
 # made), and cost ~1.25x the CPU time of pieces of 4096-8192 rows (1M rows, to_pylist alone).
 ROW_BLOCK = 4096
 _INSTALL = "pip install aloader[parquet]"
-# Schemas wider than this are made into rows by pyarrow itself (see _row_maker).
-_MAX_MADE_COLUMNS = 256
+
+
+# The rows of 1 to 8 columns, each made by a comprehension over ``zip`` of the columns that
+# builds a dict display of the keys (bound to local names first): one BUILD_MAP per row, the
+# same keys in the same order with the same values as RecordBatch.to_pylist(), which looks
+# each value up by name in a dict of columns, then indexes the column by the row. Written
+# out per width because a dict display's width is fixed in the code (dict(zip(keys, row))
+# per row, the generic way, takes 2x the time; generating the code from the schema means
+# exec, which no schema's names should reach).
+def _rows1(keys: tuple[str, ...], columns: list[list[Any]]) -> list[Any]:
+    (k0,) = keys
+    return [{k0: a} for (a,) in zip(*columns, strict=True)]
+
+
+def _rows2(keys: tuple[str, ...], columns: list[list[Any]]) -> list[Any]:
+    k0, k1 = keys
+    return [{k0: a, k1: b} for a, b in zip(*columns, strict=True)]
+
+
+def _rows3(keys: tuple[str, ...], columns: list[list[Any]]) -> list[Any]:
+    k0, k1, k2 = keys
+    return [{k0: a, k1: b, k2: c} for a, b, c in zip(*columns, strict=True)]
+
+
+def _rows4(keys: tuple[str, ...], columns: list[list[Any]]) -> list[Any]:
+    k0, k1, k2, k3 = keys
+    return [{k0: a, k1: b, k2: c, k3: d} for a, b, c, d in zip(*columns, strict=True)]
+
+
+def _rows5(keys: tuple[str, ...], columns: list[list[Any]]) -> list[Any]:
+    k0, k1, k2, k3, k4 = keys
+    return [{k0: a, k1: b, k2: c, k3: d, k4: e}
+            for a, b, c, d, e in zip(*columns, strict=True)]
+
+
+def _rows6(keys: tuple[str, ...], columns: list[list[Any]]) -> list[Any]:
+    k0, k1, k2, k3, k4, k5 = keys
+    return [{k0: a, k1: b, k2: c, k3: d, k4: e, k5: f}
+            for a, b, c, d, e, f in zip(*columns, strict=True)]
+
+
+def _rows7(keys: tuple[str, ...], columns: list[list[Any]]) -> list[Any]:
+    k0, k1, k2, k3, k4, k5, k6 = keys
+    return [{k0: a, k1: b, k2: c, k3: d, k4: e, k5: f, k6: g}
+            for a, b, c, d, e, f, g in zip(*columns, strict=True)]
+
+
+def _rows8(keys: tuple[str, ...], columns: list[list[Any]]) -> list[Any]:
+    k0, k1, k2, k3, k4, k5, k6, k7 = keys
+    return [{k0: a, k1: b, k2: c, k3: d, k4: e, k5: f, k6: g, k7: h}
+            for a, b, c, d, e, f, g, h in zip(*columns, strict=True)]
+
+
+_MAKERS = (_rows1, _rows2, _rows3, _rows4, _rows5, _rows6, _rows7, _rows8)
 
 
 @functools.lru_cache(maxsize=64)
 def _row_maker(names: tuple[str, ...]) -> Callable[[list[list[Any]]], list[Any]] | None:
     """A function making the rows of a batch whose columns are ``names`` from its columns'
     values (``[column.to_pylist() for column in batch.columns]``): exactly what
-    ``RecordBatch.to_pylist()`` gives, in 0.8x its time, or None where pyarrow's own is used
-    (no columns, a name twice, a very wide schema).
-
-    ``to_pylist`` is ``to_pydict`` (each column's ``to_pylist``) and then, per row, a dict
-    filled by looking each column up by name in that dict and indexing it by the row: two
-    lookups and a store per value. The function made here is a comprehension over ``zip`` of
-    the columns building each row from a dict display with the names as constants (one
-    ``BUILD_CONST_KEY_MAP`` per row): the same keys in the same order with the same values,
-    measured at 1.54 against 1.95 ms per 4096 rows of five columns (the benchmark's).
-    """
-    if not names or len(set(names)) != len(names) or len(names) > _MAX_MADE_COLUMNS:
+    ``RecordBatch.to_pylist()`` gives, in 0.8x its time (0.63 against 0.78 ms per 4096 rows
+    of five columns, the benchmark's, the columns' to_pylist included), or None where
+    pyarrow's own is used: no columns, a name twice, more than 8 columns (see ``_rows1``).
+    The names are values the functions take, never code."""
+    if not names or len(set(names)) != len(names) or len(names) > len(_MAKERS):
         return None
-    values = [f"v{i}" for i in range(len(names))]
-    # repr() of a str is a str literal of it, whatever it holds: the names stay data.
-    display = ", ".join(f"{name!r}: {value}" for name, value in zip(names, values, strict=True))
-    source = (f"def rows(columns):\n"
-              f"    return [{{{display}}} for {', '.join(values)}, in zip(*columns)]\n")
-    space: dict[str, Any] = {}
-    exec(compile(source, f"<aloader rows of {len(names)} columns>", "exec"), space)
-    made: Callable[[list[list[Any]]], list[Any]] = space["rows"]
-    return made
+    return functools.partial(_MAKERS[len(names) - 1], names)
 
 
 def _rows_of(piece: Any) -> list[Any]:
@@ -166,27 +207,33 @@ def open_parquet_shard(name: str, source: ParquetRows, reuse: bool = False) -> A
     The one place a shard's bytes come from: a local path is passed as it is (pyarrow then
     opens it itself, the fastest way: 10% faster than a ``LocalFileSystem`` input file); a
     remote one is a :class:`_RangeFile` (``reuse``: it keeps one HTTP client for all its reads,
-    closed by :meth:`_RangeFile.aclose`), which the reader closes when it is done.
+    closed by :meth:`_RangeFile.aclose`), which the reader closes when it is done, or its copy
+    in the shard cache, a :class:`~aloader.io._cache.CopyFile` whose every read is checked
+    against the copy's checksums (a damaged copy is dropped, and read by ranges from there).
     """
     if not _is_remote(name):
         return name
-    if source._shard_cache is not None:
-        local = _on_loop(functools.partial(_cached_copy, name, source))
-        if local is not None:
-            return local
+    cache = source._shard_cache
+    if cache is not None:
+        version = _on_loop(functools.partial(_cached_copy, name, source))
+        if version is not None:
+            copy = cache.open_copy(name, version, source.stats,
+                                   functools.partial(_RangeFile, name, source, False))
+            if copy is not None:
+                return copy
     return _RangeFile(name, source, reuse)
 
 
-async def _cached_copy(name: str, source: ParquetRows, in_worker: bool) -> str | None:
-    """The local path of the remote file ``name`` in the source's shard cache, downloaded
+async def _cached_copy(name: str, source: ParquetRows, in_worker: bool) -> Version | None:
+    """The version of the remote file ``name`` kept in the source's shard cache, downloaded
     whole into it first if needed (random access needs the whole file; every column is kept);
     None when the file is larger than what the cache may keep, read by ranges then."""
     cache = source._shard_cache
     assert cache is not None
     version = source._versions.get(name)
-    if version is not None and (path := cache.kept(name, version)) is not None:
+    if version is not None and cache.holds(name, version):
         source.stats.cache_hits += 1  # pinned and kept: no request, nothing read
-        return path
+        return version
     too_big = False
 
     def sized(size: int) -> None:
@@ -209,8 +256,7 @@ async def _cached_copy(name: str, source: ParquetRows, in_worker: bool) -> str |
         if client is not None:
             with anyio.CancelScope(shield=True):
                 await client.aclose()
-    version = source._versions.get(name)
-    return None if version is None else cache.kept(name, version)
+    return source._versions.get(name)
 
 
 def _is_remote(name: str) -> bool:
@@ -229,7 +275,7 @@ def _on_loop(fn: Callable[[bool], Coroutine[Any, Any, T]]) -> T:
     return anyio.from_thread.run(fn, True)
 
 
-class _RangeFile(io.RawIOBase):
+class _RangeFile(RandomAccessFile):
     """A remote Parquet file as a blocking random-access file: each read one bounded ranged
     GET (see the module's description); its size is asked for once, with a one-byte read.
 
@@ -247,46 +293,15 @@ class _RangeFile(io.RawIOBase):
         self._source = source
         self._reuse = reuse
         self._client: Any = None
-        self._pos = 0
         self._size: int | None = None
         self._etag: str | None = None
         self.requested: list[tuple[int, int]] = []
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos}.get(whence)
-        target = (self.size() if base is None else base) + pos
-        if target < 0:
-            raise ValueError(f"{self.url}: negative seek position {target}")
-        self._pos = target
-        return target
 
     def size(self) -> int:
         if self._size is None:
             self._read(0, 1)
         assert self._size is not None
         return self._size
-
-    def read(self, size: int | None = -1) -> bytes:
-        end = self.size() if size is None or size < 0 else min(self.size(), self._pos + size)
-        if end <= self._pos:
-            return b""
-        data = self._read(self._pos, end)
-        self._pos += len(data)
-        return data
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        memoryview(buffer).cast("B")[: len(data)] = data
-        return len(data)
 
     def _set_size(self, size: int) -> None:
         if self._size is not None and size != self._size:
@@ -510,8 +525,20 @@ class ParquetRows(ShardedSource[Any]):
     # Resumed by counting, Stream's default (replay the epoch, drop what was delivered), not
     # by the shard offsets of the byte-stream sources: a row group is read whole anyway.
     _blocks_at = Stream._blocks_at
-    _state = Stream._state
-    _check = Stream._check
+
+    # A count means nothing over another list of files (one landed in the directory since,
+    # another split): the position names the list, as the byte-stream sources' name their
+    # shard, so that such a resume is refused instead of skipping the wrong rows.
+    def _files(self) -> str:
+        digest = hashlib.sha256("\n".join(self.shards).encode()).hexdigest()[:16]
+        return f"{len(self.shards)} files, sha256 {digest}"
+
+    def _state(self, token: Any, skip: int) -> dict[str, Any]:
+        return {**Stream._state(self, token, skip), "files": self._files()}
+
+    def _check(self, at: dict[str, Any], slot: tuple[int, int, int]) -> None:
+        Stream._check(self, at, slot)
+        check_same(at, "files", self._files(), type(self).__name__)
 
     def __repr__(self) -> str:
         return (f"ParquetRows({len(self.shards)} files, rank {self.rank} of {self.world_size}, "

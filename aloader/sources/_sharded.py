@@ -36,14 +36,9 @@ from ..io._compression import (
     shard_compression,
 )
 from ..io._files import file_chunks
-from ..io._http import (
-    HttpClient,
-    HttpOptions,
-    http_chunks,
-    make_client,
-    split_chunks,
-)
+from ..io._http import HttpClient, HttpOptions, http_chunks, make_client
 from ..io._objstore import ObjectAccess, is_object_url
+from ..io._resumable import split_chunks
 from ..streams._context import _Context
 from ..streams._positions import (
     _START,

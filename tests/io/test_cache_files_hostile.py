@@ -78,28 +78,49 @@ def test_a_copy_cut_short_is_not_served_to_a_sync_for(serve: Callable[..., Fault
     assert source.stats.cache_misses == 4
 
 
-async def test_a_cache_dir_that_cannot_be_written_is_an_error_naming_it(
+async def test_a_cache_dir_whose_files_cannot_be_made_streams_with_one_warning(
         serve: Callable[..., FaultyServer], tmp_path: Path, anyio_backend: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Creating its files refused (the tests run as root, whom permissions do not stop: the
-    refusal is the kernel's answer, simulated): as documented, an OSError with a note naming
-    the URL and the directory, at the first read; nothing read from a half-made copy."""
+    refusal is the kernel's answer, simulated): a write error only stops caching, so every
+    record streams from the store, one warning says why, nothing is left behind."""
     server = serve(SHARDS)
     cache = tmp_path / "cache"
     source = JsonLines(server.urls, cache_dir=cache, **FAST)
     real_open = os.open
 
     def refusing(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
-        if str(path).startswith(str(cache)) and flags & os.O_CREAT:
+        if kwargs.get("dir_fd") is not None and flags & os.O_CREAT:
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", refusing)
-    with pytest.raises(PermissionError) as caught:
-        await collect(source)
-    assert any(str(cache) in note and "shard cache" in note for note in caught.value.__notes__)
+    with caplog.at_level("WARNING", logger="aloader.http"):
+        assert sorted(ids(await collect(source))) == list(range(100))
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "not caching" in warnings[0].getMessage()
+    assert str(cache) in warnings[0].getMessage()
+    assert source.stats.cache_misses == 2 and list(cache.iterdir()) == []
     monkeypatch.undo()
-    assert sorted(ids(await collect(source))) == list(range(100))  # writable again: fine
+    assert sorted(ids(await collect(source))) == list(range(100))  # writable again: kept
+    assert len([p for p in cache.iterdir() if p.name.endswith(".shard")]) == 2
+
+
+def test_a_cache_dir_that_cannot_be_written_is_an_error_at_construction(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory the process may not write into (the answer of access(2), simulated: root
+    may write anywhere) is refused when the source is made, naming it."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    real_access = os.access
+
+    def access(path: Any, mode: int, **kwargs: Any) -> bool:
+        return False if str(path) == str(cache) else real_access(path, mode, **kwargs)
+
+    monkeypatch.setattr(os, "access", access)
+    with pytest.raises(ValueError, match=r"cache_dir=.* cannot be used as a cache "
+                                         r"directory: .*cannot create files in it"):
+        JsonLines("http://127.0.0.1:1/x.jsonl", cache_dir=cache)
 
 
 async def test_a_limit_below_one_shard_keeps_the_small_ones_and_streams_the_rest(
@@ -175,7 +196,7 @@ async def test_a_version_note_damaged_or_of_another_shape_is_ignored(
     by a machine's, or written in another shape (another release, a hand) is no note."""
     server = serve(SHARDS)
     url = server.url(NAMES[0])
-    Path(f"{ShardCache(str(tmp_path))._base(url)}.json").write_bytes(
+    (tmp_path / f"{ShardCache(str(tmp_path))._base(url)}.json").write_bytes(
         note.replace(b"URL", url.encode()))
     source = JsonLines(url, cache_dir=tmp_path, **FAST)
     assert ids(await collect(source)) == list(range(50))
@@ -183,25 +204,29 @@ async def test_a_version_note_damaged_or_of_another_shape_is_ignored(
 
 
 
-async def test_a_directory_that_refuses_stamps_is_an_error_naming_it(
+async def test_a_directory_that_refuses_stamps_serves_its_copies_with_one_warning(
         serve: Callable[..., FaultyServer], tmp_path: Path, anyio_backend: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A cache directory gone read-only (a hit's stamp of last use refused): as documented,
-    an OSError with a note naming the URL and the directory, for the source whose versions
-    are pinned (its copies read inline) as for a new one."""
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A cache directory gone read-only (a hit's stamp of last use refused): a write error,
+    said once; the copies are still read, for the source whose versions are pinned (its
+    copies read inline, no request) as for a new one (a version check each)."""
     server = serve(SHARDS)
     source = JsonLines(server.urls, cache_dir=tmp_path, **FAST)
     assert sorted(ids(await collect(source))) == list(range(100))
     real_utime = os.utime
 
     def refusing(path: Any, *args: Any, **kwargs: Any) -> None:
-        if str(path).startswith(str(tmp_path)):
+        if kwargs.get("dir_fd") is not None or "ns" in kwargs:  # a copy's stamp
             raise PermissionError(errno.EROFS, os.strerror(errno.EROFS), str(path))
         real_utime(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "utime", refusing)
-    for reader in (source, JsonLines(server.urls, cache_dir=tmp_path, **FAST)):
-        with pytest.raises(PermissionError) as caught:
-            await collect(reader)
-        assert any(str(tmp_path) in note and "shard cache" in note
-                   for note in getattr(caught.value, "__notes__", []))
+    requests = len(server.requests)
+    with caplog.at_level("WARNING", logger="aloader.http"):
+        for reader in (source, JsonLines(server.urls, cache_dir=tmp_path, **FAST)):
+            hits = reader.stats.cache_hits
+            assert sorted(ids(await collect(reader))) == list(range(100))
+            assert reader.stats.cache_hits == hits + 2
+    assert len(server.requests) == requests + 2  # the new source's version checks only
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "Read-only file system" in warnings[0].getMessage()

@@ -22,6 +22,7 @@ from faulty_server import FaultyServer, make_jsonl_shards
 from sourcetools import as_worker, collect, ids, local_s3, object_gets, open_handles, roundtrip
 
 from aloader import DataLoader, JsonLines, TextLines
+from aloader.io import _cachedir
 from aloader.io._cache import ShardCache
 from aloader.sources._formats import JsonLinesDecoder
 from aloader.streams import _runtime, _stream
@@ -143,25 +144,34 @@ async def test_a_partly_cached_epoch_reads_in_the_background(
 
 
 def _evict(source: Any, url: str, when: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Delete ``url``'s copy after the epoch's look: ``"lookup"`` right after the read found
-    it (before it is opened), ``"read"`` when the read asks for it (it finds none)."""
-    kept = ShardCache.kept
+    """Delete ``url``'s copy after the epoch's look: ``"lookup"`` right after the look found
+    it, ``"read"`` when the read opens it (it finds none)."""
     evicted: list[str] = []
+    holds = ShardCache.holds
+    open_stat = _cachedir.Directory.open_stat
 
-    def evicting(self: ShardCache, name: str, version: Any) -> str | None:
-        if name == url and not evicted:
-            path = self.path(name, version)
-            if when == "read":
-                os.unlink(path)
-                evicted.append(path)
-                return kept(self, name, version)
-            found = kept(self, name, version)
+    def evict(cache: ShardCache, version: Any) -> None:
+        path = cache.path(url, version)
+        if not evicted and os.path.exists(path):
             os.unlink(path)
             evicted.append(path)
-            return found
-        return kept(self, name, version)
 
-    monkeypatch.setattr(ShardCache, "kept", evicting)
+    def looked(self: ShardCache, name: str, version: Any) -> bool:
+        found = holds(self, name, version)
+        if name == url and found:
+            evict(self, version)
+        return found
+
+    def opening(self: Any, name: str, *args: Any) -> Any:
+        if not evicted and os.path.basename(source._shard_cache.path(
+                url, source._versions[url])) == name:
+            evict(source._shard_cache, source._versions[url])
+        return open_stat(self, name, *args)
+
+    if when == "lookup":
+        monkeypatch.setattr(ShardCache, "holds", looked)
+    else:
+        monkeypatch.setattr(_cachedir.Directory, "open_stat", opening)
     return evicted
 
 

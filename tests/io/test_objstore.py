@@ -115,6 +115,21 @@ async def test_environment_credentials(s3: LocalS3, monkeypatch: pytest.MonkeyPa
     assert source.stats.records == 200 and source.stats.bytes == sum(map(len, SHARDS.values()))
 
 
+async def test_a_changed_environment_gets_a_new_store(
+        s3: LocalS3, monkeypatch: pytest.MonkeyPatch, anyio_backend: str) -> None:
+    """A store made from the environment is kept per bucket, but not past a change of the
+    environment it was made from: a source built after the endpoint (or the credentials)
+    changed reads the new one, as workers started after the change do, never the old one."""
+    for key, value in s3.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(_objstore, "_STORES", {})
+    assert len(await collect(JsonLines(SHARD_URLS[0], **FAST))) == 40
+    port = free_port()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    with pytest.raises(EndpointUnreachableError, match=rf"127\.0\.0\.1:{port}"):
+        await collect(JsonLines(SHARD_URLS[0], retries=0, **FAST))
+
+
 async def test_npy_rows_from_s3(s3: LocalS3, anyio_backend: str) -> None:
     import io
 
@@ -237,8 +252,25 @@ async def test_unreachable_endpoint(s3: LocalS3, anyio_backend: str) -> None:
                        rf"http://127\.0\.0\.1:{port} after 3 attempts"):
         await collect(source)
     assert source.stats.retries == 2
-    with pytest.raises(EndpointUnreachableError, match="s3://data-bucket/data/"):
+    with pytest.raises(EndpointUnreachableError,
+                       match=rf"s3://data-bucket/data/: cannot connect to "
+                       rf"http://127\.0\.0\.1:{port} after 2 attempts"):  # a listing's too
         JsonLines(url("data/"), store=store, retries=1, **FAST)
+
+
+async def test_a_prefix_without_its_slash_is_suggested(s3: LocalS3, anyio_backend: str
+                                                        ) -> None:
+    """``s3://bucket/data`` names no object, but objects exist under ``data/``: the error
+    says so; a key with nothing under it gets no suggestion."""
+    source = JsonLines(url("data"), store=s3.store(BUCKET), **FAST)
+    with pytest.raises(ObjectNotFoundError) as info:
+        await collect(source)
+    assert str(info.value).endswith(f"; objects exist under {url('data')}/: for the objects "
+                                    "under that prefix, end the URL with '/'")
+    assert info.value.source == url("data") and info.value.status_code == 404
+    with pytest.raises(ObjectNotFoundError) as info:
+        await collect(JsonLines(url("nothing-here"), store=s3.store(BUCKET), **FAST))
+    assert "objects exist under" not in str(info.value)
 
 
 def test_store_must_fit_the_urls(s3: LocalS3) -> None:

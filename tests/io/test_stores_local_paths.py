@@ -52,13 +52,13 @@ async def test_a_pinned_copy_is_read_by_the_local_file_reader_itself(
 
     reader = cache.chunks(url, fetch, source._versions, source.stats, 1 << 16)
     try:
-        assert reader.ag_code is ShardCache._local.__code__  # type: ignore[attr-defined]
+        assert reader.ag_code is ShardCache._copy.__code__  # type: ignore[attr-defined]
         assert b"".join([piece async for piece in reader]) == SHARDS[Path(url).name]
     finally:
         await reader.aclose()
     # Without a pinned version the read goes through the locks (and the store).
     other = cache.chunks(url, fetch, {}, source.stats, 1 << 16)
-    assert other.ag_code is not ShardCache._local.__code__  # type: ignore[attr-defined]
+    assert other.ag_code is not ShardCache._copy.__code__  # type: ignore[attr-defined]
     await other.aclose()
 
 
@@ -71,17 +71,21 @@ async def test_a_pinned_copy_evicted_before_it_is_opened_is_read_from_the_store(
     source = JsonLines(server.urls, cache_dir=tmp_path, **FAST)
     await collect(source)
     assert gets(server) == 3
-    kept = ShardCache.kept
-    evicted: list[str] = []
+    from aloader.io import _cachedir
 
-    def evict_after_lookup(self: ShardCache, url: str, version: Any) -> str | None:
-        path = kept(self, url, version)
-        if path is not None and url == server.urls[1] and not evicted:
+    open_stat = _cachedir.Directory.open_stat
+    evicted: list[str] = []
+    cache = source._shard_cache
+    assert cache is not None
+    path = cache.path(server.urls[1], source._versions[server.urls[1]])
+
+    def evict_before_open(self: Any, name: str, *args: Any) -> Any:
+        if name == os.path.basename(path) and not evicted:
             os.unlink(path)
             evicted.append(path)
-        return path
+        return open_stat(self, name, *args)
 
-    monkeypatch.setattr(ShardCache, "kept", evict_after_lookup)
+    monkeypatch.setattr(_cachedir.Directory, "open_stat", evict_before_open)
     assert sorted(ids(await collect(source))) == ALL_IDS
     assert evicted and gets(server) == 4  # the evicted shard only
     assert os.path.exists(evicted[0])  # and kept again
@@ -95,10 +99,10 @@ async def test_an_unreadable_pinned_copy_names_the_url_and_the_cache(
     source = JsonLines(server.urls[:1], cache_dir=tmp_path, **FAST)
     await collect(source)
 
-    def refuse(path: str) -> int:
-        raise PermissionError(13, "Permission denied", path)
+    def refuse(directory: Any, name: str, *args: Any) -> int:
+        raise PermissionError(13, "Permission denied", name)
 
-    monkeypatch.setattr("aloader.io._files._open", refuse)
+    monkeypatch.setattr("aloader.io._cachedir.Directory.open_stat", refuse)
     with pytest.raises(PermissionError) as info:
         await collect(source)
     assert any(server.urls[0] in note and str(tmp_path) in note

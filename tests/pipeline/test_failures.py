@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -399,9 +400,62 @@ def test_failures_are_logged(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="aloader"):
         drain(loader(Sync(), max_failures=6))
     skipped = [r for r in caplog.records if r.name == "aloader.loader"]
-    assert len(skipped) == 6
+    assert len(skipped) == 7  # each, then the epoch's summary
     assert all(r.levelno == logging.WARNING for r in skipped)
     assert "skipped sample 3: ValueError: bad sample 3" in skipped[0].getMessage()
+    assert skipped[6].getMessage().startswith("the epoch ended with 6 failed samples, within "
+                                              "the failure budget (max_failures=6); the "
+                                              "first: ValueError: bad sample 3; the last: ")
+
+
+def test_every_epoch_with_failures_ends_with_a_summary(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Hundreds of failures: ten logged, one rate-limited line, then the epoch's summary
+    with the count and both ends, every epoch (none for an epoch without failures)."""
+    class Many:
+        def __len__(self) -> int:
+            return 1000
+
+        def __getitem__(self, index: int) -> int:
+            if index % 5 == 0:
+                raise ValueError(f"bad sample {index}")
+            return index
+
+    dl = DataLoader(Many(), batch_size=10, collate_fn=list, max_failures=0.25)
+    with caplog.at_level(logging.WARNING, logger="aloader.loader"):
+        for _ in range(2):
+            assert sum(map(len, dl)) == 800
+    ends = [r.getMessage() for r in caplog.records if "the epoch ended" in r.getMessage()]
+    assert ends == ["the epoch ended with 200 failed samples, within the failure budget "
+                    "(max_failures=0.25: 250 of 1000 samples); the first: ValueError: bad "
+                    "sample 0; the last: ValueError: bad sample 995"] * 2
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="aloader.loader"):
+        assert sum(map(len, DataLoader(list(range(10)), batch_size=5, collate_fn=list,
+                                       max_failures=3))) == 10
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_the_budgets_message_and_stats_agree(concurrency: int) -> None:
+    """Fetches in flight when the budget ran out fail too: they are not counted, so the
+    error's count and ``stats().failures`` are the same number."""
+    class Third:
+        def __len__(self) -> int:
+            return 1000
+
+        async def __getitem__(self, index: int) -> int:
+            await anyio.sleep(0)
+            if index % 3 == 0:
+                raise ValueError(f"bad {index}")
+            return index
+
+    dl = DataLoader(Third(), batch_size=10, max_failures=250, max_concurrency=concurrency)
+    with pytest.raises(FailureBudgetExceeded) as info:
+        for _ in dl:
+            pass
+    assert info.value.count == 251 and "251 samples failed" in str(info.value)
+    assert dl.stats().failures == 251
 
 
 def test_exceeded_is_logged(caplog: pytest.LogCaptureFixture) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import math
 import random
 import threading
 from typing import Any
@@ -380,6 +381,68 @@ async def test_a_flood_of_distinct_priorities_is_served_highest_first(anyio_back
     assert not b._queue.order and not b._queue.levels
 
 
+class Counted(int):
+    """A priority that counts what the queue does with it (comparisons, negations)."""
+
+    ops = 0
+
+    def _count(self) -> None:
+        Counted.ops += 1
+
+    def __lt__(self, other: object) -> bool:
+        self._count()
+        return int(self) < other  # type: ignore[operator]
+
+    def __gt__(self, other: object) -> bool:
+        self._count()
+        return int(self) > other  # type: ignore[operator]
+
+    def __le__(self, other: object) -> bool:
+        self._count()
+        return int(self) <= other  # type: ignore[operator]
+
+    def __ge__(self, other: object) -> bool:
+        self._count()
+        return int(self) >= other  # type: ignore[operator]
+
+    def __eq__(self, other: object) -> bool:
+        self._count()
+        return int(self) == other
+
+    __hash__ = int.__hash__
+
+    def __neg__(self) -> int:
+        self._count()
+        return -int(self)
+
+
+def test_distinct_priorities_cost_the_queue_log_time_each() -> None:
+    """Priorities as deadlines (every request a level of its own, as an earliest-deadline-
+    first server makes them): adding and emptying a level costs O(log levels) work on the
+    priorities, not O(levels), so a full queue of 5,000 stays cheap (it was quadratic: 30,000
+    such requests took seconds of event loop)."""
+    from aloader.serve._request import _RequestQueue
+
+    queue = _RequestQueue()
+    n = 5_000
+    priorities = list(range(n))
+    random.Random(0).shuffle(priorities)
+    requests = []
+    Counted.ops = 0
+    for i, p in enumerate(priorities):
+        request = _Request(i, float(i), None)  # type: ignore[arg-type]
+        request.priority = Counted(p)
+        queue.push(request)
+        requests.append(request)
+    served = [r.priority for r in queue.ordered(-math.inf)]
+    assert served == sorted(priorities, reverse=True)
+    random.Random(1).shuffle(requests)
+    for request in requests:
+        queue.remove(request)
+    assert not queue.order and not queue.levels
+    assert Counted.ops < 60 * n, f"{Counted.ops} operations for {n} levels"
+
+
 @pytest.mark.anyio
 async def test_a_batch_size_fn_that_fails_on_some_mixes_fails_the_item_that_mixed(
     anyio_backend: str,
@@ -466,3 +529,191 @@ async def test_streams_that_time_out_or_are_dropped_end_with_a_timeout(anyio_bac
         release.set()
         assert [x async for x in b.stream(3)] == [3, 3]
     assert b.metrics()["dropped"] == 1 and b.metrics()["timed_out"] == 1
+
+
+# -- callers that leave in the step between a batch's forming and its start ----------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("streaming", [False, True])
+async def test_a_caller_that_leaves_before_its_batch_starts_is_not_run(
+    anyio_backend: str, streaming: bool
+) -> None:
+    """With several execution slots a batch starts in a task of its own, one scheduler step
+    after it was formed. A caller that leaves in that step never reaches the batch function
+    (as in Ray, which drops cancelled requests before it calls the function), and a
+    streaming batch that no caller reads any more never holds its slot."""
+    seen: list[list[int]] = []
+    closed: list[list[int]] = []
+
+    async def unary(items: list[int]) -> list[int]:
+        seen.append(list(items))
+        return items
+
+    async def steps(items: list[int]) -> Any:
+        seen.append(list(items))
+        try:
+            if items != [0]:
+                await anyio.sleep_forever()  # a model that decodes until it is stopped
+            yield items
+        finally:
+            closed.append(list(items))
+
+    fn: Any = steps if streaming else unary
+    with anyio.fail_after(10):
+        async with Batcher(fn, max_concurrent_batches=2, close_timeout=1) as b:
+            assert [x async for x in b.stream(0)] == [0]  # the dispatcher is up
+            # asyncio orders the steps (the dispatcher forms the batch, then this task
+            # leaves, then the batch's task starts); trio shuffles them: a few rounds hit it.
+            for i in range(1, 21):
+                stream = b.stream(i)
+                await anyio.lowlevel.checkpoint()
+                await stream.aclose()
+                await anyio.wait_all_tasks_blocked()
+                assert b.metrics()["running_batches"] == 0, f"round {i}: a batch nobody reads"
+    assert seen == [[0]]  # nobody else was run
+    if streaming:
+        assert closed == [[0]]
+
+
+# -- numbers out of a float's range --------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("where", ["cost", "batch_size_fn"])
+async def test_a_cost_too_large_for_a_float_is_a_clear_error(
+    anyio_backend: str, where: str
+) -> None:
+    options: dict[str, Any] = (
+        {"cost": lambda x: x, "max_batch_cost": 10} if where == "cost"
+        else {"batch_size_fn": sum, "max_batch_size": 10}
+    )  # fmt: skip
+    async with Batcher(lambda xs: xs, **options) as b:
+        with pytest.raises(ValueError, match=f"{where} must return a finite number"):
+            await b(10**400)
+        assert await b(3) == 3  # the batcher goes on
+    with pytest.raises(ValueError, match="max_batch_cost"):
+        Batcher(lambda xs: xs, cost=len, max_batch_cost=10**400)
+
+
+# -- a budget lowered while items wait ---------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("allow_oversized", [False, True])
+async def test_a_lowered_max_batch_size_holds_for_items_queued_before(
+    anyio_backend: str, allow_oversized: bool
+) -> None:
+    """An item that fit ``max_batch_size`` (by ``batch_size_fn``) when it was submitted, but
+    alone exceeds the size set since: refused when its batch forms (as Ray refuses it there),
+    or, with ``allow_oversized``, run alone. No batch measures over the size in force."""
+    gate = anyio.Event()
+    batches: list[list[int]] = []
+
+    async def model(items: list[int]) -> list[int]:
+        await gate.wait()
+        batches.append(list(items))
+        return items
+
+    got: dict[int, Any] = {}
+
+    async def call(b: Batcher[int, int], x: int) -> None:
+        try:
+            got[x] = await b(x)
+        except BatchCostError as exc:
+            got[x] = exc
+
+    with anyio.fail_after(10):
+        async with Batcher(model, max_batch_size=10, batch_size_fn=sum,
+                           allow_oversized=allow_oversized) as b, \
+                anyio.create_task_group() as tg:
+            tg.start_soon(call, b, 1)  # runs, holding the slot
+            await anyio.wait_all_tasks_blocked()
+            for x in (8, 2, 3):
+                tg.start_soon(call, b, x)
+                await anyio.wait_all_tasks_blocked()
+            b.set_max_batch_size(5)
+            gate.set()
+    if allow_oversized:
+        assert got == {1: 1, 8: 8, 2: 2, 3: 3}
+        assert batches == [[1], [8], [2, 3]]
+    else:
+        assert isinstance(got.pop(8), BatchCostError)
+        assert got == {1: 1, 2: 2, 3: 3}
+        assert batches == [[1], [2, 3]]
+
+
+# -- a BaseException that no caller is left to receive, from a lazily started dispatcher ---------
+
+
+@pytest.mark.parametrize("exc_type", [KeyboardInterrupt, SystemExit])
+def test_a_base_exception_nobody_receives_stops_asyncio_run(exc_type: type[BaseException]) -> None:
+    """As Ray's batch task does: the lazily started dispatcher lets it out of the event loop
+    as itself (asyncio stops there for KeyboardInterrupt and SystemExit), rather than ending
+    in an exception group that asyncio only logs when the task is collected."""
+    async def main() -> None:
+        started, gate = asyncio.Event(), asyncio.Event()
+
+        async def model(items: list[int]) -> list[int]:
+            started.set()
+            await gate.wait()
+            raise exc_type("nobody waits for this batch")
+
+        b = Batcher(model)
+        caller = asyncio.ensure_future(b(1))
+        await started.wait()
+        caller.cancel()
+        gate.set()
+        await asyncio.sleep(5)  # the dispatcher's exception ends the loop before this
+
+    with pytest.raises(exc_type, match="nobody waits"):
+        asyncio.run(main())
+
+
+# -- closing from inside a batch -----------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize("streaming", [False, True])
+async def test_a_batch_function_may_close_its_own_batcher(
+    anyio_backend: str, slots: int, streaming: bool
+) -> None:
+    """A model that gives up (a fatal device error) closes its batcher from inside its batch:
+    the close cannot wait for the batch it is called from, so it starts the shutdown and
+    returns; the batch and the requests queued before it are still answered, later ones are
+    refused."""
+    gate = anyio.Event()
+    holder: list[Batcher[int, int]] = []
+
+    async def unary(items: list[int]) -> list[int]:
+        await gate.wait()
+        if 0 in items:
+            await holder[0].aclose()
+        return [x + 100 for x in items]
+
+    async def steps(items: list[int]) -> Any:
+        yield await unary(items)
+
+    b = Batcher(steps if streaming else unary, max_batch_size=1,
+                max_concurrent_batches=slots, close_timeout=60)
+    holder.append(b)
+    got: dict[int, Any] = {}
+
+    async def call(i: int) -> None:
+        if streaming:
+            got[i] = [x async for x in b.stream(i)]
+        else:
+            got[i] = await b(i)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(call, i)
+                await anyio.wait_all_tasks_blocked()
+            gate.set()
+        with pytest.raises(BatcherClosedError):
+            b.stream(5) if streaming else await b(5)
+        await b.aclose()
+    expected: dict[int, Any] = {i: i + 100 for i in range(3)}
+    assert got == ({i: [v] for i, v in expected.items()} if streaming else expected)

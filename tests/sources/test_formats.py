@@ -543,8 +543,8 @@ def test_stats_since_and_add_carry_a_workers_counts() -> None:
     worker.records, worker.bytes, worker.skipped = 5, 40, 1
     worker.skipped_errors.append(error)
     delta = worker.since(before)
-    assert delta == (0, 5, 40, 1, 0, 0, 0, 0, 0, 0, 0, [error])
+    assert delta == (0, 5, 40, 1, 0, 0, 0, 0, 0, 0, 0, 0, [error])
     assert delta is not None
     loader.add(delta)
-    assert loader.counts() == (0, 5, 40, 1, 0, 0, 0, 0, 0, 0, 0)
+    assert loader.counts() == (0, 5, 40, 1, 0, 0, 0, 0, 0, 0, 0, 0)
     assert list(loader.skipped_errors) == [error]
