@@ -62,6 +62,7 @@ from .data._sampler import (
     RandomSampler,
     Sampler,
     SequentialSampler,
+    Stateful,
     SubsetRandomSampler,
     WeightedRandomSampler,
 )
@@ -98,6 +99,7 @@ __all__ = (
     "get_worker_info",
     "merge_rank_states",
     "sample_rng",
+    "Stateful",
     # datasets
     "ArrayDataset",
     "ChainDataset",

@@ -16,7 +16,7 @@ import numbers
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence, Sized
-from typing import Any, Generic, TypeGuard, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeGuard, TypeVar, cast, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -45,16 +45,32 @@ from ._random import (
 )
 
 __all__ = (
-    "RandomSampler", "Sampler", "SequentialSampler", "SubsetRandomSampler", "TorchDraws",
-    "WeightedRandomSampler", "is_stateful", "load_sampler_state", "sampler_state",
+    "RandomSampler", "Sampler", "SequentialSampler", "Stateful", "SubsetRandomSampler",
+    "TorchDraws", "WeightedRandomSampler", "is_stateful", "load_sampler_state", "sampler_state",
 )
 
 T_co = TypeVar("T_co", covariant=True)
 
 
 # Sampler state (torchdata's protocol) -------------------------------------------------------------
+@runtime_checkable
+class Stateful(Protocol):
+    """torchdata's protocol (``torchdata.stateful_dataloader.Stateful``): an object whose
+    state a :class:`~aloader.DataLoader` checkpoint saves and restores. A dataset, the
+    iterator an iterable dataset's ``__iter__`` returns, or a sampler with these two methods
+    has them called (in the loader's process and in each worker): ``state_dict()`` after
+    every batch, ``load_state_dict()`` when a checkpoint is resumed."""
+
+    def state_dict(self) -> Any:
+        """The object's state (a dict, as torchdata's)."""
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """Restore a :meth:`state_dict`."""
+
+
 def is_stateful(obj: object) -> bool:
-    """Whether ``obj`` has torchdata's ``state_dict()`` / ``load_state_dict(state)``."""
+    """Whether ``obj`` has torchdata's ``state_dict()`` / ``load_state_dict(state)``
+    (:class:`Stateful`, methods that can be called)."""
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     )

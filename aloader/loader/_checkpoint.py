@@ -9,16 +9,17 @@ as it was.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 from .._tuning import Controller
 from ..data._distributed import default_place
 from ..data._random import restore_rng, rng_state
-from ..pipeline._failures import Failures, json_index
+from ..pipeline._failures import Failures, is_skip_key, json_index
 from ..streams._stream import Stream
-from ._epochs import AlreadyDelivered, MapEpochs, Progress
+from ..workers._rngs import check_rngs, rngs_to_json
+from ._epochs import AlreadyDelivered, MapEpochs, Progress, StateTypeError
 
 if TYPE_CHECKING:
     from ._dataloader import DataLoader
@@ -81,6 +82,8 @@ class _EpochRecord:
     yielded: int = 0
     meta: Any = None  # the metadata of the latest batch received (iterable datasets)
     done: bool = False  # the iterator reached the end of the epoch
+    # Called once the epoch has ended for its consumer (see finish()).
+    on_done: Callable[[int], None] | None = None
     failures: Failures | None = None  # the epoch's failure budget (None without max_failures)
 
     def __post_init__(self) -> None:
@@ -101,9 +104,20 @@ class _EpochRecord:
             prefix += 1
         self.prefix = prefix
 
+    def finish(self) -> None:
+        """The consumer reached the epoch's end."""
+        if not self.done:
+            self.done = True
+            if self.on_done is not None:
+                self.on_done(self.epoch)
+
     @property
     def at_end(self) -> bool:
-        return self.done or (self.length is not None and self.prefix >= self.length)
+        """The epoch has ended (its iterator said so): a state is the next epoch's start.
+        After its last batch and before that, a state is this epoch's empty rest, as
+        torchdata's: a loop that saves the loader's state with its epoch number inside the
+        epoch resumes that epoch, not the next one."""
+        return self.done
 
 
 def kind_name(dataloader: DataLoader[Any]) -> str:
@@ -162,14 +176,56 @@ def state_of(dataloader: DataLoader[Any]) -> dict[str, Any]:
         kind: _json_copy(sub),
         "failures": failures,
         "concurrency": dataloader._tuning_state(),
+        **_workers_entry(dataloader, record is None or record.at_end),
     }
+
+
+def _workers_entry(dataloader: DataLoader[Any], between: bool) -> dict[str, Any]:
+    """Between epochs of live persistent workers, each one's global generators as the next
+    epoch will find them (``{"workers": {"num_workers": W, "rngs": [...]}}``, see
+    :mod:`aloader.workers._rngs`); else nothing."""
+    pool = dataloader._pool
+    if not between or pool is None or not pool.persistent or pool.closed or pool.broken \
+            or any(rng is None for rng in pool.rngs):
+        return {}
+    return {"workers": {"num_workers": pool.num_workers,
+                        "rngs": [rngs_to_json(rng) for rng in pool.rngs]}}
+
+
+def _entry(entry: Any, name: str) -> Mapping[str, Any] | None:
+    """A state's optional entry ``name``: None when absent, else a dict (a StateTypeError)."""
+    if entry is not None and not isinstance(entry, Mapping):
+        raise StateTypeError(f"state field {name!r} should be a dict, "
+                             f"but got {type(entry).__name__}")
+    return entry
+
+
+def _check_workers(dataloader: DataLoader[Any], entry: Any) -> list[Any] | None:
+    """A state's ``"workers"`` entry, checked: the generators to give the next persistent
+    workers, or None (none saved, or this loader's workers are not as many persistent ones:
+    they start as seeded)."""
+    entry = _entry(entry, "workers")
+    if entry is None:
+        return None
+    count, rngs = entry.get("num_workers"), entry.get("rngs")
+    if not (_is_int(count) and count > 0):
+        raise StateTypeError(f"state field 'workers.num_workers' should be a positive int, "
+                             f"but got {count!r}")
+    if not isinstance(rngs, list) or len(rngs) != count:
+        raise ValueError(f"state field 'workers.rngs' should list {count} workers' "
+                         f"generators, but is {type(rngs).__name__}")
+    for rng in rngs:
+        check_rngs(rng, "workers.rngs")
+    if not dataloader.persistent_workers or dataloader.num_workers != count:
+        return None
+    return list(rngs)
 
 
 def load_state(dataloader: DataLoader[Any], state: Mapping[str, Any]) -> None:
     """``dataloader.load_state_dict(state)`` (see :meth:`DataLoader.load_state_dict`):
     everything is checked before anything is applied."""
     if not isinstance(state, Mapping):
-        raise TypeError(f"state should be a dict, but got {type(state).__name__}")
+        raise StateTypeError(f"state should be a dict, but got {type(state).__name__}")
     kind = kind_name(dataloader)
     expected = {"format": STATE_FORMAT, "version": STATE_VERSION, "kind": kind}
     for name, value in expected.items():
@@ -177,15 +233,19 @@ def load_state(dataloader: DataLoader[Any], state: Mapping[str, Any]) -> None:
             raise ValueError(f"state field {name!r} differs: the state has "
                              f"{state.get(name)!r}, this loader expects {value!r}")
     for name in ("epoch", "yielded"):
+        if name not in state:
+            raise ValueError(f"state field {name!r} is missing")
         value = state.get(name)
         if not _is_int(value):
-            raise TypeError(f"state field {name!r} should be an int, but got {value!r}")
+            raise StateTypeError(f"state field {name!r} should be an int, but got {value!r}")
         if value < 0:
             raise ValueError(f"state field {name!r} should be non-negative, "
                              f"but got {value}")
+    if "loader" not in state:
+        raise ValueError("state field 'loader' is missing")
     loader = state.get("loader")
     if not isinstance(loader, Mapping):
-        raise TypeError(f"state field 'loader' should be a dict, "
+        raise StateTypeError(f"state field 'loader' should be a dict, "
                         f"but got {type(loader).__name__}")
     mine = {"batch_size": dataloader.batch_size, "drop_last": dataloader.drop_last,
             "dataset_length": dataset_length(dataloader)}
@@ -197,11 +257,11 @@ def load_state(dataloader: DataLoader[Any], state: Mapping[str, Any]) -> None:
                              f"{loader[name]!r}, this loader has {value!r}")
     seed = loader.get("base_seed")
     if seed is not None and not (_is_int(seed) and seed >= 0):
-        raise TypeError(f"state field 'loader.base_seed' should be None or a "
+        raise StateTypeError(f"state field 'loader.base_seed' should be None or a "
                         f"non-negative int, but got {seed!r}")
     sample_seed = loader.get("sample_seed")
     if not (_is_int(sample_seed) and sample_seed >= 0):
-        raise TypeError(f"state field 'loader.sample_seed' should be a non-negative int, "
+        raise StateTypeError(f"state field 'loader.sample_seed' should be a non-negative int, "
                         f"but got {sample_seed!r}")
     try:
         restore_rng(dataloader._rng, loader.get("rng"), apply=False)
@@ -214,6 +274,7 @@ def load_state(dataloader: DataLoader[Any], state: Mapping[str, Any]) -> None:
             Controller().load_state_dict(tuning)
         except ValueError as exc:
             raise ValueError(f"state field 'concurrency': {exc}") from None
+    rngs = _check_workers(dataloader, state.get("workers"))
     if kind not in state:
         raise ValueError(f"state field {kind!r} is missing")
     sub = _json_copy(state[kind])
@@ -229,10 +290,13 @@ def load_state(dataloader: DataLoader[Any], state: Mapping[str, Any]) -> None:
                     f"part's prefix and delivered batches ({prefix} + {len(delivered)})"
                 )
         # Checks all of its part before applying any.
-        dataloader._kind.load_state_dict(sub)
+        dataloader._kind.load_state_dict(sub, dataloader.num_workers)
         skip = dataloader._kind.loaded_skip
     else:
-        cast(Any, dataloader._kind).load_state_dict(sub)
+        dataloader._kind.load_state_dict(sub, dataloader.num_workers,
+                                         dataloader.persistent_workers)
+        # The batches already received: the resumed epoch's count goes on from them.
+        skip = AlreadyDelivered(state["yielded"])
     # Everything is checked: apply. Live persistent workers have the old seeds.
     if dataloader._pool is not None:
         dataloader._pool.shutdown()
@@ -243,6 +307,7 @@ def load_state(dataloader: DataLoader[Any], state: Mapping[str, Any]) -> None:
     dataloader._epochs_started = state["epoch"]
     dataloader._resume_skip = skip
     dataloader._resume_failures = failed
+    dataloader._resume_rngs = rngs
     dataloader._record = None
     dataloader._load_tuning(None if tuning is None else _json_copy(dict(tuning)))
     copy = cast(dict[str, Any], _json_copy(dict(state)))
@@ -253,31 +318,30 @@ def _check_failures(dataloader: DataLoader[Any], failures: Any) -> tuple[int, li
     """A state's ``"failures"`` entry, checked: (count, indices), or None when there is
     nothing to restore (none recorded, or this loader has no budget: its epochs raise the
     first error, as torch's do). A state without the entry recorded none."""
+    failures = _entry(failures, "failures")
     if failures is None:
         return None
-    if not isinstance(failures, Mapping):
-        raise TypeError(f"state field 'failures' should be a dict, "
-                        f"but got {type(failures).__name__}")
     count, indices = failures.get("count"), failures.get("indices")
     if not (_is_int(count) and count >= 0):
-        raise TypeError(f"state field 'failures.count' should be a non-negative int, "
+        raise StateTypeError(f"state field 'failures.count' should be a non-negative int, "
                         f"but got {count!r}")
     if not isinstance(indices, list):
-        raise TypeError(f"state field 'failures.indices' should be a list, "
+        raise StateTypeError(f"state field 'failures.indices' should be a list, "
                         f"but got {type(indices).__name__}")
     for index in indices:
         try:
             if json_index(index) != index or isinstance(index, tuple):
                 raise ValueError(f"{index!r} is not in its JSON form")
         except ValueError as exc:
-            raise TypeError(f"state field 'failures.indices' should hold JSON builtins: "
-                            f"{exc}") from None
+            raise StateTypeError(f"state field 'failures.indices' should hold JSON "
+                                 f"builtins: {exc}") from None
     if len(indices) > count:
         raise ValueError(f"state field 'failures.indices' has {len(indices)} indices, "
                          f"more than 'failures.count' ({count})")
-    if indices and not isinstance(dataloader._kind, MapEpochs):
-        raise ValueError("state field 'failures.indices' should be empty for an iterable "
-                         f"dataset (its failures are counted only), but has {len(indices)}")
+    if not isinstance(dataloader._kind, MapEpochs) and not all(map(is_skip_key, indices)):
+        raise ValueError("state field 'failures.indices' of an iterable dataset should hold "
+                         "only the records its sources skipped (['skipped', shard, offset]), "
+                         f"but has {indices!r}")
     if not dataloader.max_failures or not count:
         return None
     return count, list(indices)

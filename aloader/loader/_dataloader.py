@@ -56,7 +56,7 @@ from ..workers._context import default_context, prepare_context, resolve_context
 from ..workers._pool_epoch import PoolEpoch
 from ..workers._processes import WorkerPool
 from ._arguments import check_batching, check_hedge_after, check_loading, warn_worker_number
-from ._checkpoint import _EpochRecord, load_state, state_of
+from ._checkpoint import _EpochRecord, _is_int, load_state, state_of
 from ._epochs import AlreadyDelivered, EpochKind, IterableEpochs, MapEpochs
 from ._pin_memory import _pin_memory_transform, _require_torch
 from ._ranks import RANKS_FORMAT, rank_part
@@ -187,6 +187,9 @@ class DataLoader(Generic[T_co]):
     ``__getitem__`` (or ``__getitems__``): the loader waits (``retry_after``, or a backoff)
     and fetches that index again, in order and exactly once, counted in ``stats().throttled``
     and not as a failure; ``"auto"`` concurrency backs off.
+        snapshot_every_n_steps: torchdata's ``StatefulDataLoader`` argument, accepted so that
+            its code runs unchanged (None or a non-negative int); it changes nothing here:
+            :meth:`state_dict` is exact whenever it is called.
     """
 
     dataset: Any
@@ -229,6 +232,7 @@ class DataLoader(Generic[T_co]):
         max_failures: int | float = ...,
         max_concurrency_limit: int | None = ...,
         hedge_after: float | None = ...,
+        snapshot_every_n_steps: int | None = ...,
     ) -> None: ...
     @overload
     def __init__(
@@ -255,6 +259,7 @@ class DataLoader(Generic[T_co]):
         max_failures: int | float = ...,
         max_concurrency_limit: int | None = ...,
         hedge_after: float | None = ...,
+        snapshot_every_n_steps: int | None = ...,
     ) -> None: ...
     @overload
     def __init__(
@@ -281,6 +286,7 @@ class DataLoader(Generic[T_co]):
         max_failures: int | float = ...,
         max_concurrency_limit: int | None = ...,
         hedge_after: float | None = ...,
+        snapshot_every_n_steps: int | None = ...,
     ) -> None: ...
     def __init__(
         self,
@@ -306,12 +312,20 @@ class DataLoader(Generic[T_co]):
         max_failures: int | float = 0,
         max_concurrency_limit: int | None = None,
         hedge_after: float | None = None,
+        snapshot_every_n_steps: int | None = 1,
     ) -> None:
         prefetch_factor, max_failures = check_loading(
             num_workers, timeout, prefetch_factor, persistent_workers, max_concurrency,
             max_failures, max_concurrency_limit)
         hedge_after = check_hedge_after(hedge_after, dataset,
                                         batch_size is not None or batch_sampler is not None)
+        if snapshot_every_n_steps is not None and (
+            not _is_int(snapshot_every_n_steps) or snapshot_every_n_steps < 0
+        ):
+            raise ValueError(
+                "snapshot_every_n_steps should be a non-negative integer or None, "
+                f"but got snapshot_every_n_steps={snapshot_every_n_steps!r}"
+            )
         self.dataset = dataset
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
@@ -320,6 +334,9 @@ class DataLoader(Generic[T_co]):
         self.timeout = timeout
         self.worker_init_fn = worker_init_fn
         self.in_order = in_order
+        # torchdata's: how often its workers send their state. Every state here is exact
+        # whenever it is taken (it travels with each batch), so it changes nothing.
+        self.snapshot_every_n_steps = snapshot_every_n_steps
         self.max_concurrency = max_concurrency
         self.max_concurrency_limit = max_concurrency_limit
         self.hedge_after = hedge_after
@@ -351,7 +368,7 @@ class DataLoader(Generic[T_co]):
                     sampler = SequentialSampler(dataset)
             if batch_size is not None and batch_sampler is None:
                 batch_sampler = BatchSampler(cast(Any, sampler), batch_size, drop_last)
-            kind = MapEpochs(sampler, batch_sampler)
+            kind = MapEpochs(sampler, batch_sampler, dataset)
         self._kind = kind
 
         self.batch_size = batch_size
@@ -377,6 +394,9 @@ class DataLoader(Generic[T_co]):
         self._resume_skip: AlreadyDelivered | None = None
         self._resume_seed: int | None = None  # the persistent workers' seed of a resumed run
         self._resume_failures: tuple[int, list[Any]] | None = None  # its failures so far
+        # The persistent workers' generators of a state taken between epochs (JSON, per
+        # worker: see aloader.workers._rngs), for the next persistent pool's workers.
+        self._resume_rngs: list[Any] | None = None
         self._stats: Collector | None = None  # the statistics of the latest epoch
         self._stats_epochs = 0
         self._trace: Trace | None = None  # recording the epochs as they start (trace())
@@ -664,14 +684,22 @@ class DataLoader(Generic[T_co]):
         The states of a job's ranks merged by :func:`aloader.merge_rank_states` load on
         every rank of any world size, each taking its part of the interrupted epoch.
 
+        Every number is checked against the dataset where it can be without reading it: a
+        map-style epoch's batches received against the epoch's length, a shard's position
+        against the shard (its identity: a file's size and modification time, a remote
+        object's size and ETag; its offset). What only reading can check (a shard with fewer
+        records than the position skips) raises ``ValueError`` naming the field when the
+        resumed epoch reaches it: never a shorter epoch.
+
         Raises:
             ValueError: the state is of another format or version, another kind of dataset,
                 another dataset length, batch size or ``drop_last`` (the message names the
-                field and both values), or does not fit the samplers; its ``failures`` has
-                more indices than its count, or indices for an iterable dataset; merged
-                states that cannot be split over this world size (see
-                :func:`aloader.merge_rank_states`).
-            TypeError: a field has the wrong type.
+                field and both values), a field is missing, has the wrong type (that error is
+                a ``TypeError`` too) or a number that does not fit the dataset, or the state
+                does not fit the samplers; its ``failures`` has more indices than its count,
+                or indices for an iterable dataset; a shard changed since the state was
+                saved (naming the shard); merged states that cannot be split over this world
+                size (see :func:`aloader.merge_rank_states`).
         """
         if isinstance(state, Mapping) and state.get("format") == RANKS_FORMAT:
             state = rank_part(self, state)  # the ranks' states merged: this rank's part
@@ -719,7 +747,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         loader._epochs_started = self.epoch + 1
         kind = loader._kind
         if isinstance(kind, MapEpochs):
-            kind.begin()  # what the epoch is drawn from, before it draws anything
+            kind.begin(loader.num_workers)  # what the epoch is drawn from, before it draws
             if loader.num_workers > 0 and not loader._workers_live():
                 kind.new_workers()  # before the base seed's draw, as torch's __init__
         self.rng_state: Mapping[str, Any] = loader._rng.bit_generator.state
@@ -733,8 +761,12 @@ class AsyncDataLoaderIter(Generic[T_co]):
         self._record = loader._record = _EpochRecord(
             self.epoch, start, None if drawn else self.base_seed,
             kind.epoch_length() if isinstance(kind, MapEpochs) else None, self._skip,
+            on_done=None if isinstance(kind, MapEpochs) else kind.ended,
         )
-        self.num_yielded: int = 0
+        # Batches of the epoch delivered so far, those before a resume included (torch's
+        # iterator's count, which its length warning compares).
+        self.num_yielded: int = self._record.yielded
+        self._first = self.num_yielded + 1  # the number of this run's first batch
         # Under the synchronous facade's pump, which runs ahead of its consumer, a batch counts
         # as received only once the consumer takes it: its receipt (batch number, metadata)
         # travels with it (_Receipts), and DataLoaderIter records it.
@@ -928,7 +960,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
             self._closed = True
             self._ended = True
             if not self._deferred:
-                self._record.done = True
+                self._record.finish()
             stats.asked_again(asked)
             stats.ended = _now()
             if not epoch.done.is_set():  # an inline epoch's is, and may run with no loop
@@ -966,7 +998,7 @@ class AsyncDataLoaderIter(Generic[T_co]):
         yielded = self.num_yielded = self.num_yielded + 1
         now = _now()
         stats.delivered(asked, now, results.left)
-        if yielded == 1 and now - stats.started > SLOW_FIRST_BATCH * 1e9:
+        if yielded == self._first and now - stats.started > SLOW_FIRST_BATCH * 1e9:
             loader_log.warning("the first batch took %.1f s (a cold start, or a stall: "
                                "see DataLoader.stats())", (now - stats.started) / 1e9)
         if self._len_called is not None and not self._deferred:
@@ -1059,11 +1091,15 @@ class DataLoaderIter(Iterator[T_co]):
         self._source: AsyncDataLoaderIter[T_co] = source
         # Composition, not inheritance: the facade's iterators are private machinery. Opened
         # where torch's iterator draws its sampler's epoch: at the first next() without
-        # workers, here with them (see AsyncDataLoaderIter._draw).
+        # workers, here with them (see AsyncDataLoaderIter._draw); an iterable dataset's
+        # here, where torch's calls its iter() (a state taken before the first batch is
+        # then its iterator's, as torchdata's).
         self._sync: LocalIterator[Any] | SyncIterator[Any] | None = None
         self._closed = False
-        self._handed = 0  # batches handed to the consumer (the pump runs ahead of them)
-        if loader.num_workers > 0:
+        # Batches handed to the consumer (the pump runs ahead of them), a resumed epoch's
+        # before the resume included (torch's count, which its length warning compares).
+        self._handed = source._record.yielded
+        if loader.num_workers > 0 or isinstance(loader._kind, IterableEpochs):
             self._open()
 
     def _open(self) -> LocalIterator[Any] | SyncIterator[Any]:
@@ -1100,7 +1136,7 @@ class DataLoaderIter(Iterator[T_co]):
             item = next(sync)
         except StopIteration:
             if self._source._ended:  # every batch before the end was received
-                self._source._record.done = True
+                self._source._record.finish()
             raise
         if isinstance(sync, LocalIterator):
             return cast(T_co, item)  # the source recorded it: nothing runs ahead here
@@ -1120,8 +1156,9 @@ class DataLoaderIter(Iterator[T_co]):
 
     @property
     def num_yielded(self) -> int:
-        """Batches delivered so far in this epoch."""
-        return self._source.num_yielded
+        """Batches delivered so far in this epoch (those before a resume included): taken
+        by this consumer, not run ahead by the event loop."""
+        return self._source._record.yielded
 
     @property
     def failed_indices(self) -> list[Any]:

@@ -62,16 +62,25 @@ from ..streams._resume import (
     encode,
     open_replica,
     parse,
+    prelude,
+    protocol_state,
     saved_world,
+    snapshotter,
     start_snapshot,
 )
 from ..streams._runtime import _StreamIterator
 from ..streams._stream import Stream
-from ..workers._pool_epoch import MapPoolEpoch, PoolEpoch, ReplicaPoolEpoch
+from ..workers._pool_epoch import Delivered, MapPoolEpoch, PoolEpoch, ReplicaPoolEpoch
 from ..workers._worker import ServeReplica, ServeTasks, replica_copy
+from ._datasetstate import DatasetStates
 
 __all__ = ("AlreadyDelivered", "EpochKind", "InlineIterableEpoch", "IterableEpochs", "MapEpochs",
-           "Progress", "VirtualReplicas")
+           "Progress", "StateTypeError", "VirtualReplicas")
+
+
+class StateTypeError(ValueError, TypeError):
+    """A checkpoint field of the wrong type: a ``ValueError`` as every state that does not fit
+    the loader (a tampered or truncated one included), and a ``TypeError`` as it was."""
 
 
 @dataclass(frozen=True)
@@ -164,11 +173,14 @@ class MapEpochs:
         sampler: the loader's sampler (indices).
         batch_sampler: the loader's batch sampler (index batches), or None without
             auto-batching.
+        dataset: the loader's dataset, whose own state (torchdata's protocol) checkpoints
+            keep (:class:`~aloader.loader._datasetstate.DatasetStates`).
     """
 
     pool_epoch: ClassVar[type[PoolEpoch]] = MapPoolEpoch
 
-    def __init__(self, sampler: Any, batch_sampler: Any) -> None:
+    def __init__(self, sampler: Any, batch_sampler: Any, dataset: Any = None) -> None:
+        self.datasets = DatasetStates(dataset)
         self.auto_collation = batch_sampler is not None
         self.index_sampler = batch_sampler if self.auto_collation else sampler
         self.serve = ServeTasks()
@@ -184,11 +196,14 @@ class MapEpochs:
         # how many keys torch's loader would have asked for; else None.
         self.asked: Callable[[int], None] | None = None
         self._generic = False  # see _keys
+        self._first = 0  # the epoch's batch number of its first key (a resumed epoch's)
 
     # Checkpoints ---------------------------------------------------------------------------
-    def begin(self) -> None:
-        """An epoch starts (before anything of it is drawn): record what it is drawn from."""
+    def begin(self, num_workers: int = 0) -> None:
+        """An epoch starts (before anything of it is drawn): record what it is drawn from,
+        and where the dataset's copies start (``num_workers`` of them, or the loader's)."""
         self._start_state = sampler_state(self.index_sampler)
+        self.datasets.epoch_begins(num_workers)
 
     def new_workers(self) -> None:
         """An epoch starts new workers: what torch's iterator does then before its epoch,
@@ -219,7 +234,8 @@ class MapEpochs:
         )
         delivered = sorted(progress.delivered)
         return {"sampler": sampler, "delivered": delivered,
-                "prefix": progress.yielded - len(delivered)}
+                "prefix": progress.yielded - len(delivered),
+                "datasets": self.datasets.entry(progress.batch_meta, progress.epoch_done)}
 
     def _distributed(self) -> DistributedSampler | None:
         sampler = self.index_sampler
@@ -229,27 +245,29 @@ class MapEpochs:
             sampler = sampler.sampler
         return sampler if isinstance(sampler, DistributedSampler) else None
 
-    def load_state_dict(self, sub: Any) -> None:
+    def load_state_dict(self, sub: Any, num_workers: int = 0) -> None:
         """Check and apply the ``"map"`` part of a checkpoint (never half-applied by aloader's
-        samplers); the skip of the next epoch is left in :attr:`loaded_skip`.
+        samplers) for a loader with ``num_workers``; the skip of the next epoch is left in
+        :attr:`loaded_skip`.
 
         Raises:
             ValueError, TypeError: the state is malformed or does not fit this loader.
         """
         if not isinstance(sub, dict):
-            raise TypeError(f"state['map'] should be a dict, but got {type(sub).__name__}")
+            raise StateTypeError(f"state['map'] should be a dict, but got {type(sub).__name__}")
         prefix = sub.get("prefix")
         delivered = sub.get("delivered")
         if not isinstance(prefix, int) or isinstance(prefix, bool) or prefix < 0:
-            raise TypeError(f"state['map']['prefix'] should be a non-negative int, "
+            raise StateTypeError(f"state['map']['prefix'] should be a non-negative int, "
                             f"but got {prefix!r}")
         if not isinstance(delivered, list) or not all(
             isinstance(d, int) and not isinstance(d, bool) and d > prefix for d in delivered
         ):
-            raise TypeError("state['map']['delivered'] should be a list of batch numbers "
+            raise StateTypeError("state['map']['delivered'] should be a list of batch numbers "
                             f"after the prefix ({prefix}), but got {delivered!r}")
         state = sub.get("sampler")
         load_sampler_state(self.index_sampler, state, apply=False)
+        datasets = self.datasets.check(sub.get("datasets"), num_workers)
         skip = AlreadyDelivered(prefix, frozenset(delivered))
         distributed = self._distributed()
         inner = state.get("sampler") if self.auto_collation and isinstance(state, dict) else (
@@ -259,6 +277,12 @@ class MapEpochs:
             distributed is not None and isinstance(inner, dict)
             and inner.get("num_replicas") != distributed.num_replicas
         )
+        length = self.epoch_length()
+        if length is not None and not elastic and (
+                prefix > length or any(d >= length for d in delivered)):
+            raise ValueError(f"state['map'] says {prefix + len(delivered)} batches were "
+                             f"received (field 'prefix' {prefix}, 'delivered' {delivered}), "
+                             f"past this loader's epoch of {length} batches")
         ranks = _checked_progress(sub.get("ranks"), inner if elastic else None)
         load_sampler_state(self.index_sampler, state)
         if elastic:
@@ -275,6 +299,11 @@ class MapEpochs:
                      for d in done])
             skip = AlreadyDelivered(0)
         self.loaded_skip = skip
+        self.datasets.apply(datasets, num_workers)
+
+    def take_preludes(self) -> list[Any] | None:
+        """The dataset states the workers about to start load first (a loaded state's)."""
+        return self.datasets.take_preludes()
 
     def length(self) -> int:
         """Batches (indices without auto-batching) in one epoch: the index sampler's length."""
@@ -313,6 +342,7 @@ class MapEpochs:
 
     def _resumed_keys(self) -> Iterator[Any] | AsyncIterator[Any]:
         skip, self.resume = self.resume, None
+        self._first = 0 if skip is None else skip.prefix
         if skip is None or (skip.prefix == 0 and not skip.delivered):
             # Only a whole epoch is drawn as torch's is: a resumed one has no torch twin.
             lazy = torch_epoch(self.index_sampler, self.auto_collation)
@@ -358,12 +388,26 @@ class MapEpochs:
     def local(self, plan: FetchPlan, results: Results, keys: Iterator[Any] | AsyncIterator[Any]
               ) -> Epoch:
         """An epoch fetched in this process, of ``keys`` (:meth:`keys`)."""
+        datasets = self.datasets
+        datasets.local()
+        datasets.after_keys()
+        if datasets.stateful:  # the dataset's state travels with each batch
+            results.metas = {}
+            results.snapshot = lambda: ("local", datasets.own())
         return MapEpoch(plan, results, keys)
 
     def on_workers(self, plan: FetchPlan, results: Results, remote: PoolEpoch,
                    keys: Iterator[Any] | AsyncIterator[Any]) -> Epoch:
         """An epoch whose ``keys`` go to the workers (``remote`` is a :class:`MapPoolEpoch`)."""
         assert isinstance(remote, MapPoolEpoch)
+        remote.shift = self._first % remote.pool.num_workers  # batch k: worker k % n
+        datasets = self.datasets
+        if datasets.stateful:  # each worker's state travels with its batches
+            begin = datasets.begin
+            remote.delivered = Delivered(
+                [None] * remote.pool.num_workers if begin is None else list(begin["states"]), 0)
+            results.metas = remote.delivered
+        datasets.on_workers(remote)
         return MapEpoch(plan, results, remote.keys(keys))
 
 
@@ -441,6 +485,7 @@ class IterableEpochs:
             return self._virtual_local(plan, results, pending, base_seed)
         parsed = None if pending is None else parse(self.dataset, pending["replicas"][0], (0, 1))
         source, snapshot = open_replica(self.dataset, parsed)
+        self._holder = ("local", source)
         self._began(snapshot(0, False), plan.epoch)
         if here:
             return InlineIterableEpoch(plan, results, self.dataset, source, self._begin,
@@ -466,6 +511,7 @@ class IterableEpochs:
             lanes.append(_Lane(replica, parse(replica, state, (w, count) if count else (0, 1)),
                                info, epoch if count else None))
         self._began(("workers", tuple(begin), turn), plan.epoch, pending)
+        self._holder = None  # the replicas are copies: the loader's own is as it was
         return VirtualReplicas(plan, results, lanes, turn, begin, self.batch_size,
                                self.drop_last)
 
@@ -498,6 +544,7 @@ class IterableEpochs:
         remote.settles = (remote.pool.persistent and pending is None
                           and not isinstance(dataset, Stream) and aiter_of(dataset) is None)
         results.metas = remote.delivered
+        self._holder = ("pool", remote)
         self._began(begin[0] if saved == 0 and named is None else ("workers", tuple(begin), turn),
                     plan.epoch, pending)
         return MapEpoch(plan, results, remote.keys())
@@ -525,6 +572,14 @@ class IterableEpochs:
     _lanes_epoch: int | None = None  # the stream's epoch they finish (for a rank with none)
     _lane_worlds: list[Any] | None = None
     _pending: dict[str, Any] | None = None  # a loaded sub-state, for the next epoch
+    # Who holds the dataset's own state after the latest epoch: ("local", its iterator) for
+    # the loader's copy, ("pool", the pool epoch) for workers (their replicas' final states
+    # outlive the epoch when they persist), or None (the loader's copy, never iterated).
+    _holder: tuple[str, Any] | None = None
+    #: The between-epochs states of a loaded state for the persistent workers to start
+    #: with (one per worker, encoded; see aloader.streams._resume.prelude), taken by the
+    #: loader for the next pool it starts.
+    worker_preludes: list[Any] | None = None
 
     def _began(self, begin: Any, epoch: int, pending: dict[str, Any] | None = None) -> None:
         """An epoch's replicas are open: ``begin`` is where it starts (a loaded sub-state,
@@ -539,6 +594,46 @@ class IterableEpochs:
             saved_world(state) for state in pending["replicas"]]  # type: ignore[index]
         self._pending = None
 
+    def take_preludes(self) -> list[Any] | None:
+        """The dataset states the workers about to start load first (a loaded state's)."""
+        preludes, self.worker_preludes = self.worker_preludes, None
+        return preludes
+
+    def ended(self, epoch: int) -> None:
+        """The consumer reached the end of the loader's epoch ``epoch``: a stream forgets what
+        its workers' readings of it counted (they report them, see
+        :class:`~aloader.streams._sourcestats.StatsReporter`), so that a state of that epoch
+        loaded now reads it again and counts it again, as without workers."""
+        readings = getattr(self.dataset, "_readings", None)
+        if isinstance(self.dataset, Stream) and readings:
+            for slot in [slot for slot in readings if slot != (0, 1)]:
+                del readings[slot]
+
+    def _between(self) -> tuple[int | None, list[Any] | None]:
+        """The dataset's own state between epochs, as ``(num_workers, replicas)``: whose it
+        is (0: the loader's copy; W: each of W persistent workers') and their encoded final
+        states, loaded before the next epoch opens its iterators (torchdata keeps an ended
+        worker's state so); ``(None, None)`` where there is nothing to keep (no protocol, a
+        stream: its counters say it all)."""
+        dataset = self.dataset
+        if isinstance(dataset, Stream):
+            return None, None
+        holder = self._holder
+        if holder is not None and holder[0] == "pool":
+            remote = holder[1]
+            pool = remote.pool
+            finals = getattr(remote, "finals", None)
+            if (pool.persistent and not (pool.closed or pool.broken) and finals is not None
+                    and any(f is not None and f[0] == "protocol" for f in finals)):
+                return len(finals), [encode(dataset, f) if f is not None and f[0] == "protocol"
+                                     else None for f in finals]
+        elif holder is not None:
+            final = snapshotter(dataset, holder[1])(0, True)
+            if final[0] == "protocol":
+                return 0, [encode(dataset, final)]
+        own = protocol_state(dataset)
+        return (None, None) if own is None else (0, [encode(dataset, own)])
+
     def state_dict(self, progress: Any) -> dict[str, Any]:
         """The ``"iterable"`` entry of the loader's state for ``progress`` (see _loader)."""
         if self._pending is not None:
@@ -551,7 +646,8 @@ class IterableEpochs:
         # start of the epoch before it.
         begin: Any = self._begin if self._begin_epoch == progress.epoch else None
         if getattr(progress, "epoch_done", False) or (meta is None and begin is None):
-            return {"mode": "between", "num_workers": None, "turn": 0, "replicas": None,
+            count, finals = self._between()
+            return {"mode": "between", "num_workers": count, "turn": 0, "replicas": finals,
                     "stream": counters}
         if meta is None:
             meta = begin
@@ -583,13 +679,22 @@ class IterableEpochs:
                 return int(replica[1]["state"]["epoch"])
         return None
 
-    def load_state_dict(self, sub: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`'s entry: validated whole, then applied.
+    def load_state_dict(self, sub: dict[str, Any], num_workers: int = 0,
+                        persistent: bool = False) -> None:
+        """Resume from :meth:`state_dict`'s entry: validated whole, then applied, for a loader
+        with ``num_workers`` (``persistent`` workers).
+
+        A state taken between epochs may hold the dataset's own state (see
+        :meth:`_between`): the loader's copy's is loaded now; each persistent worker's goes
+        to the worker of the same number (:attr:`worker_preludes`), with the same
+        ``num_workers`` and persistent workers; otherwise only where they are all equal
+        (loaded into the loader's copy, which new workers copy).
 
         Raises:
             ValueError: a field of another kind of dataset or stream, or, for a stream, a
                 replica state for another worker slot, or taken during an epoch on another
-                rank or world size (field ``'world'``).
+                rank or world size (field ``'world'``); persistent workers' differing
+                dataset states for another number of workers (field ``'replicas'``).
         """
         where = "iterable"
         mode = check_field(sub, "mode", str, where)
@@ -602,12 +707,31 @@ class IterableEpochs:
                              f"dataset ({type(dataset).__name__})")
         main = None if counters is None else dataset._parse_state(counters, (0, 1))
         pending: dict[str, Any] | None = None
-        if mode != "between":
+        preludes: list[Any] = []
+        count: int | None = None
+        if mode != "between" or check_field(sub, "replicas", (list, type(None)), where):
             count = check_field(sub, "num_workers", int, where)
             turn = check_field(sub, "turn", int, where)
             replicas = check_field(sub, "replicas", list, where)
             lanes = sub.get("lanes")
-            if lanes is None:
+            if mode == "between":
+                if len(replicas) != max(1, count) or turn or lanes is not None:
+                    raise ValueError(f"cannot load this state: fields 'num_workers' ({count}), "
+                                     f"'turn' ({turn}) and 'replicas' ({len(replicas)}) "
+                                     "disagree")
+                parsed = [parse(dataset, replica, (w, count) if count else (0, 1))
+                          for w, replica in enumerate(replicas)]
+                if any(p is not None and (p[0] != "protocol" or not p[-1]) for p in parsed):
+                    raise ValueError("cannot load this state: field 'replicas' of a state "
+                                     "between epochs holds datasets' final states only")
+                preludes = parsed
+                if count and not (persistent and num_workers == count) and any(
+                        r != replicas[0] for r in replicas):
+                    raise ValueError(
+                        f"cannot load this state: field 'replicas' holds the dataset states "
+                        f"of {count} persistent workers, which differ: it resumes with "
+                        f"num_workers={count} and persistent_workers=True only")
+            elif lanes is None:
                 if len(replicas) != max(1, count) or (mode == "local") != (count == 0) \
                         or (count and turn >= count):
                     raise ValueError(f"cannot load this state: fields 'num_workers' ({count}), "
@@ -622,18 +746,27 @@ class IterableEpochs:
                 for (w, _), replica in zip(lanes, replicas, strict=True):
                     adopt_world(copy, replica)
                     parse(copy, replica, (w, count) if count else (0, 1))
-            pending = {"mode": mode, "num_workers": count, "turn": turn, "replicas": replicas,
-                       "lanes": lanes, "stream": counters}
+            if mode != "between":
+                pending = {"mode": mode, "num_workers": count, "turn": turn,
+                           "replicas": replicas, "lanes": lanes, "stream": counters}
         if main is not None and mode == "local":
             # The replica is the loader's copy itself: its counters, and the epoch under way
             # (claimed by an epoch on workers; a local one applies the whole replica state).
             replica = parse(dataset, sub["replicas"][0], (0, 1))
             if replica is not None:
-                main = (*replica[1][:3], None)
+                main = (*replica[1][:3], None, *replica[1][4:])
+        # Checked: apply.
         if main is not None:
             dataset._apply_state(main)  # the epoch counters (and the epoch under way)
+        self.worker_preludes = None
+        if preludes:
+            if count and persistent and num_workers == count:
+                self.worker_preludes = list(sub["replicas"])
+            else:  # the loader's copy's own, or every worker's (all equal)
+                prelude(dataset, preludes[0])
         self._pending = pending
         self._begin = None
+        self._holder = None
 
 
 def _slots(pending: dict[str, Any]) -> list[tuple[int, int | None]]:

@@ -57,6 +57,9 @@ def pool_epoch(loader: DataLoader[Any], base_seed: int, epoch: int,
     plan = replace(plan, stats=Collector(plan.mode, auto_batch=plan.auto_batch),
                    failures=Failures(math.inf, sources_of=source_stats)
                    if loader.max_failures else None)
+    # A second epoch while the persistent pool serves a live one gets workers of its own.
+    persistent = loader.persistent_workers and pool is None
+    rngs, loader._resume_rngs = loader._resume_rngs, None
     setup = WorkerSetup(
         plan=plan,
         serve=loader._kind.serve,
@@ -64,11 +67,12 @@ def pool_epoch(loader: DataLoader[Any], base_seed: int, epoch: int,
         num_workers=loader.num_workers,
         worker_init_fn=loader.worker_init_fn,
         prefetch=loader.prefetch_factor,
+        preludes=loader._kind.take_preludes(),
+        persistent=persistent,
+        rngs=rngs if persistent else None,
     )
     context = loader._context()
     prepare_context(context, warm=False)
-    # A second epoch while the persistent pool serves a live one gets workers of its own.
-    persistent = loader.persistent_workers and pool is None
     pool = WorkerPool(setup, context, persistent=persistent)
     if persistent:
         loader._pool = pool

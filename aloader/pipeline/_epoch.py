@@ -283,6 +283,8 @@ class MapEpoch(Epoch):
                 self.results.last = seq
                 self.results.taken += 1
             if batch is not NO_BATCH:
+                if self.results.snapshot is not None:
+                    self.results.meta = self.results.snapshot()
                 break
         # Keep the loop responsive even if the consumer never awaits anything else (driven
         # with no loop, on the consumer's thread, there is none).
@@ -675,6 +677,11 @@ class IterableEpoch(Epoch):
         if samples is _NOTHING or (size is not None and self._drop_last and len(samples) < size):
             return _NOTHING, True
         return await plan.collate(samples, limiter), ended
+
+    def final_snapshot(self) -> Any:
+        """Where the dataset is once the source ended (None without snapshots): what a
+        dataset's own state carries into the epochs after this one."""
+        return None if self._snapshot is None else self._snapshot(self._drawn, True)
 
     def _drew(self, seq: int, ended: bool) -> Any:
         """Batch ``seq`` is drawn: where the dataset is now travels with it (its meta)."""

@@ -66,8 +66,10 @@ __all__ = (
     "Failures",
     "KnownFailed",
     "check_max_failures",
+    "is_skip_key",
     "json_index",
     "resumable",
+    "skip_key",
 )
 
 # Errors kept on a FailureBudgetExceeded besides its cause (the count is exact regardless).
@@ -142,6 +144,26 @@ def json_index(index: Any) -> Any:
         f"{type(index).__name__} is not JSON-serialisable (a checkpoint holds JSON builtins: "
         "int, float, str, bool, None, lists and str-keyed dicts of them)"
     )
+
+
+def skip_key(error: BaseException) -> list[Any] | None:
+    """Where a source skipped a malformed record, as a failure's index: ``["skipped", shard,
+    offset]`` (the record's shard and byte offset), or None where the error does not say.
+
+    A checkpoint of an iterable epoch keeps these (its only indices): a resumed epoch reads
+    again what its sources had read ahead of the consumer, and a record skipped there before
+    the checkpoint, counted then, is not counted twice.
+    """
+    source, offset = getattr(error, "source", None), getattr(error, "offset", None)
+    if isinstance(source, str) and isinstance(offset, int) and not isinstance(offset, bool):
+        return ["skipped", source, offset]
+    return None
+
+
+def is_skip_key(index: Any) -> bool:
+    """Whether a failure's index is a :func:`skip_key`."""
+    return (isinstance(index, (list, tuple)) and len(index) == 3 and index[0] == "skipped"
+            and isinstance(index[1], str) and isinstance(index[2], int))
 
 
 def _hashable(index: Any) -> Any:
@@ -251,6 +273,9 @@ class Failures:
         # ahead of the samples pulled (so their skips are compared with what they read).
         self._read = 0
         self._read_before = 0  # what they had read before this epoch
+        # Records the sources skipped before a checkpoint this epoch resumes (skip_key):
+        # counted then, and not again when read again.
+        self._counted_skips: set[tuple[Any, ...]] = set()
 
     @classmethod
     def for_epoch(cls, setup: EpochSetup, stats: Collector) -> Failures:
@@ -299,6 +324,11 @@ class Failures:
         with self._lock:
             if self._exceeded is not None:  # a fetch in flight when the budget ran out
                 raise self._exceeded
+            if self._counted_skips and is_skip_key(index):
+                key = tuple(index)
+                if key in self._counted_skips:
+                    self._counted_skips.discard(key)  # counted before the checkpoint
+                    return
             if self.first is None:
                 self.first = error
             self.count += 1
@@ -357,13 +387,17 @@ class Failures:
         """
         with self._lock:
             count = self.absorbed
-            indices = self.indices[:count] if with_indices else []
+            # An iterable epoch's: where its sources skipped records (see skip_key).
+            indices = self.indices[:count] if with_indices else [
+                index for index in self.indices[:count] if is_skip_key(index)]
         return {"count": count, "indices": [json_index(index) for index in indices]}
 
     def restore(self, count: int, indices: Iterable[Any]) -> None:
-        """Start from a checkpoint's failures: ``count`` absorbed, ``indices`` among them."""
+        """Start from a checkpoint's failures: ``count`` absorbed, ``indices`` among them
+        (a source's skipped records among them are not counted again when read again)."""
         self.count = self.absorbed = count
         self.indices = list(indices)
+        self._counted_skips = {tuple(index) for index in indices if is_skip_key(index)}
         if self.stats is not None:
             self.stats.failed = count
 
@@ -420,7 +454,7 @@ class Failures:
         for _ in range(new - len(errors)):  # older than the errors a source keeps
             self.record(None, RuntimeError("a source skipped a malformed record"))
         for error in errors:
-            self.record(None, error)
+            self.record(skip_key(error), error)
 
     def take_unreported(self) -> tuple[list[tuple[Any, BaseException]], int] | None:
         """A worker's failures and samples attempted since the last call (for its next

@@ -50,6 +50,9 @@ class Results:
     meta: Any = None
     #: Job number -> metadata of the jobs published, popped as they are taken (or None).
     metas: Any = None
+    #: Called as each job publishes (or None): its result is the job's metadata (a map-style
+    #: dataset's own state once the batch is loaded, see aloader.loader._datasetstate).
+    snapshot: Callable[[], Any] | None = None
     #: Called each time a job is taken (or None): a map epoch's work queue frees room.
     on_take: Callable[[], None] | None = None
     #: The batches left ready when the last one was taken, before a deferred job took the
@@ -98,6 +101,8 @@ class Results:
             self._reserved += 1
 
     def publish(self, seq: int, value: Any, error: BaseException | None = None) -> None:
+        if self.snapshot is not None:
+            self.metas[seq] = self.snapshot()
         if self._in_order:
             self._ready[seq] = (value, error)
         else:

@@ -16,6 +16,7 @@ import functools
 import itertools
 import logging
 import os
+import secrets
 import warnings
 from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any, Literal, TypedDict, TypeVar, cast
@@ -33,6 +34,7 @@ from ..io._compression import (
     check_compression,
     decompressed,
     decompressor_for,
+    shard_compression,
 )
 from ..io._files import file_chunks
 from ..io._http import HttpClient, HttpOptions, http_chunks, make_client
@@ -51,6 +53,7 @@ from ..streams._stream import Stream
 from ._clients import _Clients, _then_closed
 from ._counting import _Counting, _Tally, _tally
 from ._formats import BadRecords, Decoder
+from ._identity import check_identity, file_identity, same_version
 from ._quota import _up_to, even_mode, worker_quota
 from ._readahead import SplitReader, read_in_order
 from ._sharding import (
@@ -338,6 +341,9 @@ class ShardedSource(Stream[T_co]):
         # shards read at once, and the hedger of its late answers.
         self._tuning = ReadTuning(tuner, hedger)
         self.stats = SourceStats(tuner=tuner)
+        # Names this source's tallies in an epoch's reading (see _counting) the same in every
+        # process: a worker's reading, carried to the loader, goes on in the next workers.
+        self._tally_key = secrets.token_hex(8)
         if self.even_ranks is not None:
             self._check_ranks()
 
@@ -462,9 +468,12 @@ class ShardedSource(Stream[T_co]):
 
     # Resume: a block's token is (shard number in this epoch's list, its name, the byte
     # offset and record counter where the block's first record starts, the records of the
-    # shard before it). A resumed shard is read from that offset (a seek, a Range request),
-    # except a compressed shard and formats that need the shard's start (.npy headers, tar
-    # members), which are read from their start, skipping the records already delivered.
+    # shard before it, the shard's identity: see aloader.sources._identity). A resumed shard
+    # is read from that offset (a seek, a Range request), except a compressed shard and
+    # formats that need the shard's start (.npy headers, tar members), which are read from
+    # their start, skipping the records already delivered. A resumed shard that ends before
+    # the position's records is not the shard the state was taken in: an error, never a
+    # skip carried into the next shard.
 
     def _blocks_at(
         self, ctx: _Context, at: dict[str, Any] | None
@@ -481,7 +490,7 @@ class ShardedSource(Stream[T_co]):
         def passes(start: dict[str, Any] | None) -> AsyncGenerator[tuple[list[T_co], Any], None]:
             return self._shard_blocks(ctx, start, next(numbers))
 
-        repeated = _tally(ctx, (id(self), ctx.epoch, "repeated"),
+        repeated = _tally(ctx, (self._tally_key, ctx.epoch, "repeated"),
                           None if at is None else at["delivered"] + skip)[0]
         return _discard(_up_to(quota, passes, self.stats, where, at, repeated), skip)
 
@@ -492,12 +501,13 @@ class ShardedSource(Stream[T_co]):
         from ``at``; what it counts goes on from what its reading counted of it (_Tally)."""
         names = self.shards_for(ctx.epoch, ctx.worker_id, ctx.num_workers)
         first = 0
-        resume: tuple[int, int, int] | None = None
+        resume: tuple[int, int, int, int, Any] | None = None
         if at is not None:
             first = at["shard"]
             self._check_shard(at, names)
-            resume = (at["offset"], at["counter"], at["records"])
-        counted, new = _tally(ctx, (id(self), ctx.epoch, number),
+            resume = (at["offset"], at["counter"], at["records"], at["skip"],
+                      at.get("identity"))
+        counted, new = _tally(ctx, (self._tally_key, ctx.epoch, number),
                               None if at is None else at["records"] + at["skip"],
                               first, 0 if at is None else at["offset"])
         if at is None and new:
@@ -548,6 +558,7 @@ class ShardedSource(Stream[T_co]):
         for field in ("offset", "counter", "records"):
             check_field(at, field, int, "shards")
         check_field(at, "name", str, "shards")
+        check_field(at, "skip", int, "shards")
         if self.records_per_rank is not None:
             check_field(at, "pass", int, "shards")
             check_field(at, "delivered", int, "shards")
@@ -558,13 +569,25 @@ class ShardedSource(Stream[T_co]):
             except ValueError as exc:
                 raise _bad_state("shards", "concurrency", str(exc)) from None
         self._check_shard(at, self.shards_for(*slot))
+        name = at["name"]
+        # Each record before a seekable position took a byte at least (a line its newline);
+        # a position read from the shard's start (compressed, or a format that needs it)
+        # has offset 0 and counts its records only.
+        for field in ("counter", "records"):
+            if at["offset"] and at[field] > at["offset"]:
+                raise _bad_state("shards", field, f"is {at[field]}, more than the bytes before "
+                                 f"the position (offset {at['offset']}) could hold")
+        check_identity(at, name, _remote(name),
+                       shard_compression(name, self.compression) is not None)
 
     def _state(self, token: Any, skip: int) -> dict[str, Any]:
         extra: dict[str, Any] = {}
         if self.records_per_rank is not None:
             number, delivered, token = token
             extra = {"pass": number, "delivered": delivered}
-        index, name, offset, counter, records = token
+        index, name, offset, counter, records, identity = token
+        if identity:
+            extra["identity"] = dict(identity)
         tuner = self._tuning.tuner
         if tuner is not None:  # a resumed source starts at the limit it had
             extra["concurrency"] = tuner.state_dict()
@@ -573,33 +596,45 @@ class ShardedSource(Stream[T_co]):
 
     def _read(
         self, index: int, name: str, client: Callable[[], HttpClient] | None,
-        resume: tuple[int, int, int] | None = None, blocking: bool = False,
+        resume: tuple[int, int, int, int, Any] | None = None, blocking: bool = False,
         counted: _Tally | None = None,
     ) -> SplitReader:
         """One shard's records, block by block (a block per chunk, or per piece of one where
         the decoder has a ``piece``), with their tokens; from ``resume`` (offset, counter,
-        records before) if given; a local file read on this thread with ``blocking`` (a
-        loopless epoch's); counted in the stats beyond what its pass ``counted``."""
+        records before, records of the block the consumer had, the shard's saved identity)
+        if given; a local file read on this thread with ``blocking`` (a loopless epoch's);
+        counted in the stats beyond what its pass ``counted``."""
         counting = _Counting(self.skip_errors, self.stats,
                              _Tally() if counted is None else counted, index)
         decoder = self._decoder(name, counting)
         inflate = decompressor_for(name, self.compression, self.chunk_size)
-        start = records = skip = 0
+        start = records = skip = need = 0
+        saved = None
         if resume is not None:
-            offset, counter, records = resume
+            offset, counter, records, need, saved = resume
             if decoder.seekable and inflate is None:
                 decoder.start_at(offset, counter)
                 start = offset
             else:
                 skip, records = records, 0
+        # Filled as the shard is opened (a file's) or answers first (a remote one's).
+        identity: dict[str, Any] = {} if _remote(name) else file_identity(name) or {}
+
+        def on_version(size: int | None, etag: str | None, modified: str | None) -> None:
+            identity.update(same_version(name, saved, size, etag, modified) or {})
 
         def decode(chunks: AsyncGenerator[bytes, None]
                    ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
-            blocks = self._records(index, name, decoder, chunks, records, start, counting)
-            return _discard(blocks, skip) if skip else blocks
+            blocks = self._records(index, name, decoder, chunks, records, start, counting,
+                                   identity, saved)
+            if skip:
+                blocks = _discard(blocks, skip, f"shard {name!r}")
+            # The records the consumer had of the position's block must be there.
+            return _at_least(blocks, need, name) if need else blocks
 
         return SplitReader(
-            functools.partial(self._chunks, name, client, decoder, inflate, start, blocking),
+            functools.partial(self._chunks, name, client, decoder, inflate, start, blocking,
+                              on_version),
             decode)
 
     def _fetch(
@@ -629,14 +664,16 @@ class ShardedSource(Stream[T_co]):
     def _chunks(
         self, name: str, client: Callable[[], HttpClient] | None, decoder: Decoder[T_co],
         inflate: Decompressor | None, start: int, blocking: bool = False,
+        on_version: Callable[[int | None, str | None, str | None], None] | None = None,
     ) -> AsyncGenerator[bytes, None]:
-        """A shard's bytes from ``start`` (its store, the cache or a file), decompressed."""
+        """A shard's bytes from ``start`` (its store, the cache or a file), decompressed;
+        ``on_version`` gets a remote shard's version from its store's first answer."""
         stats = self.stats
         # A compressed shard's size says nothing of the length its formats check.
         on_size = decoder.set_size if inflate is None else None
         if _remote(name):
             if self._shard_cache is None:
-                chunks = self._fetch(name, client, stats, on_size, None, start)
+                chunks = self._fetch(name, client, stats, on_size, on_version, start)
             else:
                 # With no loop (blocking), only a copy in the cache is read here (_loopless).
                 fetch: Fetch = (functools.partial(self._fetch_alone, name, stats) if blocking
@@ -652,12 +689,13 @@ class ShardedSource(Stream[T_co]):
     async def _records(
         self, index: int, name: str, decoder: Decoder[T_co],
         chunks: AsyncGenerator[bytes, None], records_before: int, start: int,
-        counting: _Counting,
+        counting: _Counting, identity: dict[str, Any], saved: dict[str, Any] | None = None,
     ) -> AsyncGenerator[tuple[list[T_co], Any], None]:
         """The records of a shard's ``chunks`` (its content from byte ``start``, its record
         ``records_before`` first), a block per chunk (per piece of one where the decoder has
-        a ``piece``), with their tokens; counted in the stats beyond what ``counting``'s
-        reading counted already (see :class:`_Tally`)."""
+        a ``piece``), with their tokens (``identity`` is the shard's, as it fills; ``saved``
+        the identity a resumed shard must have); counted in the stats beyond what
+        ``counting``'s reading counted already (see :class:`_Tally`)."""
         counting.start()
         done = records_before
         at = start  # the content's offset of the next chunk
@@ -665,6 +703,10 @@ class ShardedSource(Stream[T_co]):
         try:
             async with Closing(chunks) as pieces:
                 async for chunk in pieces:
+                    if not identity and _remote(name):  # read from the cache: its version
+                        version = self._versions.get(name)
+                        if version is not None:
+                            identity.update(same_version(name, saved, *version, None) or {})
                     end = at + len(chunk)
                     counting.count_bytes(at, end)
                     at = end
@@ -675,7 +717,7 @@ class ShardedSource(Stream[T_co]):
                             first = done
                             done += len(records)  # before the yield, which may close this
                             counting.count_records(first, done)
-                            yield records, (index, name, *decoder.mark, first)
+                            yield records, (index, name, *decoder.mark, first, identity)
                         if decoder.pending is not None:
                             raise decoder.pending
         except CorruptStream as exc:
@@ -687,10 +729,27 @@ class ShardedSource(Stream[T_co]):
             first = done
             done += len(records)
             counting.count_records(first, done)
-            yield records, (index, name, *decoder.mark, first)
+            yield records, (index, name, *decoder.mark, first, identity)
         if decoder.pending is not None:
             raise decoder.pending
         counting.end()
+
+
+async def _at_least(blocks: AsyncGenerator[tuple[list[T], Any], None], need: int, name: str
+                    ) -> AsyncGenerator[tuple[list[T], Any], None]:
+    """A resumed shard's ``blocks``, which must hold at least ``need`` records from the
+    position: fewer, the shard is not the one the state was taken in (or the state is not
+    this stream's), and carrying the rest of the skip into the next shard would lose its
+    records."""
+    seen = 0
+    async with Closing(blocks) as pairs:
+        async for block, token in pairs:
+            seen += len(block)
+            yield block, token
+    if seen < need:
+        raise _bad_state("shards", "skip", f"is {need}, but shard {name!r} has only {seen} "
+                         "records from the position's offset: it changed since the state was "
+                         "saved, or the state is not this stream's")
 
 
 def _remote(name: str) -> bool:

@@ -81,15 +81,19 @@ def _state_of(stage: Stream[Any], token: Any, skip: int) -> dict[str, Any] | Non
 
 
 def _discard(
-    pairs: AsyncGenerator[tuple[list[T], Any], None], count: int
+    pairs: AsyncGenerator[tuple[list[T], Any], None], count: int, where: str = "its input"
 ) -> AsyncGenerator[tuple[list[T], Any], None]:
     """``pairs`` without their first ``count`` items (what the resumed consumer had); ``pairs``
-    itself when there are none (one generator less for every block to pass through)."""
-    return _discarding(pairs, count) if count else pairs
+    itself when there are none (one generator less for every block to pass through).
+
+    ``pairs`` that end before ``count`` items raise ``ValueError`` (naming ``where``): the
+    state's position is past the end of the data, which changed since the state was saved
+    (or the state is not this stream's); a resumed epoch is never silently shorter."""
+    return _discarding(pairs, count, where) if count else pairs
 
 
 async def _discarding(
-    pairs: AsyncGenerator[tuple[list[T], Any], None], count: int
+    pairs: AsyncGenerator[tuple[list[T], Any], None], count: int, where: str
 ) -> AsyncGenerator[tuple[list[T], Any], None]:
     async with Closing(pairs) as blocks:
         async for block, token in blocks:
@@ -101,6 +105,10 @@ async def _discarding(
                 count = 0
             yield block, token
             del block  # not kept while the next is made (see the resume notes above)
+    if count:
+        raise _bad_state("position", "skip", f"is {count} items past the end of {where}: "
+                         "the data changed since the state was saved, or the state is not "
+                         "this stream's")
 
 
 def _check_upstream(upstream: Stream[Any], at: dict[str, Any], slot: tuple[int, int, int],

@@ -8,33 +8,46 @@ offers:
 
 * ``"stream"``: an aloader :class:`~aloader.Stream`: its iterator's position, a few references
   (encoded by :meth:`Stream._state_from` only when a state is asked for);
-* ``"protocol"``: a dataset with torchdata's ``state_dict()`` / ``load_state_dict()`` (and, as
-  torchdata, an iterator that has them too): asked after every batch, and loaded before the
-  resumed epoch's ``iter()`` (the iterator's after it);
+* ``"protocol"``: a dataset, or the iterator its ``__iter__`` returns, with torchdata's
+  ``state_dict()`` / ``load_state_dict()``: both asked after every batch (and copied then: a
+  ``state_dict()`` may return the object's own dict, which later batches change), and loaded
+  as torchdata loads them: the dataset's before the resumed epoch's ``iter()``, the
+  iterator's after it. An iterator that is the dataset itself (``__iter__`` returns ``self``)
+  has one state, the iterator's, loaded after ``iter()`` (which may reset it);
 * ``"count"``: any other iterable: the samples drawn. Resuming iterates it anew and discards
   that many samples (torchdata's fast-forward): it costs reading them again.
 
-A snapshot is a tuple ``(kind, ...)``: plain data, cheap to take and to pickle.
+A snapshot is a tuple ``(kind, ...)``: plain data, cheap to take and to pickle. A replica
+whose source had ended when its snapshot was taken (``ended``) resumes with nothing left; its
+protocol states are still loaded (into the dataset, and into a new iterator that is then
+closed unread), as torchdata loads an ended worker's, so that what they set (a dataset's epoch
+counter, a random generator) holds for the epochs after it (:func:`prelude`).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import AsyncIterator, Callable, Iterator
+from types import GeneratorType
 from typing import Any
 
 from .._util import ataken, taken
 from ..data._dataset import iterate
+from ..data._sampler import is_stateful
 from ._positions import check_field
 from ._runtime import _StreamIterator
 from ._stream import Stream
 
-__all__ = ("adopt_world", "encode", "open_replica", "parse", "promises_equal_ranks", "resume",
-           "saved_world", "snapshotter", "start_snapshot")
+__all__ = ("adopt_world", "encode", "open_replica", "parse", "prelude", "promises_equal_ranks",
+           "protocol_state", "resume", "saved_world", "snapshotter", "start_snapshot")
 
 
-def _has_protocol(obj: object) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None))
+def protocol_state(dataset: Any) -> Any:
+    """The snapshot of ``dataset`` itself between epochs (no iterator open): its own state,
+    or None when it has no protocol (nothing to restore)."""
+    if isinstance(dataset, Stream) or not is_stateful(dataset):
+        return None
+    return ("protocol", copy.deepcopy(dataset.state_dict()), None, True)
 
 
 def snapshotter(dataset: Any, source: Any, before: int = 0) -> Callable[[int, bool], Any]:
@@ -44,11 +57,17 @@ def snapshotter(dataset: Any, source: Any, before: int = 0) -> Callable[[int, bo
     if isinstance(source, _StreamIterator):
         position = source._snapshot
         return lambda drawn, ended: ("stream", position())
-    if _has_protocol(dataset) or _has_protocol(source):
-        own = dataset.state_dict if _has_protocol(dataset) else None
-        of_iterator = source.state_dict if _has_protocol(source) else None
-        return lambda drawn, ended: ("protocol", None if own is None else own(),
-                                     None if of_iterator is None else of_iterator(), ended)
+    # torchdata's rule: an iterator that is the dataset has one state, the iterator's.
+    own = dataset.state_dict if is_stateful(dataset) and source is not dataset else None
+    of_iterator = source.state_dict if is_stateful(source) else None
+    if own is not None or of_iterator is not None:
+        def protocol(drawn: int, ended: bool) -> Any:
+            # Copied now: the consumer may take the batch after later ones changed them.
+            states = copy.deepcopy((None if own is None else own(),
+                                    None if of_iterator is None else of_iterator()))
+            return ("protocol", states[0], states[1], ended)
+
+        return protocol
     return lambda drawn, ended: ("count", before + drawn, ended)
 
 
@@ -57,8 +76,19 @@ def open_replica(dataset: Any, parsed: Any) -> tuple[Iterator[Any] | AsyncIterat
     """A new iterator over ``dataset`` resumed from ``parsed`` (see :func:`parse`; None: the
     start), and its snapshotter."""
     source = resume(dataset, parsed)
+    if parsed is not None and parsed[0] in ("protocol", "count") and parsed[-1]:
+        # Ended: nothing is drawn from it, and it stays where it was saved.
+        return source, lambda drawn, ended: parsed
     before = parsed[1] if parsed is not None and parsed[0] == "count" else 0
     return source, snapshotter(dataset, source, before)
+
+
+def prelude(dataset: Any, parsed: Any) -> None:
+    """Load an ended replica's states into ``dataset`` (see the module docstring): what a
+    state taken between epochs restores before the next epoch opens its iterator."""
+    if parsed is None or parsed[0] != "protocol":
+        return
+    resume(dataset, (*parsed[:3], True))
 
 
 def start_snapshot(dataset: Any, epoch: int, slot: tuple[int, int]) -> Any:
@@ -144,16 +174,25 @@ def parse(dataset: Any, state: Any, slot: tuple[int, int]) -> Any:
         return None
     where = "iterable dataset"
     kind = check_field(state, "kind", str, where)
-    expected = ("stream" if isinstance(dataset, Stream)
-                else "protocol" if _has_protocol(dataset) else "count")
-    if kind != expected:
+    # A plain dataset resumes by its own protocol or its iterator's (known only once iter()
+    # is called), or by counting.
+    expected = ("stream",) if isinstance(dataset, Stream) else ("protocol", "count")
+    if kind not in expected:
+        kinds = " or ".join(map(repr, expected))
         raise ValueError(f"cannot load this state: field 'kind' is {kind!r}, but this dataset "
-                         f"({type(dataset).__name__}) resumes by {expected!r}")
+                         f"({type(dataset).__name__}) resumes by {kinds}")
     if kind == "stream":
         return ("stream", dataset._parse_state(state.get("state"), slot))
     if kind == "protocol":
-        return ("protocol", state.get("dataset"), state.get("iterator"),
-                check_field(state, "ended", bool, where))
+        for name in ("dataset", "iterator"):
+            if name not in state:
+                raise ValueError(f"cannot load this state: field {name!r} is missing")
+        own = state["dataset"]
+        if own is not None and not is_stateful(dataset):
+            raise ValueError(f"cannot load this state: field 'dataset' holds a dataset's "
+                             f"state, but this dataset ({type(dataset).__name__}) has no "
+                             "state_dict() and load_state_dict()")
+        return ("protocol", own, state["iterator"], check_field(state, "ended", bool, where))
     drawn = check_field(state, "drawn", int, where)
     ended = check_field(state, "ended", bool, where)
     return ("count", drawn, ended)
@@ -170,13 +209,22 @@ def resume(dataset: Any, parsed: Any) -> Iterator[Any] | AsyncIterator[Any]:
         return iterate(dataset)
     kind = parsed[0]
     if kind == "protocol":
-        if parsed[3]:  # the last batch drew the replica's last samples: nothing is left
-            return _skip(iter(()), 0, True)
-        if parsed[1] is not None and _has_protocol(dataset):
-            dataset.load_state_dict(parsed[1])
+        _, own, of_iterator, ended = parsed
+        # torchdata's order: the dataset's state, then iter(), then the iterator's state.
+        if own is not None:
+            dataset.load_state_dict(copy.deepcopy(own))
         source = iterate(dataset)
-        if parsed[2] is not None and _has_protocol(source):
-            source.load_state_dict(parsed[2])  # type: ignore[union-attr]
+        if of_iterator is not None:
+            if not is_stateful(source):
+                raise ValueError(
+                    "cannot load this state: field 'iterator' holds an iterator's state, but "
+                    f"iter() of this dataset ({type(dataset).__name__}) returned a "
+                    f"{type(source).__name__}, which has no load_state_dict()")
+            source.load_state_dict(copy.deepcopy(of_iterator))  # type: ignore[union-attr]
+        if ended:  # the last batch drew the replica's last samples: nothing is left
+            if isinstance(source, GeneratorType):  # not the dataset's own close()
+                source.close()
+            return iter(())
         return source
     drawn, ended = parsed[1], parsed[2]
     source = iterate(dataset)

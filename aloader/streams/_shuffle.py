@@ -45,6 +45,10 @@ class ShuffleStage(Generic[T_co]):
     def __init__(self, upstream: Stream[T_co], buffer_size: int, seed: GeneratorLike) -> None:
         self.upstream = upstream
         self.buffer_size = check_int("buffer_size", buffer_size)
+        # Without a seed, one is drawn once, here, and recorded in every state of the stream
+        # (its "seeds"), as a loader records its generator: a resume in another process,
+        # whose shuffle drew another, adopts it (see Stream._unseeded).
+        self.seed_given = seed is not None
         self.seed = draw_seed(as_generator(seed))
         #: The most items the buffer has held (a bound the tests check).
         self.max_buffered = 0
@@ -162,7 +166,10 @@ class ShuffleStage(Generic[T_co]):
     def _check(self, at: dict[str, Any], slot: tuple[int, int, int]) -> None:
         check_stage(at, "shuffle", "shuffle")
         check_same(at, "buffer_size", self.buffer_size, "shuffle")
-        check_same(at, "seed", self.seed, "shuffle")
+        if self.seed_given:
+            check_same(at, "seed", self.seed, "shuffle")
+        else:  # drawn: the state's (its stream's "seeds") is adopted
+            check_field(at, "seed", int, "shuffle")
         fill = check_field(at, "fill", int, "shuffle")
         if fill > self.buffer_size:
             raise _bad_state("shuffle", "fill", f"is {fill}, more than the buffer_size")

@@ -8,7 +8,7 @@ from typing import Any
 from .._stats import SourceStats
 from ._stream import Stream
 
-__all__ = ("StatsReporter", "merge_stats", "source_stats")
+__all__ = ("Report", "StatsReporter", "merge_stats", "source_stats")
 
 
 def source_stats(dataset: object) -> list[SourceStats]:
@@ -36,18 +36,25 @@ def source_stats(dataset: object) -> list[SourceStats]:
     return found
 
 
-class StatsReporter:
-    """A worker's side of :func:`source_stats`: what its sources counted since the last report.
-    """
+Report = tuple[list[tuple[int, tuple[Any, ...]]], Any]
 
-    __slots__ = ("_before", "_stats")
+
+class StatsReporter:
+    """A worker's side of :func:`source_stats`: what its sources counted since the last report,
+    and how far its stream's readings counted each epoch (:attr:`Stream._readings`), so that
+    the loader's copy, and the workers it starts next, count a resumed epoch on from there
+    (its content once, whatever was read ahead before)."""
+
+    __slots__ = ("_before", "_dataset", "_stats")
 
     def __init__(self, dataset: object) -> None:
+        self._dataset = dataset
         self._stats = source_stats(dataset)
         self._before = [stats.counts() for stats in self._stats]
 
-    def report(self) -> list[tuple[int, tuple[Any, ...]]] | None:
-        """``[(position, delta), ...]`` of the sources that counted anything, else None."""
+    def report(self) -> Report | None:
+        """``([(position, delta), ...], readings)`` of the sources that counted anything,
+        else None."""
         if not self._stats:
             return None
         out = []
@@ -56,11 +63,20 @@ class StatsReporter:
             if delta is not None:
                 out.append((position, delta))
                 self._before[position] = stats.counts()
-        return out or None
+        if not out:
+            return None
+        readings = getattr(self._dataset, "_readings", None)
+        return out, dict(readings) if readings else None
 
 
-def merge_stats(stats: list[SourceStats], report: list[tuple[int, tuple[Any, ...]]]) -> None:
-    """Add a worker's :meth:`StatsReporter.report` to the loader's sources ``stats``."""
-    for position, delta in report:
+def merge_stats(stats: list[SourceStats], report: Report, dataset: object = None) -> None:
+    """Add a worker's :meth:`StatsReporter.report` to the loader's sources ``stats``, and its
+    readings to the loader's ``dataset``."""
+    deltas, readings = report
+    for position, delta in deltas:
         if position < len(stats):
             stats[position].add(delta)
+    if readings and isinstance(dataset, Stream):
+        if dataset._readings is None:
+            dataset._readings = {}
+        dataset._readings.update(readings)

@@ -188,7 +188,12 @@ class Stream(IterableDataset[T_co]):
         return reading
 
     def _reading_done(self, slot: tuple[int, int], reading: dict[Any, Any]) -> None:
-        """``reading`` (of worker ``slot``) read its epoch to the end (see _reading_of)."""
+        """``reading`` (of worker ``slot``) read its epoch to the end (see _reading_of).
+
+        In a loader's worker it stays: the worker's pipeline reads ahead of the loader's
+        consumer, whose epoch is not over yet (the loader forgets it when it is)."""
+        if served_epoch() is not None:
+            return
         readings = self._readings
         if readings is not None:
             kept = readings.get(slot)
@@ -259,7 +264,28 @@ class Stream(IterableDataset[T_co]):
             elif not finished:
                 state["epoch"] = epoch
                 state["position"] = at if token is _START else _state_of(self, token, pos)
+        seeds = [stage.seed for stage in self._unseeded()]
+        if seeds:
+            state["seeds"] = seeds
         return state
+
+    def _unseeded(self) -> list[ShuffleStage[Any]]:
+        """The shuffles of this chain built without a seed (which drew one), inputs depth
+        first, in an order that is the same in every copy of the chain."""
+        found: list[ShuffleStage[Any]] = []
+        seen: set[int] = set()
+
+        def visit(stream: Stream[Any]) -> None:
+            if id(stream) in seen:
+                return
+            seen.add(id(stream))
+            if isinstance(stream, ShuffleStage) and not stream.seed_given:
+                found.append(stream)
+            for upstream in stream._upstreams():
+                visit(upstream)
+
+        visit(self)
+        return found
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next iteration continues the saved epoch
@@ -305,13 +331,24 @@ class Stream(IterableDataset[T_co]):
                 raise _bad_state(where, "epoch", "is None, but a position is given")
             if position != _END:
                 self._check(position, (epoch, slot[0], slot[1]))
-        return next_epoch, fixed, epoch, position
+        seeds = state.get("seeds")
+        unseeded = self._unseeded()
+        if seeds is not None and (not isinstance(seeds, list) or len(seeds) != len(unseeded)
+                                  or not all(type(seed) is int and seed >= 0 for seed in seeds)):
+            raise _bad_state(where, "seeds", f"is {seeds!r}, but this stream has "
+                             f"{len(unseeded)} shuffles built without a seed, whose seeds "
+                             "it should list (non-negative ints)")
+        return next_epoch, fixed, epoch, position, seeds
 
     def __getstate__(self) -> dict[str, Any]:
         # The latest iterator is this process's (and a weak reference does not pickle).
         state = self.__dict__.copy()
         state.pop("_live", None)
-        state.pop("_readings", None)  # what this process counted
+        # What each worker slot's reading counted of an epoch it did not read to the end
+        # goes along (small: a tally per pass), so that a copy resuming that epoch in the
+        # same slot (a loader's next workers) counts on from it, not again.
+        if state.get("_readings"):
+            state["_readings"] = dict(state["_readings"])
         return state
 
     def _worlds(self) -> list[list[int]]:
@@ -345,7 +382,11 @@ class Stream(IterableDataset[T_co]):
         vars(self).update(rank=world[0], world_size=world[1])
 
     def _apply_state(self, parsed: tuple[Any, ...]) -> None:
-        self._next_epoch, self._fixed_epoch, self._resume_epoch, self._resume_at = parsed
+        self._next_epoch, self._fixed_epoch, self._resume_epoch, self._resume_at = parsed[:4]
+        seeds = parsed[4] if len(parsed) > 4 else None
+        if seeds is not None:  # the seeds the unseeded shuffles drew in the saved run
+            for stage, seed in zip(self._unseeded(), seeds, strict=True):
+                stage.seed = seed
 
     def __iter__(self) -> Iterator[T_co]:
         """One epoch for synchronous code: what ``async for`` over the stream yields.

@@ -45,7 +45,7 @@ from . import _shm, _spawn
 from ._processes import _FRAME, WorkerPool, _WorkerHandle, exit_message
 from ._worker import SETUP_JOB, Kind, Reply, Request, Status
 
-__all__ = ("MapPoolEpoch", "PoolEpoch", "ReplicaPoolEpoch")
+__all__ = ("Delivered", "MapPoolEpoch", "PoolEpoch", "ReplicaPoolEpoch")
 
 _CHUNK = 1 << 18  # bytes read from a worker's socket at once
 
@@ -106,6 +106,9 @@ class PoolEpoch:
         #: Batches the consumer has taken (the loader's count): None turns settling off.
         self.taken = taken
         self._window = self._limit * pool.num_workers  # torch's tasks sent before a take
+        #: What came with the batches (positions, datasets' states) as the consumer takes
+        #: them (Results.metas, where the loader asks for it).
+        self.delivered = Delivered([None] * pool.num_workers, 0)
 
     # The FetchPlan's remote protocol ---------------------------------------------------------
     async def serve(self) -> None:
@@ -167,9 +170,12 @@ class PoolEpoch:
         reply = await self._call(workers[worker_id], kind, payload, self.mark(seq))
         if reply.extra is not None:
             self._absorb(worker_id, reply.status, reply.extra, stats, failures)
+            if reply.extra[5] is not None:  # a persistent worker's generators, idle now
+                self.pool.rngs[worker_id] = reply.extra[5]
             if reply.extra[3]:  # every sample failed within the failure budget
                 return NO_BATCH
         if reply.status == Status.END:
+            self.note_end(lane, reply.meta)
             self._exhausted.add(lane)
             self._changed.notify()  # its later requests need not wait for their turn
             return NO_BATCH
@@ -180,7 +186,12 @@ class PoolEpoch:
         return reply.value
 
     def note_meta(self, seq: int, lane: int, meta: Any) -> None:
-        """Job ``seq``'s batch came with metadata (the position of replica ``lane``)."""
+        """Job ``seq``'s batch came with metadata (the position of replica ``lane``, or a
+        map-style dataset's state in worker ``lane``)."""
+        self.delivered.got[seq] = (lane, meta)
+
+    def note_end(self, lane: int, meta: Any) -> None:
+        """Replica ``lane`` ended; ``meta`` is its final state (or None)."""
 
     def mark(self, seq: int) -> tuple[int, int] | None:
         """The :attr:`~aloader.workers._worker.Request.mark` of job ``seq``'s task, sent now."""
@@ -205,7 +216,7 @@ class PoolEpoch:
                 failures: Failures | None) -> None:
         """Record what a worker counted besides its sources into ``stats`` and ``failures``:
         failed samples, timings (a report every few answers), this answer's transfer."""
-        failed, attempted, timings, empty, sent = extra
+        failed, attempted, timings, empty, sent, _ = extra
         if stats is not None:
             if timings is not None:
                 stats.merge(worker_id, timings)
@@ -374,11 +385,13 @@ class PoolEpoch:
         if reply.stats is not None:
             if self._stats is None:
                 self._stats = source_stats(self.pool.setup.plan.dataset)
-            merge_stats(self._stats, reply.stats)
+            merge_stats(self._stats, reply.stats, self.pool.setup.plan.dataset)
         if reply.job == SETUP_JOB:
             if reply.status == Status.READY:
                 worker.ready = True
                 self.pool.note_ready()
+                if reply.meta is not None:  # its dataset's state as it starts
+                    self.delivered.started(worker.id, reply.meta)
             else:  # setup or worker_init_fn failed: its tasks raise it, in their turn
                 worker.setup_error = reply.value
                 for job, waiting in self._pending.items():  # asked before it failed
@@ -435,14 +448,19 @@ class MapPoolEpoch(PoolEpoch):
     def __init__(self, pool: WorkerPool, loader_epoch: int = 0,
                  taken: Callable[[], int] | None = None) -> None:
         super().__init__(pool, loader_epoch, taken)
+        #: The epoch's batch number of job 0 (a resumed epoch's first batch), modulo the
+        #: workers: batch ``k`` of the epoch goes to worker ``k % num_workers``, resumed or
+        #: not, as torchdata resumes its workers' cycle (each worker's own state goes on).
+        self.shift = 0
         self._settles = pool.persistent and not pool.setup.plan.needs_event_loop
         self._keys: Iterator[Any] | None = None
         self._drawn: dict[int, Any] = {}  # job -> its key, drawn and not yet sent
         self._count = 0  # keys drawn
 
     def route(self, key: Any, seq: int) -> tuple[int, int, int, Kind, Any]:
-        count = self.pool.num_workers
-        return seq % count, seq % count, seq // count, Kind.TASK, key
+        count, shift = self.pool.num_workers, self.shift
+        worker = (seq + shift) % count
+        return worker, worker, (seq + shift) // count - (worker < shift), Kind.TASK, key
 
     def keys(self, keys: Iterator[Any] | AsyncIterator[Any]) -> Iterator[Any] | AsyncIterator[Any]:
         """The epoch's ``keys``, kept until their tasks are sent (see the class docstring).
@@ -493,12 +511,13 @@ class MapPoolEpoch(PoolEpoch):
         for worker_id, worker in enumerate(self.pool.workers):
             if worker.setup_error is not None:  # it exited after its setup failed: nothing ran
                 continue
-            torchs = self._torchs(worker_id, due)  # tickets torch sent it
-            first = worker_id + count * torchs  # its first task torch would not have sent
+            place = (worker_id - self.shift) % count  # its turn in the epoch's cycle
+            torchs = self._torchs(place, due)  # tickets torch sent it
+            first = place + count * torchs  # its first task torch would not have sent
             if self._sent[worker_id] > torchs:
                 self._send(worker, self._request(worker, Kind.ROLLBACK, -1, first), False)
                 continue
-            for seq in range(worker_id + count * self._sent[worker_id], first, count):
+            for seq in range(place + count * self._sent[worker_id], first, count):
                 if seq not in self._drawn:  # past the sampler's end
                     break
                 worker.outstanding += 1  # answered in a later epoch, or never
@@ -552,9 +571,12 @@ class ReplicaPoolEpoch(PoolEpoch):
         self._tickets: dict[int, int] = {}  # job sequence number -> ticket
         self._resume_states: list[Any] = [None] * count  # sent with each replica's ticket 0
         #: The replicas' positions as the consumer takes the batches (Results.metas).
-        self.delivered = _Delivered([None] * count, 0)
+        self.delivered = Delivered([None] * count, 0)
         #: Whether a break is settled as torch's would leave the workers (class docstring).
         self.settles = False
+        #: Each worker's replica's final state once it ended (None: not ended, or not a
+        #: protocol state), which a persistent worker's dataset carries to the next epoch.
+        self.finals: list[Any] = [None] * count
 
     def resume(self, turn: int, states: list[Any], begin: list[Any],
                saved: int | None = None, slots: list[list[Any]] | None = None) -> None:
@@ -572,10 +594,11 @@ class ReplicaPoolEpoch(PoolEpoch):
         self._assigned = [0] * lanes
         self._sent = [0] * lanes
         self._resume_states = list(states)
-        self.delivered = _Delivered(list(begin), turn, local=saved == 0 and slots is None)
+        self.delivered = Delivered(list(begin), turn, local=saved == 0 and slots is None)
 
-    def note_meta(self, seq: int, lane: int, meta: Any) -> None:
-        self.delivered.got[seq] = (lane, meta)
+    def note_end(self, lane: int, meta: Any) -> None:
+        if self._saved is None:  # a worker's own replica (not a virtual one)
+            self.finals[lane] = meta
 
     def route(self, key: Any, seq: int) -> tuple[int, int, int, Kind, Any]:
         ticket = self._tickets.pop(seq)
@@ -629,7 +652,7 @@ class ReplicaPoolEpoch(PoolEpoch):
         raise StopAsyncIteration
 
 
-class _Delivered:
+class Delivered:
     """The replicas' positions after the batches the consumer took (a ``Results.metas``).
 
     Each batch's position arrives with the worker's reply (:meth:`note_meta`); taking the
@@ -639,13 +662,22 @@ class _Delivered:
     rest of an epoch saved without workers).
     """
 
-    __slots__ = ("got", "local", "states", "turn")
+    __slots__ = ("got", "local", "starts", "states", "turn")
 
     def __init__(self, states: list[Any], turn: int, local: bool = False) -> None:
         self.got: dict[int, tuple[int, Any]] = {}
         self.states = states
+        self.starts: list[Any] = list(states)  # each worker's state as it started
         self.turn = turn
         self.local = local
+
+    def started(self, lane: int, state: Any) -> None:
+        """Worker ``lane`` started with ``state`` (a map-style dataset's): its state until
+        the consumer takes one of its batches (kept apart: the states above may be ahead of
+        the consumer, taken by a pump that runs ahead of it)."""
+        self.starts[lane] = state
+        if self.states[lane] is None:
+            self.states[lane] = state
 
     def pop(self, seq: int, default: Any = None) -> Any:
         got = self.got.pop(seq, None)

@@ -238,6 +238,9 @@ class WorkerPool:
         self.context = context
         self.persistent = persistent
         self.num_workers = setup.num_workers
+        #: Each worker's global generators as its last idle answer left them (persistent
+        #: workers send them, see aloader.workers._rngs), or None.
+        self.rngs: list[Any] = [None] * setup.num_workers
         self.owner = os.getpid()
         self.shm_owner = setup.owner
         self.tag = f"p{next(_pool_serial)}"

@@ -30,7 +30,7 @@ The protocol (every message a :class:`Request` or a :class:`Reply`):
   :class:`RemoteError`, ``stats`` is what the worker's sources counted since its previous
   report (:class:`~aloader.sources._sources.StatsReporter`), or None, ``meta`` where the iterable
   replica was once the batch was drawn (:mod:`aloader.streams._resume`), or None, and ``extra`` what
-  else the worker counted: ``(failures, attempted, timings, empty, sent)``: the samples that
+  else the worker counted: ``(failures, attempted, timings, empty, sent, rngs)``: the samples that
   failed within the failure budget as ``[(index, RemoteError), ...]`` and the samples of an
   iterable replica attempted since its previous answer (see :mod:`aloader.pipeline._failures`), the
   worker's stage timings since its previous report (:meth:`aloader._stats.Collector.report`)
@@ -85,12 +85,14 @@ import numpy as np
 
 from .. import _workerinfo
 from .._workerinfo import WorkerInfo, _set_worker_info, get_worker_info
+from ..data._sampler import is_stateful
 from ..pipeline._epoch import IterableEpoch, MapEpoch
 from ..pipeline._plan import FetchPlan
 from ..pipeline._results import NO_BATCH, Results
-from ..streams._resume import adopt_world, open_replica, parse
+from ..streams._resume import adopt_world, open_replica, parse, prelude
 from ..streams._sourcestats import StatsReporter, source_stats
 from . import _shm, _spawn
+from ._rngs import rngs_from_json
 
 __all__ = (
     "FRAME",
@@ -303,6 +305,9 @@ class WorkerSetup:
         worker_init_fn: called with the worker id once the worker is seeded.
         prefetch: batches each worker may run ahead (the loader's prefetch_factor).
         owner: the loader's process's shared-memory owner tag (:func:`aloader.workers._shm.owner`).
+        preludes: per worker, the dataset state it starts with (an encoded final replica
+            state, see :func:`aloader.streams._resume.prelude`), loaded after
+            ``worker_init_fn`` as torchdata's workers load theirs; None: as pickled.
     """
 
     plan: FetchPlan
@@ -312,6 +317,13 @@ class WorkerSetup:
     worker_init_fn: Callable[[int], None] | None
     prefetch: int
     owner: str = field(default_factory=_shm.owner)
+    preludes: list[Any] | None = None
+    #: Persistent workers send their global generators' states with an answer after which
+    #: they are idle (see aloader.workers._rngs).
+    persistent: bool = False
+    #: Per worker, the generators' states (JSON, see aloader.workers._rngs) it starts with,
+    #: after worker_init_fn: a resumed state's; None: as seeded.
+    rngs: list[Any] | None = None
 
 
 def seed_worker(base_seed: int, worker_id: int) -> int:
@@ -420,11 +432,11 @@ class _WorkerServer:
         #: Whether a request received is still being worked on (the async loop's jobs).
         self.working: Callable[[], bool] = bool
 
-    def _extra(self, empty: bool, timings: Any) -> Any:
+    def _extra(self, empty: bool, timings: Any, rngs: Any = None) -> Any:
         report = None if self.failures is None else self.failures.take_unreported()
         failed, seen = report or ([], 0)
         return ([(index, RemoteError.capture(_strip_pipeline_notes(error), self.where))
-                 for index, error in failed], seen, timings, empty, _now())
+                 for index, error in failed], seen, timings, empty, _now(), rngs)
 
     def _more(self) -> bool:
         """Whether another answer is known to follow: a request waits in the socket, or one
@@ -437,12 +449,16 @@ class _WorkerServer:
             value = None
         self._unreported += 1
         stats = timings = None
-        if status != Status.OK or self._unreported >= _REPORT_EVERY or not self._more():
+        idle = not self._more()
+        if status != Status.OK or self._unreported >= _REPORT_EVERY or idle:
             self._unreported = 0
             stats = self.stats.report()
             plan = self.setup.plan
             timings = plan.stats.report(plan.tuner)
-        extra = self._extra(empty, timings)
+        # A persistent worker idle after this answer (the last of an epoch always is): its
+        # generators as the next epoch starts drawing from them, for a state between epochs.
+        extra = self._extra(empty, timings,
+                            rng_state() if idle and self.setup.persistent else None)
         try:
             # By value only what plain pickling cannot take (a class the setup brought by
             # value): what is importable by name resolves to the loader's own object.
@@ -490,6 +506,7 @@ class _WorkerServer:
     # so that after a break (ROLLBACK) the worker has drawn exactly what torch's has.
     def serve_tasks(self) -> None:
         plan = self.setup.plan
+        state = state_of(self.setup.plan.dataset)
         snapshots = _Snapshots()
         epoch = None
         while (request := self.receive()) is not None:
@@ -504,10 +521,11 @@ class _WorkerServer:
                 snapshots.before(request.mark[0])
             try:
                 batch = plan.throttled_sync(plan.load_sync, request.key)
+                meta = state()
             except Exception as exc:
                 self.fail(request.job, exc)
             else:
-                self.send(request.job, Status.OK, batch)
+                self.send(request.job, Status.OK, batch, meta)
 
     # Async datasets and max_concurrency: the loader's pipeline over the keys received.
     async def serve_tasks_async(self) -> None:
@@ -521,6 +539,7 @@ class _WorkerServer:
 
         epoch = MapEpoch(self.setup.plan, Results(self.setup.prefetch, True, skips=True),
                          keys())
+        state = state_of(self.setup.plan.dataset)  # as of its answer: concurrent fetches interleave
         epoch.start()
         try:
             while True:
@@ -532,7 +551,12 @@ class _WorkerServer:
                 if error is not None:
                     self.fail(job, error)
                 else:
-                    self.send(job, Status.OK, batch)
+                    try:
+                        meta = state()
+                    except Exception as exc:
+                        self.fail(job, exc)
+                    else:
+                        self.send(job, Status.OK, batch, meta)
         finally:
             epoch.stop()
 
@@ -546,6 +570,8 @@ class _WorkerServer:
         current: int | None = None
         # This epoch's replicas by lane; None: one that failed to start (its requests END).
         epochs: dict[int, IterableEpoch | None] = {}
+        # This worker's own replica's state once it ended, sent with END (see final_state).
+        final: list[Any] = []
         snapshots = _Snapshots()
         count = self.setup.num_workers
 
@@ -558,6 +584,7 @@ class _WorkerServer:
                     epoch.stop()
                     await epoch.done.wait()
             epochs.clear()
+            final.clear()
 
         try:
             while (request := await self.areceive()) is not None:
@@ -589,7 +616,9 @@ class _WorkerServer:
                 try:
                     batch, error = await epoch.next()
                 except StopAsyncIteration:
-                    self.send(job, Status.END, None)
+                    if slot is None and not final:
+                        final.append(final_state(epoch))
+                    self.send(job, Status.END, None, final[0] if slot is None else None)
                     continue
                 if error is not None:
                     self.fail(job, error)
@@ -636,6 +665,26 @@ class _WorkerServer:
                                   serve.drop_last, snapshot)
             epoch.start()  # its task copies this context (the worker's loop is asyncio's)
         return epoch
+
+
+def _no_state() -> None:
+    return None
+
+
+def state_of(dataset: Any) -> Callable[[], Any]:
+    """What a map-style task's answer carries besides its batch: the dataset's
+    ``state_dict()`` once the batch is loaded, where it has torchdata's protocol (the loader
+    keeps each worker's as of the batches its consumer took), else None."""
+    return dataset.state_dict if is_stateful(dataset) else _no_state
+
+
+def final_state(epoch: IterableEpoch) -> Any:
+    """The protocol state of an ended replica (what its dataset and iterator say once the
+    source is exhausted: a counter of epochs, a random generator), or None: what a
+    persistent worker's dataset carries into the next epoch, which a state taken between
+    epochs keeps (see aloader.loader._epochs.IterableEpochs)."""
+    snapshot = epoch.final_snapshot()
+    return snapshot if snapshot is not None and snapshot[0] == "protocol" else None
 
 
 def replica_copy(dataset: Any) -> Any:
@@ -708,6 +757,15 @@ def worker_main(
                                     dataset=setup.plan.dataset))
         if setup.worker_init_fn is not None:
             setup.worker_init_fn(worker_id)
+        if setup.preludes is not None and setup.preludes[worker_id] is not None:
+            dataset = setup.plan.dataset
+            prelude(dataset, parse(dataset, setup.preludes[worker_id],
+                                   (worker_id, setup.num_workers)))
+        if setup.rngs is not None and setup.rngs[worker_id] is not None:
+            set_rng_state(rngs_from_json(setup.rngs[worker_id]))
+        # A map-style dataset's state as this worker starts, as torchdata's workers report
+        # theirs: what a checkpoint says of a worker that has delivered nothing yet.
+        start = state_of(setup.plan.dataset)() if isinstance(setup.serve, ServeTasks) else None
     except Exception as exc:
         codec = _shm.Codec(owner, os.getpid())
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
@@ -716,7 +774,8 @@ def worker_main(
         return
     worker = _WorkerServer(conn, worker_id, setup)
     try:
-        conn.send_bytes(worker.codec.encode(Reply(SETUP_JOB, Status.READY, None).wire()))
+        conn.send_bytes(worker.codec.encode(
+            Reply(SETUP_JOB, Status.READY, None, meta=start).wire(), by_value="fallback"))
         setup.serve.run(worker)
     except (BrokenPipeError, ConnectionResetError):  # the loader has gone
         pass

@@ -342,5 +342,36 @@ def test_iterable_records_the_count_only() -> None:
     assert state["failures"]["indices"] == []
     assert state["failures"]["count"] >= 1
     state["failures"]["indices"] = [3]
-    with pytest.raises(ValueError, match="empty for an iterable"):
+    with pytest.raises(ValueError, match="only the records its sources skipped"):
         make(Iterating()).load_state_dict(state)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_record_skipped_ahead_of_the_consumer_is_counted_once(tmp_path: Any,
+                                                                workers: int) -> None:
+    """Three malformed lines under max_failures=3 pass with or without a resume between:
+    the source had read (and skipped) them ahead of the consumer, so the checkpoint counted
+    them; the resumed epoch read them again and counted them again (4 > 3: it raised)."""
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join("{bad\n" if r in (5, 25, 45) else json.dumps({"r": r}) + "\n"
+                            for r in range(60)))
+
+    def make() -> DataLoader[Any]:
+        source = aloader.JsonLines([str(path)], skip_errors=True)  # one chunk: read ahead
+        return DataLoader(source, batch_size=5, collate_fn=list, max_failures=3,
+                          num_workers=workers)
+
+    full = [r for batch in make() for r in batch]
+    assert len(full) == 57
+    for k in (1, 6, 11):
+        loader = make()
+        it = iter(loader)
+        head = [r for _ in range(k) for r in next(it)]
+        state = json.loads(json.dumps(loader.state_dict()))
+        it.close()
+        assert state["failures"]["count"] == 3  # all read ahead already
+        resumed = make()
+        resumed.load_state_dict(state)
+        assert head + [r for batch in resumed for r in batch] == full
+        for one in (loader, resumed):
+            one.close()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import gzip
 import json
 import pickle
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -573,3 +575,55 @@ async def test_object_store_resume_asks_for_a_byte_range(anyio_backend: str) -> 
         gets = [(path, range_) for method, path, range_ in server.proxy.requests
                 if method == "GET" and path.endswith(sorted(shards)[1])]
         assert offset > 0 and gets and all(r == f"bytes={offset}-" for _, r in gets)
+
+
+_UNSEEDED_CHILD = r"""
+import json, sys
+from aloader import DataLoader, TextLines
+paths, state, workers = json.loads(sys.stdin.read())
+loader = DataLoader(TextLines(paths).shuffle(16), batch_size=5, collate_fn=list,
+                    num_workers=workers, generator=0)
+loader.load_state_dict(state)
+print(json.dumps([list(loader), list(loader)]))
+"""
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("k", [7, None])
+def test_an_unseeded_shuffle_resumes_in_a_new_process(tmp_path: Path, workers: int,
+                                                      k: int | None) -> None:
+    """``shuffle(n)`` without a seed draws one when built: its states record it (as a
+    loader records its generator), and a new process, whose shuffle drew another, adopts it
+    (it refused the state: field 'seed' differs). Mid-epoch and between epochs."""
+    paths = []
+    for s in range(3):
+        path = tmp_path / f"p{s}.txt"
+        path.write_text("".join(f"{s}-{i}\n" for i in range(50)))
+        paths.append(str(path))
+    # The loader seeded (its generator=None state is torch's once a test imported torch,
+    # which the new process has not): the shuffle is the one without a seed.
+    loader = DataLoader(TextLines(paths).shuffle(16), batch_size=5, collate_fn=list,
+                        num_workers=workers, generator=0)
+    it = iter(loader)
+    head = [next(it) for _ in range(k)] if k is not None else list(it)
+    state = json.loads(json.dumps(loader.state_dict()))
+    expected = [list(it) if k is not None else list(loader), list(loader)]
+    loader.close()
+    assert head and state["iterable"]["stream"]["seeds"]
+    done = subprocess.run([sys.executable, "-c", _UNSEEDED_CHILD],
+                          input=json.dumps([paths, state, workers]), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == expected
+
+
+def test_a_tampered_list_of_seeds_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "p.txt"
+    path.write_text("".join(f"{i}\n" for i in range(30)))
+    stream = TextLines([str(path)]).shuffle(8)
+    state = stream.state_dict()
+    for seeds in ([], [1, 2], ["1"], [-1], 3):
+        with pytest.raises(ValueError, match="'seeds'"):
+            TextLines([str(path)]).shuffle(8).load_state_dict({**state, "seeds": seeds})
+    seeded = TextLines([str(path)]).shuffle(8, seed=1).state_dict()
+    assert "seeds" not in seeded  # a seeded shuffle's state is as it was

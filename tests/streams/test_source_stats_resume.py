@@ -231,6 +231,34 @@ def test_a_loader_resumed_from_its_own_state_counts_each_record_once(shards: Pat
     assert source.stats.counts() == reference.stats.counts()
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("kind", ["jsonl", "gzip", "quota"])
+@pytest.mark.parametrize(("workers", "again"), [(2, 2), (2, 0), (3, 2)])
+def test_a_loader_with_workers_resumed_from_its_own_state_counts_each_record_once(
+        shards: Path, kind: str, workers: int, again: int) -> None:
+    """The workers had read ahead of the consumer; the resumed epoch's new workers read that
+    again and counted it again (290 to 480 records for an epoch of 240): the workers'
+    readings come to the loader with their reports and go to the next workers."""
+    def make() -> DataLoader[Any]:
+        return DataLoader(KINDS[kind](shards, None).shuffle(8, seed=3), batch_size=4,
+                          collate_fn=list, num_workers=workers)
+
+    reference = make()
+    full = [list(batch) for batch in reference]
+    reference.close()
+    loader = make()
+    it = iter(loader)
+    got = [list(next(it)) for _ in range(5)]
+    state = loader.state_dict()
+    it.close()
+    loader.num_workers = again
+    loader.load_state_dict(state)
+    got.extend(list(batch) for batch in loader)
+    loader.close()
+    assert got == full
+    assert loader.dataset.upstream.stats.counts() == reference.dataset.upstream.stats.counts()
+
+
 def stream_lengths(shards: Path, pattern: str) -> list[int]:
     """The bytes of each shard's content (decompressed)."""
     out = []
