@@ -101,15 +101,27 @@ def load_sampler_state(obj: object, state: Any, *, apply: bool = True) -> None:
         cast(Any, obj).load_state_dict(state)
 
 
+# The DataLoader's samplers by their argument: what a user changed between save and resume.
+_SHUFFLE = {"SequentialSampler": " (shuffle=False)", "RandomSampler": " (shuffle=True)"}
+
+
+def _kind(cls: type) -> str:
+    """The aloader sampler a class is or extends (a subclass draws the same order)."""
+    return next(c.__name__ for c in cls.__mro__ if c.__module__.split(".")[0] == "aloader"
+                and not c.__name__.startswith("_"))
+
+
 class _Stateful:
     """aloader's samplers: their state is what the next epoch is drawn from (their generator,
     a DistributedSampler's epoch); they keep no position inside an epoch (the DataLoader skips
     what was consumed, without drawing it twice)."""
 
     def state_dict(self) -> dict[str, Any]:
-        """This sampler's state as JSON builtins: what its next epoch is drawn from."""
+        """This sampler's state as JSON builtins: what its next epoch is drawn from, and which
+        sampler draws it (a state is refused by another kind: its order would be another)."""
         generator = getattr(self, "_rng", None)
-        return {} if generator is None else {"generator": rng_state(generator)}
+        kind = {"sampler": _kind(type(self))}
+        return kind if generator is None else {**kind, "generator": rng_state(generator)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (checked first: never half-applied).
@@ -124,6 +136,13 @@ class _Stateful:
         if not isinstance(state, dict):
             raise ValueError(f"{type(self).__name__} state should be a dict, "
                              f"but got {type(state).__name__}")
+        kind = _kind(type(self))
+        saved = state.get("sampler")
+        if saved is not None and saved != kind:
+            raise ValueError(
+                f"the sampler state was saved by {saved}"
+                f"{_SHUFFLE.get(saved, '')}, but this sampler is {kind}"
+                f"{_SHUFFLE.get(kind, '')}: resuming it would give another order")
         generator = getattr(self, "_rng", None)
         if generator is not None:
             if "generator" not in state:

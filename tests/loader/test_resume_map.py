@@ -523,3 +523,26 @@ def test_distributed_sampler_state_must_match() -> None:
         DistributedSampler(range(11), 2, 0, seed=1).load_state_dict(state)
     with pytest.raises(TypeError, match="should be a dict"):
         DataLoader(range(3)).load_state_dict([])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_from_another_sampler_is_refused(workers: int) -> None:
+    """A state saved with shuffle=True does not resume a shuffle=False loader (nor the other
+    way round) in another order: it names both samplers."""
+    data = list(range(20))
+    shuffled = DataLoader(data, batch_size=4, shuffle=True, generator=0, num_workers=workers)
+    it = iter(shuffled)
+    next(it)
+    state = shuffled.state_dict()
+    with pytest.raises(ValueError, match=r"RandomSampler \(shuffle=True\).*"
+                                         r"SequentialSampler \(shuffle=False\)"):
+        DataLoader(data, batch_size=4, generator=0, num_workers=workers).load_state_dict(state)
+    sequential = DataLoader(data, batch_size=4, generator=0, num_workers=workers)
+    it = iter(sequential)
+    next(it)
+    with pytest.raises(ValueError, match=r"SequentialSampler.*RandomSampler"):
+        DataLoader(data, batch_size=4, shuffle=True, generator=0).load_state_dict(
+            sequential.state_dict())
+    with pytest.raises(ValueError, match="WeightedRandomSampler"):
+        DataLoader(data, batch_size=4, generator=0, sampler=aloader.WeightedRandomSampler(
+            [1.0] * 20, 20, generator=0)).load_state_dict(state)
