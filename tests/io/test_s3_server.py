@@ -174,18 +174,18 @@ async def test_parquet_passes_share_an_idle_read_thread(tmp_path: Path,
     """The epochs' passes over local files are read by one thread, not one started per pass
     (whose start waited for it to be scheduled), with every row once."""
     from aloader import ParquetRows
-    from aloader.sources import _parquet
+    from aloader.sources import _parquet_read
 
     paths = [write_parquet(tmp_path / f"{i}.parquet", 100 * i, 100, 30) for i in range(3)]
     threads: set[Any] = set()
-    next_batch = _parquet._UnitReader.next
+    next_batch = _parquet_read._UnitReader.next
 
     def spy(self: Any) -> Any:
         threads.add(threading.current_thread())
         return next_batch(self)
 
-    monkeypatch.setattr(_parquet._UnitReader, "next", spy)
-    monkeypatch.setattr(_parquet, "_LINGER", 30.0)  # idle for longer than the test lasts
+    monkeypatch.setattr(_parquet_read._UnitReader, "next", spy)
+    monkeypatch.setattr(_parquet_read, "_LINGER", 30.0)  # idle for longer than the test lasts
     source = ParquetRows(paths, columns=["id"], batch_rows=40, as_batches=True)
     for _ in range(3):
         batches = [batch async for batch in source]
@@ -199,20 +199,20 @@ async def test_parquet_local_pass_goes_on_after_a_skipped_file(
     """One reader in the read thread goes from file to file, an unreadable one skipped in
     between: every row once, in order, the counts exact, every file closed."""
     from aloader import ParquetRows
-    from aloader.sources import _parquet
+    from aloader.sources import _parquet_read
 
     paths = [write_parquet(tmp_path / f"{i}.parquet", 10 * i, 10, 4) for i in range(2)]
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(b"PAR1 not a parquet file PAR1")
     paths.insert(1, str(bad))
     closed: list[str] = []
-    close = _parquet._UnitReader.close
+    close = _parquet_read._UnitReader.close
 
     def spy(self: Any) -> None:
         closed.append(self.unit.name)
         close(self)
 
-    monkeypatch.setattr(_parquet._UnitReader, "close", spy)
+    monkeypatch.setattr(_parquet_read._UnitReader, "close", spy)
     source = ParquetRows(paths, batch_rows=3, as_batches=True, skip_errors=True)
     batches = [batch async for batch in source]
     assert [int(i) for b in batches for i in b["id"]] == list(range(20))
@@ -224,8 +224,8 @@ async def test_parquet_local_pass_goes_on_after_a_skipped_file(
 
 
 async def test_read_thread_submit_runs_before_it_is_awaited(anyio_backend: str) -> None:
-    from aloader.sources import _parquet
-    thread = _parquet._ReadThread(shared=True)
+    from aloader.sources import _parquet_read
+    thread = _parquet_read._ReadThread(shared=True)
     ran = threading.Event()
 
     def work() -> int:
@@ -240,10 +240,10 @@ async def test_read_thread_submit_runs_before_it_is_awaited(anyio_backend: str) 
 
 async def test_an_idle_shared_read_thread_exits(anyio_backend: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    from aloader.sources import _parquet
-    monkeypatch.setattr(_parquet, "_LINGER", 0.05)
+    from aloader.sources import _parquet_read
+    monkeypatch.setattr(_parquet_read, "_LINGER", 0.05)
     before = set(threading.enumerate())
-    thread = _parquet._ReadThread(shared=True)
+    thread = _parquet_read._ReadThread(shared=True)
     assert await thread.run(lambda: 1) == 1
     started = [t for t in threading.enumerate()
                if t.name == "aloader-parquet" and t not in before]

@@ -20,7 +20,7 @@ from sourcetools import collect, ids
 
 from aloader import JsonLines, ParquetRows
 from aloader.io._cache import ShardCache
-from aloader.sources import _parquet
+from aloader.sources import _parquet_read
 
 pytestmark = pytest.mark.anyio
 
@@ -132,7 +132,7 @@ async def test_whole_local_files_are_planned_and_read_without_anyio_threads(
     paths = [write_parquet(tmp_path / f"{i}.parquet", 100 * i, 100, 30) for i in range(3)]
     source = ParquetRows(paths, columns=["id"], batch_rows=40, as_batches=True)
     names: set[str] = set()
-    next_batch = _parquet._UnitReader.next
+    next_batch = _parquet_read._UnitReader.next
 
     def spy(self: Any) -> Any:
         names.add(threading.current_thread().name)
@@ -141,8 +141,8 @@ async def test_whole_local_files_are_planned_and_read_without_anyio_threads(
     async def no_anyio_thread(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a thread call of anyio's")
 
-    monkeypatch.setattr(_parquet._UnitReader, "next", spy)
-    monkeypatch.setattr(_parquet.anyio.to_thread, "run_sync", no_anyio_thread)
+    monkeypatch.setattr(_parquet_read._UnitReader, "next", spy)
+    monkeypatch.setattr(_parquet_read.anyio.to_thread, "run_sync", no_anyio_thread)
     batches = [batch async for batch in source]
     assert np.concatenate([b["id"] for b in batches]).tolist() == list(range(300))
     assert names == {"aloader-parquet"}
@@ -152,7 +152,7 @@ async def test_whole_local_files_are_planned_and_read_without_anyio_threads(
 @needs_pyarrow
 async def test_the_read_thread_hands_on_errors_and_ends(anyio_backend: str) -> None:
     before = set(threading.enumerate())
-    thread = _parquet._ReadThread()
+    thread = _parquet_read._ReadThread()
     assert await thread.run(lambda: [1]) == [1]
     running = [t for t in threading.enumerate()
                if t.name == "aloader-parquet" and t not in before]
@@ -174,7 +174,7 @@ async def test_the_read_thread_hands_on_errors_and_ends(anyio_backend: str) -> N
 @needs_pyarrow
 async def test_a_cancelled_read_waits_for_the_call_in_hand(anyio_backend: str) -> None:
     """Cancelling the reader does not leave its call running (the file closed under it)."""
-    thread = _parquet._ReadThread()
+    thread = _parquet_read._ReadThread()
     started, release = threading.Event(), threading.Event()
     finished: list[bool] = []
 
@@ -212,7 +212,7 @@ async def test_an_abandoned_pass_stops_its_thread(tmp_path: Path, anyio_backend:
 @needs_pyarrow
 async def test_a_read_thread_left_unclosed_exits_when_collected(anyio_backend: str) -> None:
     before = set(threading.enumerate())
-    thread = _parquet._ReadThread()
+    thread = _parquet_read._ReadThread()
     await thread.run(lambda: None)
     (started,) = [t for t in threading.enumerate()
                   if t.name == "aloader-parquet" and t not in before]
