@@ -175,7 +175,7 @@ def state_of(dataloader: DataLoader[Any]) -> dict[str, Any]:
         },
         kind: _json_copy(sub),
         "failures": failures,
-        "concurrency": dataloader._tuning_state(),
+        "concurrency": _tuning_state(dataloader),
         **_workers_entry(dataloader, record is None or record.at_end),
     }
 
@@ -190,6 +190,33 @@ def _workers_entry(dataloader: DataLoader[Any], between: bool) -> dict[str, Any]
         return {}
     return {"workers": {"num_workers": pool.num_workers,
                         "rngs": [rngs_to_json(rng) for rng in pool.rngs]}}
+
+
+def _tuning_state(dataloader: DataLoader[Any]) -> dict[str, Any] | None:
+    """``"auto"`` concurrency's controller state (None without it): this process's, or with
+    worker processes the one a worker reported last."""
+    if dataloader._tuner_state is not None:
+        return dict(dataloader._tuner_state)
+    tuner = dataloader._tuner
+    if tuner is None:
+        return None
+    stats = dataloader._stats
+    reported = None if stats is None else stats.last_worker_tuning()
+    if reported is not None:
+        tuner.load_state_dict(reported)
+    return tuner.state_dict()
+
+
+def _load_tuning(dataloader: DataLoader[Any], state: dict[str, Any] | None) -> None:
+    """A checkpoint's controller state (checked): the next epoch starts from it (the
+    controller's, or the one the next epoch's plan makes: see
+    :func:`~aloader.loader._start.fetch_plan`)."""
+    if state is None or dataloader.max_concurrency != "auto":
+        return
+    if dataloader._tuner is not None:
+        dataloader._tuner.load_state_dict(state)
+    else:
+        dataloader._tuner_state = state
 
 
 def _entry(entry: Any, name: str) -> Mapping[str, Any] | None:
@@ -309,7 +336,7 @@ def load_state(dataloader: DataLoader[Any], state: Mapping[str, Any]) -> None:
     dataloader._resume_failures = failed
     dataloader._resume_rngs = rngs
     dataloader._record = None
-    dataloader._load_tuning(None if tuning is None else _json_copy(dict(tuning)))
+    _load_tuning(dataloader, None if tuning is None else _json_copy(dict(tuning)))
     copy = cast(dict[str, Any], _json_copy(dict(state)))
     dataloader._resume_state = copy
 

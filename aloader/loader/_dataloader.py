@@ -7,10 +7,10 @@ what kind of epochs it runs (:class:`~aloader.loader._epochs.MapEpochs` or
 once whether workers fetch, asks :meth:`~aloader.pipeline._plan.FetchPlan.for_dataset` how,
 and consumes the pipeline (:mod:`aloader.pipeline._epoch`), handing out batches with torch's
 timeout and errors. torch's argument checks are :mod:`aloader.loader._arguments`'s,
-checkpoints :mod:`aloader.loader._checkpoint`'s, the worker processes
-:mod:`aloader.loader._workers`'s, ``pin_memory`` :mod:`aloader.loader._pin_memory`'s. (The
-loader and its iterators name each other in their public signatures, which resolve at runtime:
-they live in one module.)
+checkpoints :mod:`aloader.loader._checkpoint`'s, how an epoch starts (its plan, setup and
+worker processes) :mod:`aloader.loader._start`'s, ``pin_memory``
+:mod:`aloader.loader._pin_memory`'s. (The loader and its iterators name each other in their
+public signatures, which resolve at runtime: they live in one module.)
 
 Invariant: the attributes torch freezes (``batch_size``, ``sampler``, ``dataset``...) cannot be
 set once the loader is built; what an epoch needs is decided when it starts, so
@@ -32,35 +32,30 @@ import anyio
 import numpy as np
 
 from .._backend import current_backend
-from .._epoch_setup import EpochSetup
 from .._exceptions import FailureBudgetExceeded, LoaderTimeoutError
 from .._facade import LocalIterator, PrivateLoop, SyncIterator, forbid_running_loop, loop_of
 from .._log import SLOW_FIRST_BATCH, loader_log
 from .._stats import Collector, LoaderStats
 from .._trace import Trace
-from .._tuning import DEFAULT_MAX_LIMIT, Controller
+from .._tuning import Controller
 from .._util import user_stacklevel
 from ..data._batchsampler import BatchSampler
 from ..data._collate import default_collate, default_convert
 from ..data._dataset import is_iterable_dataset
-from ..data._random import as_generator, draw_seed, rng_state
+from ..data._random import as_generator, rng_state
 from ..data._sampler import RandomSampler, SequentialSampler
 from ..pipeline._epoch import Epoch, MapEpoch
 from ..pipeline._failures import Failures, KnownFailed
 from ..pipeline._plan import FetchPlan
-from ..pipeline._results import Results
 from ..pipeline._sample_rng import seed_of
-from ..streams._sourcestats import source_stats
-from ..streams._stream import Stream
 from ..workers._context import default_context, prepare_context, resolve_context
-from ..workers._pool_epoch import PoolEpoch
 from ..workers._processes import WorkerPool
 from ._arguments import check_batching, check_hedge_after, check_loading, warn_worker_number
 from ._checkpoint import _EpochRecord, _is_int, load_state, state_of
 from ._epochs import AlreadyDelivered, EpochKind, IterableEpochs, MapEpochs
-from ._pin_memory import _pin_memory_transform, _require_torch
+from ._pin_memory import _require_torch
 from ._ranks import RANKS_FORMAT, rank_part
-from ._workers import pool_epoch
+from ._start import epoch_seed, fetch_plan, key_lead, start_epoch, workers_live
 
 __all__ = ("AsyncDataLoaderIter", "DataLoader", "DataLoaderIter")
 
@@ -554,90 +549,6 @@ class DataLoader(Generic[T_co]):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    # The epoch's plan ------------------------------------------------------------------------
-    def _plan(self, transform: Callable[[Any], Any] | None, remote: PoolEpoch | None = None,
-              setup: EpochSetup | None = None, here: bool = False) -> FetchPlan:
-        """The plan of an epoch in this process (or a worker's), or whose jobs go to ``remote``;
-        ``setup``: the epoch it is for, which its statistics and failure budget are built from
-        too (None: a plan asked what it would decide, or the workers'); ``here``: one on the
-        sync ``for``'s own thread (see :meth:`FetchPlan.for_dataset`)."""
-        plan = FetchPlan.for_dataset(
-            self.dataset,
-            iterable=isinstance(self._kind, IterableEpochs),
-            auto_batch=self._auto_collation,
-            collate_fn=self.collate_fn,
-            batch_size=self.batch_size,
-            max_concurrency=self.max_concurrency,
-            transform=transform,
-            remote=remote,
-            num_workers=self.num_workers,
-            prefetch_factor=self.prefetch_factor,
-            seed=None if isinstance(self._kind, IterableEpochs) else self.sample_seed,
-            setup=setup,
-            here=here,
-            max_concurrency_limit=self.max_concurrency_limit or DEFAULT_MAX_LIMIT,
-            tuner=self._tuner,
-            hedge_after=self.hedge_after,
-        )
-        if plan.tuner is not None and plan.tuner is not self._tuner:
-            self._tuner = plan.tuner  # the first epoch's: later ones go on with it
-            if self._tuner_state is not None:
-                plan.tuner.load_state_dict(self._tuner_state)
-                self._tuner_state = None
-                plan.window = plan.tuned_window()
-        return plan
-
-    # "auto" concurrency ----------------------------------------------------------------------
-    def _tuning_state(self) -> dict[str, Any] | None:
-        """The controller's state for a checkpoint (None without ``"auto"``): this process's,
-        or with worker processes the one a worker reported last."""
-        if self._tuner_state is not None:
-            return dict(self._tuner_state)
-        tuner = self._tuner
-        if tuner is None:
-            return None
-        stats = self._stats
-        reported = None if stats is None else stats.last_worker_tuning()
-        if reported is not None:
-            tuner.load_state_dict(reported)
-        return tuner.state_dict()
-
-    def _load_tuning(self, state: dict[str, Any] | None) -> None:
-        """A checkpoint's controller state (checked): the next epoch starts from it."""
-        if state is None or self.max_concurrency != "auto":
-            return
-        if self._tuner is not None:
-            self._tuner.load_state_dict(state)
-        else:
-            self._tuner_state = state
-
-    def _claim_epoch(self, count: int) -> int:
-        """Epoch ``count``'s number, as the workers see it (:attr:`WorkerInfo.epoch`).
-
-        A stream claims it from its own copy as iterating it here would (so its counter
-        advances, and ``set_epoch`` holds); other datasets get the loader's epoch count.
-        """
-        if isinstance(self.dataset, Stream):
-            return self.dataset._claim_epoch()
-        return count
-
-    def _workers_live(self) -> bool:
-        """Whether persistent workers from an earlier epoch are alive to serve the next."""
-        pool = self._pool
-        return pool is not None and not (pool.closed or pool.broken)
-
-    def _base_seed(self) -> tuple[int, bool]:
-        """This epoch's ``base_seed``, and whether it was drawn: drawn from the generator,
-        except by an epoch that the live persistent workers will serve, which keep their first
-        epoch's seeds; torch resets its one iterator then and draws nothing, so the sampler's
-        draws stay torch's. A run resumed from persistent workers' epoch keeps their seed."""
-        pool = self._pool
-        if pool is not None and self._workers_live():
-            return int(pool.setup.base_seed), False
-        if self._resume_seed is not None:
-            return self._resume_seed, False
-        return draw_seed(self._rng), True
-
     # Checkpoints (aloader.loader._checkpoint) ------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """A checkpoint of where the consumer is: JSON builtins (``json`` and ``pickle`` take
@@ -748,11 +659,11 @@ class AsyncDataLoaderIter(Generic[T_co]):
         kind = loader._kind
         if isinstance(kind, MapEpochs):
             kind.begin(loader.num_workers)  # what the epoch is drawn from, before it draws
-            if loader.num_workers > 0 and not loader._workers_live():
+            if loader.num_workers > 0 and not workers_live(loader):
                 kind.new_workers()  # before the base seed's draw, as torch's __init__
         self.rng_state: Mapping[str, Any] = loader._rng.bit_generator.state
         start = rng_state(loader._rng)
-        base_seed, drawn = loader._base_seed()
+        base_seed, drawn = epoch_seed(loader)
         self.base_seed: int = base_seed
         self._skip = loader._resume_skip or AlreadyDelivered(0)
         self._resumed_failures = loader._resume_failures
@@ -813,11 +724,11 @@ class AsyncDataLoaderIter(Generic[T_co]):
         if isinstance(kind, IterableEpochs):
             if not kind.loopless(loader.collate_fn):
                 return False
-            self._epoch = self._start(here=True)
+            self._epoch = start_epoch(self, here=True)
             return True
-        if loader._plan(None, here=True).mode != "inline":  # the plan decides, as in _start
+        if fetch_plan(loader, None, here=True).mode != "inline":  # the plan decides, as in _start
             return False
-        epoch = self._epoch = self._start(here=True)
+        epoch = self._epoch = start_epoch(self, here=True)
         return isinstance(epoch, MapEpoch) and epoch.loopless
 
     def _draw(self, plan: FetchPlan | None = None) -> Iterator[Any] | AsyncIterator[Any]:
@@ -833,34 +744,13 @@ class AsyncDataLoaderIter(Generic[T_co]):
             resumed = self._resumed_failures
             if resumed is not None and resumed[1]:
                 kind.known_failed = KnownFailed(resumed[1], kind.auto_collation)
-            keys = self._keys = kind.keys(lambda: self._lead(plan))
+            keys = self._keys = kind.keys(lambda: key_lead(self, plan))
             self._asked = kind.asked
             if self._asked is not None:
                 # Torch's iterator asks here: at iter() with workers, prefetching; at the first
                 # next() without.
                 self._asked(max(1, self._ahead()))
         return keys
-
-    def _lead(self, plan: FetchPlan | None) -> int | None:
-        """How far ahead of torch's count a user's sampler is drawn (see
-        :class:`aloader.pipeline._keys.PacedKeys`), or None to draw it as the pipeline reads it.
-
-        With workers 0: torch's schedule exactly. Without, an epoch in this process reads
-        its keys on the consumer's call when it is inline (torch's schedule, nothing ahead);
-        one fetching ahead (threads, an async dataset) gets keys for two windows of jobs
-        and the batches that may wait for the consumer: always the same count, so what the
-        sampler draws interleaves with the consumer's own draws in one order, run after run.
-        None with a failure budget (see :meth:`aloader.loader._epochs.MapEpochs.keys`)."""
-        loader = self._loader
-        if loader.max_failures:
-            return None
-        if loader.num_workers > 0:
-            return 0
-        if plan is None:
-            plan = loader._plan(None)
-        if plan.mode == "inline":
-            return 0
-        return 2 * plan.window + max(1, loader.prefetch_factor)
 
     def _ahead(self) -> int:
         """The batches torch's iterator asks its sampler for ahead of its consumer: with
@@ -878,65 +768,12 @@ class AsyncDataLoaderIter(Generic[T_co]):
         if self._asked is not None:
             self._asked(self._calls + self._ahead())
 
-    def _setup(self) -> EpochSetup:
-        """What this epoch is built from, decided as it starts (see
-        :class:`~aloader._epoch_setup.EpochSetup`)."""
-        loader = self._loader
-        resumed = self._resumed_failures  # the budget goes on where the checkpoint left it
-        return EpochSetup(
-            epoch=self.epoch,
-            base_seed=self.base_seed,
-            kind="iterable" if isinstance(loader._kind, IterableEpochs) else "map",
-            num_workers=loader.num_workers,
-            prefetch_factor=loader.prefetch_factor,
-            stats_epoch=loader._stats_epochs,
-            max_failures=loader.max_failures,
-            samples=loader._epoch_samples() if loader.max_failures else None,
-            resumed_failures=None if resumed is None else (resumed[0], tuple(resumed[1])),
-            sources=tuple(source_stats(loader.dataset)),
-            sources_of=source_stats,
-            in_order=loader.in_order,
-        )
-
-    def _start(self, here: bool = False) -> Epoch:
-        """Start the epoch (with ``here``, an iterable one on the consumer's call: see
-        :meth:`_start_here`): its plan, and through it its statistics and failure budget, are
-        built from one :meth:`_setup`."""
-        loader = self._loader
-        kind = loader._kind
-        results = Results(loader.prefetch_factor, loader.in_order)
-        transform = _pin_memory_transform(loader)
-        setup = self._setup()
-        # Workers or not: decided here, once per epoch (num_workers may change between epochs).
-        epoch: Epoch
-        if loader.num_workers > 0:
-            # The batches the consumer took (the sync facade's pump runs ahead of it).
-            record, before = self._record, self._record.yielded
-            remote = pool_epoch(loader, self.base_seed, loader._claim_epoch(self.epoch),
-                                lambda: record.yielded - before)
-            plan = loader._plan(transform, remote, setup)
-            epoch = (kind.on_workers(plan, results, remote, self._draw())
-                     if isinstance(kind, MapEpochs) else kind.on_workers(plan, results, remote))
-        else:
-            plan = loader._plan(transform, setup=setup, here=here)
-            epoch = (kind.local(plan, results, self._draw(plan)) if isinstance(kind, MapEpochs)
-                     else kind.local(plan, results, here=here, base_seed=self.base_seed))
-        # The iterator's own view of its epoch; the record (what a checkpoint says of the
-        # epoch, which the iterator keeps up to date) holds the budget for state_dict().
-        self.failures = self._record.failures = epoch.plan.failures
-        self._stats = epoch.plan.stats
-        if loader._trace is not None:
-            loader._trace._attach(self._stats)
-        epoch.start()
-        loader._started(epoch)
-        return epoch
-
     async def __anext__(self) -> T_co:
         if self._closed:
             raise StopAsyncIteration
         epoch = self._epoch
         if epoch is None:
-            epoch = self._epoch = self._start()
+            epoch = self._epoch = start_epoch(self)
         if not self._deferred:
             self._advance()
         asked = _now()

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import aloader
+from aloader.loader._start import epoch_seed
 
 
 class Augmented:
@@ -97,7 +98,7 @@ def test_two_loaders_sharing_a_generator_side_by_side(make: Any) -> None:
         generator = np.random.default_rng(3)
         out = []
         for _ in range(3):
-            seeds = [aloader.DataLoader([0], generator=generator)._base_seed() for _ in "ab"]
+            seeds = [epoch_seed(aloader.DataLoader([0], generator=generator)) for _ in "ab"]
             assert all(drawn for _, drawn in seeds)
             orders = [aloader.RandomSampler(range(30), generator=generator) for _ in "ab"]
             a, b = (list(iter(o)) for o in orders)

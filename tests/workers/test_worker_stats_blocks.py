@@ -25,6 +25,7 @@ from sourcetools import Items
 import aloader
 from aloader import DataLoader, _workerinfo
 from aloader._stats import Collector
+from aloader.loader._start import fetch_plan
 from aloader.workers import _shm
 from aloader.workers._worker import Kind, Reply, Request, Status, WorkerSetup, _WorkerServer
 
@@ -46,7 +47,7 @@ def served_epoch() -> Iterator[None]:
 def _server(dataset: Any) -> tuple[_WorkerServer, Connection]:
     """A worker's serving loop in this process, and the loader's end of its socket."""
     loader = DataLoader(dataset, batch_size=2, collate_fn=list, num_workers=2)
-    plan = loader._plan(None)
+    plan = fetch_plan(loader, None)
     plan.stats = Collector(plan.mode, auto_batch=plan.auto_batch)
     setup = WorkerSetup(plan=plan, serve=loader._kind.serve, base_seed=0, num_workers=2,
                         worker_init_fn=None, prefetch=2)
