@@ -39,7 +39,7 @@ work, which the wall clock of a loaded machine shows less faithfully.
   (``get_object`` and ``iter_lines``) and ``json.loads`` every line (workers started by each
   epoch, as by default).
 
-Targets (issue 14): aloader s3 >= 0.8x aloader http, and >= 5x PyTorch with 8 workers. The
+Targets: aloader s3 >= 0.8x aloader http, and >= 5x PyTorch with 8 workers. The
 last lines put each aloader row against its bare limit, and each bare S3 limit against the bare
 HTTP one, and give the s3/http ratio of every round (the two epochs run back to back) with
 their median: a figure that a burst of load in one round moves less than the best-of rates.

@@ -18,7 +18,7 @@ interleaved:
   flight, and (b) the parse floor, the time to turn the same bytes into records and batches in
   memory on one core (aloader's chunk parser + ``default_collate``, measured here). The limit
   is ``max(a, b)`` (perfect overlap of waiting and parsing); ``a + b`` (no overlap) is shown
-  too. Both aloader rows are quoted against it (issue 13's targets: 0.7x in one process,
+  too. Both aloader rows are quoted against it (the targets: 0.7x in one process,
   0.85x with 2 worker processes). The load average is printed with the table: the server
   and the loader share the machine's cores, and so does anything else running.
 * no loader (the fastest honest program for the same work): aiohttp on one session, a

@@ -10,12 +10,12 @@ the cores.
   ``cpu_work``), batch 32, num_workers=2, with ``import torch`` at the top of this script:
   each epoch starting its workers (as torch's anchor), and persistent workers (the epoch after
   a warm-up one), for aloader and torch alike. The limit is the same work with no loader, the
-  tightest program found (issue 13): two processes forked by a template (a fork of this
+  tightest program found: two processes forked by a template (a fork of this
   process made once, as aloader's workers start), each taking the next batch number from a
   pipe as it comes free, making that batch (32 items, ``np.stack``) and sending it as one
   record of a socket, received and counted here in order; once with the processes started
   each epoch (the limit of both loaders' per-epoch rows), once with them started once (the
-  limit of the persistent rows). Shown beside it: the limit until issue 13 (two processes
+  limit of the persistent rows). Shown beside it: the simpler limit (two processes
   forked from this one per run, batch ``k`` by process ``k % 2``, their exits waited for),
   the anchors' limit (two cores at the single-item speed measured in this process) and two
   bare processes computing half the items each. aloader / torch and aloader / limit are given
@@ -57,7 +57,7 @@ import numpy as np
 # installed: a worktree's run would otherwise measure the editable install's.
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# The main module imports torch at the top, as a training script does (issue 13: workers that
+# The main module imports torch at the top, as a training script does (workers that
 # re-imported it paid for that at every start); only the ttfb probes that measure a main
 # module without torch leave it out.
 if "--no-torch" not in sys.argv and ("--probe" not in sys.argv or "--import-torch" in sys.argv):
@@ -262,7 +262,7 @@ def _serve_limit(control: socket.socket) -> NoReturn:
 
 
 class _Limit:
-    """The tightest program found for the loaders' work with no loader (issue 13): two worker
+    """The tightest program found for the loaders' work with no loader: two worker
     processes forked by a template, a single-threaded fork of this process made once (as
     aloader's workers start: no fork of this process per epoch, no multiprocessing machinery),
     taking batch numbers from one pipe as each becomes free (dynamic: a worker held back by
@@ -418,7 +418,7 @@ def _bench_cpu(rounds: int, torch: bool, tight: _Limit) -> None:
         "single": _single,
         "bare": _bare_processes,
         "limit static": lambda: tight.each_epoch(static=True),
-        "batches": timed("limit until issue 13", _bare_batches, []),
+        "batches": timed("simpler limit", _bare_batches, []),
         "batches, exits off": lambda: _bare_batches(exits=False),
         "aloader": timed("aloader", lambda: _rate(lambda: _aloader(
             CpuDataset(), batch_size=BATCH, num_workers=2)), []),
@@ -440,7 +440,7 @@ def _bench_cpu(rounds: int, torch: bool, tight: _Limit) -> None:
              f"{best['limit persistent']:,.0f} items/s",
              f"{best['limit persistent'] / lim:.2f}"),
             ("(2 processes forked from this process, batch k by process k % 2, sent over a "
-             "socket pair, received in order, exits waited for: the limit until issue 13)",
+             "socket pair, received in order, exits waited for: the simpler limit)",
              f"{best['batches']:,.0f} items/s", f"{best['batches'] / lim:.2f}"),
             ("(the same, its processes' exits not waited for on the clock)",
              f"{best['batches, exits off']:,.0f} items/s",

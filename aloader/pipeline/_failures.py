@@ -423,9 +423,8 @@ class Failures:
     def watch_sources(self, dataset: object) -> None:
         """From now on, count the records that ``dataset``'s sources skip (``skip_errors``).
 
-        The loader sets :attr:`sources_of` (:func:`aloader.sources._sources.source_stats`, which
-        this
-        module cannot import: the sources import the pipeline, which imports this).
+        The loader sets :attr:`sources_of` (:func:`aloader.streams._sourcestats.source_stats`,
+        which this module cannot import: the streams import the pipeline, which imports this).
         """
         if self.sources_of is None:
             return

@@ -15,7 +15,7 @@ A pick that finds its source finished consumes its uniform and is drawn again (w
 uniform, from the sources still running under ``"all_exhausted"``): that keeps every item's
 draw independent of how the previous ones fell.
 
-Resume (issue 11) needs only ``(draws, taken, passes)``, see :class:`MixPosition`: the uniforms
+Resume needs only ``(draws, taken, passes)``, see :class:`MixPosition`: the uniforms
 consumed (the generator is re-seeded from the seed and the epoch and advanced past them), and
 per source the items taken in its current pass and the passes begun.
 """
@@ -416,8 +416,8 @@ def mix(
               every source has.
 
     Returns:
-        A stream; ``set_epoch`` on it reaches every input, and :func:`aloader.source_stats`
-        style counters of the inputs keep counting.
+        A stream; ``set_epoch`` on it reaches every input, and the inputs' source counters
+        (:func:`~aloader.streams._sourcestats.source_stats`) keep counting.
 
     Raises:
         TypeError: ``streams`` is not a sequence, or ``weights`` is not a sequence of numbers.

@@ -23,21 +23,21 @@ The protocol (every message a :class:`Request` or a :class:`Reply`):
   the loader's epoch number, which a stream iterated in the worker uses (see
   :attr:`WorkerInfo.epoch`). ``released`` names the worker's segments the loader no longer
   maps, for the worker to write its next batches into.
-* Worker to parent: once set up, ``Reply(SETUP_JOB, Status.READY, None)`` or
-  ``Reply(SETUP_JOB, Status.FAILED, error)``; then one answer per request,
-  ``Reply(job, Status.OK, batch, stats, meta)``, ``Reply(job, Status.ERROR, error, stats)`` or
-  ``Reply(job, Status.END, None, stats)`` (replica exhausted), where ``error`` is a
-  :class:`RemoteError`, ``stats`` is what the worker's sources counted since its previous
-  report (:class:`~aloader.sources._sources.StatsReporter`), or None, ``meta`` where the iterable
-  replica was once the batch was drawn (:mod:`aloader.streams._resume`), or None, and ``extra`` what
-  else the worker counted: ``(failures, attempted, timings, empty, sent, rngs)``: the samples that
-  failed within the failure budget as ``[(index, RemoteError), ...]`` and the samples of an
-  iterable replica attempted since its previous answer (see :mod:`aloader.pipeline._failures`), the
-  worker's stage timings since its previous report (:meth:`aloader._stats.Collector.report`)
-  or None, whether an OK answer has no batch because every sample of it failed within the
-  budget, and the answer's send time (``perf_counter_ns``, the loader's transfer timing).
-  The first ``NEXT`` request of an epoch may carry, as its ``key``, the saved state its
-  replica resumes from.
+* Worker to parent: once set up, ``Reply(SETUP_JOB, Status.READY, None)`` or ``Reply(SETUP_JOB,
+  Status.FAILED, error)``; then one answer per request, ``Reply(job, Status.OK, batch, stats,
+  meta)``, ``Reply(job, Status.ERROR, error, stats)`` or ``Reply(job, Status.END, None, stats)``
+  (replica exhausted), where ``error`` is a :class:`RemoteError`, ``stats`` is what the worker's
+  sources counted since its previous report
+  (:class:`~aloader.streams._sourcestats.StatsReporter`), or None, ``meta`` where the iterable
+  replica was once the batch was drawn (:mod:`aloader.streams._resume`), or None, and ``extra``
+  what else the worker counted: ``(failures, attempted, timings, empty, sent, rngs)``: the samples
+  that failed within the failure budget as ``[(index, RemoteError), ...]`` and the samples of an
+  iterable replica attempted since its previous answer (see :mod:`aloader.pipeline._failures`),
+  the worker's stage timings since its previous report (:meth:`aloader._stats.Collector.report`)
+  or None, whether an OK answer has no batch because every sample of it failed within the budget,
+  and the answer's send time (``perf_counter_ns``, the loader's transfer timing). The first
+  ``NEXT`` request of an epoch may carry, as its ``key``, the saved state its replica resumes
+  from.
 * Reports (``stats`` and ``timings``) travel in blocks: making one costs about what pickling
   a small batch does. An answer carries the report when it is not OK, when no other answer
   is known to follow it (no request waits in the socket, none is being worked on), or when

@@ -1,5 +1,5 @@
-"""A cached epoch read inline, as local files are (issue 14: "a cached epoch reads at least
-0.9x the local-file rate"): when every shard a consumer reads in an epoch is kept in the
+"""A cached epoch read inline, as local files are (so that a cached epoch reads at the local-file
+rate): when every shard a consumer reads in an epoch is kept in the
 cache at the version its source pinned, the chain runs in the consumer's task (``async for``,
 the loader) or on its thread with no event loop (a sync ``for``), with the same items, stats
 and states as the background path; a copy that goes missing after that look is still read

@@ -1,5 +1,6 @@
 """The fast paths of the stores: a cached shard read as a local file, Parquet's per-file and
-per-batch path, obstore's chunks (issue 14's speed targets), each checked for behaviour."""
+per-batch path, obstore's chunks (where the speed targets are measured), each checked for
+behaviour."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Batcher's dispatcher against hostile batch functions and absurd arguments (issue 9).
+"""The Batcher's dispatcher against hostile batch functions and absurd arguments.
 
 Every place where the dispatcher runs user code (the batch function and its collate, ``len``
 and indexing of what it returned, the per-item error check) is attacked here. One bad batch

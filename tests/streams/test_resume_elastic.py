@@ -1,4 +1,4 @@
-"""Elastic resume of iterable epochs (issue 11, item 4): a state taken during an epoch with
+"""Elastic resume of iterable epochs: a state taken during an epoch with
 ``num_workers=W`` resumes with any other count, yielding exactly the rest of the uninterrupted
 run's epoch (the W saved replicas run as virtual replicas), then the next epoch of a run with
 the new count.

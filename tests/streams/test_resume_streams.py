@@ -1,4 +1,4 @@
-"""Resume of iterable datasets and streams (issue 11): Stream.state_dict/load_state_dict for
+"""Resume of iterable datasets and streams: Stream.state_dict/load_state_dict for
 every source and transform, and the loader's per-batch positions."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The 2-worker path's per-batch costs (issue 13): how answers are read and how arrays cross.
+"""The 2-worker path's per-batch costs: how answers are read and how arrays cross.
 
 The loader reads each worker's answers from a reader the asyncio loop calls whenever the
 socket is readable, registered once per epoch (a wait per read cost a future, two
