@@ -35,7 +35,8 @@ The protocol (every message a :class:`Request` or a :class:`Reply`):
   iterable replica attempted since its previous answer (see :mod:`aloader.pipeline._failures`),
   the worker's stage timings since its previous report (:meth:`aloader._stats.Collector.report`)
   or None, whether an OK answer has no batch because every sample of it failed within the budget,
-  and the answer's send time (``perf_counter_ns``, the loader's transfer timing). The first
+  the answer's send time (``perf_counter_ns``, the loader's transfer timing), and the global
+  generators' states of a persistent worker idle after this answer (else None). The first
   ``NEXT`` request of an epoch may carry, as its ``key``, the saved state its replica resumes
   from.
 * Reports (``stats`` and ``timings``) travel in blocks: making one costs about what pickling
