@@ -137,7 +137,7 @@ class Throttled(AloaderError):
         text = message or ("throttled" if retry_after is None
                            else f"throttled (retry after {retry_after:g} s)")
         super().__init__(text)
-        self.retry_after = None if retry_after is None else float(retry_after)
+        self.retry_after: float | None = None if retry_after is None else float(retry_after)
 
 
 # --------------------------------------------------------------------------- sources

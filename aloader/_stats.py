@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from operator import sub
 from typing import TYPE_CHECKING, Any
@@ -78,11 +78,11 @@ class Stage:
     __slots__ = ("add", "busy", "count", "pending", "ring")
 
     def __init__(self) -> None:
-        self.count = 0
-        self.busy = 0
+        self.count: int = 0
+        self.busy: int = 0
         self.ring: list[int] = []
         self.pending: list[int] = []
-        self.add = self.pending.append
+        self.add: Callable[[int], None] = self.pending.append
 
     def flush(self) -> None:
         folded = _take(self.pending)
@@ -129,10 +129,11 @@ class Occupancy:
     __slots__ = ("area", "last", "level", "peak", "start")
 
     def __init__(self) -> None:
-        self.level = 0
-        self.peak = 0
-        self.area = 0
-        self.start = self.last = _now()
+        self.level: int = 0
+        self.peak: int = 0
+        self.area: int = 0
+        self.start: int = _now()
+        self.last: int = self.start
 
     def change(self, delta: int, now: int) -> None:
         if now > self.last:
@@ -285,44 +286,44 @@ class Collector:
                  epoch: int = 0, num_workers: int = 0, kind: str = "map",
                  auto_batch: bool = True, sources: Iterable[Any] = (),
                  in_order: bool = True) -> None:
-        self.mode = mode
-        self.in_order = in_order
-        self.kind = kind
-        self.auto_batch = auto_batch
-        self.in_flight_limit = in_flight_limit
-        self.ready_limit = ready_limit
-        self.epoch = epoch
-        self.sampling = Stage()
-        self.fetch = Stage()
-        self.collate = Stage()
-        self.transfer = Stage()
-        self.wait = Stage()
-        self.consumer = Stage()
-        self.in_flight = Occupancy()
-        self.lock = threading.Lock()
+        self.mode: str = mode
+        self.in_order: bool = in_order
+        self.kind: str = kind
+        self.auto_batch: bool = auto_batch
+        self.in_flight_limit: int = in_flight_limit
+        self.ready_limit: int = ready_limit
+        self.epoch: int = epoch
+        self.sampling: Stage = Stage()
+        self.fetch: Stage = Stage()
+        self.collate: Stage = Stage()
+        self.transfer: Stage = Stage()
+        self.wait: Stage = Stage()
+        self.consumer: Stage = Stage()
+        self.in_flight: Occupancy = Occupancy()
+        self.lock: threading.Lock = threading.Lock()
         # Samples collated into batches (here, or reported by workers): the folded count, and
         # the batches' sizes appended since (any thread).
-        self.items = 0
+        self.items: int = 0
         self._collated: list[tuple[int, int]] = []  # (ns, samples) of each batch collated
         # (asked, got, others ready) of each batch delivered, since the last fold
         self._marks: list[tuple[int, int, int]] = []
         self._marked_last: int | None = None  # the got of the last mark folded
         self._cpu: list[int] = []  # ns of CPU of each fetch in a thread, since the last fold
-        self.batches = 0
-        self.delivered_items = 0
-        self.ready_sum = 0
-        self.first_wait = 0
-        self.fetch_cpu = 0  # ns of CPU in fetch threads (folded)
+        self.batches: int = 0
+        self.delivered_items: int = 0
+        self.ready_sum: int = 0
+        self.first_wait: int = 0
+        self.fetch_cpu: int = 0  # ns of CPU in fetch threads (folded)
         self.workers: list[list[int]] = [[0, 0] for _ in range(num_workers)]
-        self.started = _now()
-        self.last = self.started  # the last batch delivered
+        self.started: int = _now()
+        self.last: int = self.started  # the last batch delivered
         self.ended: int | None = None
         # Samples failed within the failure budget, counted by the epoch's Failures (which
         # this does not hold: its errors' tracebacks would tie the loader to their frames).
-        self.failed = 0
+        self.failed: int = 0
         self.sources: list[Any] = list(sources)  # the streams' SourceStats
-        self.throttled = 0  # fetches throttled (waited for and made again)
-        self.hedged = 0  # second fetches started for late ones
+        self.throttled: int = 0  # fetches throttled (waited for and made again)
+        self.hedged: int = 0  # second fetches started for late ones
         self.tuner: Any = None  # the Controller of "auto" concurrency, or None
         self.worker_tuning: dict[int, dict[str, Any]] = {}  # each worker's, as reported
         self._last_tuning: dict[str, Any] | None = None

@@ -207,7 +207,7 @@ def test_pyright_type_completeness(tmp_path: Path) -> None:
     )
     report = json.loads(done.stdout)["typeCompleteness"]
     assert Path(report["packageRootDirectory"]) == repo / "aloader", report
-    assert report["completenessScore"] >= 0.95, [
+    assert report["completenessScore"] == 1.0, [
         (s["name"], [d["message"] for d in s["diagnostics"]])
         for s in report["symbols"] if s["diagnostics"]
     ]
