@@ -1,9 +1,11 @@
 """Fixtures every test module may use: the anyio backends, the tests' HTTP server, and the
-closing of loaders that only reference cycles still hold."""
+closing of loaders that only reference cycles still hold; and the process as a terminal starts
+it (every test folder importable, Ctrl-C raising KeyboardInterrupt)."""
 
 from __future__ import annotations
 
 import gc
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +16,12 @@ from typing import Any
 # stay unique, whatever order pytest collects them in.
 _HERE = Path(__file__).resolve().parent
 sys.path[1:1] = [str(d) for d in sorted(_HERE.iterdir()) if d.is_dir() and d.name.isidentifier()]
+
+# A suite started as a background job of a non-interactive shell (`pytest &`) inherits SIGINT
+# ignored, and Python then installs no KeyboardInterrupt handler: the tests of what Ctrl-C
+# does need the handler that Python installs when it starts from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest  # noqa: E402
 from faulty_server import FaultyServer  # noqa: E402
