@@ -16,8 +16,9 @@ Workloads follow the project's anchors (``shared/reference/anchors.md``):
   on trio (``trio.sleep``) against a bare trio nursery doing the same work.
 * sync: the io fetch as a blocking ``time.sleep(0.005)`` in a synchronous dataset, fetched 64
   at a time in threads; the limit is 64 / latency.
-* mem: a 200,000 x 128 float32 table, shuffled, batch 256; the limit is numpy fancy-indexing
-  the same batches (sorted within each batch, as the anchor does, and in sampler order).
+* mem: a 200,000 x 128 float32 table, shuffled, batch 256; the limit is numpy's fastest
+  gather of the same batches (``x.take(perm[s:s+256], axis=0)``, in sampler order); the
+  anchor's fancy-indexing (sorted within each batch) and plain indexing are info rows.
 * lag: how late a 1 ms ticker task wakes up while a synchronous dataset loads.
 
 Every figure is the best of ``repeat`` runs, the runs of a row's figures interleaved so that
@@ -690,12 +691,15 @@ def _mem_rows(sizes: Sizes, repeat: int, torch: _Torch, log: Callable[[str], Non
     torch_mem = torch.mem(x)
     name = f"mem: ArrayDataset {rows:,} x {MEM_COLS} f32, shuffled, batch {MEM_BATCH}"
     return [
-        _ratio_row(name, async_rate, sorted_limit, "numpy x[np.sort(perm[s:s+256])]",
+        # The limit is the fastest gather numpy has (the loader beat the anchor's sorted
+        # indexing, which made that limit too weak); the anchor's and plain indexing stay
+        # as info rows.
+        _ratio_row(name, async_rate, take_limit, "numpy x.take(perm[s:s+256], axis=0)",
                    MEM_TARGET, torch_mem),
+        _ratio_row("mem: same, vs the anchor's sorted indexing", async_rate, sorted_limit,
+                   "numpy x[np.sort(perm[s:s+256])]", None, torch_mem),
         _ratio_row("mem: same, vs indexing in sampler order", async_rate, unsorted_limit,
                    "numpy x[perm[s:s+256]]", None, torch_mem),
-        _ratio_row("mem: same, vs numpy's fastest gather in sampler order", async_rate,
-                   take_limit, "numpy x.take(perm[s:s+256], axis=0)", None, torch_mem),
         _ratio_row("mem: same, through the sync `for` (on the consumer's thread)", sync_rate,
                    async_rate, "aloader `async for` (first mem row)", FACADE_TARGET,
                    torch_mem),
