@@ -9,7 +9,9 @@ two-layer MLP):
 * ``GET /metrics`` -> the batcher's metrics as JSON
 * a full queue answers ``503`` with ``Retry-After``, a request past its deadline ``504``,
   an input of the wrong shape ``400`` (before batching: one bad request never fails a batch of
-  good ones), a model that fails its batch ``500``.
+  good ones), a model that fails its batch ``500``;
+* a request whose client disconnects before its answer leaves the queue (the model never sees
+  it): see :func:`unless_disconnected`.
 
 By default the script starts the server on 127.0.0.1, loads it with an HTTP client
 (``--concurrency`` keep-alive connections sending ``--requests`` requests), prints throughput,
@@ -29,18 +31,20 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import numpy as np
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 import aloader
+
+T = TypeVar("T")
 
 IN_FEATURES = 8
 HIDDEN = 64
@@ -65,6 +69,39 @@ class PredictRequest(BaseModel):
 
 
 # -- the app -------------------------------------------------------------------------------------
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def unless_disconnected(request: Request, call: Awaitable[T]) -> T:
+    """``call``'s result, unless the client disconnects first: then ``call`` is cancelled
+    (a request still queued leaves the batcher's queue, and no batch carries it) and
+    :class:`ClientGone` is raised. Starlette does not cancel a handler whose client has gone,
+    so without this an abandoned request would still take its place in a batch.
+
+    Once the body has been read, the next ASGI message is ``http.disconnect``: awaiting it
+    costs nothing while the client waits.
+    """
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(call)
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler itself is cancelled (the server stopping)
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if work.cancelled():
+        raise ClientGone
+    return work.result()
 
 
 def create_app(
@@ -100,7 +137,9 @@ def create_app(
             raise HTTPException(400, f"x should hold {IN_FEATURES} numbers, got {x.shape[0]}")
         batcher: aloader.Batcher[np.ndarray, np.ndarray] = request.app.state.batcher
         try:
-            y = await batcher(x)
+            y = await unless_disconnected(request, batcher(x))
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it: the client has gone
         except aloader.QueueFullError:
             return JSONResponse({"error": "overloaded"}, 503, headers={"Retry-After": "1"})
         except aloader.BatcherClosedError:

@@ -188,6 +188,40 @@ async def test_shutdown_answers_the_request_in_flight(anyio_backend: str, infere
     assert app.state.batcher.closed and app.state.batcher.metrics()["completed"] == 1
 
 
+async def test_a_client_that_disconnects_takes_its_request_out_of_the_queue(
+    anyio_backend: str, inference: Any
+) -> None:
+    """Starlette does not cancel a handler whose client has gone: the example does, so an
+    abandoned request leaves the batcher's queue and the model never runs it."""
+    gate = Gate(inference.NumpyModel())
+    app = inference.create_app(gate, max_batch_size=1, timeout=None)
+    body = {"x": [0.5] * inference.IN_FEATURES}
+    async with (
+        inference.serving(app) as port,
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client,
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as leaving,
+    ):
+        batcher = app.state.batcher
+        running = asyncio.ensure_future(client.post("/predict", json=body))
+        while batcher.metrics()["running_batches"] < 1:
+            await asyncio.sleep(0.001)
+        abandoned = asyncio.ensure_future(leaving.post("/predict", json=body))
+        while batcher.metrics()["queued"] < 1:
+            await asyncio.sleep(0.001)
+        abandoned.cancel()  # the client gives up: its connection closes
+        with pytest.raises(asyncio.CancelledError):
+            await abandoned
+        while batcher.metrics()["queued"]:
+            await asyncio.sleep(0.001)
+        gate.opened.set()
+        assert (await running).status_code == 200
+        served = await client.post("/predict", json=body)
+        assert served.status_code == 200
+        metrics = batcher.metrics()
+    assert gate.batches == 2  # the first request's batch and the last one's, never the other
+    assert metrics["cancelled"] == 1 and metrics["completed"] == 2
+
+
 def test_the_inference_demo_runs(inference: Any, capsys: pytest.CaptureFixture[str]) -> None:
     assert inference.main(["--requests", "60", "--concurrency", "6", "--max-batch-size", "4"]) == 0
     out = capsys.readouterr().out
