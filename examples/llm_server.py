@@ -41,8 +41,13 @@ from typing import Any
 import aiohttp
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from inference_server import LoadReport, serving  # the example beside this one
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from inference_server import (  # the example beside this one
+    ClientGone,
+    LoadReport,
+    serving,
+    unless_disconnected,
+)
 from pydantic import BaseModel, Field
 
 import aloader
@@ -142,9 +147,12 @@ def create_app(
         # Wait for the first token before answering 200: a request dropped by its deadline
         # (or failed by the model) still gets a status of its own.
         try:
-            first = await stream.__anext__()
+            first = await unless_disconnected(request, stream.__anext__())
         except StopAsyncIteration:
             first = None
+        except ClientGone:  # gone while queued: its request left the queue
+            await stream.aclose()
+            return Response(status_code=499)
         except TimeoutError:
             return JSONResponse({"error": "not started within queue_timeout"}, 504)
         except Exception as exc:

@@ -88,7 +88,7 @@ import math
 import sys
 import weakref
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextvars import ContextVar
 from types import CoroutineType as _Coroutine
 from types import TracebackType
@@ -253,7 +253,7 @@ class Batcher(Generic[T, R]):
     @overload
     def __init__(
         self: Batcher[T, R],
-        fn: Callable[[list[T]], Awaitable[_Results[R]] | _Results[R]],
+        fn: Callable[[list[T]], Awaitable[_Results[R]] | _Results[R] | AsyncIterator[_Results[R]]],
         *,
         max_batch_size: int = ...,
         max_wait: float = ...,
@@ -278,7 +278,7 @@ class Batcher(Generic[T, R]):
     @overload
     def __init__(
         self: Batcher[T, R],
-        fn: Callable[[C], Awaitable[_Results[R]] | _Results[R]],
+        fn: Callable[[C], Awaitable[_Results[R]] | _Results[R] | AsyncIterator[_Results[R]]],
         *,
         max_batch_size: int = ...,
         max_wait: float = ...,
