@@ -183,6 +183,19 @@ def test_an_explicit_start_method_still_pickles_and_says_why(context: str) -> No
 
 
 # A worker_init_fn failing in one worker: torch raises at that worker's first batch ------------
+@pytest.fixture
+def quick_torch_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's loader, stopped by an error mid-epoch, waits for each worker that does not exit
+    up to ``MP_STATUS_CHECK_INTERVAL`` (5 s), and its workers poll at that interval: shortened
+    for the comparisons below (15 s a test otherwise), which change nothing of what torch
+    answers."""
+    import torch.utils.data._utils as torch_utils
+    import torch.utils.data._utils.worker as torch_worker
+
+    monkeypatch.setattr(torch_utils, "MP_STATUS_CHECK_INTERVAL", 0.2)
+    monkeypatch.setattr(torch_worker, "MP_STATUS_CHECK_INTERVAL", 0.2)
+
+
 def fail_in_worker_1(worker_id: int) -> None:
     if worker_id == 1:
         raise ValueError("init of worker 1 failed")
@@ -213,6 +226,7 @@ def until_error(loader_type: Any, dataset: Any) -> tuple[list[list[int]], str]:
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 @pytest.mark.parametrize("run", range(12))
+@pytest.mark.usefixtures("quick_torch_shutdown")
 def test_a_failed_worker_init_raises_after_the_batches_before_it(run: int) -> None:
     expected = ([[0, 1]], "Caught ValueError in DataLoader worker process 1.")
     assert until_error(aloader.DataLoader, list(range(12))) == expected
@@ -228,10 +242,12 @@ class Replicas(tud.IterableDataset):  # type: ignore[misc]
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.usefixtures("quick_torch_shutdown")
 def test_a_failed_worker_init_of_an_iterable_dataset_like_torch() -> None:
     assert until_error(aloader.DataLoader, Replicas()) == until_error(tud.DataLoader, Replicas())
 
 
+@pytest.mark.usefixtures("quick_torch_shutdown")
 def test_a_failed_worker_that_gets_no_batch_fails_nothing_like_torch() -> None:
     def run(loader_type: Any) -> list[list[int]]:
         return [b.tolist() for b in loader_type(list(range(2)), batch_size=2, num_workers=2,
