@@ -8,11 +8,13 @@ Compared with torch where it runs.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sqlite3
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -184,16 +186,18 @@ def test_an_explicit_start_method_still_pickles_and_says_why(context: str) -> No
 
 # A worker_init_fn failing in one worker: torch raises at that worker's first batch ------------
 @pytest.fixture
-def quick_torch_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
+def quick_torch_shutdown(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """torch's loader, stopped by an error mid-epoch, waits for each worker that does not exit
     up to ``MP_STATUS_CHECK_INTERVAL`` (5 s), and its workers poll at that interval: shortened
     for the comparisons below (15 s a test otherwise), which change nothing of what torch
-    answers."""
+    answers. The test's loaders are collected before the interval is put back."""
     import torch.utils.data._utils as torch_utils
     import torch.utils.data._utils.worker as torch_worker
 
     monkeypatch.setattr(torch_utils, "MP_STATUS_CHECK_INTERVAL", 0.2)
     monkeypatch.setattr(torch_worker, "MP_STATUS_CHECK_INTERVAL", 0.2)
+    yield
+    gc.collect()
 
 
 def fail_in_worker_1(worker_id: int) -> None:
